@@ -1,0 +1,186 @@
+"""The `compiledump` operator library: schemas, fake implementations, CPU and CUDA kernels.
+
+Python owns the schemas (as torchao does); a native library may later add kernels for the same
+names. Ops are registered with `torch.library.Library` define/impl rather than
+`torch.library.custom_op`: the latter costs about ten times more per eager call.
+
+Why the schemas look the way they do (see the design notes):
+- every tensor the op writes is a declared mutated argument, or torch.compile drops the call;
+- the arena and the control block are separate full allocations, passed whole with integer
+  offsets, so Inductor never clones them;
+- integer arguments are fixed per capture site (slot, kind, host-decided drop reason), so they
+  never recompile; the arena region is looked up from the slot when the op runs, and everything
+  that changes between calls of one shape is read by the kernel from `ctrl`.
+Op names carry a version: Inductor's FX cache does not notice a changed mutation annotation.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import arena as _arena
+from . import layout as L
+
+NAMESPACE = "compiledump"
+CAPTURE = "capture_v1"
+SET_REGISTER = "set_register_v1"
+
+_lib = torch.library.Library(NAMESPACE, "DEF")
+_lib.define(f"{CAPTURE}(Tensor x, Tensor(a!) arena, Tensor(b!) ctrl, int slot, int kind, int reason) -> ()")
+_lib.define(f"{SET_REGISTER}(Tensor(a!) ctrl, int index, SymInt value) -> ()")
+
+
+def geometry(x: torch.Tensor, kind: int) -> tuple[torch.Tensor, tuple]:
+    """View `x` as `[T, H, D]` for the kernel: returns (tensor to read, geometry tuple).
+
+    The geometry is (T, H, D, stride_t, stride_h, stride_d, row_reg, mean). `record` of a 3-D
+    tensor averages H; a step of a >=2-D tensor copies row `x[r]` whole (H x D words); anything
+    stored whole is one row. Strides are passed through, so non-contiguous inputs are read in
+    place; only tensors of 4 or more dims that cannot be viewed are copied first.
+    """
+    dim = x.dim()
+    if kind in (L.KIND_RECORD, L.KIND_RECORD_ONCE) and dim in (2, 3):
+        if dim == 2:
+            return x, (x.shape[0], 1, x.shape[1], x.stride(0), 0, x.stride(1), L.REG_RECORD_ROW, False)
+        return x, (*x.shape, *x.stride(), L.REG_RECORD_ROW, True)
+    if kind == L.KIND_STEP and dim >= 2:
+        if dim > 3:
+            x = x.reshape(x.shape[0], -1, x.shape[-1])
+        if x.dim() == 2:
+            return x, (x.shape[0], 1, x.shape[1], x.stride(0), 0, x.stride(1), L.REG_STEP_ROW, False)
+        return x, (*x.shape, *x.stride(), L.REG_STEP_ROW, False)
+    # Stored whole: one row of H x D words.
+    if dim == 0:
+        return x, (1, 1, 1, 0, 0, 0, L.ROW_FIXED_ZERO, False)
+    if dim == 1:
+        return x, (1, 1, x.shape[0], 0, 0, x.stride(0), L.ROW_FIXED_ZERO, False)
+    if dim > 2:
+        x = x.reshape(x.shape[0], -1)
+    return x, (1, x.shape[0], x.shape[1], 0, x.stride(0), x.stride(1), L.ROW_FIXED_ZERO, False)
+
+
+def capture_reference(x, arena, ctrl, kind, base, offset, capacity, reason):
+    """CPU kernel with the Triton kernel's exact semantics and accumulation order.
+
+    Reading the control block here is a plain CPU memory read (no device to sync with).
+    """
+    src, (T, H, D, st, sh, sd, row_reg, mean) = geometry(x, kind)
+    regs = ctrl.numpy()
+    enabled = regs[L.REG_ENABLED] != 0
+    rows_ok = kind != L.KIND_STEP or regs[L.REG_ROWS] <= regs[L.REG_MAX_ROWS]
+    row = 0 if row_reg < 0 else int(regs[row_reg])
+    if row < 0:
+        row += T
+    row_ok = 0 <= row < T
+
+    if not enabled:
+        counter = L.CNT_SUSPENDED
+    elif reason != 0:
+        counter = reason
+    elif not rows_ok:
+        counter = L.CNT_ROWS_GATE
+    elif not row_ok:
+        counter = L.CNT_ROW_OUT_OF_RANGE
+    else:
+        counter = L.CNT_WRITTEN
+    old = int(regs[base + counter])
+    regs[base + counter] = old + 1
+    if counter != L.CNT_WRITTEN:
+        return
+    if kind == L.KIND_RECORD_ONCE and old != 0:
+        return
+    if kind == L.KIND_STEP and old >= capacity:
+        return
+    step = old if kind == L.KIND_STEP else 0
+    words = D if mean else H * D
+    dest = offset + step * words
+    # The row as [H, D] with the caller's strides (no copy).
+    row_view = torch.as_strided(src, (H, D), (sh, sd), src.storage_offset() + row * st)
+    if kind != L.KIND_IDS:
+        out = arena[dest : dest + words]
+        if mean:
+            # Same order as the kernel: fp32 sum over h = 0..H-1 from zero, then one division.
+            acc = torch.zeros(D, dtype=torch.float32)
+            for h in range(H):
+                acc += row_view[h]
+            torch.div(acc, H, out=out)
+        else:
+            out.view(H, D).copy_(row_view)
+    else:
+        arena.view(torch.int32)[dest : dest + words].view(H, D).copy_(row_view)
+
+
+def _use_triton_on_cpu() -> bool:
+    """Tests set COMPILEDUMP_CPU_KERNEL=triton (with TRITON_INTERPRET=1) to run the Triton kernel."""
+    return os.environ.get("COMPILEDUMP_CPU_KERNEL") == "triton"
+
+
+_triton_launch = None  # imported on first use: importing triton costs ~1 s
+
+
+def capture_triton(x, arena, ctrl, kind, base, offset, capacity, reason):
+    """Launch the Triton kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
+    global _triton_launch
+    if _triton_launch is None:
+        from .triton_kernel import launch
+
+        _triton_launch = launch
+    src, geo = geometry(x, kind)
+    _triton_launch(src, arena, ctrl, geo, base, offset, capacity, kind, reason)
+
+
+def _runtime_for(x, arena, ctrl):
+    # The region table is the process's runtime; the tensors passed in are normally its own
+    # (opcheck passes same-sized clones, which is fine: the op writes where it is told).
+    rt = _arena.ACTIVE
+    if rt is None or rt.ctrl.shape != ctrl.shape or rt.arena.shape != arena.shape:
+        raise RuntimeError(
+            "compiledump: this capture belongs to an arena that no longer exists "
+            "(compiledump.reset() was called); re-trace compiled functions (torch._dynamo.reset())"
+        )
+    if x.device != arena.device or ctrl.device != arena.device:
+        raise RuntimeError(
+            f"compiledump: input on {x.device} but the arena lives on {arena.device}; "
+            "call compiledump.init(device) before the first capture"
+        )
+    return rt
+
+
+def _capture_cpu(x, arena, ctrl, slot, kind, reason):
+    args = _runtime_for(x, arena, ctrl).resolve(slot, kind, x, reason)
+    if _use_triton_on_cpu():
+        capture_triton(x, arena, ctrl, kind, *args)
+    else:
+        capture_reference(x, arena, ctrl, kind, *args)
+
+
+def _capture_cuda(x, arena, ctrl, slot, kind, reason):
+    args = _runtime_for(x, arena, ctrl).resolve(slot, kind, x, reason)
+    with torch.cuda.device(x.device):
+        capture_triton(x, arena, ctrl, kind, *args)
+
+
+def _capture_fake(x, arena, ctrl, slot, kind, reason):
+    return None
+
+
+def _set_register(ctrl, index, value):
+    # A fill of one word: a tiny kernel on CUDA, never a host copy or a sync.
+    ctrl[index].fill_(value)
+
+
+def _set_register_fake(ctrl, index, value):
+    return None
+
+
+_lib.impl(CAPTURE, _capture_cpu, "CPU")
+_lib.impl(CAPTURE, _capture_cuda, "CUDA")
+_lib.impl(SET_REGISTER, _set_register, "CPU")
+_lib.impl(SET_REGISTER, _set_register, "CUDA")
+torch.library.register_fake(f"{NAMESPACE}::{CAPTURE}", _capture_fake, lib=_lib)
+torch.library.register_fake(f"{NAMESPACE}::{SET_REGISTER}", _set_register_fake, lib=_lib)
+
+capture = getattr(torch.ops.compiledump, CAPTURE).default
+set_register = getattr(torch.ops.compiledump, SET_REGISTER).default

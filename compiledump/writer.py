@@ -1,0 +1,53 @@
+"""Atomic writing of one dump: `<stem>.npz` plus its JSON manifest `<stem>.json`.
+
+Each file is written to a temporary name in the target directory, flushed to disk and renamed
+over the final name, so a crash at any moment leaves either the previous complete file or the new
+complete file, never a truncated one. The npz goes first, so a manifest never describes an npz
+that is not there yet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+
+def _atomic_write(path: Path, write) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def _write_npz(handle, arrays: dict[str, np.ndarray]) -> None:
+    # The same container numpy.savez writes (stored zip of .npy members), built by hand so that
+    # any valid tag is a valid key (np.savez reserves names such as "file").
+    with zipfile.ZipFile(handle, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for key, array in arrays.items():
+            with archive.open(f"{key}.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.ascontiguousarray(array), allow_pickle=False)
+
+
+def write_dump(directory: str | os.PathLike, stem: str, arrays: dict[str, np.ndarray], manifest: dict) -> Path:
+    """Write `<directory>/<stem>.npz` and `<directory>/<stem>.json` atomically; return the npz path."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    npz_path = out / f"{stem}.npz"
+    _atomic_write(npz_path, lambda handle: _write_npz(handle, arrays))
+    text = json.dumps(manifest, indent=1, sort_keys=False).encode()
+    _atomic_write(out / f"{stem}.json", lambda handle: handle.write(text))
+    return npz_path
