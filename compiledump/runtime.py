@@ -276,7 +276,12 @@ def _check_tensor(tensor, call: str) -> None:
 
 def _token_gated(tensor: torch.Tensor) -> bool:
     tokens = _STATE.config.tokens
-    return tokens > 0 and tensor.dim() > 0 and tensor.shape[0] != tokens
+    if tokens > 0 and tensor.dim() > 0:
+        # An `if`, not a returned expression: with a dynamic token dim the comparison is
+        # symbolic, and branching on it makes dynamo guard and hand back a plain bool.
+        if tensor.shape[0] != tokens:
+            return True
+    return False
 
 
 def _capture(tag: str, tensor: torch.Tensor, kind: int, gated: bool, moe_filtered: bool) -> None:

@@ -1,0 +1,189 @@
+"""A small built-in transformer-like model that exercises every capture kind like a real engine.
+
+Deterministic from a seed (no weights to download). The residual stream is `[tokens, hc_mult,
+dim]` (hyper-connection style), each layer has a recurrent token mixer (a linear recurrence, so
+decode carries a small per-request state instead of a KV cache) and a top-k MoE whose expert ids
+are captured with `record_ids`. Used by the tests, the benchmarks and `compiledump demo`.
+
+The capture calls go through `self.dump`, any object with the seed's API (`compiledump`, the seed
+module `debug_dump`, or `NO_DUMP`), so the same model compares compiledump with the seed and with
+an uninstrumented run.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+def _no_op(*_args, **_kwargs) -> None:
+    return None
+
+
+# An uninstrumented run: the same call sites, nothing captured.
+NO_DUMP = types.SimpleNamespace(record=_no_op, record_step=_no_op, record_ids=_no_op, set_rows=_no_op)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Sizes of the built-in model. `bug_layer` >= 0 injects a realistic bug in that layer."""
+
+    vocab: int = 256
+    dim: int = 64
+    hc_mult: int = 4
+    layers: int = 4
+    experts: int = 8
+    top_k: int = 2
+    ffn: int = 96
+    seed: int = 0
+    captures_per_layer: int = 3  # hidden state, expert ids, MoE output (1..4; 4 adds the mixer)
+    bug_layer: int = -1
+    bug: str = "expert_scale"  # or "dropped_hc": how the bug at bug_layer breaks the layer
+
+
+class TinyMoE(nn.Module):
+    """hc_mult residual stream + linear-recurrence mixer + top-k MoE; see the module docstring.
+
+    `forward(tokens)` is a prefill of one request (`tokens` is `[T]`); `forward(tokens, state)`
+    is one decode step of a batch (`tokens` `[B]`, `state` `[layers, B, dim]`, row 0 the real
+    request, the rest padding). Both return `(logits, state)`.
+    """
+
+    def __init__(self, cfg: ModelConfig = ModelConfig(), dump=NO_DUMP):
+        super().__init__()
+        self.cfg = cfg
+        self.dump = dump
+        gen = torch.Generator().manual_seed(cfg.seed)
+
+        def param(*shape, scale):
+            return nn.Parameter(torch.randn(*shape, generator=gen) * scale, requires_grad=False)
+
+        d, e, f = cfg.dim, cfg.experts, cfg.ffn
+        self.embed = param(cfg.vocab, d, scale=1.0)
+        self.hc_in = param(cfg.hc_mult, 1, scale=0.5)
+        self.decay = nn.Parameter(torch.linspace(0.3, 0.8, cfg.layers), requires_grad=False)
+        self.router = param(cfg.layers, d, e, scale=d**-0.5)
+        self.w_in = param(cfg.layers, e, d, f, scale=d**-0.5)
+        self.w_out = param(cfg.layers, e, f, d, scale=f**-0.5)
+        self.hc_gate = param(cfg.layers, cfg.hc_mult, 1, scale=0.5)
+        self.head = param(d, cfg.vocab, scale=d**-0.5)
+        with torch.no_grad():
+            self.hc_in += 1.0
+            self.hc_gate += 1.0
+
+    @staticmethod
+    def _norm(h: torch.Tensor) -> torch.Tensor:
+        return h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(h.dtype)
+
+    def _moe(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        weights, ids = torch.topk(torch.softmax((h @ self.router[i]).float(), -1), cfg.top_k, dim=-1)
+        self.dump.record_ids(f"layer{i}_topk", ids)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(h.dtype)
+        # Dense over experts, then gather the chosen ones: shape-static, compile-friendly.
+        hidden = torch.nn.functional.silu(torch.einsum("nd,edf->nef", h, self.w_in[i]))
+        outs = torch.einsum("nef,efd->ned", hidden, self.w_out[i])
+        if i == cfg.bug_layer and cfg.bug == "expert_scale":
+            outs = outs * torch.where(torch.arange(cfg.experts, device=h.device) == 0, 1.5, 1.0)[:, None].to(h.dtype)
+        chosen = torch.gather(outs, 1, ids[:, :, None].expand(-1, -1, outs.shape[-1]))
+        return (chosen * weights[:, :, None]).sum(1)
+
+    def forward(self, tokens: torch.Tensor, state: torch.Tensor | None = None):
+        cfg = self.cfg
+        dump = self.dump
+        x = self.embed[tokens][:, None, :] * self.hc_in  # [N, hc, dim]
+        new_state = []
+        for i in range(cfg.layers):
+            h = self._norm(x.mean(1))
+            a = self.decay[i].to(h.dtype)
+            if state is None:
+                # Prefill: s_t = sum_{j<=t} a^(t-j) h_j, as one causal matrix product.
+                t = torch.arange(h.shape[0], device=h.device)
+                lag = (t[:, None] - t[None, :]).to(h.dtype)
+                mix = torch.where(lag >= 0, a ** lag.clamp(min=0), 0) @ h
+                new_state.append(mix[-1:].expand(1, -1))
+            else:
+                mix = a * state[i] + h
+                new_state.append(mix)
+            if cfg.captures_per_layer >= 4:
+                dump.record(f"layer{i}_mix", mix)
+            moe = self._moe(i, self._norm(mix))
+            if cfg.captures_per_layer >= 3:
+                dump.record(f"layer{i}_moe_out", moe)
+            gate = self.hc_gate[i]
+            if i == cfg.bug_layer and cfg.bug == "dropped_hc":
+                gate = gate * (torch.arange(cfg.hc_mult, device=x.device) != 1)[:, None].to(gate.dtype)
+            x = x + moe[:, None, :] * gate
+            dump.record(f"layer{i}", x)
+        logits = self._norm(x.mean(1)) @ self.head
+        if state is None:
+            dump.record("logits", logits, once=True)  # prefill: the last position's logits
+        else:
+            dump.record_step("logits", logits)  # decode: row 0, the real request
+        return logits, torch.stack(new_state)
+
+
+def _null_profiling():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+NO_DUMP.profiling = _null_profiling
+
+
+@dataclass(frozen=True)
+class Session:
+    """Inputs of one engine-like run: a prompt, a profile run, warm-up and padded decode steps."""
+
+    prompt: torch.Tensor  # [T] token ids of the one real request
+    decode_tokens: torch.Tensor  # [steps] teacher-forced tokens of the real request
+    pad_tokens: torch.Tensor  # [steps, pad_rows] tokens of the padding rows
+    pad_state: torch.Tensor  # [layers, pad_rows, dim] recurrent state of the padding rows
+    profile_tokens: torch.Tensor  # [P] the engine's dummy profile forward (P != T)
+    warmup_rows: int = 8  # a warm-up decode batch this wide is reported to set_rows
+
+
+def make_session(cfg: ModelConfig, prompt_len: int = 7, steps: int = 32, pad_rows: int = 3, seed: int = 1) -> Session:
+    """Random but deterministic inputs for `run_session`."""
+    gen = torch.Generator().manual_seed(seed)
+    return Session(
+        prompt=torch.randint(0, cfg.vocab, (prompt_len,), generator=gen),
+        decode_tokens=torch.randint(0, cfg.vocab, (steps,), generator=gen),
+        pad_tokens=torch.randint(0, cfg.vocab, (steps, pad_rows), generator=gen),
+        pad_state=torch.randn(cfg.layers, pad_rows, cfg.dim, generator=gen),
+        profile_tokens=torch.randint(0, cfg.vocab, (prompt_len + 4,), generator=gen),
+    )
+
+
+def run_session(forward, dump, session: Session, device="cpu", on_step=None):
+    """Drive `forward` (the model or its compiled form) the way an engine does.
+
+    1. prefill of the prompt; 2. the profile run under `dump.profiling()`; 3. one warm-up decode
+    of `warmup_rows` rows, reported through `set_rows` (so `record_step` must skip it); 4. the
+    decode steps over a padded batch: row 0 is the real request, the rest padding, and the
+    sampler reports one real row. Returns the real request's logits per decode step.
+    """
+    dev = torch.device(device)
+    with torch.no_grad():
+        dump.set_rows(1)
+        _, state = forward(session.prompt.to(dev))
+        with dump.profiling():
+            forward(session.profile_tokens.to(dev))
+        rows = session.warmup_rows
+        warm_state = torch.zeros(state.shape[0], rows, state.shape[-1], device=dev, dtype=state.dtype)
+        dump.set_rows(rows)
+        forward(torch.zeros(rows, dtype=torch.long, device=dev), warm_state)
+        state = torch.cat([state, session.pad_state.to(dev, state.dtype)], 1)
+        out = []
+        for step in range(session.decode_tokens.shape[0]):
+            tokens = torch.cat([session.decode_tokens[step : step + 1], session.pad_tokens[step]]).to(dev)
+            dump.set_rows(1)
+            logits, state = forward(tokens, state)
+            out.append(logits[0])
+            if on_step is not None:
+                on_step(step)
+        return torch.stack(out)
