@@ -1,0 +1,173 @@
+"""Command line: ``compiledump compare REF RUN`` and ``compiledump inspect FILE``.
+
+Each subcommand has its own ``_add_<name>_parser`` function that registers its arguments and
+the function that runs it; adding a subcommand means adding one such function and one call in
+:func:`build_parser`. Nothing here imports torch: the commands only need numpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from typing import Callable
+
+EXIT_OK = 0
+EXIT_DIVERGENCE = 1
+EXIT_UNUSABLE = 2
+
+
+def _error(message: str) -> int:
+    """Unusable input: exactly one line on stderr, exit status 2."""
+    print(f"compiledump: error: {message}", file=sys.stderr)
+    return EXIT_UNUSABLE
+
+
+def _emit(lines: list[str]) -> None:
+    """Print lines; if the reader of a pipe went away (``| head``), stop printing quietly so the
+    command still returns its real exit status."""
+    try:
+        for line in lines:
+            print(line)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Point stdout at /dev/null so the interpreter's final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
+def _threshold_override(text: str) -> tuple[str, float]:
+    """Parse ``REGEX=VALUE`` (split at the last ``=``, so the regex may contain ``=``)."""
+    pattern, separator, value = text.rpartition("=")
+    if not separator or not pattern:
+        raise argparse.ArgumentTypeError(f"expected REGEX=VALUE, got {text!r}")
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise argparse.ArgumentTypeError(f"bad regex {pattern!r}: {exc}") from None
+    return pattern, _non_negative_float(value)
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text!r}")
+    return value
+
+
+def _add_compare_parser(subparsers) -> None:
+    from .compare import DEFAULT_NEAR_TIE_ULPS, DEFAULT_THRESHOLD
+
+    parser = subparsers.add_parser(
+        "compare",
+        help="compare two dumps and name the first divergent layer and decode step",
+        description="Compare REF (the reference run) with RUN key by key, in model order. Exit status: "
+                    "0 no divergence, 1 divergence found, 2 unusable input.",
+    )
+    parser.add_argument("ref", metavar="REF", help="reference dump: an .npz file or a directory of per-rank files")
+    parser.add_argument("run", metavar="RUN", help="dump to check: an .npz file or a directory of per-rank files")
+    parser.add_argument("--threshold", type=_non_negative_float, default=DEFAULT_THRESHOLD, metavar="VALUE",
+                        help=f"rel_diff above VALUE is a divergence (default {DEFAULT_THRESHOLD:g})")
+    parser.add_argument("--threshold-for", type=_threshold_override, action="append", default=[],
+                        metavar="REGEX=VALUE",
+                        help="threshold for keys matching REGEX (re.search); repeatable, the last match wins")
+    parser.add_argument("--near-tie", type=_non_negative_float, default=None, metavar="EPS",
+                        help="fixed near-tie epsilon in logit units for argmax flips "
+                             f"(default: --near-tie-ulps bf16 spacings of the reference top-1 logit)")
+    parser.add_argument("--near-tie-ulps", type=_non_negative_float, default=DEFAULT_NEAR_TIE_ULPS, metavar="N",
+                        help=f"near-tie epsilon as N bf16 spacings at the reference top-1 logit "
+                             f"(default {DEFAULT_NEAR_TIE_ULPS:g})")
+    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
+    parser.add_argument("--plot", metavar="PATH.png",
+                        help="draw rel_diff per layer and margin per step to PATH.png (needs matplotlib)")
+    parser.add_argument("--table", choices=("all", "divergent", "none"), default="all",
+                        help="rows of the per-key table to print (default all)")
+    parser.set_defaults(func=_run_compare)
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from .compare import CompareOptions, PlotUnavailable, compare, format_report, write_json_report, write_plot
+
+    options = CompareOptions(threshold=args.threshold, overrides=list(args.threshold_for),
+                             near_tie=args.near_tie, near_tie_ulps=args.near_tie_ulps)
+    report = compare(args.ref, args.run, options)
+    _emit(format_report(report, table=args.table))
+    if args.json:
+        try:
+            write_json_report(report, args.json)
+        except OSError as exc:
+            return _error(f"cannot write the JSON report {args.json}: {exc.strerror or exc}")
+    if args.plot:
+        try:
+            write_plot(report, args.plot)
+        except PlotUnavailable as exc:
+            # The comparison itself is valid, so its exit status stands; only the picture is missing.
+            print(f"compiledump: warning: plot skipped: {exc}", file=sys.stderr)
+        except OSError as exc:
+            return _error(f"cannot write the plot {args.plot}: {exc.strerror or exc}")
+    return report["exit_status"]
+
+
+def _add_inspect_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "inspect",
+        help="list a dump's keys with shape, dtype and statistics, and its manifest",
+        description="Keys in model order with shape, dtype, min/max/mean over finite values and NaN/Inf "
+                    "counts, plus the manifest's config and drop counts. Exit status 0, or 2 for unusable input.",
+    )
+    parser.add_argument("file", metavar="FILE", help="an .npz dump, or a directory of per-rank dumps")
+    parser.add_argument("--json", metavar="PATH", help="also write the listing as JSON to PATH")
+    parser.set_defaults(func=_run_inspect)
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from .compare import json_safe
+    from .inspect import format_inspection, inspect_path
+
+    summaries = inspect_path(args.file)
+    _emit([line for summary in summaries for line in format_inspection(summary)])
+    if args.json:
+        try:
+            with open(args.json, "w", encoding="utf-8") as handle:
+                json.dump(json_safe({"files": summaries}), handle, indent=1, allow_nan=False)
+        except OSError as exc:
+            return _error(f"cannot write {args.json}: {exc.strerror or exc}")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``compiledump`` argument parser with every subcommand registered."""
+    parser = argparse.ArgumentParser(prog="compiledump",
+                                     description="Layer dumps that survive torch.compile and CUDA graphs.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_compare_parser(subparsers)
+    _add_inspect_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``compiledump`` console script; returns the exit status."""
+    from .compare import DumpError
+
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
+        return exc.code if isinstance(exc.code, int) else EXIT_UNUSABLE
+    command: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return command(args)
+    except DumpError as exc:
+        return _error(str(exc))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""``compiledump inspect``: list a dump's keys in model order with their statistics and the
+manifest's configuration and drop counts. numpy only, like the comparator."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .compare import CHUNK_ELEMENTS, DumpError, DumpFile, _fmt, _rank_sort_key, collect_dumps, order_key_infos
+
+
+def array_stats(array: np.ndarray, chunk: int = CHUNK_ELEMENTS) -> dict:
+    """min, max and mean over the finite elements, and the NaN and Inf counts, read in chunks."""
+    flat = np.ravel(array)
+    low, high, total, finite = math.inf, -math.inf, 0.0, 0
+    nan = inf = 0
+    for start in range(0, flat.size, chunk):
+        values = np.asarray(flat[start:start + chunk], dtype=np.float64)
+        mask = np.isfinite(values)
+        if not mask.all():
+            nan += int(np.isnan(values).sum())
+            inf += int((~mask).sum()) - int(np.isnan(values).sum())
+            values = values[mask]
+        if values.size:
+            low = min(low, float(values.min()))
+            high = max(high, float(values.max()))
+            total += float(values.sum())
+            finite += values.size
+    return {
+        "min": low if finite else None,
+        "max": high if finite else None,
+        "mean": total / finite if finite else None,
+        "nan": nan,
+        "inf": inf,
+    }
+
+
+def inspect_dump(dump: DumpFile) -> dict:
+    """Everything ``inspect`` shows for one file, as a JSON-ready dict."""
+    keys = []
+    for info in order_key_infos(list(dump.infos.values())):
+        member = dump.members[info.key]
+        entry: dict[str, Any] = {
+            "key": info.key, "kind": info.kind, "tag": info.tag, "layer": info.layer, "step": info.step,
+            "shape": list(member.shape), "dtype": str(member.dtype), "from_manifest": info.from_manifest,
+        }
+        array = None
+        try:
+            array = dump.array(info.key)
+            entry.update(array_stats(array))
+        except (OSError, ValueError) as exc:
+            entry["error"] = str(exc)
+        finally:
+            del array
+        keys.append(entry)
+    manifest = dump.manifest
+    summary: dict[str, Any] = {"file": str(dump.path), "manifest": manifest is not None, "keys": keys,
+                               "notes": list(dump.notes),
+                               "unreadable": [{"key": key, "detail": why} for key, why in dump.bad_members.items()]}
+    if manifest is not None:
+        for name in ("format_version", "compiledump_version", "torch_version", "rank", "pid", "world_size",
+                     "device", "created_unix", "config", "drops", "filtered_tags"):
+            summary[name] = manifest.get(name)
+        summary["tag_drops"] = {tag: entry.get("drops") for tag, entry in (manifest.get("tags") or {}).items()
+                                if isinstance(entry, dict) and entry.get("drops")}
+    return summary
+
+
+def inspect_path(path: str | Path) -> list[dict]:
+    """Inspect an npz file, or every dump file of a directory (by rank)."""
+    files, _ = collect_dumps(path, "FILE")
+    return [inspect_dump(DumpFile(files[rank], "FILE")) for rank in sorted(files, key=_rank_sort_key)]
+
+
+def format_inspection(summary: dict) -> list[str]:
+    """Terminal lines for one inspected file."""
+    lines = [f"== {summary['file']}"]
+    if summary["manifest"]:
+        lines.append(
+            f"manifest: format_version {summary.get('format_version')}, compiledump "
+            f"{summary.get('compiledump_version')}, torch {summary.get('torch_version')}, rank {summary.get('rank')}, "
+            f"pid {summary.get('pid')}, world_size {summary.get('world_size')}, device {summary.get('device')}"
+        )
+        config = summary.get("config") or {}
+        lines.append("config: " + (" ".join(f"{name}={value}" for name, value in config.items()) or "-"))
+        drops = summary.get("drops") or {}
+        lines.append("drops: " + (", ".join(f"{reason}={count}" for reason, count in drops.items()) or "none"))
+        for tag, tag_drops in (summary.get("tag_drops") or {}).items():
+            lines.append(f"  {tag}: " + ", ".join(f"{reason}={count}" for reason, count in tag_drops.items()))
+        filtered = summary.get("filtered_tags") or {}
+        if filtered:
+            lines.append("filtered tags: " + ", ".join(f"{tag} ({why})" for tag, why in filtered.items()))
+    else:
+        lines.append("no manifest (seed-style file): kinds, steps and order inferred from key names and dtypes")
+    for note in summary["notes"]:
+        lines.append(f"note: {note}")
+    for bad in summary["unreadable"]:
+        lines.append(f"unreadable: {bad['key']}: {bad['detail']}")
+    keys = summary["keys"]
+    width = min(max([len(entry["key"]) for entry in keys] + [3]), 48)
+    lines.append(f"  {'key':<{width}} {'kind':<11} {'layer':>5} {'step':>5} {'shape':<14} {'dtype':<8} "
+                 f"{'min':>11} {'max':>11} {'mean':>11} {'nan':>6} {'inf':>6}")
+    for entry in keys:
+        shape = "x".join(str(n) for n in entry["shape"]) or "scalar"
+        if "error" in entry:
+            lines.append(f"  {entry['key']:<{width}} {entry['kind']:<11} unreadable: {entry['error']}")
+            continue
+        lines.append(
+            f"  {entry['key']:<{width}} {entry['kind']:<11} {_fmt(entry['layer'], 'd'):>5} {_fmt(entry['step'], 'd'):>5} "
+            f"{shape:<14} {entry['dtype']:<8} {_fmt(entry['min'], '.4g'):>11} {_fmt(entry['max'], '.4g'):>11} "
+            f"{_fmt(entry['mean'], '.4g'):>11} {entry['nan']:>6} {entry['inf']:>6}"
+        )
+    counts: dict[str, int] = {}
+    for entry in keys:
+        counts[entry["kind"]] = counts.get(entry["kind"], 0) + 1
+    steps = {entry["step"] for entry in keys if entry["step"] is not None}
+    lines.append(f"{len(keys)} keys: " + ", ".join(f"{count} {kind}" for kind, count in counts.items())
+                 + (f"; decode steps {min(steps)}..{max(steps)}" if steps else ""))
+    return lines
+
+
+__all__ = ["DumpError", "array_stats", "format_inspection", "inspect_dump", "inspect_path"]

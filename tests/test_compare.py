@@ -1,0 +1,635 @@
+"""Tests of `compiledump compare` / `compiledump inspect` on synthetic dumps.
+
+Every expected value is computed here from numpy formulas written out independently of
+compiledump.compare; data is random (never zeros).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import types
+import weakref
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dumpfactory as factory
+from compiledump import compare as cmp
+from compiledump.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+SEED = Path(__file__).resolve().parents[1].parent / "shared" / "seed" / "debug_dump.py"
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, list[str], list[str]]:
+    """Run `compiledump ARGV` in process; return (exit status, stdout lines, stderr lines)."""
+    code = main([str(arg) for arg in argv])
+    captured = capsys.readouterr()
+    return code, captured.out.splitlines(), captured.err.splitlines()
+
+
+def dump_pair(tmp_path: Path, seed: int = 0, **perturbation) -> tuple[Path, Path, list, list]:
+    rng = np.random.default_rng(seed)
+    ref = factory.model_captures(rng)
+    run = factory.perturb(ref, rng, **perturbation)
+    ref_path = factory.write_compiledump(tmp_path / "ref", ref, shuffle_with=rng)
+    run_path = factory.write_compiledump(tmp_path / "run", run, shuffle_with=rng)
+    return ref_path, run_path, ref, run
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics against independent formulas
+# ----------------------------------------------------------------------------------------------
+
+
+def test_float_metrics_match_numpy_formulas_across_chunks():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(10_007).astype(np.float32) * 3 + 1
+    y = (x + rng.standard_normal(x.size).astype(np.float32) * 0.05).astype(np.float32)
+    got = cmp.compare_float_arrays(x, y, margins=True, chunk=1000)
+    a, b = x.astype(np.float64), y.astype(np.float64)
+    assert got["rel_diff"] == pytest.approx(1 - 2 * a.dot(b) / (a.dot(a) + b.dot(b)), rel=1e-9)
+    assert got["cosine"] == pytest.approx(a.dot(b) / np.sqrt(a.dot(a) * b.dot(b)), rel=1e-12)
+    assert got["max_abs"] == pytest.approx(np.max(np.abs(a - b)), rel=1e-12)
+    assert got["mean_abs"] == pytest.approx(np.mean(np.abs(a - b)), rel=1e-9)
+    assert got["rel_l2"] == pytest.approx(np.linalg.norm(a - b) / np.linalg.norm(a), rel=1e-9)
+    ref_sorted, run_sorted = np.sort(a), np.sort(b)
+    assert got["argmax_ref"] == int(np.argmax(a)) and got["argmax_run"] == int(np.argmax(b))
+    assert got["margin_ref"] == pytest.approx(ref_sorted[-1] - ref_sorted[-2], abs=1e-12)
+    assert got["margin_run"] == pytest.approx(run_sorted[-1] - run_sorted[-2], abs=1e-12)
+    assert got["nan_ref"] == got["nan_run"] == got["nonfinite_mismatch"] == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(size=st.integers(2, 3000), chunk=st.integers(1, 700), seed=st.integers(0, 2**31 - 1))
+def test_chunking_never_changes_the_result(size, chunk, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(size)
+    y = x + rng.standard_normal(size) * rng.uniform(0, 2)
+    whole = cmp.compare_float_arrays(x, y, margins=True, chunk=size)
+    parts = cmp.compare_float_arrays(x, y, margins=True, chunk=chunk)
+    for name in ("rel_diff", "cosine", "max_abs", "mean_abs", "rel_l2", "margin_ref", "margin_run"):
+        assert parts[name] == pytest.approx(whole[name], rel=1e-9, abs=1e-12)
+    assert (parts["argmax_ref"], parts["argmax_run"]) == (int(np.argmax(x)), int(np.argmax(y)))
+    assert 0.0 <= whole["rel_diff"] <= 2.0
+
+
+def test_nonfinite_values_are_counted_and_only_one_sided_ones_diverge():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal(500)
+    y = x + rng.standard_normal(500) * 1e-4
+    x[[3, 9]] = -np.inf  # masked logits on both sides agree
+    y[[3, 9]] = -np.inf
+    x[17] = y[17] = np.nan
+    same = cmp.compare_float_arrays(x, y)
+    assert (same["nan_ref"], same["nan_run"], same["inf_ref"], same["inf_run"]) == (1, 1, 2, 2)
+    assert same["nonfinite_mismatch"] == 0
+    finite = np.isfinite(x)
+    a, b = x[finite], y[finite]
+    assert same["rel_diff"] == pytest.approx(1 - 2 * a.dot(b) / (a.dot(a) + b.dot(b)), rel=1e-6)
+    y[40] = np.nan
+    y[41] = np.inf
+    y[3] = np.inf  # -inf vs +inf disagrees
+    worse = cmp.compare_float_arrays(x, y)
+    assert worse["nonfinite_mismatch"] == 3
+    assert (worse["nan_run"], worse["inf_run"]) == (2, 3)
+
+
+def test_id_comparison_reports_first_row_and_overlap():
+    rng = np.random.default_rng(3)
+    ref = np.stack([rng.choice(64, 8, replace=False) for _ in range(6)]).astype(np.int32)
+    run = ref.copy()
+    run[4, [1, 5]] = [100, 101]
+    run[5] = run[5][::-1]  # same set, other order: still a mismatch, overlap 8/8
+    got = cmp.compare_id_arrays(ref, run)
+    assert not got["ids_equal"]
+    assert got["first_mismatch_row"] == 4
+    assert got["overlap"] == len(set(ref[4]) & set(run[4])) == 6 and got["k"] == 8
+    assert got["mismatched_rows"] == 2
+    assert got["first_mismatch_index"] == int(np.flatnonzero(ref.ravel() != run.ravel())[0])
+    assert cmp.compare_id_arrays(ref, ref.copy())["ids_equal"]
+
+
+def test_bf16_spacing():
+    for value in (0.3, 1.0, 12.4, 31.9, 40.0, -17.0):
+        # bf16 keeps 8 significant bits: spacing is 2^(floor(log2|v|) - 7).
+        assert cmp.bf16_spacing(value) == 2.0 ** (math.floor(math.log2(abs(value))) - 7)
+
+
+# ----------------------------------------------------------------------------------------------
+# Naming the first divergent layer and step
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layer,step,seed", [(0, 0, 10), (3, 2, 11), (5, 4, 12), (2, None, 13), (None, 1, 14)])
+def test_reports_exactly_the_perturbed_layer_and_step(tmp_path, capsys, layer, step, seed):
+    ref_path, run_path, ref, _ = dump_pair(tmp_path, seed, from_layer=layer, from_step=step)
+    report_path = tmp_path / "report.json"
+    code, out, err = run_cli(capsys, "compare", ref_path, run_path, "--json", report_path)
+    report = json.loads(report_path.read_text())
+    assert code == 1 and not err
+    assert set(report) >= {"first_divergence", "first_argmax_flip", "keys", "problems"}
+    assert report["problems"] == []
+    prefill, decode = report["prefill_divergence"], report["decode_divergence"]
+    if layer is None:
+        assert prefill is None
+    else:
+        assert prefill["key"] == f"layer{layer}_moe_out" and prefill["layer"] == layer
+        assert prefill["last_good"] == ("embed" if layer == 0 else f"layer{layer - 1}")
+        assert prefill["metric"] == "rel_diff" and prefill["value"] > 1e-3
+    if step is None:
+        assert decode is None
+    else:
+        assert decode["step"] == step and decode["key"] == f"final_hidden_{step}"
+        assert decode["last_good"] == (None if step == 0 else f"logits_{step - 1}")
+    first = report["first_divergence"]
+    expected = prefill if prefill is not None else decode
+    assert {name: first[name] for name in ("key", "layer", "step", "metric", "value")} == \
+           {name: expected[name] for name in ("key", "layer", "step", "metric", "value")}
+    assert out[-1].startswith("first divergence: " + expected["key"])
+    # Keys come out in model order although the npz members were shuffled.
+    assert [record["key"] for record in report["keys"]] == [c.key for c in ref]
+    # The reported rel_diff is the formula's value for that key.
+    ref_arrays = dict(np.load(ref_path))
+    run_arrays = dict(np.load(run_path))
+    a = ref_arrays[first["key"]].astype(np.float64)
+    b = run_arrays[first["key"]].astype(np.float64)
+    assert first["value"] == pytest.approx(1 - 2 * a.dot(b) / (a.dot(a) + b.dot(b)), rel=1e-9)
+
+
+def test_noise_only_is_no_divergence(tmp_path, capsys):
+    ref_path, run_path, _, _ = dump_pair(tmp_path, 20)
+    code, out, err = run_cli(capsys, "compare", ref_path, run_path)
+    assert code == 0 and not err
+    assert out[-1].startswith("no divergence")
+    assert not any(line.startswith("!") for line in out)
+
+
+def test_table_marks_exactly_the_divergent_rows(tmp_path, capsys):
+    ref_path, run_path, ref, _ = dump_pair(tmp_path, 21, from_layer=4)
+    code, out, _ = run_cli(capsys, "compare", ref_path, run_path)
+    marked = [line.split()[1] for line in out if line.startswith("! ")]
+    floats_after = [c.key for c in ref if c.kind != "step" and c.kind != "ids"
+                    and (c.tag.startswith(("layer4", "layer5")) or c.key in ("final_norm", "logits"))]
+    assert code == 1 and marked == floats_after
+
+
+def test_argmax_flip_with_tiny_reference_margin_is_a_near_tie(tmp_path, capsys):
+    rng = np.random.default_rng(30)
+    ref = factory.model_captures(rng, steps=6)
+    run = factory.perturb(ref, rng)
+    flip_step = 3
+    ref_logits = next(c for c in ref if c.key == f"logits_{flip_step}").array
+    run_logits = next(c for c in run if c.key == f"logits_{flip_step}").array
+    winner = int(np.argmax(ref_logits))
+    runner = int(np.argsort(ref_logits)[-2])
+    ref_logits[runner] = ref_logits[winner] - 0.01  # reference margin 0.01 < 4 bf16 spacings
+    run_logits[:] = ref_logits
+    run_logits[runner] = ref_logits[winner] + 0.01  # RUN prefers the runner-up
+    ref_path = factory.write_compiledump(tmp_path / "ref", ref)
+    run_path = factory.write_compiledump(tmp_path / "run", run)
+    code, out, _ = run_cli(capsys, "compare", ref_path, run_path, "--json", tmp_path / "r.json")
+    flip = json.loads((tmp_path / "r.json").read_text())["first_argmax_flip"]
+    assert flip["step"] == flip_step and flip["kind"] == "near-tie"
+    assert (flip["argmax_ref"], flip["argmax_run"]) == (winner, runner)
+    sorted_ref = np.sort(ref_logits.astype(np.float64))
+    assert flip["margin_ref"] == pytest.approx(sorted_ref[-1] - sorted_ref[-2], abs=1e-6)
+    assert flip["epsilon"] == pytest.approx(4 * 2.0 ** (math.floor(math.log2(abs(sorted_ref[-1]))) - 7))
+    # A near-tie alone is not a divergence: the logits are otherwise equal.
+    assert code == 0 and out[-1].startswith("no divergence")
+    assert any(line.startswith(f"first argmax flip: step {flip_step}") and "near-tie" in line for line in out)
+    # With a fixed epsilon below the margin the same flip is a divergence.
+    code, out, _ = run_cli(capsys, "compare", ref_path, run_path, "--near-tie", "0.001", "--json", tmp_path / "r.json")
+    assert json.loads((tmp_path / "r.json").read_text())["first_argmax_flip"]["kind"] == "divergence"
+    assert code == 1
+
+
+def test_argmax_flip_after_a_large_perturbation_is_a_divergence(tmp_path):
+    rng = np.random.default_rng(31)
+    ref = factory.model_captures(rng, steps=6)
+    run = factory.perturb(ref, rng, from_step=2)
+    flip_step = 4
+    run_logits = next(c for c in run if c.key == f"logits_{flip_step}").array
+    ref_logits = next(c for c in ref if c.key == f"logits_{flip_step}").array
+    loser = int(np.argmin(ref_logits))
+    run_logits[loser] = ref_logits.max() + 5.0
+    factory.write_compiledump(tmp_path / "ref", ref)
+    factory.write_compiledump(tmp_path / "run", run)
+    report = cmp.compare(tmp_path / "ref", tmp_path / "run")
+    flips = [r["step"] for r in report["keys"] if r.get("margin_analysis") and not r["argmax_equal"]]
+    assert report["first_argmax_flip"]["step"] == min(flips)
+    if min(flips) == flip_step:
+        sorted_ref = np.sort(ref_logits.astype(np.float64))
+        assert report["first_argmax_flip"]["margin_ref"] == pytest.approx(sorted_ref[-1] - sorted_ref[-2], abs=1e-6)
+    assert report["first_argmax_flip"]["kind"] == "divergence"
+    assert report["first_argmax_flip"]["margin_ref"] >= report["first_argmax_flip"]["epsilon"]
+    assert report["decode_divergence"]["step"] == 2
+
+
+def test_expert_id_mismatch_before_the_float_divergence_is_the_root_cause(tmp_path, capsys):
+    ref_path, run_path, _, _ = dump_pair(tmp_path, 40, from_layer=4, ids_layer=1)
+    code, out, _ = run_cli(capsys, "compare", ref_path, run_path, "--json", tmp_path / "r.json")
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert code == 1
+    assert report["first_divergence"]["key"] == "layer4_moe_out"
+    assert report["root_cause"]["key"] == "layer1_topk" and report["root_cause"]["layer"] == 1
+    assert report["root_cause"]["row"] == 0
+    ref_ids, run_ids = np.load(ref_path)["layer1_topk"], np.load(run_path)["layer1_topk"]
+    assert report["root_cause"]["overlap"] == len(set(ref_ids[0]) & set(run_ids[0])) == 3
+    assert "likely root cause: layer1_topk" in out[-1]
+
+
+def test_id_mismatch_after_the_float_divergence_is_not_the_root_cause(tmp_path):
+    ref_path, run_path, _, _ = dump_pair(tmp_path, 41, from_layer=2, ids_layer=4)
+    report = cmp.compare(ref_path, run_path)
+    assert report["first_divergence"]["key"] == "layer2_moe_out"
+    assert report["root_cause"] is None
+    assert report["first_id_mismatch"]["key"] == "layer4_topk"
+
+
+def test_id_mismatch_alone_is_the_first_divergence(tmp_path, capsys):
+    ref_path, run_path, _, _ = dump_pair(tmp_path, 42, ids_layer=3)
+    code, out, _ = run_cli(capsys, "compare", ref_path, run_path)
+    assert code == 1
+    assert out[-1].startswith("first divergence: layer3_topk") and "ids differ" in out[-1]
+
+
+def test_thresholds_and_last_matching_override(tmp_path, capsys):
+    ref_path, run_path, _, _ = dump_pair(tmp_path, 50, from_layer=3)
+    code, out, _ = run_cli(capsys, "compare", ref_path, run_path, "--threshold", "0.5")
+    assert code == 0 and out[-1].startswith("no divergence")
+    # Broad override first, a narrower one later: the later one wins for layer3_moe_out.
+    code, out, _ = run_cli(capsys, "compare", ref_path, run_path, "--threshold-for", "^layer3=0.5",
+                           "--threshold-for", "moe_out$=1e-3", "--json", tmp_path / "r.json")
+    first = json.loads((tmp_path / "r.json").read_text())["first_divergence"]
+    assert code == 1 and first["key"] == "layer3_moe_out" and first["threshold"] == 1e-3
+    code, out, _ = run_cli(capsys, "compare", ref_path, run_path, "--threshold-for", "^layer3=0.5",
+                           "--json", tmp_path / "r.json")
+    first = json.loads((tmp_path / "r.json").read_text())["first_divergence"]
+    assert first["key"] == "layer4_moe_out" and first["last_good"] == "layer3"
+    code, _, err = run_cli(capsys, "compare", ref_path, run_path, "--threshold-for", "([=1")
+    assert code == 2 and any("bad regex" in line for line in err)
+
+
+def test_missing_extra_shape_and_dtype_mismatches_are_listed_not_fatal(tmp_path, capsys):
+    rng = np.random.default_rng(60)
+    ref = factory.model_captures(rng)
+    run = factory.perturb(ref, rng)
+    run = [c for c in run if c.key != "layer2"]  # missing in RUN
+    run.append(factory.Capture("extra_probe", np.ones(5, np.float32) + 0.5, "record", "extra_probe"))
+    run = [factory.replace(c, array=np.concatenate([c.array, c.array[:1]])) if c.key == "layer3" else c for c in run]
+    run = [factory.replace(c, array=c.array.astype(np.float32)) if c.key == "layer4_topk" else c for c in run]
+    run = [factory.replace(c, array=c.array.reshape(1, -1)) if c.key == "layer5" else c for c in run]
+    ref_path = factory.write_compiledump(tmp_path / "ref", ref)
+    run_path = factory.write_compiledump(tmp_path / "run", run)
+    code, out, err = run_cli(capsys, "compare", ref_path, run_path, "--json", tmp_path / "r.json")
+    report = json.loads((tmp_path / "r.json").read_text())
+    kinds = {(p["kind"], p["key"]) for p in report["problems"]}
+    assert ("missing_in_run", "layer2") in kinds and ("extra_in_run", "extra_probe") in kinds
+    assert ("shape_mismatch", "layer3") in kinds and ("dtype_mismatch", "layer4_topk") in kinds
+    assert ("shape_mismatch", "layer5") in kinds  # [48] vs [1, 48]: compared flattened
+    by_key = {r["key"]: r for r in report["keys"]}
+    assert by_key["layer3"]["status"] == "skipped" and by_key["layer4_topk"]["status"] == "skipped"
+    assert by_key["layer5"]["status"] == "ok" and by_key["layer5"]["rel_diff"] < 1e-6
+    assert code == 0 and not err and out[-1].startswith("no divergence")
+
+
+def test_nan_in_run_only_is_a_divergence(tmp_path):
+    rng = np.random.default_rng(61)
+    ref = factory.model_captures(rng)
+    run = factory.perturb(ref, rng)
+    run[[c.key for c in run].index("layer2_moe_out")].array[5] = np.nan
+    factory.write_compiledump(tmp_path / "ref", ref)
+    factory.write_compiledump(tmp_path / "run", run)
+    report = cmp.compare(tmp_path / "ref", tmp_path / "run")
+    assert report["first_divergence"]["key"] == "layer2_moe_out"
+    assert report["first_divergence"]["metric"] == "nonfinite" and report["first_divergence"]["value"] == 1
+
+
+def test_json_report_is_strict_json(tmp_path, capsys):
+    rng = np.random.default_rng(62)
+    ref = factory.model_captures(rng)
+    ref[[c.key for c in ref].index("embed")].array[:] = np.nan  # no finite element: metrics are undefined
+    ref[[c.key for c in ref].index("logits")].array[:] = -np.inf  # margin -inf - -inf is NaN
+    run = [factory.replace(c, array=c.array.copy()) for c in ref]
+    factory.write_compiledump(tmp_path / "ref", ref)
+    factory.write_compiledump(tmp_path / "run", run)
+    run_cli(capsys, "compare", tmp_path / "ref", tmp_path / "run", "--json", tmp_path / "r.json")
+    text = (tmp_path / "r.json").read_text()
+    report = json.loads(text, parse_constant=lambda name: pytest.fail(f"non-standard JSON constant {name}"))
+    by_key = {record["key"]: record for record in report["keys"]}
+    assert by_key["embed"]["max_abs"] is None and by_key["embed"]["nan_ref"] == by_key["embed"]["compared_elements"] + 48
+    assert by_key["logits"]["margin_ref"] is None
+
+
+# ----------------------------------------------------------------------------------------------
+# Ranks and directories
+# ----------------------------------------------------------------------------------------------
+
+
+def test_directories_pair_ranks_and_report_unpaired_ones(tmp_path, capsys):
+    rng = np.random.default_rng(70)
+    for rank, pid in ((0, 11), (1, 12), (2, 13)):
+        captures = factory.model_captures(rng)
+        factory.write_compiledump(tmp_path / "ref", captures, rank=rank, pid=pid)
+        if rank == 2:
+            continue  # RUN lost rank 2
+        run = factory.perturb(captures, rng, from_layer=3 if rank == 1 else None)
+        factory.write_seed_style(tmp_path / "run", run, rank=rank, pid=pid + 100)
+    code, out, _ = run_cli(capsys, "compare", tmp_path / "ref", tmp_path / "run", "--json", tmp_path / "r.json")
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert code == 1
+    assert [pair["rank"] for pair in report["pairs"]] == ["0", "1"]
+    assert report["first_divergence"]["rank"] == "1" and report["first_divergence"]["key"] == "layer3_moe_out"
+    assert [(p["kind"], p["rank"]) for p in report["problems"]] == [("unpaired_rank", "2")]
+    assert "[rank 1]" in out[-1]
+
+
+def test_single_files_pair_regardless_of_rank(tmp_path):
+    rng = np.random.default_rng(71)
+    captures = factory.model_captures(rng)
+    factory.write_compiledump(tmp_path / "ref", captures, rank=0)
+    factory.write_compiledump(tmp_path / "run", factory.perturb(captures, rng), rank=3)
+    report = cmp.compare(tmp_path / "ref", tmp_path / "run")
+    assert report["exit_status"] == 0 and len(report["pairs"]) == 1 and report["problems"] == []
+
+
+# ----------------------------------------------------------------------------------------------
+# Files without a manifest, and seed-written files
+# ----------------------------------------------------------------------------------------------
+
+
+def test_seed_style_inference_of_kinds_steps_and_order():
+    members = []
+    for key, dtype in [("embed", np.float32), ("layer0_topk", np.int32), ("layer0", np.float32),
+                       ("layer1_0", np.float32), ("layer1", np.float32), ("logits", np.float32),
+                       ("final_hidden_0", np.float32), ("logits_0", np.float32), ("final_hidden_1", np.float32),
+                       ("logits_1", np.float32), ("layer7_2", np.float32), ("layer7_3", np.float32),
+                       ("probe_5", np.float32)]:
+        members.append(cmp.Member(key, np.dtype(dtype), (4,), False, key + ".npy", 0))
+    infos = cmp.infer_key_infos(members)
+    assert infos["layer0_topk"].kind == "ids" and infos["layer0_topk"].layer == 0
+    assert infos["layer1_0"].kind == "record" and infos["layer1_0"].layer == 1  # lone layer<N>_0: a record
+    assert infos["logits_1"].kind == "step" and infos["logits_1"].step == 1 and infos["logits_1"].tag == "logits"
+    assert infos["layer7_2"].kind == "record"  # family without a step 0
+    assert infos["probe_5"].kind == "record"
+    assert infos["logits"].kind == "record"
+    ordered = [info.key for info in cmp.order_key_infos(list(infos.values()))]
+    assert ordered == ["embed", "layer0_topk", "layer0", "layer1_0", "layer1", "layer7_2", "layer7_3", "logits",
+                       "probe_5", "final_hidden_0", "logits_0", "final_hidden_1", "logits_1"]
+
+
+@contextlib.contextmanager
+def seed_module(dump_dir: Path, monkeypatch):
+    """Import the seed's debug_dump.py with dumping enabled and a stand-in `deepinfer.utils`."""
+    if not SEED.is_file():
+        pytest.skip(f"seed not found at {SEED} (shared/ must sit beside the repository)")
+    torch = pytest.importorskip("torch")
+    utils = types.ModuleType("deepinfer.utils")
+    utils.allow_cuda_sync = contextlib.nullcontext
+    package = types.ModuleType("deepinfer")
+    package.utils = utils
+    monkeypatch.setitem(sys.modules, "deepinfer", package)
+    monkeypatch.setitem(sys.modules, "deepinfer.utils", utils)
+    monkeypatch.setenv("DEEPINFER_DUMP_LAYERS", str(dump_dir))
+    monkeypatch.setenv("DEEPINFER_DUMP_MOE_LAYERS", "100")
+    monkeypatch.delenv("DEEPINFER_DUMP_TOKENS", raising=False)
+    spec = importlib.util.spec_from_file_location("seed_debug_dump_under_test", SEED)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        yield module, torch
+    finally:
+        module._CAPTURED.clear()  # nothing left for its atexit flush
+
+
+def seed_capture(module, torch, captures: list[factory.Capture], hc: int = 4) -> None:
+    """Feed the seed the tensors that produce ``captures``: 3-D [tokens, hc, dim] whose last
+    token's mean over hc equals the capture, ids as int64, logits rows for the steps."""
+    generator = torch.Generator().manual_seed(5)
+    module.set_rows(1)
+    for capture in captures:
+        value = torch.from_numpy(capture.array.copy())
+        if capture.kind == "ids":
+            module.record_ids(capture.tag, value.to(torch.int64))
+        elif capture.kind == "step":
+            batch = torch.randn((3,) + tuple(value.shape), generator=generator)
+            batch[0] = value  # the seed keeps row 0 of a decode batch
+            module.record_step(capture.tag, batch)
+        else:
+            spread = torch.randn((2, hc) + tuple(value.shape), generator=generator, dtype=torch.float64)
+            spread[-1] += value.double() - spread[-1].mean(dim=0)  # last token's hc mean == value
+            module.record(capture.tag, spread.float(), once=capture.kind == "record_once")
+
+
+def test_seed_written_files_compare_with_compiledump_files(tmp_path, monkeypatch, capsys):
+    rng = np.random.default_rng(80)
+    ref = factory.model_captures(rng, layers=4, dim=32)
+    with seed_module(tmp_path / "seed", monkeypatch) as (module, torch):
+        seed_capture(module, torch, ref)
+        module.flush()
+    seed_file = next((tmp_path / "seed").glob("deepinfer_layers_rank*_pid*.npz"))
+    seed_arrays = np.load(seed_file)
+    assert list(seed_arrays.files) == [c.key for c in ref]
+    for capture in ref:
+        assert seed_arrays[capture.key].dtype == capture.array.dtype
+        np.testing.assert_allclose(seed_arrays[capture.key], capture.array, rtol=1e-5, atol=1e-5)
+    compiledump_file = factory.write_compiledump(tmp_path / "cd", factory.perturb(ref, rng), shuffle_with=rng)
+    code, out, err = run_cli(capsys, "compare", seed_file, compiledump_file, "--json", tmp_path / "r.json")
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert code == 0 and not err and report["problems"] == []
+    assert [record["key"] for record in report["keys"]] == [c.key for c in ref]
+    assert [r["kind"] for r in report["keys"]] == [c.kind for c in ref]
+    # And the other way round, with a divergence at layer 2 and step 1.
+    diverged = factory.write_compiledump(tmp_path / "cd2", factory.perturb(ref, rng, from_layer=2, from_step=1))
+    code, out, _ = run_cli(capsys, "compare", diverged, seed_file, "--json", tmp_path / "r.json")
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert code == 1
+    assert report["prefill_divergence"]["key"] == "layer2_moe_out"
+    assert report["prefill_divergence"]["last_good"] == "layer1"
+    assert report["decode_divergence"]["step"] == 1
+    # A directory holding the seed file works as well.
+    assert run_cli(capsys, "compare", tmp_path / "seed", compiledump_file)[0] == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Unusable input: exit 2, one line, no traceback
+# ----------------------------------------------------------------------------------------------
+
+
+def _malformed_cases(tmp_path: Path) -> dict[str, tuple[Path, Path]]:
+    rng = np.random.default_rng(90)
+    good = factory.write_compiledump(tmp_path / "good", factory.model_captures(rng))
+    truncated = tmp_path / "truncated" / "compiledump_rank0_pid1.npz"
+    truncated.parent.mkdir()
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    not_zip = tmp_path / "notzip.npz"
+    not_zip.write_bytes(os.urandom(300))
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
+    (empty_dir / "notes.txt").write_text("no dumps here")
+    other = tmp_path / "other.npz"
+    np.savez(other, unrelated=rng.standard_normal(4))
+    return {
+        "truncated npz": (good, truncated),
+        "not a zip": (not_zip, good),
+        "directory without dumps": (good, empty_dir),
+        "no common keys": (good, other),
+        "missing file": (good, tmp_path / "does_not_exist.npz"),
+    }
+
+
+def test_malformed_input_exits_2_with_one_line(tmp_path, capsys):
+    for name, (ref, run) in _malformed_cases(tmp_path).items():
+        code, out, err = run_cli(capsys, "compare", ref, run)
+        assert code == 2, name
+        assert len(err) == 1 and err[0].startswith("compiledump: error:"), (name, err)
+        assert out == [], name
+    code, _, err = run_cli(capsys, "inspect", tmp_path / "truncated" / "compiledump_rank0_pid1.npz")
+    assert code == 2 and len(err) == 1 and err[0].startswith("compiledump: error:")
+
+
+def test_malformed_input_through_python_dash_m_has_no_traceback(tmp_path):
+    cases = _malformed_cases(tmp_path)
+    ref, run = cases["truncated npz"]
+    done = subprocess.run([sys.executable, "-m", "compiledump", "compare", str(ref), str(run)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("compiledump: error:")
+    assert "Traceback" not in done.stderr and "truncated" in done.stderr
+
+
+def test_unreadable_member_is_a_problem_not_a_crash(tmp_path):
+    rng = np.random.default_rng(91)
+    captures = factory.model_captures(rng)
+    ref_path = factory.write_compiledump(tmp_path / "ref", captures)
+    run_path = factory.write_compiledump(tmp_path / "run", factory.perturb(captures, rng))
+    # Corrupt one member's .npy magic in place (the zip directory stays intact).
+    with zipfile.ZipFile(run_path) as archive:
+        info = archive.getinfo("layer1.npy")
+    data = bytearray(run_path.read_bytes())
+    start = info.header_offset + 30 + len(info.filename) + int.from_bytes(data[info.header_offset + 28:
+                                                                               info.header_offset + 30], "little")
+    data[start:start + 6] = b"BROKEN"
+    run_path.write_bytes(bytes(data))
+    report = cmp.compare(ref_path, run_path)
+    assert [(p["kind"], p["key"]) for p in report["problems"]] == [("unreadable", "layer1")]
+    assert report["exit_status"] == 0
+
+
+def test_compressed_npz_is_read(tmp_path):
+    rng = np.random.default_rng(92)
+    captures = factory.model_captures(rng)
+    ref_path = factory.write_compiledump(tmp_path / "ref", captures)
+    run_path = tmp_path / "run" / "compiledump_rank0_pid5.npz"
+    run_path.parent.mkdir()
+    run = factory.perturb(captures, rng, from_layer=1)
+    np.savez_compressed(run_path, **{c.key: c.array for c in run})
+    report = cmp.compare(ref_path, run_path)
+    assert report["first_divergence"]["key"] == "layer1_moe_out"
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory: at most two arrays per side alive at once
+# ----------------------------------------------------------------------------------------------
+
+
+def test_at_most_two_arrays_per_side_are_alive(tmp_path, monkeypatch):
+    rng = np.random.default_rng(100)
+    ref = factory.model_captures(rng, layers=5, dim=40_000, steps=4, vocab=50_000)
+    factory.write_compiledump(tmp_path / "ref", ref)
+    factory.write_compiledump(tmp_path / "run", factory.perturb(ref, rng, from_layer=3))
+    live = {"REF": 0, "RUN": 0}
+    peak = {"REF": 0, "RUN": 0}
+    kinds = set()
+    original = cmp.DumpFile.array
+
+    def release(label):
+        live[label] -= 1
+
+    def tracked_with_release(self, key):
+        array = original(self, key)
+        kinds.add(type(array).__name__)
+        live[self.label] += 1
+        peak[self.label] = max(peak[self.label], live[self.label])
+        weakref.finalize(array, release, self.label)
+        return array
+
+    monkeypatch.setattr(cmp.DumpFile, "array", tracked_with_release)
+    report = cmp.compare(tmp_path / "ref", tmp_path / "run")
+    assert report["first_divergence"]["key"] == "layer3_moe_out"
+    assert 1 <= peak["REF"] <= 2 and 1 <= peak["RUN"] <= 2
+    assert "memmap" in kinds  # large members are mapped, not read
+
+
+# ----------------------------------------------------------------------------------------------
+# inspect, plot, module hygiene
+# ----------------------------------------------------------------------------------------------
+
+
+def test_inspect_lists_keys_in_order_with_statistics(tmp_path, capsys):
+    rng = np.random.default_rng(110)
+    captures = factory.model_captures(rng)
+    embed = captures[0].array
+    embed[[2, 7]] = np.nan
+    manifest = factory.manifest_for(captures, drops={"token_gate": 38, "suspended": 1},
+                                    filtered_tags={"layer7_topk": "moe_layers"})
+    manifest["tags"]["layer0"]["drops"] = {"token_gate": 38}
+    path = factory.write_compiledump(tmp_path, captures, shuffle_with=rng, manifest=manifest)
+    code, out, err = run_cli(capsys, "inspect", path, "--json", tmp_path / "i.json")
+    assert code == 0 and not err
+    listing = json.loads((tmp_path / "i.json").read_text())["files"][0]
+    assert [entry["key"] for entry in listing["keys"]] == [c.key for c in captures]
+    first = listing["keys"][0]
+    finite = embed[np.isfinite(embed)].astype(np.float64)
+    assert first["nan"] == 2 and first["inf"] == 0
+    assert first["min"] == pytest.approx(finite.min()) and first["max"] == pytest.approx(finite.max())
+    assert first["mean"] == pytest.approx(finite.mean(), rel=1e-9)
+    assert listing["drops"] == {"token_gate": 38, "suspended": 1}
+    assert listing["config"]["max_steps"] == 256
+    assert any(line.startswith("drops: token_gate=38, suspended=1") for line in out)
+    assert any(line.strip() == "layer0: token_gate=38" for line in out)
+    assert any("filtered tags: layer7_topk (moe_layers)" in line for line in out)
+    assert any(line.startswith("config:") and "max_steps=256" in line for line in out)
+
+
+def test_inspect_seed_style_file_says_so(tmp_path, capsys):
+    rng = np.random.default_rng(111)
+    path = factory.write_seed_style(tmp_path, factory.model_captures(rng))
+    code, out, _ = run_cli(capsys, "inspect", path)
+    assert code == 0 and any("no manifest" in line for line in out)
+    assert out[-1].startswith(f"{len(np.load(path).files)} keys:")
+
+
+def test_plot_is_written_or_clearly_skipped(tmp_path, capsys):
+    ref_path, run_path, _, _ = dump_pair(tmp_path, 120, from_layer=2, from_step=1)
+    png = tmp_path / "plot.png"
+    code, out, err = run_cli(capsys, "compare", ref_path, run_path, "--plot", png)
+    assert code == 1  # the comparison's verdict stands either way
+    if importlib.util.find_spec("matplotlib") is None:
+        assert err == ["compiledump: warning: plot skipped: --plot needs matplotlib: pip install matplotlib "
+                       "(or compiledump[plot])"]
+        assert not png.exists()
+    else:
+        assert not err and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_module_imports_numpy_only():
+    code = ("import importlib.util, sys\n"
+            f"spec = importlib.util.spec_from_file_location('standalone_compare', {str(REPO / 'compiledump' / 'compare.py')!r})\n"
+            "module = importlib.util.module_from_spec(spec); sys.modules[spec.name] = module\n"
+            "spec.loader.exec_module(module)\n"
+            "print(sorted(name for name in ('torch', 'matplotlib', 'triton') if name in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
