@@ -146,6 +146,11 @@ class Session:
     profile_tokens: torch.Tensor  # [P] the engine's dummy profile forward (P != T)
     warmup_rows: int = 8  # a warm-up decode batch this wide is reported to set_rows
 
+    def to(self, device) -> "Session":
+        """The same session with its tensors on `device` (stage inputs before timing or graphs)."""
+        moved = {k: getattr(self, k).to(device) for k in ("prompt", "decode_tokens", "pad_tokens", "pad_state", "profile_tokens")}
+        return Session(**moved, warmup_rows=self.warmup_rows)
+
 
 def make_session(cfg: ModelConfig, prompt_len: int = 7, steps: int = 32, pad_rows: int = 3, seed: int = 1) -> Session:
     """Random but deterministic inputs for `run_session`."""

@@ -1,0 +1,198 @@
+"""GPU check of the capture runtime: CUDA graphs, reduce-overhead, no syncs, same dump as eager.
+
+Run on a machine with a GPU:
+
+    python scripts/gpu_check.py --out gpu_check.json
+
+Phases (each writes its own dump and is compared with the eager one):
+  eager          the built-in model, eager, the engine-like session (reference);
+  cuda_graph     decode step captured once with torch.cuda.graph (warm-up and capture under
+                 profiling(), as engines capture with dummy data) and replayed for every step;
+  reduce_overhead torch.compile(mode="reduce-overhead", fullgraph=True): Inductor's CUDA graph
+                 trees; the run must report zero cudagraph skips;
+and the decode loops of cuda_graph and reduce_overhead run under
+torch.cuda.set_sync_debug_mode("error"). `--device cpu` runs the phases that need no GPU (eager
+and a default-mode compile), so the script itself is tested without one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import compiledump
+from compiledump.model import ModelConfig, TinyMoE, make_session, run_session
+
+PROMPT = 7
+
+
+def _fresh_dump(directory: Path) -> None:
+    torch._dynamo.reset()
+    compiledump.reset()
+    compiledump.configure(dir=str(directory), tokens=PROMPT)
+
+
+def _load(path: str) -> dict:
+    with np.load(path) as data:
+        return {k: data[k] for k in data.files}
+
+
+def compare_dumps(reference: dict, other: dict, rtol: float) -> dict:
+    """Key set equality and the worst relative error over float keys (ids must be equal)."""
+    worst = 0.0
+    mismatched = []
+    for key, want in reference.items():
+        have = other.get(key)
+        if have is None or have.shape != want.shape or have.dtype != want.dtype:
+            mismatched.append(key)
+            continue
+        if want.dtype.kind == "f":
+            scale = max(float(np.abs(want).max()), 1e-30)
+            worst = max(worst, float(np.abs(have.astype(np.float64) - want).max() / scale))
+        elif not np.array_equal(have, want):
+            mismatched.append(key)
+    missing = sorted(set(other) ^ set(reference))
+    ok = not mismatched and not missing and worst <= rtol
+    return {"ok": ok, "keys": len(reference), "max_rel_err": worst, "mismatched": mismatched, "missing": missing}
+
+
+def phase_eager(cfg, session, device, out_dir):
+    _fresh_dump(out_dir / "eager")
+    model = TinyMoE(cfg, dump=compiledump).to(device)
+    start = time.perf_counter()
+    run_session(model, compiledump, session)
+    return compiledump.flush(), {"seconds": time.perf_counter() - start}
+
+
+def phase_compiled(cfg, session, device, out_dir, mode):
+    from torch._dynamo.utils import counters
+
+    _fresh_dump(out_dir / f"compiled_{mode}")
+    model = TinyMoE(cfg, dump=compiledump).to(device)
+    compiled = torch.compile(model, fullgraph=True, mode=None if mode == "default" else mode)
+
+    def forward(*args):
+        # CUDA graph trees reuse output memory on the next replay: keep our own copies.
+        torch.compiler.cudagraph_mark_step_begin()
+        return tuple(t.clone() for t in compiled(*args))
+
+    counters.clear()
+    start = time.perf_counter()
+    sync_debug = device.type == "cuda"
+    run_session(forward, compiledump, session, on_step=_sync_debug_after_first if sync_debug else None)
+    if sync_debug:
+        torch.cuda.set_sync_debug_mode(0)
+    info = {
+        "seconds": time.perf_counter() - start,
+        "unique_graphs": counters["stats"]["unique_graphs"],
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+    }
+    return compiledump.flush(), info
+
+
+def _sync_debug_after_first(step):
+    # The first decode steps compile and record graphs (allowed to sync); from then on, none.
+    if step == 2:
+        torch.cuda.set_sync_debug_mode("error")
+
+
+def phase_cuda_graph(cfg, session, device, out_dir):
+    _fresh_dump(out_dir / "cuda_graph")
+    model = TinyMoE(cfg, dump=compiledump).to(device)
+    with torch.no_grad():
+        compiledump.set_rows(1)
+        _, state = model(session.prompt)
+        with compiledump.profiling():
+            model(session.profile_tokens)
+        batch = 1 + session.pad_tokens.shape[1]
+        tokens = torch.zeros(batch, dtype=torch.long, device=device)
+        static_state = torch.zeros(cfg.layers, batch, cfg.dim, device=device)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), compiledump.profiling():
+            for _ in range(2):  # warm-up: Triton compiles here, never during capture
+                model(tokens, static_state)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with compiledump.profiling(), torch.cuda.graph(graph):
+            logits, new_state = model(tokens, static_state)
+        compiledump.set_rows(session.warmup_rows)  # a wide warm-up replay: record_step skips it
+        graph.replay()
+        state = torch.cat([state, session.pad_state], 1)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        start = time.perf_counter()
+        for step in range(session.decode_tokens.shape[0]):
+            tokens.copy_(torch.cat([session.decode_tokens[step : step + 1], session.pad_tokens[step]]))
+            static_state.copy_(state)
+            compiledump.set_rows(1)
+            graph.replay()
+            state = new_state.clone()
+        torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+    return compiledump.flush(), {"seconds": time.perf_counter() - start, "replays": session.decode_tokens.shape[0] + 1}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--out", default="gpu_check.json", help="full results (JSON)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    cfg = ModelConfig(layers=args.layers, captures_per_layer=4)
+    session = make_session(cfg, prompt_len=PROMPT, steps=args.steps).to(device)
+    results = {"device": str(device), "torch": torch.__version__, "phases": {}}
+    if device.type == "cuda":
+        results["gpu"] = torch.cuda.get_device_name(device)
+        torch.cuda.set_device(device)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out_dir = Path(tmp)
+        reference_path, info = phase_eager(cfg, session, device, out_dir)
+        reference = _load(reference_path)
+        results["phases"]["eager"] = {**info, "ok": True, "keys": len(reference)}
+        phases = [("compiled_default", lambda: phase_compiled(cfg, session, device, out_dir, "default"), 1e-4)]
+        if device.type == "cuda":
+            phases += [
+                ("cuda_graph", lambda: phase_cuda_graph(cfg, session, device, out_dir), 1e-6),
+                ("reduce_overhead", lambda: phase_compiled(cfg, session, device, out_dir, "reduce-overhead"), 1e-4),
+            ]
+        else:
+            for name in ("cuda_graph", "reduce_overhead"):
+                results["phases"][name] = {"ok": None, "skipped": "needs a CUDA device"}
+        for name, run, rtol in phases:
+            try:
+                path, info = run()
+                verdict = compare_dumps(reference, _load(path), rtol)
+                if info.get("cudagraph_skips"):
+                    verdict["ok"] = False
+                results["phases"][name] = {**info, **verdict, "rtol": rtol}
+            except Exception as error:  # noqa: BLE001 - report every phase, then fail
+                torch.cuda.set_sync_debug_mode(0) if device.type == "cuda" else None
+                results["phases"][name] = {"ok": False, "error": f"{type(error).__name__}: {error}"}
+
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"{'phase':<18}{'ok':<6}{'keys':>6}{'max_rel_err':>13}{'graphs':>8}{'cg_skips':>10}{'seconds':>9}  note")
+    for name, r in results["phases"].items():
+        print(
+            f"{name:<18}{str(r.get('ok')):<6}{r.get('keys', ''):>6}"
+            f"{r.get('max_rel_err', float('nan')):>13.2e}{r.get('unique_graphs', ''):>8}"
+            f"{r.get('cudagraph_skips', ''):>10}{r.get('seconds', float('nan')):>9.3f}  "
+            f"{r.get('error', r.get('skipped', ''))}"
+        )
+    failed = [n for n, r in results["phases"].items() if r.get("ok") is False]
+    print("FAILED: " + ", ".join(failed) if failed else "all phases ok")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""The GPU check script (acceptance 8) runs its CPU-checkable phases here, so it cannot rot."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cpu_phases_pass(tmp_path, dump_dir):
+    out = tmp_path / "result.json"
+    assert _load().main(["--device", "cpu", "--steps", "3", "--layers", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["phases"]["eager"]["ok"] is True
+    assert result["phases"]["compiled_default"]["ok"] is True
+    assert result["phases"]["compiled_default"]["max_rel_err"] < 1e-4
+    assert result["phases"]["cuda_graph"]["skipped"] == "needs a CUDA device"
+
+
+def test_compare_dumps_detects_differences():
+    compare = _load().compare_dumps
+    g = np.random.default_rng(0)
+    ref = {"a": g.standard_normal(5).astype(np.float32), "ids": np.arange(4, dtype=np.int32)}
+    assert compare(ref, dict(ref), 1e-6)["ok"]
+    assert not compare(ref, {**ref, "a": ref["a"] * 1.01}, 1e-4)["ok"]
+    assert compare(ref, {"a": ref["a"]}, 1e-6)["missing"] == ["ids"]
+    assert compare(ref, {**ref, "ids": ref["ids"][::-1].copy()}, 1e-6)["mismatched"] == ["ids"]
