@@ -281,6 +281,29 @@ def test_thresholds_and_last_matching_override(tmp_path, capsys):
     assert code == 2 and any("bad regex" in line for line in err)
 
 
+def test_threshold_is_a_strict_upper_bound_on_rel_diff(tmp_path):
+    ref_path, run_path, _, _ = dump_pair(tmp_path, 51, from_layer=3)
+    a = np.load(ref_path)["layer3_moe_out"].astype(np.float64)
+    b = np.load(run_path)["layer3_moe_out"].astype(np.float64)
+    value = 1 - 2 * a.dot(b) / (a.dot(a) + b.dot(b))
+    above = cmp.compare(ref_path, run_path, cmp.CompareOptions(threshold=value * 0.999))
+    assert above["first_divergence"]["key"] == "layer3_moe_out"
+    below = cmp.compare(ref_path, run_path, cmp.CompareOptions(threshold=value * 1.001))
+    assert below["first_divergence"]["key"] != "layer3_moe_out"
+    assert below["first_divergence"]["last_good"] == "layer3_moe_out"
+
+
+def test_zero_vectors_have_defined_metrics():
+    rng = np.random.default_rng(52)
+    x = rng.standard_normal(64)
+    both_zero = cmp.compare_float_arrays(np.zeros(64), np.zeros(64))
+    assert (both_zero["rel_diff"], both_zero["cosine"], both_zero["rel_l2"]) == (0.0, 1.0, 0.0)
+    one_zero = cmp.compare_float_arrays(np.zeros(64), x)
+    assert one_zero["rel_diff"] == pytest.approx(1.0) and one_zero["cosine"] is None and one_zero["rel_l2"] is None
+    opposite = cmp.compare_float_arrays(x, -x)
+    assert opposite["rel_diff"] == pytest.approx(2.0) and opposite["cosine"] == pytest.approx(-1.0)
+
+
 def test_missing_extra_shape_and_dtype_mismatches_are_listed_not_fatal(tmp_path, capsys):
     rng = np.random.default_rng(60)
     ref = factory.model_captures(rng)
