@@ -132,6 +132,11 @@ class Runtime:
             )
         if reason or index == 0:
             return L.slot_base(index), -1, 0, reason
+        tokens = self.config.tokens
+        if tokens and kind in (L.KIND_RECORD, L.KIND_IDS) and x.dim() > 0 and x.shape[0] != tokens:
+            # Shape-derived, so fixed for a captured graph: decided here rather than while
+            # tracing, where comparing a dynamic token dim would specialize the graph on it.
+            return L.slot_base(index), -1, 0, L.CNT_TOKEN_GATE
         payload = payload_shape(tuple(x.shape), kind)
         if slot.payload_shape is None:
             with self.lock:

@@ -235,8 +235,7 @@ def record(tag: str, tensor: torch.Tensor, once: bool = False) -> None:
     if not _STATE.config.active:
         return
     _check_tensor(tensor, "record")
-    kind = L.KIND_RECORD_ONCE if once else L.KIND_RECORD
-    _capture(tag, tensor, kind, not once and _token_gated(tensor), True)
+    _capture(tag, tensor, L.KIND_RECORD_ONCE if once else L.KIND_RECORD, True)
 
 
 def record_step(tag: str, tensor: torch.Tensor) -> None:
@@ -249,7 +248,7 @@ def record_step(tag: str, tensor: torch.Tensor) -> None:
     if not _STATE.config.active:
         return
     _check_tensor(tensor, "record_step")
-    _capture(tag, tensor, L.KIND_STEP, False, False)
+    _capture(tag, tensor, L.KIND_STEP, False)
 
 
 def record_ids(tag: str, tensor: torch.Tensor) -> None:
@@ -262,7 +261,7 @@ def record_ids(tag: str, tensor: torch.Tensor) -> None:
     _check_tensor(tensor, "record_ids")
     if tensor.is_floating_point():
         raise TypeError(f"compiledump.record_ids({tag!r}): expected an integer tensor, got {tensor.dtype}")
-    _capture(tag, tensor, L.KIND_IDS, _token_gated(tensor), True)
+    _capture(tag, tensor, L.KIND_IDS, True)
 
 
 def _check_tensor(tensor, call: str) -> None:
@@ -274,18 +273,8 @@ def _check_tensor(tensor, call: str) -> None:
         raise ValueError(f"compiledump.{call}: empty tensor of shape {tuple(tensor.shape)}")
 
 
-def _token_gated(tensor: torch.Tensor) -> bool:
-    tokens = _STATE.config.tokens
-    if tokens > 0 and tensor.dim() > 0:
-        # An `if`, not a returned expression: with a dynamic token dim the comparison is
-        # symbolic, and branching on it makes dynamo guard and hand back a plain bool.
-        if tensor.shape[0] != tokens:
-            return True
-    return False
-
-
-def _capture(tag: str, tensor: torch.Tensor, kind: int, gated: bool, moe_filtered: bool) -> None:
-    slot, reason = _plan(tag, kind, gated, moe_filtered, str(tensor.device))
+def _capture(tag: str, tensor: torch.Tensor, kind: int, moe_filtered: bool) -> None:
+    slot, reason = _plan(tag, kind, moe_filtered, str(tensor.device))
     if slot < 0:
         return
     rt = _arena.ACTIVE
@@ -293,15 +282,16 @@ def _capture(tag: str, tensor: torch.Tensor, kind: int, gated: bool, moe_filtere
 
 
 @torch.compiler.assume_constant_result
-def _plan(tag: str, kind: int, gated: bool, moe_filtered: bool, device: str) -> tuple[int, int]:
+def _plan(tag: str, kind: int, moe_filtered: bool, device: str) -> tuple[int, int]:
     """Host decisions for one capture site: (slot, drop reason decided on the host).
 
     Returns slot -1 when the tag is filtered out (MoE layer filter): no op is emitted at all.
     Pure in its arguments once the registry has seen them (the registry only grows), which is
     what makes it safe for dynamo to treat the result as a constant. Shapes are deliberately
-    not arguments: the arena region is claimed when the op first runs, from the real tensor.
+    not arguments: the token gate and the arena region are decided when the op runs, from the
+    real tensor, so a dynamic token dim is never guarded or specialized.
     """
-    key = (tag, kind, gated, moe_filtered, device)
+    key = (tag, kind, moe_filtered, device)
     plan = _STATE.plans.get(key)
     if plan is None:
         with _STATE.lock:
@@ -310,7 +300,7 @@ def _plan(tag: str, kind: int, gated: bool, moe_filtered: bool, device: str) -> 
     return plan
 
 
-def _make_plan(tag, kind, gated, moe_filtered, device):
+def _make_plan(tag, kind, moe_filtered, device):
     if not isinstance(tag, str) or not _TAG_PATTERN.fullmatch(tag):
         raise ValueError(
             f"compiledump: invalid tag {tag!r}: use 1-200 characters from [A-Za-z0-9_.-] "
@@ -322,7 +312,7 @@ def _make_plan(tag, kind, gated, moe_filtered, device):
     slot = _runtime_for(torch.device(device), tag).slot_for(tag, kind)
     if slot.index == 0:
         return (0, L.CNT_TAG_TABLE_FULL)
-    return (slot.index, L.CNT_TOKEN_GATE if gated else 0)
+    return (slot.index, 0)
 
 
 def _runtime_for(device: torch.device, tag: str) -> Runtime:

@@ -41,7 +41,7 @@ def _int_samples():
 
 
 def _slot(tag, kind):
-    slot, reason = runtime._plan(tag, kind, False, False, "cpu")
+    slot, reason = runtime._plan(tag, kind, False, "cpu")
     assert reason == 0
     return slot
 
