@@ -164,24 +164,26 @@ def make_session(cfg: ModelConfig, prompt_len: int = 7, steps: int = 32, pad_row
     )
 
 
-def run_session(forward, dump, session: Session, device="cpu", on_step=None):
+def run_session(forward, dump, session: Session, device="cpu", on_step=None, engine: bool = True):
     """Drive `forward` (the model or its compiled form) the way an engine does.
 
-    1. prefill of the prompt; 2. the profile run under `dump.profiling()`; 3. one warm-up decode
-    of `warmup_rows` rows, reported through `set_rows` (so `record_step` must skip it); 4. the
-    decode steps over a padded batch: row 0 is the real request, the rest padding, and the
-    sampler reports one real row. Returns the real request's logits per decode step.
+    1. prefill of the prompt; 2. (engine only) the profile run under `dump.profiling()`;
+    3. (engine only) one warm-up decode of `warmup_rows` rows, reported through `set_rows` (so
+    `record_step` must skip it); 4. the decode steps: row 0 is the real request, the rest
+    padding (none for a reference session), and the sampler reports one real row.
+    Returns the real request's logits per decode step.
     """
     dev = torch.device(device)
     with torch.no_grad():
         dump.set_rows(1)
         _, state = forward(session.prompt.to(dev))
-        with dump.profiling():
-            forward(session.profile_tokens.to(dev))
-        rows = session.warmup_rows
-        warm_state = torch.zeros(state.shape[0], rows, state.shape[-1], device=dev, dtype=state.dtype)
-        dump.set_rows(rows)
-        forward(torch.zeros(rows, dtype=torch.long, device=dev), warm_state)
+        if engine:
+            with dump.profiling():
+                forward(session.profile_tokens.to(dev))
+            rows = session.warmup_rows
+            warm_state = torch.zeros(state.shape[0], rows, state.shape[-1], device=dev, dtype=state.dtype)
+            dump.set_rows(rows)
+            forward(torch.zeros(rows, dtype=torch.long, device=dev), warm_state)
         state = torch.cat([state, session.pad_state.to(dev, state.dtype)], 1)
         out = []
         for step in range(session.decode_tokens.shape[0]):
@@ -189,6 +191,48 @@ def run_session(forward, dump, session: Session, device="cpu", on_step=None):
             dump.set_rows(1)
             logits, state = forward(tokens, state)
             out.append(logits[0])
+            if on_step is not None:
+                on_step(step)
+        return torch.stack(out)
+
+
+def run_session_cuda_graph(forward, dump, session: Session, on_step=None):
+    """`run_session` with the decode step captured once in a `torch.cuda.graph` and replayed.
+
+    As vLLM/SGLang do: static input buffers, warm-up on a side stream and capture with dummy
+    data, both under `dump.profiling()` (capture must be recorded but write nothing); then every
+    step copies its inputs into the buffers, reports its rows outside the graph, and replays.
+    `session` must already be on the CUDA device. Returns the real request's logits per step.
+    """
+    dev = session.prompt.device
+    with torch.no_grad():
+        dump.set_rows(1)
+        _, state = forward(session.prompt)
+        with dump.profiling():
+            forward(session.profile_tokens)
+        batch = 1 + session.pad_tokens.shape[1]
+        tokens = torch.zeros(batch, dtype=torch.long, device=dev)
+        static_state = torch.zeros(state.shape[0], batch, state.shape[-1], device=dev, dtype=state.dtype)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), dump.profiling():
+            for _ in range(2):  # warm-up: kernels compile here, never during capture
+                forward(tokens, static_state)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with dump.profiling(), torch.cuda.graph(graph):
+            logits, new_state = forward(tokens, static_state)
+        dump.set_rows(session.warmup_rows)  # a wide warm-up replay: record_step must skip it
+        graph.replay()
+        state = torch.cat([state, session.pad_state.to(state.dtype)], 1)
+        out = []
+        for step in range(session.decode_tokens.shape[0]):
+            tokens.copy_(torch.cat([session.decode_tokens[step : step + 1], session.pad_tokens[step]]))
+            static_state.copy_(state)
+            dump.set_rows(1)
+            graph.replay()
+            state = new_state.clone()
+            out.append(logits[0].clone())
             if on_step is not None:
                 on_step(step)
         return torch.stack(out)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 import compiledump
-from compiledump.model import ModelConfig, TinyMoE, make_session, run_session
+from compiledump.model import ModelConfig, TinyMoE, make_session, run_session, run_session_cuda_graph
 
 PROMPT = 7
 
@@ -106,37 +106,10 @@ def _sync_debug_after_first(step):
 def phase_cuda_graph(cfg, session, device, out_dir):
     _fresh_dump(out_dir / "cuda_graph")
     model = TinyMoE(cfg, dump=compiledump).to(device)
-    with torch.no_grad():
-        compiledump.set_rows(1)
-        _, state = model(session.prompt)
-        with compiledump.profiling():
-            model(session.profile_tokens)
-        batch = 1 + session.pad_tokens.shape[1]
-        tokens = torch.zeros(batch, dtype=torch.long, device=device)
-        static_state = torch.zeros(cfg.layers, batch, cfg.dim, device=device)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), compiledump.profiling():
-            for _ in range(2):  # warm-up: Triton compiles here, never during capture
-                model(tokens, static_state)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with compiledump.profiling(), torch.cuda.graph(graph):
-            logits, new_state = model(tokens, static_state)
-        compiledump.set_rows(session.warmup_rows)  # a wide warm-up replay: record_step skips it
-        graph.replay()
-        state = torch.cat([state, session.pad_state], 1)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        start = time.perf_counter()
-        for step in range(session.decode_tokens.shape[0]):
-            tokens.copy_(torch.cat([session.decode_tokens[step : step + 1], session.pad_tokens[step]]))
-            static_state.copy_(state)
-            compiledump.set_rows(1)
-            graph.replay()
-            state = new_state.clone()
-        torch.cuda.set_sync_debug_mode(0)
-        torch.cuda.synchronize()
+    start = time.perf_counter()
+    run_session_cuda_graph(model, compiledump, session, on_step=_sync_debug_after_first)
+    torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
     return compiledump.flush(), {"seconds": time.perf_counter() - start, "replays": session.decode_tokens.shape[0] + 1}
 
 
