@@ -15,6 +15,7 @@ child that only imports the package; does the same with compare.py loaded alone 
 without the package ``__init__``); and checks that the report names layer 60 and step 199.
 
 Usage: python benchmarks/bench_compare.py [--steps 256] [--vocab 129280] [--layers 100] [--dim 7168]
+       python benchmarks/bench_compare.py --calibrate   # the bf16 noise measurement of docs/compare.md
 """
 
 from __future__ import annotations
@@ -135,6 +136,93 @@ def timed_child(code: str, args: list[str], hwm_file: Path) -> tuple[float, floa
     return wall, int(hwm_file.read_text()) / 1024, done.returncode
 
 
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """Round to bfloat16 (nearest even) and return as float64."""
+    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
+    return bits.view(np.float32).astype(np.float64)
+
+
+def calibrate(tokens: int = 64, seed: int = 0) -> None:
+    """The measurement behind the default threshold and near-tie epsilon (docs/compare.md).
+
+    A toy 61-layer residual MoE (dim 1024, 16 experts of hidden 512, top-4, RMSNorm, SiLU) run in
+    float64 and with bf16 emulated (weights, and every activation after a matmul, nonlinearity or
+    residual add, rounded to bf16). Prints the per-token rel_diff of the residual stream by layer,
+    with routing forced to the reference's (pure rounding noise) and free (routing flips), the
+    effect of two bugs, and the logit margin change through a bf16 lm_head.
+    """
+    rng = np.random.default_rng(seed)
+    dim, hidden, layers, experts, topk, vocab = 1024, 512, 61, 16, 4, 32000
+
+    def rel_diff(x, y):
+        return ((x - y) ** 2).sum(-1) / ((x * x).sum(-1) + (y * y).sum(-1))
+
+    def rmsnorm(h):
+        return h / np.sqrt((h * h).mean(-1, keepdims=True) + 1e-6)
+
+    weights = [(rng.standard_normal((experts, dim, hidden)) / np.sqrt(dim),
+                rng.standard_normal((experts, hidden, dim)) / np.sqrt(hidden) * 0.5,
+                rng.standard_normal((dim, experts)) / np.sqrt(dim)) for _ in range(layers)]
+    weights_bf16 = [tuple(_bf16(w) for w in layer) for layer in weights]
+
+    def forward(h, low, forced=None, bug=None):
+        rnd = _bf16 if low else (lambda a: a)
+        states, routes = [], []
+        h = rnd(h)
+        for index in range(layers):
+            up, down, router = (weights_bf16 if low else weights)[index]
+            x = rnd(rmsnorm(h))
+            scores = x @ router
+            top = np.argsort(-scores, axis=-1)[:, :topk] if forced is None else forced[index]
+            gate = np.take_along_axis(scores, top, -1)
+            gate = np.exp(gate - gate.max(-1, keepdims=True))
+            gate /= gate.sum(-1, keepdims=True)
+            out = np.zeros_like(h)
+            for expert in range(experts):
+                rows, slots = np.nonzero(top == expert)
+                if bug == ("drop_expert", index):
+                    keep = slots != topk - 1
+                    rows, slots = rows[keep], slots[keep]
+                if len(rows):
+                    act = rnd(x[rows] @ up[expert])
+                    y = rnd(rnd(act / (1 + np.exp(-act))) @ down[expert])
+                    np.add.at(out, rows, gate[rows, slots][:, None] * y)
+            if bug == ("scale", index):
+                out *= 1.05
+            h = rnd(h + rnd(out))
+            states.append(h.copy())
+            routes.append(top)
+        return states, routes
+
+    h0 = rng.standard_normal((tokens, dim))
+    ref, ref_routes = forward(h0, False)
+    free, free_routes = forward(h0, True)
+    forced, _ = forward(h0, True, forced=ref_routes)
+    print(f"per-token rel_diff of the residual stream, bf16-emulated vs float64 ({tokens} tokens: median / max)")
+    print("layer   routing forced        routing free          top-k sets differ")
+    for index in range(0, layers, 10):
+        a, b = rel_diff(ref[index], forced[index]), rel_diff(ref[index], free[index])
+        changed = np.mean(np.any(np.sort(ref_routes[index], -1) != np.sort(free_routes[index], -1), -1))
+        print(f"{index:5d}   {np.median(a):.1e} / {a.max():.1e}     {np.median(b):.1e} / {b.max():.1e}     "
+              f"{changed:.0%}")
+    vector = rng.standard_normal(7168)
+    print(f"one bf16 rounding of a 7168-vector: {rel_diff(vector, _bf16(vector)):.1e}")
+    for bug in (("drop_expert", 20), ("scale", 20)):
+        buggy, _ = forward(h0, False, forced=ref_routes, bug=bug)
+        print(f"float64 bug {bug[0]} at layer 20: rel_diff median {np.median(rel_diff(ref[20], buggy[20])):.1e} "
+              f"at layer 20, {np.median(rel_diff(ref[-1], buggy[-1])):.1e} at the last layer")
+    head = rng.standard_normal((dim, vocab)) / np.sqrt(dim) * 3.0
+    logits_ref = rmsnorm(ref[-1]) @ head
+    logits_low = _bf16(_bf16(rmsnorm(forced[-1])) @ _bf16(head))
+    ordered_ref, ordered_low = np.sort(logits_ref, -1), np.sort(logits_low, -1)
+    margin_ref = ordered_ref[:, -1] - ordered_ref[:, -2]
+    change = np.abs((ordered_low[:, -1] - ordered_low[:, -2]) - margin_ref)
+    print(f"lm_head (vocab {vocab}, logit std 3, median top-1 {np.median(ordered_ref[:, -1]):.1f}): per-logit diff rms "
+          f"{np.sqrt(((logits_low - logits_ref) ** 2).mean()):.3f}; |margin change| median {np.median(change):.3f}, "
+          f"max {change.max():.3f}; argmax flips {(logits_ref.argmax(-1) != logits_low.argmax(-1)).sum()}/{tokens}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=100)
@@ -142,7 +230,12 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=129280)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--calibrate", action="store_true",
+                        help="instead, run the bf16-noise measurement behind the default threshold (~1.5 min)")
     args = parser.parse_args()
+    if args.calibrate:
+        calibrate()
+        return 0
     diverge_layer, diverge_step = int(args.layers * 0.6), int(args.steps * 0.78)
     with tempfile.TemporaryDirectory(prefix="compiledump_bench_") as tmp:
         directory = Path(tmp)

@@ -1035,8 +1035,8 @@ def format_report(report: dict, table: str = "all") -> list[str]:
     lines: list[str] = []
     many = len(report["pairs"]) > 1
     for pair in report["pairs"]:
-        lines.append(f"== rank {pair['rank']}: REF {pair['ref']}  vs  RUN {pair['run']}  "
-                     f"(threshold {report['threshold']:.1e})")
+        rank = f"rank {pair['rank']}: " if pair["rank"] != "?" else ""
+        lines.append(f"== {rank}REF {pair['ref']}  vs  RUN {pair['run']}  (threshold {report['threshold']:.1e})")
         records = [record for record in report["keys"] if record["rank"] == pair["rank"]]
         if table == "divergent":
             records = [record for record in records if record["divergent"] or record["status"] == "skipped"]
@@ -1070,7 +1070,8 @@ def format_report(report: dict, table: str = "all") -> list[str]:
         )
     prefill, decode = report["prefill_divergence"], report["decode_divergence"]
     if prefill is not None:
-        lines.append(f"prefill: first divergent layer {_fmt(prefill['layer'], 'd')}: {describe_divergence(prefill)}; "
+        what = f"layer {prefill['layer']}" if prefill["layer"] is not None else "key"
+        lines.append(f"prefill: first divergent {what}: {describe_divergence(prefill)}; "
                      f"last good: {prefill['last_good'] or 'none (first prefill key)'}")
     if decode is not None:
         lines.append(f"decode: first divergent step {decode['step']}: {describe_divergence(decode)}; "
@@ -1126,6 +1127,9 @@ def write_plot(report: dict, path: str | Path) -> None:
             bad = [(index, value) for index, (record, value) in enumerate(zip(records, values)) if record["divergent"]]
             if bad:
                 top.scatter(*zip(*bad), color="red", zorder=3)
+            first_bad = next((index for index, record in enumerate(records) if record["divergent"]), None)
+            if first_bad is not None:
+                top.axvline(first_bad, color="red", linestyle="--", linewidth=0.8)
             ticks = [(index, str(record["layer"])) for index, record in enumerate(records)
                      if record["layer"] is not None and (index == 0 or records[index - 1]["layer"] != record["layer"])]
             if ticks and len(report["pairs"]) == 1:
@@ -1141,6 +1145,9 @@ def write_plot(report: dict, path: str | Path) -> None:
                 bottom.plot(xs, [record["margin_ref"] for record in tagged], label=f"REF {tag} rank {rank}")
                 bottom.plot(xs, [record["margin_run"] for record in tagged], linestyle="--",
                             label=f"RUN {tag} rank {rank}")
+                diverged = next((record["step"] for record in tagged if record["divergent"]), None)
+                if diverged is not None:
+                    bottom.axvline(diverged, color="red", linestyle="--", linewidth=0.8)
                 flips = [(record["step"], record["margin_ref"]) for record in tagged if not record["argmax_equal"]]
                 if flips:
                     bottom.scatter(*zip(*flips), color="red", marker="x", zorder=3, label="argmax flip")
@@ -1153,10 +1160,11 @@ def write_plot(report: dict, path: str | Path) -> None:
     bottom.set_ylabel("margin")
     if bottom.lines:
         bottom.legend(loc="upper right", fontsize="small")
-    first = report["first_divergence"]
-    figure.suptitle(final_line(report)[:140], fontsize="small")
-    if first is not None:
-        figure.text(0.01, 0.01, f"first divergence: {first['key']}", fontsize="small")
-    figure.tight_layout(rect=(0, 0.02, 1, 0.97))
+    first, cause = report["first_divergence"], report["root_cause"]
+    title = "no divergence" if first is None else f"first divergence: {first['key']}{_where(first)}"
+    if cause is not None:
+        title += f"; likely root cause: {cause['key']} ids differ"
+    figure.suptitle(title, fontsize="medium")
+    figure.tight_layout(rect=(0, 0, 1, 0.97))
     figure.savefig(path, dpi=100)
     plt.close(figure)
