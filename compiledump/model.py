@@ -27,6 +27,9 @@ def _no_op(*_args, **_kwargs) -> None:
 NO_DUMP = types.SimpleNamespace(record=_no_op, record_step=_no_op, record_ids=_no_op, set_rows=_no_op)
 
 
+BUGS = ("dropped_hc", "routed_scale")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Sizes of the built-in model. `bug_layer` >= 0 injects a realistic bug in that layer."""
@@ -40,8 +43,14 @@ class ModelConfig:
     ffn: int = 96
     seed: int = 0
     captures_per_layer: int = 3  # hidden state, expert ids, MoE output (1..4; 4 adds the mixer)
-    bug_layer: int = -1
-    bug: str = "expert_scale"  # or "dropped_hc": how the bug at bug_layer breaks the layer
+    bug_layer: int = -1  # dropped_hc: hc stream 1 loses this layer's update; routed_scale: MoE output x1.5
+    bug: str = "dropped_hc"  # or "routed_scale": how the bug at bug_layer breaks the layer
+
+    def __post_init__(self):
+        if self.bug not in BUGS:
+            raise ValueError(f"unknown bug {self.bug!r}; choose from {BUGS}")
+        if not 1 <= self.captures_per_layer <= 4:
+            raise ValueError("captures_per_layer must be 1..4")
 
 
 class TinyMoE(nn.Module):
@@ -86,10 +95,11 @@ class TinyMoE(nn.Module):
         # Dense over experts, then gather the chosen ones: shape-static, compile-friendly.
         hidden = torch.nn.functional.silu(torch.einsum("nd,edf->nef", h, self.w_in[i]))
         outs = torch.einsum("nef,efd->ned", hidden, self.w_out[i])
-        if i == cfg.bug_layer and cfg.bug == "expert_scale":
-            outs = outs * torch.where(torch.arange(cfg.experts, device=h.device) == 0, 1.5, 1.0)[:, None].to(h.dtype)
         chosen = torch.gather(outs, 1, ids[:, :, None].expand(-1, -1, outs.shape[-1]))
-        return (chosen * weights[:, :, None]).sum(1)
+        out = (chosen * weights[:, :, None]).sum(1)
+        if i == cfg.bug_layer and cfg.bug == "routed_scale":
+            out = out * 1.5  # a routed scaling factor applied where the reference has none
+        return out
 
     def forward(self, tokens: torch.Tensor, state: torch.Tensor | None = None):
         cfg = self.cfg
