@@ -1024,7 +1024,7 @@ def format_table(records: list[dict]) -> list[str]:
             f"{mark} {record['key']:<{width}} {_fmt(record['layer'], 'd'):>5} {_fmt(record['step'], 'd'):>5} "
             f"{shape:<14} {_fmt(record.get('rel_diff'), '.3e'):>10} {_fmt(record.get('cosine'), '.6f'):>10} "
             f"{_fmt(record.get('max_abs'), '.3e'):>10} {_fmt(record.get('mean_abs'), '.3e'):>10} "
-            f"{_fmt(record.get('rel_l2'), '.2e'):>9} {nan:>7} {inf:>7}  {_note_for(record)}"
+            f"{_fmt(record.get('rel_l2'), '.2e'):>9} {nan:>7} {inf:>7}  {_note_for(record)}".rstrip()
         )
     return lines
 
