@@ -263,14 +263,6 @@ class DumpFile:
         return np.memmap(self.path, dtype=member.dtype, mode="r", offset=member.data_offset,
                          shape=member.shape, order=order)
 
-    @property
-    def rank(self) -> str | None:
-        """Rank label from the manifest, else from the file name, else None."""
-        if self.manifest is not None and self.manifest.get("rank") is not None:
-            return str(self.manifest["rank"])
-        match = _DUMP_NAME_RE.match(self.path.name)
-        return match.group("rank") if match else None
-
 
 def _info_from_manifest(key: str, entry: Any) -> KeyInfo | None:
     if not isinstance(entry, dict) or entry.get("kind") not in _KINDS:

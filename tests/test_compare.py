@@ -184,6 +184,19 @@ def test_table_marks_exactly_the_divergent_rows(tmp_path, capsys):
     assert code == 1 and marked == floats_after
 
 
+def test_table_option_selects_rows(tmp_path, capsys):
+    ref_path, run_path, ref, _ = dump_pair(tmp_path, 22, from_layer=5)
+    _, full, _ = run_cli(capsys, "compare", ref_path, run_path)
+    _, divergent, _ = run_cli(capsys, "compare", ref_path, run_path, "--table", "divergent")
+    _, none, _ = run_cli(capsys, "compare", ref_path, run_path, "--table", "none")
+    rows = lambda lines: [line[2:].split()[0] for line in lines  # noqa: E731
+                          if line[:2] in ("! ", "  ", "? ") and len(line.split()) > 5 and line.split()[0] != "key"]
+    assert rows(full) == [c.key for c in ref]
+    assert rows(divergent) == ["layer5_moe_out", "layer5", "final_norm", "logits"]
+    assert rows(none) == []
+    assert full[-1] == divergent[-1] == none[-1]
+
+
 def test_argmax_flip_with_tiny_reference_margin_is_a_near_tie(tmp_path, capsys):
     rng = np.random.default_rng(30)
     ref = factory.model_captures(rng, steps=6)
@@ -624,6 +637,16 @@ def test_inspect_lists_keys_in_order_with_statistics(tmp_path, capsys):
     assert any(line.strip() == "layer0: token_gate=38" for line in out)
     assert any("filtered tags: layer7_topk (moe_layers)" in line for line in out)
     assert any(line.startswith("config:") and "max_steps=256" in line for line in out)
+
+
+def test_inspect_a_directory_lists_every_rank(tmp_path, capsys):
+    rng = np.random.default_rng(112)
+    for rank in (1, 0):
+        factory.write_compiledump(tmp_path, factory.model_captures(rng), rank=rank, pid=10 + rank)
+    code, out, _ = run_cli(capsys, "inspect", tmp_path)
+    headers = [line for line in out if line.startswith("== ")]
+    assert code == 0 and [Path(line[3:]).name for line in headers] == ["compiledump_rank0_pid10.npz",
+                                                                      "compiledump_rank1_pid11.npz"]
 
 
 def test_inspect_seed_style_file_says_so(tmp_path, capsys):
