@@ -2,29 +2,14 @@
 
 Capture calls (`record`, `record_step`, `record_ids`) are no-ops unless `COMPILEDUMP_DIR` is set
 (or `configure(dir=...)` is called). See the README for the settings and the file format.
+
+The capture API is imported on first use, so `compiledump compare` and `compiledump inspect`
+(numpy only) start without importing torch.
 """
 
 __version__ = "0.1.0"
 
-from .config import Config
-from .runtime import (
-    configure,
-    dump_stem,
-    enabled,
-    flush,
-    get_config,
-    init,
-    profiling,
-    record,
-    record_ids,
-    record_step,
-    reset,
-    set_gather_rows,
-    set_rows,
-)
-
-__all__ = [
-    "Config",
+_RUNTIME_API = (
     "configure",
     "dump_stem",
     "enabled",
@@ -38,4 +23,25 @@ __all__ = [
     "reset",
     "set_gather_rows",
     "set_rows",
-]
+)
+__all__ = ["Config", *_RUNTIME_API]
+
+
+def __getattr__(name):
+    # Resolved once, then stored as a plain module attribute (also when first reached while
+    # dynamo traces a model: it resolves module attributes by running this).
+    if name in _RUNTIME_API:
+        from . import runtime
+
+        globals().update({api: getattr(runtime, api) for api in _RUNTIME_API})
+        return globals()[name]
+    if name == "Config":
+        from .config import Config
+
+        globals()["Config"] = Config
+        return Config
+    raise AttributeError(f"module 'compiledump' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

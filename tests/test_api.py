@@ -237,3 +237,10 @@ def test_inference_mode_first_capture(dump_dir):
     with compiledump.profiling():  # host writes outside inference mode still work
         pass
     assert compiledump.flush() is not None
+
+
+def test_cli_starts_without_torch():
+    """`compiledump compare/inspect` need numpy only: the package imports the capture API lazily."""
+    code = "import sys, compiledump.cli, compiledump.compare, compiledump.inspect; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "False"
