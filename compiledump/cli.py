@@ -1,8 +1,9 @@
-"""Command line: ``compiledump compare REF RUN`` and ``compiledump inspect FILE``.
+"""Command line: ``compiledump demo``, ``compiledump compare REF RUN`` and ``compiledump inspect FILE``.
 
 Each subcommand has its own ``_add_<name>_parser`` function that registers its arguments and
 the function that runs it; adding a subcommand means adding one such function and one call in
-:func:`build_parser`. Nothing here imports torch: the commands only need numpy.
+:func:`build_parser`. Nothing here imports torch at module level: compare and inspect only need
+numpy; demo imports torch when it runs.
 """
 
 from __future__ import annotations
@@ -141,11 +142,65 @@ def _run_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = _non_negative_int(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return value
+
+
+def _add_demo_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="run the built-in model as an engine and as a reference, and compare the dumps",
+        description="Run the built-in hc_mult MoE model twice, as a reference (eager, float32, batch of 1) "
+                    "and as an engine (torch.compile(fullgraph=True), padded decode batch; on CUDA bf16 "
+                    "and CUDA graphs), dump both with compiledump and compare them. Exit status: the "
+                    "comparator's (0 no divergence, 1 divergence).",
+    )
+    parser.add_argument("--layers", type=_positive_int, default=6, help="layers of the model (default 6)")
+    parser.add_argument("--steps", type=_positive_int, default=16, help="decode steps (default 16)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    parser.add_argument("--graphs", choices=("cuda-graph", "reduce-overhead", "none"), default=None,
+                        help="CUDA graphs for the engine's decode step: torch.cuda.graph around the compiled "
+                             "step, or Inductor's reduce-overhead mode (default cuda-graph on CUDA, none on CPU)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="engine dtype (default bfloat16 on CUDA, float32 on CPU); the reference is float32")
+    parser.add_argument("--inject-bug", type=_non_negative_int, default=None, metavar="LAYER",
+                        help="break this layer of the engine side; the report should name it")
+    parser.add_argument("--bug", choices=("dropped_hc", "routed_scale"), default="dropped_hc",
+                        help="the injected bug: an hc stream loses the layer's update (default), or the "
+                             "MoE output gets a wrong scale")
+    parser.add_argument("--out", metavar="DIR", help="where the dumps go (default: a new temporary directory)")
+    parser.set_defaults(func=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    def log(line: str) -> None:
+        _emit([line])
+
+    return run_demo(layers=args.layers, steps=args.steps, device=args.device, inject_bug=args.inject_bug,
+                    bug=args.bug, graphs=args.graphs, out=args.out, dtype=args.dtype, log=log)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``compiledump`` argument parser with every subcommand registered."""
     parser = argparse.ArgumentParser(prog="compiledump",
                                      description="Layer dumps that survive torch.compile and CUDA graphs.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_demo_parser(subparsers)
     _add_compare_parser(subparsers)
     _add_inspect_parser(subparsers)
     return parser
@@ -154,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``compiledump`` console script; returns the exit status."""
     from .compare import DumpError
+    from .demo import DemoError
 
     parser = build_parser()
     try:
@@ -163,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     command: Callable[[argparse.Namespace], int] = args.func
     try:
         return command(args)
-    except DumpError as exc:
+    except (DumpError, DemoError) as exc:
         return _error(str(exc))
     except KeyboardInterrupt:
         return 130

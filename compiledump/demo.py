@@ -22,6 +22,10 @@ PROMPT_LEN = 7
 PAD_ROWS = 3
 
 
+class DemoError(Exception):
+    """Bad demo options (reported by the CLI as one line, exit status 2)."""
+
+
 def _start_dump(directory: Path, layers: int) -> None:
     import torch
 
@@ -64,16 +68,21 @@ def run_demo(
     from .compare import CompareOptions, compare, format_report
     from .model import ModelConfig, Session, TinyMoE, make_session, run_session, run_session_cuda_graph
 
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise DemoError(f"unknown device {device!r}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("compiledump demo: --device cuda but CUDA is not available")
+        raise DemoError("--device cuda, but CUDA is not available on this machine")
+    if dev.type not in ("cpu", "cuda"):
+        raise DemoError(f"--device {device}: the demo runs on cpu or cuda")
     if graphs is None:
         graphs = "cuda-graph" if dev.type == "cuda" else "none"
     if graphs != "none" and dev.type != "cuda":
-        raise SystemExit(f"compiledump demo: --graphs {graphs} needs --device cuda")
+        raise DemoError(f"--graphs {graphs} needs --device cuda")
     engine_dtype = getattr(torch, dtype) if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     if inject_bug is not None and not 0 <= inject_bug < layers:
-        raise SystemExit(f"compiledump demo: --inject-bug {inject_bug} is not a layer of a {layers}-layer model")
+        raise DemoError(f"--inject-bug {inject_bug} is not a layer of a {layers}-layer model")
 
     out_dir = Path(out) if out else Path(tempfile.mkdtemp(prefix="compiledump-demo-"))
     log(f"[demo] dumps in {out_dir}")

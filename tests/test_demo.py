@@ -1,0 +1,47 @@
+"""`compiledump demo`: no divergence on a clean run, the injected layer named on a broken one."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from compiledump import cli
+
+
+def _demo(capsys, *args):
+    status = cli.main(["demo", *args])
+    return status, capsys.readouterr().out
+
+
+def test_clean_run_reports_no_divergence(dump_dir, tmp_path, capsys):
+    status, out = _demo(capsys, "--layers", "4", "--steps", "6", "--out", str(tmp_path))
+    assert status == 0, out
+    assert "no divergence" in out.splitlines()[-1]
+    assert "0 graph break(s), 0 recompile(s) after the first decode step" in out
+    assert (tmp_path / "reference").is_dir() and (tmp_path / "engine").is_dir()
+
+
+@pytest.mark.parametrize("bug,layer", [("dropped_hc", 3), ("routed_scale", 1)])
+def test_injected_bug_is_named(dump_dir, tmp_path, capsys, bug, layer):
+    status, out = _demo(capsys, "--layers", "4", "--steps", "4", "--inject-bug", str(layer), "--bug", bug,
+                        "--out", str(tmp_path))
+    assert status == 1, out
+    last = out.splitlines()[-1]
+    assert last.startswith(f"first divergence: layer{layer}") and f"(layer {layer})" in last, last
+
+
+def test_default_demo_command(tmp_path):
+    """The README's command as a user runs it (default sizes), in a fresh process."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPILEDUMP_")}
+    out = subprocess.run([sys.executable, "-m", "compiledump", "demo", "--out", str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stdout.splitlines()[-1].startswith("no divergence")
+
+
+def test_bad_options_exit_2(capsys):
+    assert cli.main(["demo", "--graphs", "reduce-overhead"]) == 2
+    assert "needs --device cuda" in capsys.readouterr().err
+    assert cli.main(["demo", "--layers", "0"]) == 2
