@@ -15,7 +15,7 @@ child that only imports the package; does the same with compare.py loaded alone 
 without the package ``__init__``); and checks that the report names layer 60 and step 199.
 
 Usage: python benchmarks/bench_compare.py [--steps 256] [--vocab 129280] [--layers 100] [--dim 7168]
-       python benchmarks/bench_compare.py --calibrate   # the bf16 noise measurement of docs/compare.md
+       python benchmarks/bench_compare.py --calibrate   # the bf16 noise measurement in the README, "Comparing dumps"
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def _bf16(x: np.ndarray) -> np.ndarray:
 
 
 def calibrate(tokens: int = 64, seed: int = 0) -> None:
-    """The measurement behind the default threshold and near-tie epsilon (docs/compare.md).
+    """The measurement behind the default threshold and near-tie epsilon (the README, "Comparing dumps").
 
     A toy 61-layer residual MoE (dim 1024, 16 experts of hidden 512, top-4, RMSNorm, SiLU) run in
     float64 and with bf16 emulated (weights, and every activation after a matmul, nonlinearity or

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 # rel_diff above this is a divergence. 1e-3 is the convention of DeepGEMM's `calc_diff` tests and
-# SGLang's dump comparator; docs/compare.md has the measurements behind it for bf16 vs fp32.
+# SGLang's dump comparator; the README ("Comparing dumps") has the measurements behind it for bf16 vs fp32.
 DEFAULT_THRESHOLD = 1e-3
 # An argmax flip is a near-tie when the reference top-1/top-2 margin is below this many bf16
 # spacings of the reference top-1 logit (bf16 output rounding alone moves a margin by up to one).
@@ -280,7 +280,7 @@ def _info_from_manifest(key: str, entry: Any) -> KeyInfo | None:
 def infer_key_infos(members: list[Member]) -> dict[str, KeyInfo]:
     """Key meanings for a file without a manifest (seed files), from names and dtypes.
 
-    Rules (documented in docs/compare.md):
+    Rules (documented in the README, "Comparing dumps"):
 
     * ``<prefix>_<n>`` (n without leading zeros) is decode step n of tag ``<prefix>`` when the
       file also holds ``<prefix>_0`` (record_step numbers every tag from 0) and, if the prefix is
@@ -861,7 +861,7 @@ def compare(ref_path: str | Path, run_path: str | Path, options: CompareOptions 
     """Compare REF and RUN (npz files or directories of per-rank files); return the report.
 
     Raises :class:`DumpError` for unusable input (missing path, not an npz, no dumps in a
-    directory, no common rank or keys). The report is JSON-ready; see docs/compare.md.
+    directory, no common rank or keys). The report is JSON-ready; see the README, "Comparing dumps".
     """
     options = options or CompareOptions()
     started = time.perf_counter()

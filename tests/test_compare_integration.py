@@ -60,7 +60,7 @@ def test_clean_runtime_dump_matches_the_seed_dump(dump_dir, seed_file, tmp_path,
 # update after the MoE, so that layer's MoE output is still equal and the hidden state is first.
 # dropped_hc at layer 2 moves `layer2` by rel_diff 7e-4 only (the row is a mean over 4 streams),
 # under the default 1e-3 meant for bf16-vs-fp32: both sides are fp32 here, so a tight threshold
-# is the right one (docs/compare.md, "same precision").
+# is the right one (the README, "Comparing dumps", "same precision").
 @pytest.mark.parametrize("bug,layer,threshold,first_key,last_good", [
     ("routed_scale", 1, "1e-3", "layer1_moe_out", "layer0"),
     ("dropped_hc", 2, "1e-6", "layer2", "layer2_moe_out"),
