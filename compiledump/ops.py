@@ -17,6 +17,7 @@ Op names carry a version: Inductor's FX cache does not notice a changed mutation
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
@@ -61,55 +62,57 @@ def geometry(x: torch.Tensor, kind: int) -> tuple[torch.Tensor, tuple]:
     return x, (1, x.shape[0], x.shape[1], 0, x.stride(0), x.stride(1), L.ROW_FIXED_ZERO, False)
 
 
-def capture_reference(x, arena, ctrl, kind, base, offset, capacity, reason):
+def capture_reference(x, arena, ctrl, kind, base, offset, capacity, reason, geo=None):
     """CPU kernel with the Triton kernel's exact semantics and accumulation order.
 
-    Reading the control block here is a plain CPU memory read (no device to sync with).
+    Reading the control block here is a plain CPU memory read (no device to sync with). The
+    lock makes the counter update and the write one step, as the kernel's atomic is, when
+    several threads capture at once. `geo` is `geometry(x, kind)` when the caller has it.
     """
-    src, (T, H, D, st, sh, sd, row_reg, mean) = geometry(x, kind)
+    src, (T, H, D, st, sh, sd, row_reg, mean) = geo or geometry(x, kind)
     regs = ctrl.numpy()
-    enabled = regs[L.REG_ENABLED] != 0
-    rows_ok = kind != L.KIND_STEP or regs[L.REG_ROWS] <= regs[L.REG_MAX_ROWS]
-    row = 0 if row_reg < 0 else int(regs[row_reg])
-    if row < 0:
-        row += T
-    row_ok = 0 <= row < T
+    with _CPU_LOCK:
+        enabled = regs[L.REG_ENABLED] != 0
+        rows_ok = kind != L.KIND_STEP or regs[L.REG_ROWS] <= regs[L.REG_MAX_ROWS]
+        row = 0 if row_reg < 0 else int(regs[row_reg])
+        if row < 0:
+            row += T
+        row_ok = 0 <= row < T
 
-    if not enabled:
-        counter = L.CNT_SUSPENDED
-    elif reason != 0:
-        counter = reason
-    elif not rows_ok:
-        counter = L.CNT_ROWS_GATE
-    elif not row_ok:
-        counter = L.CNT_ROW_OUT_OF_RANGE
-    else:
-        counter = L.CNT_WRITTEN
-    old = int(regs[base + counter])
-    regs[base + counter] = old + 1
-    if counter != L.CNT_WRITTEN:
-        return
-    if kind == L.KIND_RECORD_ONCE and old != 0:
-        return
-    if kind == L.KIND_STEP and old >= capacity:
-        return
-    step = old if kind == L.KIND_STEP else 0
-    words = D if mean else H * D
-    dest = offset + step * words
-    # The row as [H, D] with the caller's strides (no copy).
-    row_view = torch.as_strided(src, (H, D), (sh, sd), src.storage_offset() + row * st)
-    if kind != L.KIND_IDS:
-        out = arena[dest : dest + words]
-        if mean:
-            # Same order as the kernel: fp32 sum over h = 0..H-1 from zero, then one division.
-            acc = torch.zeros(D, dtype=torch.float32)
-            for h in range(H):
-                acc += row_view[h]
-            torch.div(acc, H, out=out)
+        if not enabled:
+            counter = L.CNT_SUSPENDED
+        elif reason != 0:
+            counter = reason
+        elif not rows_ok:
+            counter = L.CNT_ROWS_GATE
+        elif not row_ok:
+            counter = L.CNT_ROW_OUT_OF_RANGE
         else:
-            out.view(H, D).copy_(row_view)
-    else:
-        arena.view(torch.int32)[dest : dest + words].view(H, D).copy_(row_view)
+            counter = L.CNT_WRITTEN
+        old = int(regs[base + counter])
+        regs[base + counter] = old + 1
+        if counter != L.CNT_WRITTEN:
+            return
+        if kind == L.KIND_RECORD_ONCE and old != 0:
+            return
+        if kind == L.KIND_STEP and old >= capacity:
+            return
+        step = old if kind == L.KIND_STEP else 0
+        words = D if mean else H * D
+        dest = offset + step * words
+        # The row as [H, D] with the caller's strides (no copy).
+        row_view = src.as_strided((H, D), (sh, sd), src.storage_offset() + row * st)
+        if kind == L.KIND_IDS:
+            arena.view(torch.int32)[dest : dest + words].view(H, D).copy_(row_view)
+        elif mean:
+            # As the kernel: an fp32 sum over h = 0..H-1 (an outer-dim reduction is sequential
+            # in h), then one IEEE division; torch's CPU mean does exactly that, in one op.
+            torch.mean(row_view, 0, dtype=torch.float32, out=arena[dest : dest + words])
+        else:
+            arena[dest : dest + words].view(H, D).copy_(row_view)
+
+
+_CPU_LOCK = threading.Lock()
 
 
 def _use_triton_on_cpu() -> bool:
@@ -160,6 +163,22 @@ def _capture_cuda(x, arena, ctrl, slot, kind, reason):
     args = _runtime_for(x, arena, ctrl).resolve(slot, kind, x, reason)
     with torch.cuda.device(x.device):
         capture_triton(x, arena, ctrl, kind, *args)
+
+
+def capture_eager(x, arena, ctrl, slot, kind, reason):
+    """The op's implementation without the dispatcher: the eager fast path.
+
+    Outside torch.compile the dispatcher adds nothing to what the op does (no autograd, no
+    functionalization) but a few microseconds per call, so eager capture calls come straight
+    here; traced code always emits the op. The input is detached so autograd never sees the
+    arena writes.
+    """
+    if x.requires_grad:
+        x = x.detach()
+    if x.device.type == "cuda":
+        _capture_cuda(x, arena, ctrl, slot, kind, reason)
+    else:
+        _capture_cpu(x, arena, ctrl, slot, kind, reason)
 
 
 def _capture_fake(x, arena, ctrl, slot, kind, reason):

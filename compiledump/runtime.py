@@ -278,7 +278,10 @@ def _capture(tag: str, tensor: torch.Tensor, kind: int, moe_filtered: bool) -> N
     if slot < 0:
         return
     rt = _arena.ACTIVE
-    ops.capture(tensor, rt.arena, rt.ctrl, slot, kind, reason)
+    if torch.compiler.is_compiling():
+        ops.capture(tensor, rt.arena, rt.ctrl, slot, kind, reason)
+    else:
+        ops.capture_eager(tensor, rt.arena, rt.ctrl, slot, kind, reason)
 
 
 @torch.compiler.assume_constant_result
