@@ -41,8 +41,10 @@ def load_seed(dump_dir, tokens: int = 0, moe_layers: int = 2, max_rows: int = 1)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        spec = importlib.util.spec_from_file_location(f"seed_debug_dump_{next(_COUNTER)}", SEED_PATH)
+        name = f"seed_debug_dump_{next(_COUNTER)}"
+        spec = importlib.util.spec_from_file_location(name, SEED_PATH)
         module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # torch.compile looks traced functions' modules up by name
         spec.loader.exec_module(module)
     finally:
         for key, value in saved.items():
