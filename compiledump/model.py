@@ -42,15 +42,15 @@ class ModelConfig:
     top_k: int = 2
     ffn: int = 96
     seed: int = 0
-    captures_per_layer: int = 3  # hidden state, expert ids, MoE output (1..4; 4 adds the mixer)
+    captures_per_layer: int = 3  # hidden state + expert ids (2), + MoE output (3), + mixer (4), + MoE input (5)
     bug_layer: int = -1  # dropped_hc: hc stream 1 loses this layer's update; routed_scale: MoE output x1.5
     bug: str = "dropped_hc"  # or "routed_scale": how the bug at bug_layer breaks the layer
 
     def __post_init__(self):
         if self.bug not in BUGS:
             raise ValueError(f"unknown bug {self.bug!r}; choose from {BUGS}")
-        if not 1 <= self.captures_per_layer <= 4:
-            raise ValueError("captures_per_layer must be 1..4")
+        if not 2 <= self.captures_per_layer <= 5:
+            raise ValueError("captures_per_layer must be 2..5")
 
 
 class TinyMoE(nn.Module):
@@ -61,19 +61,23 @@ class TinyMoE(nn.Module):
     request, the rest padding). Both return `(logits, state)`.
     """
 
-    def __init__(self, cfg: ModelConfig = ModelConfig(), dump=NO_DUMP):
+    def __init__(self, cfg: ModelConfig = ModelConfig(), dump=NO_DUMP, device=None, dtype=None):
         super().__init__()
         self.cfg = cfg
         self.dump = dump
-        gen = torch.Generator().manual_seed(cfg.seed)
+        # Weights are drawn on `device` (default CPU): large benchmark models are generated on
+        # the GPU directly. The same seed gives the same weights for one device type.
+        gen = torch.Generator(device=device or "cpu").manual_seed(cfg.seed)
 
         def param(*shape, scale):
-            return nn.Parameter(torch.randn(*shape, generator=gen) * scale, requires_grad=False)
+            w = torch.randn(*shape, generator=gen, device=device) * scale
+            return nn.Parameter(w.to(dtype) if dtype is not None else w, requires_grad=False)
 
         d, e, f = cfg.dim, cfg.experts, cfg.ffn
         self.embed = param(cfg.vocab, d, scale=1.0)
         self.hc_in = param(cfg.hc_mult, 1, scale=0.5)
-        self.decay = nn.Parameter(torch.linspace(0.3, 0.8, cfg.layers), requires_grad=False)
+        self.decay = nn.Parameter(torch.linspace(0.3, 0.8, cfg.layers, device=device, dtype=dtype),
+                                  requires_grad=False)
         self.router = param(cfg.layers, d, e, scale=d**-0.5)
         self.w_in = param(cfg.layers, e, d, f, scale=d**-0.5)
         self.w_out = param(cfg.layers, e, f, d, scale=f**-0.5)
@@ -120,7 +124,10 @@ class TinyMoE(nn.Module):
                 new_state.append(mix)
             if cfg.captures_per_layer >= 4:
                 dump.record(f"layer{i}_mix", mix)
-            moe = self._moe(i, self._norm(mix))
+            moe_in = self._norm(mix)
+            if cfg.captures_per_layer >= 5:
+                dump.record(f"layer{i}_moe_in", moe_in)
+            moe = self._moe(i, moe_in)
             if cfg.captures_per_layer >= 3:
                 dump.record(f"layer{i}_moe_out", moe)
             gate = self.hc_gate[i]

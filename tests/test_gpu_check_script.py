@@ -34,3 +34,15 @@ def test_compare_dumps_detects_differences():
     assert not compare(ref, {**ref, "a": ref["a"] * 1.01}, 1e-4)["ok"]
     assert compare(ref, {"a": ref["a"]}, 1e-6)["missing"] == ["ids"]
     assert compare(ref, {**ref, "ids": ref["ids"][::-1].copy()}, 1e-6)["mismatched"] == ["ids"]
+
+
+def test_gpu_bench_cpu_parts(tmp_path, dump_dir):
+    """benchmarks/gpu_bench.py imports and runs what needs no GPU; the rest reports skipped."""
+    spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT.parents[1] / "benchmarks" / "gpu_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "bench.json"
+    assert module.main(["--device", "cpu", "--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["eager_vs_seed"]["compiledump_us"] > 0 and result["eager_vs_seed"]["seed_us"] > 0
+    assert result["graph_capture_cost"] == {"skipped": "needs a CUDA device"}
