@@ -24,7 +24,13 @@ _RUNTIME_API = (
     "set_gather_rows",
     "set_rows",
 )
-__all__ = ["Config", *_RUNTIME_API]
+# Multi-rank metadata (compiledump/parallel.py), imported lazily in the same way.
+_PARALLEL_API = (
+    "declare_shard",
+    "get_parallel",
+    "set_parallel",
+)
+__all__ = ["Config", *_RUNTIME_API, *_PARALLEL_API]
 
 
 def __getattr__(name):
@@ -34,6 +40,11 @@ def __getattr__(name):
         from . import runtime
 
         globals().update({api: getattr(runtime, api) for api in _RUNTIME_API})
+        return globals()[name]
+    if name in _PARALLEL_API:
+        from . import parallel
+
+        globals().update({api: getattr(parallel, api) for api in _PARALLEL_API})
         return globals()[name]
     if name == "Config":
         from .config import Config

@@ -661,6 +661,8 @@ def compare_pair(ref: DumpFile, run: DumpFile, options: CompareOptions, rank: st
     for side, dump in (("REF", ref), ("RUN", run)):
         for key, why in dump.bad_members.items():
             problems.append(_problem("unreadable", rank, f"{side} {why}", key, side=side))
+        for kind, key, why in getattr(dump, "merge_problems", ()):
+            problems.append(_problem(kind, rank, f"{side} {why}", key, side=side))
     # Key meanings come from a manifest when one side has it (authoritative), else from REF.
     authority, other = (ref, run) if ref.manifest is not None or run.manifest is None else (run, ref)
     merged = dict(authority.infos)
@@ -681,11 +683,11 @@ def compare_pair(ref: DumpFile, run: DumpFile, options: CompareOptions, rank: st
     for info in ordered:
         key = info.key
         if key not in run.members:
-            if key not in run.bad_members:
+            if key not in run.bad_members and key not in getattr(run, "unmerged", ()):
                 problems.append(_problem("missing_in_run", rank, "present in REF only", key))
             continue
         if key not in ref.members:
-            if key not in ref.bad_members:
+            if key not in ref.bad_members and key not in getattr(ref, "unmerged", ()):
                 problems.append(_problem("extra_in_run", rank, "present in RUN only", key))
             continue
         records.append(_compare_key(ref, run, info, options, rank, logits_tags, problems, workspace))
@@ -724,45 +726,50 @@ def _compare_key(ref: DumpFile, run: DumpFile, info: KeyInfo, options: CompareOp
         problems.append(_problem("shape_mismatch", rank,
                                  f"{list(ref_member.shape)} vs {list(run_member.shape)}: differ only by size-1 "
                                  f"dimensions, compared flattened", key))
-    x = y = None
     try:
-        x = ref.array(key)
-        y = run.array(key)
-        if ref_member.is_integer:
-            if x.shape != y.shape:
-                x, y = x.reshape(-1), y.reshape(-1)
-            record["metric_kind"] = "ids"
-            record.update(compare_id_arrays(x, y))
-            if not record["ids_equal"]:
-                record["status"] = "mismatch"
-                record["divergent"] = True
+        if isinstance(ref, MergedDump) or isinstance(run, MergedDump):
+            _compare_merged_key(record, ref, run, info, options, logits_tags, workspace)
         else:
-            # Decode logits drive the argmax-flip analysis; the prefill logits (a 1-D `logits`
-            # record) get the same margin columns for reading, but no flip classification.
-            step_logits = info.kind == "step" and info.tag in logits_tags
-            prefill_logits = info.kind != "step" and "logits" in info.tag and len(ref_member.shape) == 1
-            want_margins = step_logits or prefill_logits
-            threshold = options.threshold_for(key)
-            record["metric_kind"] = "float"
-            record["threshold"] = threshold
-            record.update(compare_float_arrays(x, y, margins=want_margins, chunk=options.chunk_elements,
-                                               workspace=workspace))
-            record["logits"] = want_margins
-            record["margin_analysis"] = step_logits
-            if record["nonfinite_mismatch"] > 0:
-                record.update(status="divergent", divergent=True, metric="nonfinite",
-                              value=record["nonfinite_mismatch"])
-            elif record["rel_diff"] > threshold:
-                record.update(status="divergent", divergent=True, metric="rel_diff", value=record["rel_diff"])
-            if want_margins and record["argmax_ref"] is not None:
-                record["argmax_equal"] = record["argmax_ref"] == record["argmax_run"]
-                record["near_tie_epsilon"] = options.near_tie_epsilon(record["top1_ref"])
+            _fill_metrics(record, ref.array(key), run.array(key), info, options, logits_tags, workspace)
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
         problems.append(_problem("unreadable", rank, f"could not read the arrays: {exc}", key))
         record["status"] = "skipped"
-    finally:
-        del x, y
     return record
+
+
+def _fill_metrics(record: dict, x: np.ndarray, y: np.ndarray, info: KeyInfo, options: CompareOptions,
+                  logits_tags: set[str], workspace: Workspace, margins: bool = True) -> None:
+    """Compare REF array ``x`` with RUN array ``y`` of one key into ``record``: the id or float
+    metrics, and ``status``/``divergent``/``metric``/``value`` when the key diverges."""
+    if np.issubdtype(x.dtype, np.integer) or x.dtype == np.bool_:
+        if x.shape != y.shape:
+            x, y = x.reshape(-1), y.reshape(-1)
+        record["metric_kind"] = "ids"
+        record.update(compare_id_arrays(x, y))
+        if not record["ids_equal"]:
+            record["status"] = "mismatch"
+            record["divergent"] = True
+        return
+    # Decode logits drive the argmax-flip analysis; the prefill logits (a 1-D `logits`
+    # record) get the same margin columns for reading, but no flip classification.
+    step_logits = margins and info.kind == "step" and info.tag in logits_tags
+    prefill_logits = margins and info.kind != "step" and "logits" in info.tag and x.ndim == 1
+    want_margins = step_logits or prefill_logits
+    threshold = options.threshold_for(info.key)
+    record["metric_kind"] = "float"
+    record["threshold"] = threshold
+    record.update(compare_float_arrays(x, y, margins=want_margins, chunk=options.chunk_elements,
+                                       workspace=workspace))
+    record["logits"] = want_margins
+    record["margin_analysis"] = step_logits
+    if record["nonfinite_mismatch"] > 0:
+        record.update(status="divergent", divergent=True, metric="nonfinite",
+                      value=record["nonfinite_mismatch"])
+    elif record["rel_diff"] > threshold:
+        record.update(status="divergent", divergent=True, metric="rel_diff", value=record["rel_diff"])
+    if want_margins and record["argmax_ref"] is not None:
+        record["argmax_equal"] = record["argmax_ref"] == record["argmax_run"]
+        record["near_tie_epsilon"] = options.near_tie_epsilon(record["top1_ref"])
 
 
 def _divergence_summary(record: dict, last_good: dict | None, rank: str) -> dict:
@@ -777,6 +784,10 @@ def _divergence_summary(record: dict, last_good: dict | None, rank: str) -> dict
                        row=record.get("first_mismatch_row"), overlap=record.get("overlap"), k=record.get("k"))
     else:
         summary.update(metric=record["metric"], value=record["value"], threshold=record["threshold"])
+    if "merge" in record:
+        summary.update(merge=record["merge"], worst_rank=record["worst_rank"],
+                       worst_rank_value=record.get("worst_rank_value"), merged_ranks=record["merged_ranks"],
+                       divergent_ranks=record["divergent_ranks"])
     return summary
 
 
@@ -853,6 +864,315 @@ def _nan_last(value: float) -> float:
 
 
 # --------------------------------------------------------------------------------------------
+# Merging the ranks of a sharded run (tensor/expert parallel) before comparing
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """A key's ``shard`` entry in the manifest (``compiledump.declare_shard``)."""
+
+    dim: int | None
+    how: str  # concat | sum
+    group: str
+
+    def describe(self) -> str:
+        return f"concat {self.group} dim {self.dim}" if self.how == "concat" else f"sum {self.group}"
+
+
+def shard_of(dump: DumpFile, key: str) -> ShardInfo | None:
+    """The shard declaration of ``key`` in ``dump``'s manifest, or None (also for a malformed one)."""
+    entry = ((dump.manifest or {}).get("keys") or {}).get(key)
+    shard = entry.get("shard") if isinstance(entry, dict) else None
+    if not isinstance(shard, dict) or shard.get("how") not in ("concat", "sum") or not isinstance(shard.get("group"), str):
+        return None
+    dim = shard.get("dim")
+    if shard["how"] == "concat" and (not isinstance(dim, int) or isinstance(dim, bool) or dim < 0):
+        return None
+    return ShardInfo(dim if shard["how"] == "concat" else None, shard["how"], shard["group"])
+
+
+def parallel_coords(dump: DumpFile, file_rank: str) -> dict[str, int]:
+    """The manifest's ``parallel`` groups plus ``world_rank``/``world_size`` (from its rank and
+    world_size, else the file name's rank)."""
+    manifest = dump.manifest or {}
+    parallel = manifest.get("parallel")
+    coords = {name: value for name, value in (parallel.items() if isinstance(parallel, dict) else ())
+              if isinstance(name, str) and isinstance(value, int) and not isinstance(value, bool)}
+    rank = str(manifest.get("rank", file_rank))
+    if rank.isdigit():
+        coords["world_rank"] = int(rank)
+    elif file_rank.isdigit():
+        coords["world_rank"] = int(file_rank)
+    if isinstance(manifest.get("world_size"), int):
+        coords["world_size"] = manifest["world_size"]
+    return coords
+
+
+def _declared_groups(dump: DumpFile) -> set[str]:
+    return {spec.group for spec in (shard_of(dump, key) for key in dump.members) if spec is not None}
+
+
+@dataclass
+class Replica:
+    """One whole copy of a key on the merged side: the (rank, file) pairs holding it, in shard
+    order. Unsharded keys have one replica per rank (one part each)."""
+
+    key: str
+    shard: ShardInfo | None
+    parts: list[tuple[str, DumpFile]]
+
+    @property
+    def ranks(self) -> list[str]:
+        return [rank for rank, _ in self.parts]
+
+    def arrays(self) -> list[np.ndarray]:
+        return [dump.array(self.key) for _, dump in self.parts]
+
+    def combine(self, arrays: list[np.ndarray]) -> np.ndarray:
+        """The merged array: the shards concatenated along the shard dim, or added in float64
+        (int64 for integers)."""
+        if self.shard is None:
+            return arrays[0]
+        if self.shard.how == "concat":
+            return np.concatenate(arrays, axis=self.shard.dim)
+        total = np.zeros(arrays[0].shape, np.int64 if np.issubdtype(arrays[0].dtype, np.integer) else np.float64)
+        for array in arrays:
+            total += array
+        return total
+
+
+class MergedDump:
+    """The files of one side of a sharded multi-rank run, seen as one dump.
+
+    A key declared as a shard (manifest ``keys[k].shard``) is merged across the ranks of its
+    group (ordered by ``<group>_rank``); ranks that differ in another declared group (e.g. the
+    expert-parallel rank for a tensor-parallel key) hold separate replicas, each compared. A key
+    without a declaration is compared on every rank that holds it. Offers what
+    :func:`compare_pair` needs of a :class:`DumpFile`: ``members``, ``infos``, ``manifest``,
+    ``notes``, ``bad_members``, ``path``; ``replicas[key]`` replaces ``array(key)``.
+    """
+
+    def __init__(self, ranked: list[tuple[str, DumpFile]], label: str, declared: set[str]) -> None:
+        self.label = label
+        self.ranked = ranked
+        self.ranks = [rank for rank, _ in ranked]
+        directory = ranked[0][1].path.parent
+        self.path = f"{directory} [ranks {'+'.join(self.ranks)} merged]"
+        self.notes = [f"rank {rank}: {note}" for rank, dump in ranked for note in dump.notes]
+        self.bad_members = {key: f"rank {rank}: {why}" for rank, dump in ranked for key, why in dump.bad_members.items()}
+        self.merge_problems: list[tuple[str, str, str]] = []  # (kind, key, detail)
+        self.unmerged: dict[str, str] = {}
+        self.members: dict[str, Member] = {}
+        self.replicas: dict[str, list[Replica]] = {}
+        self.shards: dict[str, ShardInfo] = {}
+        self._declared = declared
+        self._coords = {rank: parallel_coords(dump, rank) for rank, dump in ranked}
+        infos: dict[str, KeyInfo] = {}
+        for _, dump in ranked:
+            for key, info in dump.infos.items():
+                infos.setdefault(key, info)
+        for key in infos:
+            if key not in self.bad_members:
+                self._plan(key)
+        self.infos = {key: info for key, info in infos.items() if key in self.members}
+        self.manifest = self._manifest()
+
+    def _unmerged(self, kind: str, key: str, detail: str) -> None:
+        self.unmerged[key] = detail
+        self.merge_problems.append((kind, key, detail))
+
+    def _plan(self, key: str) -> None:
+        holders = [(rank, dump) for rank, dump in self.ranked if key in dump.members]
+        specs = {shard_of(dump, key) for _, dump in holders}
+        if len(specs) > 1:
+            self._unmerged("shard_mismatch", key, "ranks declare different shards for this key: "
+                           + ", ".join(sorted(spec.describe() if spec else "none" for spec in specs)))
+            return
+        spec = specs.pop()
+        members = [dump.members[key] for _, dump in holders]
+        if len({member.is_integer for member in members}) > 1:
+            self._unmerged("shard_mismatch", key, "integer on some ranks, float on others")
+            return
+        if spec is None:
+            if len({member.shape for member in members}) > 1:
+                self._unmerged("shard_mismatch", key, "unsharded key with different shapes on different ranks: "
+                               + ", ".join(f"rank {rank} {list(m.shape)}" for (rank, _), m in zip(holders, members)))
+                return
+            missing = [rank for rank in self.ranks if rank not in {rank for rank, _ in holders}]
+            if missing:
+                self.merge_problems.append(("missing_on_rank", key,
+                                            f"unsharded key present on ranks {'+'.join(r for r, _ in holders)} only, "
+                                            f"not on {'+'.join(missing)}; compared where present"))
+            self.replicas[key] = [Replica(key, None, [holder]) for holder in holders]
+            self.members[key] = members[0]
+            return
+        replicas = self._shard_replicas(key, spec, holders)
+        if replicas is None:
+            return
+        shapes = [[list(dump.members[key].shape) for _, dump in replica.parts] for replica in replicas]
+        merged_shape = self._merged_shape(key, spec, shapes)
+        if merged_shape is None:
+            return
+        self.replicas[key] = replicas
+        self.shards[key] = spec
+        first = members[0]
+        self.members[key] = Member(key, first.dtype, tuple(merged_shape), False, "", None)
+
+    def _shard_replicas(self, key: str, spec: ShardInfo, holders) -> list[Replica] | None:
+        rank_name = "world_rank" if spec.group == "world" else f"{spec.group}_rank"
+        size_name = "world_size" if spec.group == "world" else f"{spec.group}_size"
+        unordered = [rank for rank, _ in holders if rank_name not in self._coords[rank]]
+        if unordered:
+            self._unmerged("shard_incomplete", key,
+                           f"{spec.describe()}: the manifest of rank(s) {'+'.join(unordered)} has no {rank_name} "
+                           f"(compiledump.set_parallel({rank_name}=...)); not merged")
+            return None
+        # Ranks that differ in another declared group hold separate copies of this key.
+        ignore = {"world_rank", "world_size", rank_name} | ({f"{g}_rank" for g in self._declared}
+                                                             if spec.group == "world" else set())
+        by_copy: dict[tuple, list[tuple[str, DumpFile]]] = {}
+        for rank, dump in holders:
+            copy = tuple(sorted((n, v) for n, v in self._coords[rank].items() if n not in ignore))
+            by_copy.setdefault(copy, []).append((rank, dump))
+        replicas = []
+        for parts in by_copy.values():
+            parts.sort(key=lambda part: self._coords[part[0]][rank_name])
+            positions = [self._coords[rank][rank_name] for rank, _ in parts]
+            sizes = {self._coords[rank].get(size_name) for rank, _ in parts} - {None}
+            size = sizes.pop() if len(sizes) == 1 else len(parts)
+            if positions != list(range(size)):
+                self._unmerged("shard_incomplete", key,
+                               f"{spec.describe()}: {rank_name} {positions} present (ranks {'+'.join(r for r, _ in parts)}), "
+                               f"expected 0..{size - 1}; not merged")
+                return None
+            replicas.append(Replica(key, spec, parts))
+        return replicas
+
+    def _merged_shape(self, key: str, spec: ShardInfo, shapes: list[list[list[int]]]) -> list[int] | None:
+        merged = None
+        for replica_shapes in shapes:
+            first = replica_shapes[0]
+            if spec.how == "sum":
+                ok = all(shape == first for shape in replica_shapes)
+                shape = first
+            else:
+                ok = spec.dim < len(first) and all(
+                    len(shape) == len(first) and all(a == b for i, (a, b) in enumerate(zip(shape, first)) if i != spec.dim)
+                    for shape in replica_shapes)
+                shape = list(first)
+                if ok:
+                    shape[spec.dim] = sum(s[spec.dim] for s in replica_shapes)
+            if not ok or (merged is not None and shape != merged):
+                self._unmerged("shard_mismatch", key, f"{spec.describe()}: shard shapes {replica_shapes} do not merge")
+                return None
+            merged = shape
+        return merged
+
+    def _manifest(self) -> dict | None:
+        manifests = [dump.manifest for _, dump in self.ranked if dump.manifest is not None]
+        if not manifests:
+            return None
+        drops: dict[str, int] = {}
+        for manifest in manifests:
+            for reason, count in (manifest.get("drops") or {}).items():
+                if isinstance(count, int):
+                    drops[reason] = drops.get(reason, 0) + count
+        keys: dict = {}
+        for manifest in manifests:
+            for key, entry in manifest["keys"].items():
+                keys.setdefault(key, entry)
+        return dict(manifests[0], keys=keys, drops=drops, merged_ranks=self.ranks)
+
+
+def merge_side(files: dict[str, Path], label: str) -> list[MergedDump] | None:
+    """The merged shard sets of one side's per-rank files, or None when no manifest declares a
+    shard. Files whose ``parallel`` coordinates differ in anything but the declared groups'
+    ranks (e.g. ``dp_rank``) form separate sets."""
+    dumps = [(rank, DumpFile(files[rank], label)) for rank in sorted(files, key=_rank_sort_key)]
+    declared: set[str] = set()
+    for _, dump in dumps:
+        declared |= _declared_groups(dump)
+    if not declared:
+        return None
+    ignore = {"world_rank", "world_size"} | {f"{group}_rank" for group in declared}
+    sets: dict[tuple, list[tuple[str, DumpFile]]] = {}
+    for rank, dump in dumps:
+        coords = parallel_coords(dump, rank)
+        sets.setdefault(tuple(sorted((n, v) for n, v in coords.items() if n not in ignore)), []).append((rank, dump))
+    return [MergedDump(ranked, label, declared) for ranked in sets.values()]
+
+
+def _badness(record: dict) -> tuple:
+    """Orders comparison results from best to worst (for picking the worst replica or rank)."""
+    if "mismatched_elements" in record:
+        return (record["divergent"], record["mismatched_elements"], 0.0)
+    return (record["divergent"], record.get("nonfinite_mismatch") or 0, record.get("rel_diff") or 0.0)
+
+
+def _rank_entry(rank: str, result: dict, part: list[int] | None = None) -> dict:
+    entry = {"rank": rank, "divergent": result["divergent"]}
+    if part is not None:
+        entry["slice"] = part
+    for name in ("rel_diff", "max_abs", "nonfinite_mismatch", "mismatched_elements"):
+        if name in result:
+            entry[name] = result[name]
+    return entry
+
+
+def _compare_merged_key(record: dict, ref, run, info: KeyInfo, options: CompareOptions, logits_tags: set[str],
+                        workspace: Workspace) -> None:
+    """Compare one key when one side is a :class:`MergedDump`: every replica of the merged side
+    against the single side (the record keeps the worst), and, for concatenated shards, each
+    rank's shard against the matching slice of the single side, so the worst rank can be named.
+    Partial sums cannot be attributed to one rank: their ``worst_rank`` is None."""
+    merged_is_ref = isinstance(ref, MergedDump)
+    merged, single = (ref, run) if merged_is_ref else (run, ref)
+    key = info.key
+    other = np.asarray(single.array(key))
+    base = dict(record)
+    trials = []
+    for replica in merged.replicas[key]:
+        arrays = replica.arrays()
+        whole = replica.combine(arrays)
+        flat_other = other.reshape(whole.shape)
+        trial = dict(base)
+        _fill_metrics(trial, *((whole, flat_other) if merged_is_ref else (flat_other, whole)), info, options,
+                      logits_tags, workspace)
+        ranks = []
+        if replica.shard is None:
+            ranks.append(_rank_entry(replica.ranks[0], trial))
+        elif replica.shard.how == "concat":
+            start = 0
+            for rank, part in zip(replica.ranks, arrays):
+                stop = start + part.shape[replica.shard.dim]
+                piece = np.take(flat_other, np.arange(start, stop), axis=replica.shard.dim)
+                result = dict(base)
+                _fill_metrics(result, *((part, piece) if merged_is_ref else (piece, part)), info, options,
+                              logits_tags, workspace, margins=False)
+                ranks.append(_rank_entry(rank, result, [start, stop]))
+                start = stop
+        else:
+            ranks.extend({"rank": rank, "partial_sum": True} for rank in replica.ranks)
+        trials.append((trial, ranks))
+        del arrays, whole
+    worst, _ = max(trials, key=lambda item: _badness(item[0]))
+    record.clear()
+    record.update(worst)
+    shard = merged.shards.get(key)
+    record["merge"] = shard.describe() if shard is not None else "each rank"
+    record["merged_ranks"] = merged.ranks
+    record["ranks"] = [entry for _, ranks in trials for entry in ranks]
+    rated = [entry for entry in record["ranks"] if "divergent" in entry]
+    record["divergent_ranks"] = [entry["rank"] for entry in rated if entry["divergent"]]
+    record["worst_rank"] = None
+    if record["divergent"] and rated:
+        worst_entry = max(rated, key=_badness)
+        record["worst_rank"] = worst_entry["rank"]
+        record["worst_rank_value"] = worst_entry.get("rel_diff", worst_entry.get("mismatched_elements"))
+
+
+# --------------------------------------------------------------------------------------------
 # The whole comparison
 # --------------------------------------------------------------------------------------------
 
@@ -867,12 +1187,16 @@ def compare(ref_path: str | Path, run_path: str | Path, options: CompareOptions 
     started = time.perf_counter()
     ref_files, ref_problems = collect_dumps(ref_path, "REF")
     run_files, run_problems = collect_dumps(run_path, "RUN")
-    pairs, pair_problems = pair_dumps(ref_files, run_files)
+    pairs, pair_problems = _merged_pairs(ref_files, run_files)
+    if pairs is None:
+        pairs, pair_problems = pair_dumps(ref_files, run_files)
     results = []
     empty: list[str] = []
     for rank, ref_file, run_file in pairs:
         try:
-            results.append(compare_pair(DumpFile(ref_file, "REF"), DumpFile(run_file, "RUN"), options, rank))
+            ref_dump = ref_file if isinstance(ref_file, MergedDump) else DumpFile(ref_file, "REF")
+            run_dump = run_file if isinstance(run_file, MergedDump) else DumpFile(run_file, "RUN")
+            results.append(compare_pair(ref_dump, run_dump, options, rank))
         except NoCommonKeys as exc:
             # One rank without common keys is a problem to list; all of them is unusable input.
             empty.append(str(exc))
@@ -881,6 +1205,25 @@ def compare(ref_path: str | Path, run_path: str | Path, options: CompareOptions 
         raise DumpError(empty[0] if len(empty) == 1 else f"no keys in common for any of {len(empty)} rank pairs")
     return build_report(str(ref_path), str(run_path), options, results,
                         ref_problems + run_problems + pair_problems, time.perf_counter() - started)
+
+
+def _merged_pairs(ref: dict[str, Path], run: dict[str, Path]) -> tuple[list | None, list[dict]]:
+    """When one side is a single file and the other several per-rank files whose manifests
+    declare shards, pair each merged shard set of the several with the single file (labelled
+    by its ranks, e.g. ``0+1``). Returns (None, []) otherwise: files are paired by rank."""
+    for single, several, label in ((ref, run, "RUN"), (run, ref, "REF")):
+        if len(single) != 1 or len(several) < 2:
+            continue
+        merged = merge_side(several, label)
+        if merged is None:
+            continue
+        (only,) = single.values()
+        pairs = []
+        for dump in merged:
+            name = "+".join(dump.ranks)
+            pairs.append((name, dump, only) if label == "REF" else (name, only, dump))
+        return pairs, []
+    return None, []
 
 
 def build_report(ref: str, run: str, options: CompareOptions, pairs: list[dict], side_problems: list[dict],
@@ -976,26 +1319,55 @@ def describe_divergence(item: dict) -> str:
         text += f": integer ids differ ({row}, overlap {item['overlap']}/{item['k']})"
     elif metric == "argmax":
         text += f": argmax flip with reference margin {item['value']:.4g} >= near-tie epsilon {item['threshold']:.3g}"
+    if item.get("merge") is not None:
+        text += f" [{_worst_rank_text(item)}]"
     return text
+
+
+def _worst_rank_text(item: dict) -> str:
+    """Which rank of a merged side a divergence comes from, as far as it can be told."""
+    rank = item.get("worst_rank")
+    if rank is None:
+        if item["merge"].startswith("sum"):
+            return f"merged {item['merge']}: partial sums, no single rank can be named"
+        return f"merged {item['merge']}"
+    value = item.get("worst_rank_value")
+    if isinstance(value, float):
+        detail = f" (rel_diff {value:.3e})"
+    else:
+        detail = f" ({value} ids differ)" if value is not None else ""
+    divergent = item.get("divergent_ranks") or [rank]
+    if item["merge"] == "each rank":
+        if len(divergent) > 1 and len(divergent) == len(item.get("merged_ranks") or ()):
+            return f"on every rank, worst rank {rank}{detail}"
+        return f"on rank {'+'.join(divergent)} only, worst rank {rank}{detail}"
+    others = f"; parts of ranks {'+'.join(divergent)} diverge" if len(divergent) > 1 else ""
+    return f"worst rank {rank}: its part{detail}{others}"
 
 
 def _note_for(record: dict) -> str:
     if record["status"] == "skipped":
         return "not compared (see problems)"
+    parts = []
     if record.get("metric_kind") == "ids":
         if record["ids_equal"]:
-            return "ids equal"
-        where = f"row {record['first_mismatch_row']}" if record.get("first_mismatch_row") is not None \
-            else f"index {record['first_mismatch_index']}"
-        return (f"IDS DIFFER at {where}: overlap {record['overlap']}/{record['k']}, "
-                f"{record['mismatched_rows']}/{record['rows']} rows differ")
-    parts = []
+            parts.append("ids equal")
+        else:
+            where = f"row {record['first_mismatch_row']}" if record.get("first_mismatch_row") is not None \
+                else f"index {record['first_mismatch_index']}"
+            parts.append(f"IDS DIFFER at {where}: overlap {record['overlap']}/{record['k']}, "
+                         f"{record['mismatched_rows']}/{record['rows']} rows differ")
     if record.get("logits") and record.get("argmax_ref") is not None:
         flag = "" if record["argmax_equal"] else " FLIP"
         parts.append(f"argmax {record['argmax_ref']}|{record['argmax_run']}{flag} "
                      f"margin {_fmt(record['margin_ref'], '.3g')}|{_fmt(record['margin_run'], '.3g')}")
     if record.get("nonfinite_mismatch"):
         parts.append(f"{record['nonfinite_mismatch']} NaN/Inf mismatches")
+    if record.get("merge") is not None:
+        merged = f"ranks {'+'.join(record['merged_ranks'])}: {record['merge']}"
+        if record["divergent"]:
+            merged += f"; {_worst_rank_text(record)}"
+        parts.append(merged)
     return "; ".join(parts)
 
 

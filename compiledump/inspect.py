@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from .compare import CHUNK_ELEMENTS, DumpError, DumpFile, _fmt, _rank_sort_key, collect_dumps, order_key_infos
+from .compare import (CHUNK_ELEMENTS, DumpError, DumpFile, ShardInfo, _fmt, _rank_sort_key, collect_dumps,
+                      order_key_infos, shard_of)
 
 
 def array_stats(array: np.ndarray, chunk: int = CHUNK_ELEMENTS) -> dict:
@@ -47,6 +48,9 @@ def inspect_dump(dump: DumpFile) -> dict:
             "key": info.key, "kind": info.kind, "tag": info.tag, "layer": info.layer, "step": info.step,
             "shape": list(member.shape), "dtype": str(member.dtype), "from_manifest": info.from_manifest,
         }
+        shard = shard_of(dump, info.key)
+        if shard is not None:
+            entry["shard"] = {"dim": shard.dim, "how": shard.how, "group": shard.group}
         array = None
         try:
             array = dump.array(info.key)
@@ -62,7 +66,7 @@ def inspect_dump(dump: DumpFile) -> dict:
                                "unreadable": [{"key": key, "detail": why} for key, why in dump.bad_members.items()]}
     if manifest is not None:
         for name in ("format_version", "compiledump_version", "torch_version", "rank", "pid", "world_size",
-                     "device", "created_unix", "config", "drops", "filtered_tags"):
+                     "parallel", "device", "created_unix", "config", "drops", "filtered_tags"):
             summary[name] = manifest.get(name)
         summary["tag_drops"] = {tag: entry.get("drops") for tag, entry in (manifest.get("tags") or {}).items()
                                 if isinstance(entry, dict) and entry.get("drops")}
@@ -84,6 +88,14 @@ def format_inspection(summary: dict) -> list[str]:
             f"{summary.get('compiledump_version')}, torch {summary.get('torch_version')}, rank {summary.get('rank')}, "
             f"pid {summary.get('pid')}, world_size {summary.get('world_size')}, device {summary.get('device')}"
         )
+        parallel = summary.get("parallel") or {}
+        if parallel:
+            lines.append("parallel: " + " ".join(f"{name}={value}" for name, value in parallel.items()))
+        shards = [entry for entry in summary["keys"] if entry.get("shard")]
+        if shards:
+            described = [f"{entry['key']} ({ShardInfo(**entry['shard']).describe()})" for entry in shards]
+            lines.append(f"shards: {len(shards)} keys: " + ", ".join(described[:8])
+                         + (f", ... ({len(described) - 8} more)" if len(described) > 8 else ""))
         config = summary.get("config") or {}
         lines.append("config: " + (" ".join(f"{name}={value}" for name, value in config.items()) or "-"))
         drops = summary.get("drops") or {}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import os
 import re
+import sys
 import threading
 import time
 import warnings
@@ -33,6 +34,8 @@ from . import arena as _arena
 from . import config as _config
 from . import layout as L
 from . import ops, writer
+from . import parallel as _parallel
+from . import signals as _signals
 from .arena import Runtime
 
 _TAG_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
@@ -133,18 +136,23 @@ def _create_runtime(device: torch.device) -> Runtime:
 
 
 def reset() -> None:
-    """Forget every capture and the arena (tests, notebooks). Re-trace compiled functions after
-    this (`torch._dynamo.reset()`): their graphs hold the old arena."""
+    """Forget every capture, the arena, `set_parallel` groups and `declare_shard` declarations
+    (tests, notebooks). Re-trace compiled functions after this (`torch._dynamo.reset()`): their
+    graphs hold the old arena."""
     global _STATE
     old = _STATE
     _STATE = _State(config=old.config, atexit_registered=old.atexit_registered)
     _arena.ACTIVE = None
+    _parallel.clear()
 
 
 def _register_atexit() -> None:
+    """Once capture is active: flush at interpreter exit, and on SIGTERM/SIGINT (signals.py)."""
     if _STATE.config.active and not _STATE.atexit_registered:
         atexit.register(_flush_at_exit)
         _STATE.atexit_registered = True
+    if _STATE.config.active:
+        _signals.install(_flush_on_signal)
 
 
 def _flush_at_exit() -> None:
@@ -152,6 +160,13 @@ def _flush_at_exit() -> None:
         flush()
     except Exception as error:  # noqa: BLE001 - never turn interpreter exit into a traceback storm
         print(f"[compiledump] flush at exit failed: {error!r}", flush=True)
+
+
+def _flush_on_signal() -> None:
+    # On the main thread, possibly inside a capture or a flush of that same thread.
+    path = _flush(wait_for_captures=False)
+    if path is not None:
+        print(f"[compiledump] flushed {path} on signal", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -348,26 +363,19 @@ def _wants_moe(tag: str, moe_layers: int) -> bool:
 
 
 def _rank() -> str:
+    """`RANK`, else the torch.distributed rank (remembered once seen, so that a flush at exit
+    after `destroy_process_group()` keeps the file name), else `x`."""
     rank = os.getenv("RANK")
-    if rank is None:
-        try:
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized():
-                rank = str(dist.get_rank())
-        except Exception:  # noqa: BLE001 - torch.distributed may be unusable at exit
-            rank = None
-    return rank if rank is not None else "x"
+    if rank:
+        return rank
+    dist_rank, _ = _parallel.observe_distributed()
+    return str(dist_rank) if dist_rank is not None else "x"
 
 
 def _world_size() -> int | None:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_world_size()
-    except Exception:  # noqa: BLE001
-        pass
+    _, world = _parallel.observe_distributed()
+    if world is not None:
+        return world
     world = os.getenv("WORLD_SIZE")
     return int(world) if world and world.isdigit() else None
 
@@ -377,23 +385,54 @@ def dump_stem() -> str:
     return f"compiledump_rank{_rank()}_pid{os.getpid()}"
 
 
+# One flush at a time, so that the npz and the manifest on disk always come from one snapshot.
+# Reentrant: a signal handler may flush on the main thread while that thread is flushing.
+_FLUSH_LOCK = threading.RLock()
+
+
 def flush() -> str | None:
     """Write everything captured so far; return the npz path, or None if nothing was captured.
 
     One device-to-host copy of the used arena and the control block, then slicing on the host.
     The files are rewritten whole on every flush (the dump is cumulative: flushing again after
-    more captures writes a superset), atomically. Also runs at interpreter exit.
+    more captures writes a superset; flushing twice with nothing new writes the same content),
+    atomically (temporary file + rename, npz first). Callable from any thread: concurrent
+    flushes are serialized, and a capture running in another thread at the same moment lands in
+    this flush or the next. Also runs at interpreter exit and on SIGTERM/SIGINT.
     """
-    st = _STATE
-    rt = _arena.ACTIVE
-    if not st.config.active or rt is None or not rt.slots:
-        return None
-    with st.lock:
-        arena, ctrl = rt.snapshot()
-        arrays, manifest = _collect(rt, arena, ctrl)
-    _warn_drops(manifest)
-    path = writer.write_dump(st.config.dir, dump_stem(), arrays, manifest)
-    return str(path)
+    return _flush(wait_for_captures=True)
+
+
+def _flush(wait_for_captures: bool) -> str | None:
+    # From a signal handler (wait_for_captures=False) the interrupted frame may hold _STATE.lock
+    # (a capture planning a new tag) or the flush lock of a flush in another thread that waits
+    # for _STATE.lock: never block on either. The registry is then read from copies of its dicts,
+    # which the GIL makes atomic; a tag being registered at that moment has captured nothing yet.
+    got_flush_lock = _FLUSH_LOCK.acquire(timeout=-1 if wait_for_captures else 5.0)
+    try:
+        st = _STATE
+        rt = _arena.ACTIVE
+        if not st.config.active or rt is None or not rt.slots:
+            return None
+        locked = st.lock.acquire(blocking=wait_for_captures)
+        # CPU captures run on the calling thread: the kernel lock keeps a capture of another
+        # thread from being half-written in the snapshot. (CUDA: the snapshot synchronizes.)
+        cpu_lock = getattr(ops, "_CPU_LOCK", None) if rt.device.type == "cpu" else None
+        cpu_locked = cpu_lock is not None and cpu_lock.acquire(blocking=wait_for_captures)
+        try:
+            arena, ctrl = rt.snapshot()
+            arrays, manifest = _collect(rt, arena, ctrl)
+        finally:
+            if cpu_locked:
+                cpu_lock.release()
+            if locked:
+                st.lock.release()
+        _warn_drops(manifest)
+        path = writer.write_dump(st.config.dir, dump_stem(), arrays, manifest)
+        return str(path)
+    finally:
+        if got_flush_lock:
+            _FLUSH_LOCK.release()
 
 
 def _collect(rt: Runtime, arena: np.ndarray, ctrl: np.ndarray) -> tuple[dict, dict]:
@@ -401,7 +440,7 @@ def _collect(rt: Runtime, arena: np.ndarray, ctrl: np.ndarray) -> tuple[dict, di
     keys: dict[str, dict] = {}
     tags: dict[str, dict] = {}
     totals: dict[str, int] = {}
-    for slot in sorted(rt.slots.values(), key=lambda s: s.order):
+    for slot in sorted(list(rt.slots.values()), key=lambda s: s.order):
         base = L.slot_base(slot.index)
         counts = ctrl[base : base + L.SLOT_WORDS].astype(np.int64)
         if slot.index == 0:
@@ -441,9 +480,13 @@ def _collect(rt: Runtime, arena: np.ndarray, ctrl: np.ndarray) -> tuple[dict, di
         for name, count in drops.items():
             totals[name] = totals.get(name, 0) + count
     if rt.overflow_tags:
-        overflow = int(ctrl[L.slot_base(0) + L.CNT_TAG_TABLE_FULL])
-        totals["tag_table_full"] = overflow
-        for tag in rt.overflow_tags:
+        # Tags past the table share slot 0: their calls are counted there, tag_table_full or,
+        # inside profiling(), suspended; only the totals can report them.
+        shared = ctrl[L.slot_base(0) : L.slot_base(0) + L.SLOT_WORDS].astype(np.int64)
+        for counter, name in L.DROP_REASONS.items():
+            if shared[counter]:
+                totals[name] = totals.get(name, 0) + int(shared[counter])
+        for tag in list(rt.overflow_tags):
             tags[tag] = {"tag": tag, "kind": None, "order": None, "calls": None, "passed": 0,
                          "kept": 0, "drops": {"tag_table_full": None}}
     manifest = {
@@ -462,8 +505,15 @@ def _collect(rt: Runtime, arena: np.ndarray, ctrl: np.ndarray) -> tuple[dict, di
         "drops": totals,
         "filtered_tags": dict(_STATE.filtered_tags),
         "arena_words_used": rt.used_words,
+        "parallel": _parallel.manifest_fields(keys, _warn_once),
     }
     return arrays, manifest
+
+
+def _warn_once(message: str) -> None:
+    if ("*", message) not in _STATE.warned:
+        _STATE.warned.add(("*", message))
+        warnings.warn(f"compiledump: {message}", RuntimeWarning, stacklevel=4)
 
 
 def _version() -> str:

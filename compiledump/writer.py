@@ -39,7 +39,8 @@ def _write_npz(handle, arrays: dict[str, np.ndarray]) -> None:
     with zipfile.ZipFile(handle, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
         for key, array in arrays.items():
             with archive.open(f"{key}.npy", "w", force_zip64=True) as member:
-                np.lib.format.write_array(member, np.ascontiguousarray(array), allow_pickle=False)
+                # np.require, not np.ascontiguousarray: the latter turns a 0-d array into shape (1,).
+                np.lib.format.write_array(member, np.require(array, requirements="C"), allow_pickle=False)
 
 
 def write_dump(directory: str | os.PathLike, stem: str, arrays: dict[str, np.ndarray], manifest: dict) -> Path:
