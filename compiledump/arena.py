@@ -76,11 +76,14 @@ class Runtime:
         self.used_words = 0
         self.overflow_tags: list[str] = []
         self.host_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.host_enabled = not profiling_depth  # the host's copy of REG_ENABLED
 
     def set_register(self, index: int, value: int) -> None:
         """Host write of one register: a one-word fill kernel, never a copy or a sync."""
         with torch.inference_mode(False), torch.no_grad():
             self.ctrl[index].fill_(value)
+        if index == L.REG_ENABLED:
+            self.host_enabled = bool(value)
 
     def slot_for(self, tag: str, kind: int) -> Slot:
         """The tag's slot, created on first sight; raises on a tag/kind conflict."""
@@ -120,9 +123,11 @@ class Runtime:
     def resolve(self, index: int, kind: int, x: torch.Tensor, reason: int) -> tuple[int, int, int, int]:
         """Kernel arguments for one capture: (ctrl base, arena offset, capacity, drop reason).
 
-        Runs in the op's implementation, on the real tensor: the first kept capture of a tag
-        fixes its payload shape and claims its arena region; a later capture of another shape
-        is counted as `shape_changed`. Host metadata only: no device access.
+        Runs in the op's implementation, on the real tensor: the first capture of a tag that
+        passes the host-side gates (token gate, tag table, not inside `profiling()` unless a
+        CUDA graph is being captured) fixes its payload shape and claims its arena region; a
+        later capture of another shape is counted as `shape_changed`. Host metadata only: no
+        device access.
         """
         slot = self.by_index.get(index)
         if slot is None:
@@ -139,6 +144,11 @@ class Runtime:
             return L.slot_base(index), -1, 0, L.CNT_TOKEN_GATE
         payload = payload_shape(tuple(x.shape), kind)
         if slot.payload_shape is None:
+            if not self.host_enabled and not _stream_capturing(x):
+                # Suspended (an engine's profile run): don't let its dummy shapes claim the
+                # region; the kernel counts the call as suspended. During graph capture the
+                # region must be claimed now: the replays that follow cannot change it.
+                return L.slot_base(index), -1, 0, L.CNT_SUSPENDED
             with self.lock:
                 if slot.payload_shape is None:
                     self._allocate(slot, payload, x)
@@ -198,6 +208,10 @@ def _step_prefix(tag: str) -> str | None:
     return match.group(1) if match else None
 
 
+
+
+def _stream_capturing(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def payload_shape(x_shape: tuple, kind: int) -> tuple:

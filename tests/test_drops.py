@@ -142,3 +142,15 @@ def test_overflow_under_compile(dump_dir, compiled):
     assert sorted(arrays) == ["s_0", "s_1", "s_2"]
     assert manifest["tags"]["s_<n>"]["calls"] == 5
     assert manifest["tags"]["s_<n>"]["drops"] == {"step_capacity": 2}
+
+
+def test_profile_run_shapes_do_not_claim_the_region(dump_dir):
+    """An engine's profile run (inside profiling(), other token count) must not fix the payload
+    shape: the first real capture does (no token gate set here)."""
+    with compiledump.profiling():
+        compiledump.record_ids("layer0_topk", torch.randint(0, 8, (11, 2)))
+    ids = torch.randint(0, 8, (7, 2))
+    compiledump.record_ids("layer0_topk", ids)
+    arrays, manifest, _ = _flush()
+    np.testing.assert_array_equal(arrays["layer0_topk"], ids.numpy())
+    assert manifest["tags"]["layer0_topk"]["drops"] == {"suspended": 1}
