@@ -452,22 +452,26 @@ def _collect(rt: Runtime, arena: np.ndarray, ctrl: np.ndarray) -> tuple[dict, di
             kept = min(written, slot.capacity)
             if slot.kind == L.KIND_STEP and written > slot.capacity:
                 drops["step_capacity"] = written - slot.capacity
+            # Views of the snapshot, which is this flush's private host copy: no per-key copies.
             region = arena[slot.offset : slot.offset + slot.words * kept]
             if slot.kind == L.KIND_IDS:
                 region = region.view(np.int32)
+            meta = {
+                "tag": slot.tag,
+                "kind": L.KIND_NAMES[slot.kind],
+                "step": None,
+                "order": slot.order,
+                "source_dtype": slot.source_dtype,
+                "source_shape": slot.source_shape,
+                "dtype": str(region.dtype),
+                "shape": list(slot.payload_shape),
+            }
+            steps = region.reshape(kept, *slot.payload_shape)
             for n in range(kept):
-                key = f"{slot.tag}_{n}" if slot.kind == L.KIND_STEP else slot.tag
-                arrays[key] = region[n * slot.words : (n + 1) * slot.words].reshape(slot.payload_shape).copy()
-                keys[key] = {
-                    "tag": slot.tag,
-                    "kind": L.KIND_NAMES[slot.kind],
-                    "step": n if slot.kind == L.KIND_STEP else None,
-                    "order": slot.order,
-                    "source_dtype": slot.source_dtype,
-                    "source_shape": slot.source_shape,
-                    "dtype": str(arrays[key].dtype),
-                    "shape": list(slot.payload_shape),
-                }
+                is_step = slot.kind == L.KIND_STEP
+                key = f"{slot.tag}_{n}" if is_step else slot.tag
+                keys[key] = {**meta, "step": n} if is_step else meta
+                arrays[key] = steps[n]
         tags[f"{slot.tag}_<n>" if slot.kind == L.KIND_STEP else slot.tag] = {
             "tag": slot.tag,
             "kind": L.KIND_NAMES[slot.kind],
