@@ -105,8 +105,9 @@ def capture_reference(x, arena, ctrl, kind, base, offset, capacity, reason, geo=
         if kind == L.KIND_IDS:
             arena.view(torch.int32)[dest : dest + words].view(H, D).copy_(row_view)
         elif mean:
-            # As the kernel: an fp32 sum over h = 0..H-1 (an outer-dim reduction is sequential
-            # in h), then one IEEE division; torch's CPU mean does exactly that, in one op.
+            # As the kernel: an fp32 sum over h, then one IEEE division, in one op. torch's CPU
+            # mean sums an outer dim in h order for hc_mult <= 4 (bit-identical to the kernel);
+            # for larger H its vectorized order can differ by 1 ulp (tests hold 1e-6).
             torch.mean(row_view, 0, dtype=torch.float32, out=arena[dest : dest + words])
         else:
             arena[dest : dest + words].view(H, D).copy_(row_view)
