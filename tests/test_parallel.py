@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
-import time
 import warnings
 from pathlib import Path
 
