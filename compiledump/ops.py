@@ -71,7 +71,7 @@ def capture_reference(x, arena, ctrl, kind, base, offset, capacity, reason, geo=
     """
     src, (T, H, D, st, sh, sd, row_reg, mean) = geo or geometry(x, kind)
     regs = ctrl.numpy()
-    with _CPU_LOCK:
+    with CPU_LOCK:
         enabled = regs[L.REG_ENABLED] != 0
         rows_ok = kind != L.KIND_STEP or regs[L.REG_ROWS] <= regs[L.REG_MAX_ROWS]
         row = 0 if row_reg < 0 else int(regs[row_reg])
@@ -113,7 +113,9 @@ def capture_reference(x, arena, ctrl, kind, base, offset, capacity, reason, geo=
             arena[dest : dest + words].view(H, D).copy_(row_view)
 
 
-_CPU_LOCK = threading.Lock()
+# Held while a CPU capture updates its counter and writes its row, and by flush() while it
+# snapshots a CPU arena: a capture from another thread is never half-written in a dump.
+CPU_LOCK = threading.Lock()
 
 
 def _use_triton_on_cpu() -> bool:

@@ -417,7 +417,7 @@ def _flush(wait_for_captures: bool) -> str | None:
         locked = st.lock.acquire(blocking=wait_for_captures)
         # CPU captures run on the calling thread: the kernel lock keeps a capture of another
         # thread from being half-written in the snapshot. (CUDA: the snapshot synchronizes.)
-        cpu_lock = getattr(ops, "_CPU_LOCK", None) if rt.device.type == "cpu" else None
+        cpu_lock = ops.CPU_LOCK if rt.device.type == "cpu" else None
         cpu_locked = cpu_lock is not None and cpu_lock.acquire(blocking=wait_for_captures)
         try:
             arena, ctrl = rt.snapshot()

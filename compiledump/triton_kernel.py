@@ -44,7 +44,7 @@ def capture_kernel(
     reason,  # host-decided drop counter (0: none)
     row_reg,  # header register holding the row to gather (-1: row 0, whole tensor)
     MEAN: tl.constexpr,  # average over H (else copy H x D)
-    IS_INT: tl.constexpr,  # store as int32 bits
+    IS_INT: tl.constexpr,  # record_ids: store int32 (any other kind converts to float32)
     BLOCK: tl.constexpr,
 ):
     enabled = tl.load(ctrl_ptr + L.REG_ENABLED) != 0
@@ -103,5 +103,5 @@ def launch(x, arena, ctrl, geometry, base, offset, capacity, kind, reason):
     T, H, D, st, sh, sd, row_reg, mean = geometry
     capture_kernel[(1,)](
         x, arena, ctrl, T, H, D, st, sh, sd, base, offset, capacity, kind, reason, row_reg,
-        MEAN=mean, IS_INT=not (x.dtype.is_floating_point), BLOCK=BLOCK, num_warps=NUM_WARPS,
+        MEAN=mean, IS_INT=kind == L.KIND_IDS, BLOCK=BLOCK, num_warps=NUM_WARPS,
     )

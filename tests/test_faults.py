@@ -163,7 +163,7 @@ def test_signal_while_the_interrupted_frame_holds_the_runtime_locks(tmp_path):
         compiledump.configure(dir={str(tmp_path)!r})
         compiledump.record("a", torch.arange(6.0).reshape(2, 3))
         compiledump.record_step("s", torch.ones(1, 4))
-        with runtime._STATE.lock, runtime._FLUSH_LOCK, ops._CPU_LOCK:
+        with runtime._STATE.lock, runtime._FLUSH_LOCK, ops.CPU_LOCK:
             T0 = time.monotonic()
             os.kill(os.getpid(), signal.SIGTERM)
         print("not reached", flush=True)
