@@ -31,6 +31,13 @@ SET_REGISTER = "set_register_v1"
 _lib = torch.library.Library(NAMESPACE, "DEF")
 _lib.define(f"{CAPTURE}(Tensor x, Tensor(a!) arena, Tensor(b!) ctrl, int slot, int kind, int reason) -> ()")
 _lib.define(f"{SET_REGISTER}(Tensor(a!) ctrl, int index, SymInt value) -> ()")
+# The kernel layer alone (region and geometry decided by the caller): what a native library
+# implements. See compiledump/native.py and kernels/capture_cpu.cpp.
+KERNEL = "capture_kernel_v1"
+_lib.define(
+    f"{KERNEL}(Tensor x, Tensor(a!) arena, Tensor(b!) ctrl, int kind, int base, int offset, int capacity,"
+    " int reason, int T, int H, int D, int stride_t, int stride_h, int stride_d, int row_reg, bool mean) -> ()"
+)
 
 
 def geometry(x: torch.Tensor, kind: int) -> tuple[torch.Tensor, tuple]:
@@ -154,10 +161,19 @@ def _runtime_for(x, arena, ctrl):
     return rt
 
 
+def capture_native(x, arena, ctrl, kind, base, offset, capacity, reason):
+    """The native CPU kernel (kernels/capture_cpu.cpp), with the Python kernel's arguments."""
+    src, geo = geometry(x, kind)
+    with CPU_LOCK:
+        capture_kernel(src, arena, ctrl, kind, base, offset, capacity, reason, *geo)
+
+
 def _capture_cpu(x, arena, ctrl, slot, kind, reason):
     args = _runtime_for(x, arena, ctrl).resolve(slot, kind, x, reason)
     if _use_triton_on_cpu():
         capture_triton(x, arena, ctrl, kind, *args)
+    elif _native.native_available():
+        capture_native(x, arena, ctrl, kind, *args)
     else:
         capture_reference(x, arena, ctrl, kind, *args)
 
@@ -203,6 +219,12 @@ _lib.impl(SET_REGISTER, _set_register, "CPU")
 _lib.impl(SET_REGISTER, _set_register, "CUDA")
 torch.library.register_fake(f"{NAMESPACE}::{CAPTURE}", _capture_fake, lib=_lib)
 torch.library.register_fake(f"{NAMESPACE}::{SET_REGISTER}", _set_register_fake, lib=_lib)
+torch.library.register_fake(f"{NAMESPACE}::{KERNEL}", lambda *args: None, lib=_lib)
 
 capture = getattr(torch.ops.compiledump, CAPTURE).default
 set_register = getattr(torch.ops.compiledump, SET_REGISTER).default
+capture_kernel = getattr(torch.ops.compiledump, KERNEL).default
+
+from . import native as _native  # noqa: E402 - loads the library once the schemas above exist
+
+_native.load()

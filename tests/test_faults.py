@@ -185,7 +185,8 @@ def test_signal_inside_the_kernel_waits_for_the_capture_to_finish(tmp_path):
     must not flush that half-done capture: it lets the call finish and takes the signal again."""
     script = f"""
         import inspect, os, signal, sys, time, torch, compiledump
-        from compiledump import ops
+        from compiledump import native, ops
+        native._LOADED = None  # this test steps through the Python reference kernel
         compiledump.configure(dir={str(tmp_path)!r})
         compiledump.record_step("h", torch.full((1, 8), 1.0))
         lines, first = inspect.getsourcelines(ops.capture_reference)

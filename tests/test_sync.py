@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import compiledump
-from compiledump import ops
+from compiledump import native, ops
 from compiledump.model import ModelConfig, TinyMoE, make_session, run_session
 from compiledump.triton_kernel import launch
 
@@ -127,6 +127,7 @@ def test_detector_catches_the_seed(dump_dir, monkeypatch, tmp_path):
 
 def test_detector_sees_inside_compiledump_ops(dump_dir, monkeypatch):
     """Negative control: a sync inside the capture op's implementation would be caught."""
+    monkeypatch.setattr(native, "_LOADED", None)  # the Python reference kernel is the one patched
     original = ops.capture_reference
 
     def syncing_kernel(x, arena, ctrl, *rest):
