@@ -78,7 +78,7 @@ def _add_compare_parser(subparsers) -> None:
                         help="threshold for keys matching REGEX (re.search); repeatable, the last match wins")
     parser.add_argument("--near-tie", type=_non_negative_float, default=None, metavar="EPS",
                         help="fixed near-tie epsilon in logit units for argmax flips "
-                             f"(default: --near-tie-ulps bf16 spacings of the reference top-1 logit)")
+                             "(default: --near-tie-ulps bf16 spacings of the reference top-1 logit)")
     parser.add_argument("--near-tie-ulps", type=_non_negative_float, default=DEFAULT_NEAR_TIE_ULPS, metavar="N",
                         help=f"near-tie epsilon as N bf16 spacings at the reference top-1 logit "
                              f"(default {DEFAULT_NEAR_TIE_ULPS:g})")

@@ -1,6 +1,5 @@
 """`compiledump demo`: no divergence on a clean run, the injected layer named on a broken one."""
 
-import json
 import os
 import subprocess
 import sys

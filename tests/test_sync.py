@@ -8,7 +8,6 @@ it on CPU reads memory on the host by design.
 
 import contextlib
 
-import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
