@@ -1,7 +1,7 @@
 """The `compiledump` operator library: schemas, fake implementations, CPU and CUDA kernels.
 
-Python owns the schemas (as torchao does); a native library may later add kernels for the same
-names. Ops are registered with `torch.library.Library` define/impl rather than
+Python owns the schemas (as torchao does); the optional native library (native.py) adds kernels for
+some of them. Ops are registered with `torch.library.Library` define/impl rather than
 `torch.library.custom_op`: the latter costs about ten times more per eager call.
 
 Why the schemas look the way they do (see the design notes):
@@ -50,15 +50,11 @@ def geometry(x: torch.Tensor, kind: int) -> tuple[torch.Tensor, tuple]:
     """
     dim = x.dim()
     if kind in (L.KIND_RECORD, L.KIND_RECORD_ONCE) and dim in (2, 3):
-        if dim == 2:
-            return x, (x.shape[0], 1, x.shape[1], x.stride(0), 0, x.stride(1), L.REG_RECORD_ROW, False)
-        return x, (*x.shape, *x.stride(), L.REG_RECORD_ROW, True)
+        return _rows(x, L.REG_RECORD_ROW, mean=dim == 3)
     if kind == L.KIND_STEP and dim >= 2:
         if dim > 3:
             x = x.reshape(x.shape[0], -1, x.shape[-1])
-        if x.dim() == 2:
-            return x, (x.shape[0], 1, x.shape[1], x.stride(0), 0, x.stride(1), L.REG_STEP_ROW, False)
-        return x, (*x.shape, *x.stride(), L.REG_STEP_ROW, False)
+        return _rows(x, L.REG_STEP_ROW, mean=False)
     # Stored whole: one row of H x D words.
     if dim == 0:
         return x, (1, 1, 1, 0, 0, 0, L.ROW_FIXED_ZERO, False)
@@ -69,14 +65,21 @@ def geometry(x: torch.Tensor, kind: int) -> tuple[torch.Tensor, tuple]:
     return x, (1, x.shape[0], x.shape[1], 0, x.stride(0), x.stride(1), L.ROW_FIXED_ZERO, False)
 
 
-def capture_reference(x, arena, ctrl, kind, base, offset, capacity, reason, geo=None):
+def _rows(x: torch.Tensor, row_reg: int, mean: bool) -> tuple[torch.Tensor, tuple]:
+    """A 2-D `[T, D]` (as H = 1) or 3-D `[T, H, D]` tensor whose row comes from `row_reg`."""
+    if x.dim() == 2:
+        return x, (x.shape[0], 1, x.shape[1], x.stride(0), 0, x.stride(1), row_reg, mean)
+    return x, (*x.shape, *x.stride(), row_reg, mean)
+
+
+def capture_reference(x, arena, ctrl, kind, base, offset, capacity, reason):
     """CPU kernel with the Triton kernel's exact semantics and accumulation order.
 
     Reading the control block here is a plain CPU memory read (no device to sync with). The
     lock makes the counter update and the write one step, as the kernel's atomic is, when
-    several threads capture at once. `geo` is `geometry(x, kind)` when the caller has it.
+    several threads capture at once.
     """
-    src, (T, H, D, st, sh, sd, row_reg, mean) = geo or geometry(x, kind)
+    src, (T, H, D, st, sh, sd, row_reg, mean) = geometry(x, kind)
     regs = ctrl.numpy()
     with CPU_LOCK:
         enabled = regs[L.REG_ENABLED] != 0
