@@ -158,12 +158,42 @@ class Runtime:
             return L.slot_base(index), -1, 0, L.CNT_ARENA_FULL
         return L.slot_base(index), slot.offset, slot.capacity, 0
 
+    def place(self, index: int, kind: int, x: torch.Tensor) -> tuple[int, list, int]:
+        """Claim the tag's region while a program is exported: (offset, payload shape, capacity).
+
+        `x` is the traced tensor, whose dimensions may be symbolic. A payload cannot have a
+        dynamic size, except the token dim of `record_ids`, which the token gate pins to
+        COMPILEDUMP_TOKENS.
+        """
+        slot = self.by_index[index]
+        tokens = self.config.tokens
+        if tokens and kind in (L.KIND_RECORD, L.KIND_IDS) and x.dim() > 0 and isinstance(x.shape[0], int) \
+                and x.shape[0] != tokens:
+            # Token-gated in every run of this program: its shape must not claim the region.
+            return -1, [], 0
+        payload = payload_shape(tuple(x.shape), kind)
+        if not all(isinstance(d, int) for d in payload):
+            if kind == L.KIND_IDS and self.config.tokens and all(isinstance(d, int) for d in payload[1:]):
+                payload = (self.config.tokens, *payload[1:])
+            else:
+                raise ValueError(
+                    f"compiledump: tag {slot.tag!r} would store a payload of dynamic shape {payload} in an "
+                    "exported program; capture a tensor whose stored dims are static (or set "
+                    "COMPILEDUMP_TOKENS for record_ids of a dynamic token dim)"
+                )
+        if slot.payload_shape is None:
+            with self.lock:
+                if slot.payload_shape is None:
+                    self._allocate(slot, payload, x)
+        return slot.offset, list(slot.payload_shape), slot.capacity
+
     def _allocate(self, slot: Slot, payload: tuple, x: torch.Tensor) -> None:
         capacity = self.config.max_steps if slot.kind == L.KIND_STEP else 1
         words = int(np.prod(payload, dtype=np.int64)) * capacity
         start = -(-self.used_words // _ALIGN_WORDS) * _ALIGN_WORDS
         slot.source_dtype = str(x.dtype).removeprefix("torch.")
-        slot.source_shape = list(x.shape)
+        # A dimension left dynamic in an exported program has no single size: None.
+        slot.source_shape = [d if isinstance(d, int) else None for d in x.shape]
         slot.capacity = capacity
         if start + words <= self.arena.numel():
             slot.offset = start

@@ -28,17 +28,32 @@ NAMESPACE = "compiledump"
 CAPTURE = "capture_v1"
 SET_REGISTER = "set_register_v1"
 
-_lib = torch.library.Library(NAMESPACE, "DEF")
-_lib.define(f"{CAPTURE}(Tensor x, Tensor(a!) arena, Tensor(b!) ctrl, int slot, int kind, int reason) -> ()")
-_lib.define(f"{SET_REGISTER}(Tensor(a!) ctrl, int index, SymInt value) -> ()")
-# The kernel layer alone (region and geometry decided by the caller): what a native library
-# implements. See compiledump/native.py and kernels/capture_cpu.cpp.
 KERNEL = "capture_kernel_v1"
-_lib.define(
-    f"{KERNEL}(Tensor x, Tensor(a!) arena, Tensor(b!) ctrl, int kind, int base, int offset, int capacity,"
-    " int reason, int T, int H, int D, int stride_t, int stride_h, int stride_d, int row_reg, bool mean) -> ()"
-)
+EXPORT = "capture_export_v1"
 
+# Every schema of the library: the export contract (docs/EXPORT.md). A schema never changes
+# under its name; a changed one gets a new version suffix. kernels/schemas.h carries the same
+# strings for C++-only processes (tests/test_aot.py keeps them equal).
+SCHEMAS = {
+    # The capture op of eager and torch.compile code: the arena region is looked up from the
+    # slot in this process's registry when the op runs (arena.Runtime.resolve).
+    CAPTURE: f"{CAPTURE}(Tensor x, Tensor(a!) arena, Tensor(b!) ctrl, int slot, int kind, int reason) -> ()",
+    SET_REGISTER: f"{SET_REGISTER}(Tensor(a!) ctrl, int index, SymInt value) -> ()",
+    # The kernel layer alone (region and geometry decided by the caller): what a native library
+    # implements. See compiledump/native.py and kernels/capture_cpu.cpp.
+    KERNEL: f"{KERNEL}(Tensor x, Tensor(a!) arena, Tensor(b!) ctrl, int kind, int base, int offset,"
+    " int capacity, int reason, int T, int H, int D, int stride_t, int stride_h, int stride_d, int row_reg,"
+    " bool mean) -> ()",
+    # The capture of exported programs (torch.export / AOTInductor): the arena region and the
+    # token gate are arguments, fixed when the program was exported, so running it needs no
+    # Python registry (a C++-only process runs it with the native library). See aot.py.
+    EXPORT: f"{EXPORT}(Tensor x, Tensor(a!) arena, Tensor(b!) ctrl, int slot, int kind, int reason,"
+    " int offset, int[] payload, int capacity, int tokens) -> ()",
+}
+
+_lib = torch.library.Library(NAMESPACE, "DEF")
+for _schema in SCHEMAS.values():
+    _lib.define(_schema)
 
 def geometry(x: torch.Tensor, kind: int) -> tuple[torch.Tensor, tuple]:
     """View `x` as `[T, H, D]` for the kernel: returns (tensor to read, geometry tuple).
@@ -181,6 +196,40 @@ def _capture_cpu(x, arena, ctrl, slot, kind, reason):
         capture_reference(x, arena, ctrl, kind, *args)
 
 
+def export_gates(x, slot, kind, reason, offset, payload, capacity, tokens) -> tuple[int, int, int, int]:
+    """`capture_export_v1`'s host-side gates: (ctrl base, arena offset, capacity, drop reason).
+
+    The same decisions as `Runtime.resolve`, from the op's arguments instead of the registry
+    (kernels/capture_cpu.cpp has the C++ twin): token gate, then the payload shape the region
+    was sized for, then a region that could not be placed.
+    """
+    base = L.slot_base(slot)
+    if reason == 0 and slot != 0:
+        if tokens and kind in (L.KIND_RECORD, L.KIND_IDS) and x.dim() > 0 and x.shape[0] != tokens:
+            reason = L.CNT_TOKEN_GATE
+        elif list(_arena.payload_shape(tuple(x.shape), kind)) != list(payload):
+            reason = L.CNT_SHAPE_CHANGED
+        elif offset < 0:
+            reason = L.CNT_ARENA_FULL
+    if reason:
+        return base, -1, 0, reason
+    return base, offset, capacity, 0
+
+
+def _capture_export_cpu(x, arena, ctrl, slot, kind, reason, offset, payload, capacity, tokens):
+    args = export_gates(x, slot, kind, reason, offset, payload, capacity, tokens)
+    if _use_triton_on_cpu():
+        capture_triton(x, arena, ctrl, kind, *args)
+    else:
+        capture_reference(x, arena, ctrl, kind, *args)
+
+
+def _capture_export_cuda(x, arena, ctrl, slot, kind, reason, offset, payload, capacity, tokens):
+    args = export_gates(x, slot, kind, reason, offset, payload, capacity, tokens)
+    with torch.cuda.device(x.device):
+        capture_triton(x, arena, ctrl, kind, *args)
+
+
 def _capture_cuda(x, arena, ctrl, slot, kind, reason):
     args = _runtime_for(x, arena, ctrl).resolve(slot, kind, x, reason)
     with torch.cuda.device(x.device):
@@ -223,11 +272,19 @@ _lib.impl(SET_REGISTER, _set_register, "CUDA")
 torch.library.register_fake(f"{NAMESPACE}::{CAPTURE}", _capture_fake, lib=_lib)
 torch.library.register_fake(f"{NAMESPACE}::{SET_REGISTER}", _set_register_fake, lib=_lib)
 torch.library.register_fake(f"{NAMESPACE}::{KERNEL}", lambda *args: None, lib=_lib)
+torch.library.register_fake(f"{NAMESPACE}::{EXPORT}", lambda *args: None, lib=_lib)
 
 capture = getattr(torch.ops.compiledump, CAPTURE).default
 set_register = getattr(torch.ops.compiledump, SET_REGISTER).default
 capture_kernel = getattr(torch.ops.compiledump, KERNEL).default
+capture_export = getattr(torch.ops.compiledump, EXPORT).default
 
 from . import native as _native  # noqa: E402 - loads the library once the schemas above exist
 
 _native.load()
+
+# One owner per (op, dispatch key): the native library, when loaded, owns the keys it
+# implements for `capture_export_v1`; Python implements the rest.
+for _key, _impl in (("CPU", _capture_export_cpu), ("CUDA", _capture_export_cuda)):
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::{EXPORT}", _key):
+        _lib.impl(EXPORT, _impl, _key)

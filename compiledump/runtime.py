@@ -293,7 +293,11 @@ def _capture(tag: str, tensor: torch.Tensor, kind: int, moe_filtered: bool) -> N
     if slot < 0:
         return
     rt = _arena.ACTIVE
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_exporting():
+        from . import aot
+
+        aot.emit_capture(rt, slot, kind, reason, tensor)
+    elif torch.compiler.is_compiling():
         ops.capture(tensor, rt.arena, rt.ctrl, slot, kind, reason)
     else:
         ops.capture_eager(tensor, rt.arena, rt.ctrl, slot, kind, reason)
