@@ -1,0 +1,130 @@
+// Native CUDA kernel for compiledump's capture (the `compiledump::capture_kernel_v1` op).
+//
+// The CUDA twin of kernels/capture_cpu.cpp, with exactly the semantics of the Triton kernel
+// (compiledump/triton_kernel.py) and of the Python reference (ops.capture_reference). Python
+// owns the schema and decides everything host-side (slot, arena region, [T, H, D] geometry);
+// everything that may change between CUDA-graph replays is read from `ctrl` by the kernel:
+//
+// 1. thread 0 reads the header registers, picks exactly one counter of the slot and bumps it
+//    with one atomicAdd (the old written-counter is the step index, or says whether a
+//    record_once capture is the first), then broadcasts the decision through shared memory;
+// 2. the block gathers the row (strided, read in place), averages over H in fp32 or copies it,
+//    and stores it into the arena.
+//
+// The host never reads `ctrl` and never synchronises, so a capture is one graph-capturable
+// kernel node. The payload is one row, so a single block is enough; it also orders the counter
+// update before the write without any grid-wide synchronisation.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+// c10's stream and guard headers rather than ATen/cuda/CUDAContext.h: the latter pulls in
+// cuBLAS/cuSPARSE/cuSOLVER headers this file does not need. at::cuda::getCurrentCUDAStream
+// is this same c10::cuda function.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+namespace {
+
+// Keep in sync with compiledump/layout.py (and kernels/capture_cpu.cpp).
+constexpr int64_t REG_ENABLED = 0, REG_ROWS = 1, REG_MAX_ROWS = 2, HEADER_WORDS = 8;
+constexpr int64_t CNT_WRITTEN = 0, CNT_SUSPENDED = 1, CNT_ROWS_GATE = 3, CNT_ROW_OUT_OF_RANGE = 4;
+constexpr int64_t SLOT_WORDS = 8;
+constexpr int64_t KIND_RECORD_ONCE = 1, KIND_STEP = 2, KIND_IDS = 3;
+
+constexpr int THREADS = 256;
+
+template <typename scalar_t>
+__global__ void capture_kernel(const scalar_t* __restrict__ x, float* __restrict__ arena,
+                               int32_t* __restrict__ ctrl, int64_t kind, int64_t base, int64_t offset,
+                               int64_t capacity, int64_t reason, int64_t T, int64_t H, int64_t D,
+                               int64_t st, int64_t sh, int64_t sd, int64_t row_reg, bool mean) {
+  __shared__ bool s_write;
+  __shared__ int64_t s_row, s_dest;
+  const int64_t words = mean ? D : H * D;
+
+  if (threadIdx.x == 0) {
+    // Same gates and precedence as the CPU kernel: exactly one counter per call.
+    const bool enabled = ctrl[REG_ENABLED] != 0;
+    const bool rows_ok = kind != KIND_STEP || ctrl[REG_ROWS] <= ctrl[REG_MAX_ROWS];
+    int64_t row = row_reg < 0 ? 0 : ctrl[row_reg];
+    if (row < 0) row += T;
+    const bool row_ok = row >= 0 && row < T;
+    int64_t counter = CNT_WRITTEN;
+    if (!enabled) counter = CNT_SUSPENDED;
+    else if (reason != 0) counter = reason;
+    else if (!rows_ok) counter = CNT_ROWS_GATE;
+    else if (!row_ok) counter = CNT_ROW_OUT_OF_RANGE;
+    // The one atomic: concurrent captures of a slot (other streams) each get their own step.
+    const int64_t old = atomicAdd(ctrl + base + counter, 1);
+    // record_once writes only on the first live call; a step only while the region has room.
+    s_write = counter == CNT_WRITTEN && !(kind == KIND_RECORD_ONCE && old != 0) &&
+              !(kind == KIND_STEP && old >= capacity);
+    s_row = row;
+    s_dest = offset + (kind == KIND_STEP ? old : 0) * words;
+  }
+  __syncthreads();
+  if (!s_write) return;  // uniform across the block: read after the barrier
+
+  const scalar_t* src = x + s_row * st;
+  if (kind == KIND_IDS) {
+    // ids keep their integer bits: stored as int32 in the float32 arena.
+    int32_t* out = reinterpret_cast<int32_t*>(arena) + s_dest;
+    for (int64_t i = threadIdx.x; i < words; i += blockDim.x) {
+      const int64_t h = i / D, d = i % D;
+      out[i] = static_cast<int32_t>(src[h * sh + d * sd]);
+    }
+  } else if (mean) {
+    // One thread per d: a sequential fp32 sum over h, then one IEEE division. The explicit
+    // round-to-nearest intrinsics keep this bit-identical to the CPU kernel whatever the
+    // compiler flags (no contraction, no approximate division).
+    float* out = arena + s_dest;
+    for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
+      float acc = 0.0f;
+      for (int64_t h = 0; h < H; ++h) acc = __fadd_rn(acc, static_cast<float>(src[h * sh + d * sd]));
+      out[d] = __fdiv_rn(acc, static_cast<float>(H));
+    }
+  } else {
+    float* out = arena + s_dest;
+    for (int64_t i = threadIdx.x; i < words; i += blockDim.x) {
+      const int64_t h = i / D, d = i % D;
+      out[i] = static_cast<float>(src[h * sh + d * sd]);
+    }
+  }
+}
+
+void capture_kernel_cuda(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl, int64_t kind, int64_t base,
+                         int64_t offset, int64_t capacity, int64_t reason, int64_t T, int64_t H, int64_t D,
+                         int64_t st, int64_t sh, int64_t sd, int64_t row_reg, bool mean) {
+  TORCH_CHECK(x.is_cuda() && arena.device() == x.device() && ctrl.device() == x.device(),
+              "compiledump: x, arena and control block must be on the same CUDA device");
+  TORCH_CHECK(arena.scalar_type() == at::kFloat && arena.is_contiguous(), "compiledump: bad arena");
+  TORCH_CHECK(ctrl.scalar_type() == at::kInt && ctrl.is_contiguous(), "compiledump: bad control block");
+  // Host-known metadata only (no device read): a kernel cannot raise, so the words it may touch
+  // are checked here. The CPU kernel checks the one row it writes; here the whole region is
+  // checked, which is the same thing for the regions Python hands out. With a host-decided
+  // reason the kernel never writes (offset is -1 then), so the region is not checked.
+  TORCH_CHECK(ctrl.numel() >= HEADER_WORDS && row_reg < HEADER_WORDS && base >= 0 &&
+                  base + SLOT_WORDS <= ctrl.numel() && reason >= 0 && reason < SLOT_WORDS,
+              "compiledump: control block index out of bounds");
+  const int64_t words = mean ? D : H * D;
+  const int64_t rows = kind == KIND_STEP ? std::max<int64_t>(capacity, 0) : 1;
+  TORCH_CHECK(reason != 0 || (offset >= 0 && offset + rows * words <= arena.numel()),
+              "compiledump: arena region out of bounds");
+
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_ALL_TYPES_AND3(at::kHalf, at::kBFloat16, at::kBool, x.scalar_type(), "capture_kernel_cuda", [&] {
+    // One block, always launched: even a dropped call bumps its counter on the device.
+    capture_kernel<scalar_t><<<1, THREADS, 0, stream>>>(
+        x.data_ptr<scalar_t>(), arena.data_ptr<float>(), ctrl.data_ptr<int32_t>(), kind, base, offset,
+        capacity, reason, T, H, D, st, sh, sd, row_reg, mean);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(compiledump, CUDA, m) {
+  m.impl("capture_kernel_v1", &capture_kernel_cuda);
+}
