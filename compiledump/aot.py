@@ -79,7 +79,7 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, d
         if not isinstance(dynamic_shapes, (tuple, list)) or len(dynamic_shapes) != len(args):
             raise TypeError("compiledump.aot.export: dynamic_shapes must be a tuple with one entry per "
                             "positional argument")
-        dynamic_shapes = (None, None, *dynamic_shapes)
+        dynamic_shapes = (None, None, tuple(dynamic_shapes))  # forward(arena, ctrl, *args)
     with torch.no_grad():
         return torch.export.export(_WithArena(model), (rt.arena, rt.ctrl, *args), kwargs,
                                    dynamic_shapes=dynamic_shapes, strict=False)
@@ -127,7 +127,7 @@ def plan_text(rt: _arena.Runtime) -> str:
     """The registry as lines of space-separated fields (docs/EXPORT.md; parsed by kernels/dump.cpp).
 
     `slot <index> <kind> <order> <offset> <capacity> <source_dtype> <ndim> <dims...> <source_ndim>
-    <source dims, -1 = dynamic...> <tag>`, then `filtered <tag> <reason>` and `overflow <tag>`.
+    <source dims, -1 = dynamic...> <tag>` (an ndim of -1: unknown, no dims follow), then `filtered <tag> <reason>` and `overflow <tag>`.
     """
     lines = [
         PLAN_HEADER,
@@ -142,10 +142,10 @@ def plan_text(rt: _arena.Runtime) -> str:
         if slot.index == 0:
             continue
         shape = list(slot.payload_shape) if slot.payload_shape is not None else None
-        source = [-1 if d is None else d for d in slot.source_shape] if slot.source_shape is not None else []
+        source = [-1 if d is None else d for d in slot.source_shape] if slot.source_shape is not None else None
         fields = [slot.index, slot.kind, slot.order, slot.offset if shape is not None else -1, slot.capacity,
                   slot.source_dtype or "-", -1 if shape is None else len(shape), *(shape or []),
-                  len(source), *source, slot.tag]
+                  -1 if source is None else len(source), *(source or []), slot.tag]
         lines.append("slot " + " ".join(str(f) for f in fields))
     lines += [f"filtered {tag} {reason}" for tag, reason in _runtime._STATE.filtered_tags.items()]
     lines += [f"overflow {tag}" for tag in rt.overflow_tags]
@@ -185,7 +185,7 @@ def _restore_slot(rt: _arena.Runtime, f: list[str]) -> None:
     ndim = int(f[6])
     shape = tuple(int(v) for v in f[7 : 7 + max(ndim, 0)]) if ndim >= 0 else None
     at = 7 + max(ndim, 0)
-    source = [None if int(v) < 0 else int(v) for v in f[at + 1 : at + 1 + int(f[at])]]
+    source = None if int(f[at]) < 0 else [None if int(v) < 0 else int(v) for v in f[at + 1 : at + 1 + int(f[at])]]
     tag = f[-1]
     existing = rt.slots.get((tag, kind == L.KIND_STEP))
     if existing is not None:
@@ -193,7 +193,7 @@ def _restore_slot(rt: _arena.Runtime, f: list[str]) -> None:
             raise RuntimeError(f"compiledump.aot: tag {tag!r} already has another arena region in this process")
         return
     slot = _arena.Slot(tag=tag, kind=kind, index=index, order=order, payload_shape=shape, offset=offset,
-                       capacity=capacity, source_dtype=source_dtype, source_shape=source or None)
+                       capacity=capacity, source_dtype=source_dtype, source_shape=source)
     rt.slots[(tag, kind == L.KIND_STEP)] = slot
     rt.by_index.setdefault(index, slot)
     rt.next_slot = max(rt.next_slot, index + 1)

@@ -49,3 +49,32 @@ def load(path: str | os.PathLike | None = None) -> bool:
 def native_available() -> bool:
     """True when the native op library is loaded and serves the CPU capture kernel."""
     return _LOADED is not None
+
+
+SCHEMAS_HEADER = Path(__file__).resolve().parents[1] / "kernels" / "schemas.h"
+
+
+def schemas_header() -> str:
+    """kernels/schemas.h as it must read: ops.SCHEMAS for C++ processes that have no Python to
+    define them (`python -m compiledump.native --write-schemas` rewrites the file)."""
+    from . import ops
+
+    entries = "".join(f'    "{schema}",\n' for schema in ops.SCHEMAS.values())
+    return (
+        "// The `compiledump` op schemas, for processes without Python (kernels/schemas.cpp defines\n"
+        "// them there). Generated from compiledump/ops.py SCHEMAS by\n"
+        "// `python -m compiledump.native --write-schemas`; tests/test_aot.py checks it is current.\n"
+        "#pragma once\n\n"
+        "namespace compiledump {\n\n"
+        f"constexpr const char* kSchemas[] = {{\n{entries}}};\n\n"
+        "}  // namespace compiledump\n"
+    )
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--write-schemas"]:
+        sys.exit("usage: python -m compiledump.native --write-schemas")
+    SCHEMAS_HEADER.write_text(schemas_header())
+    print(f"wrote {SCHEMAS_HEADER}")

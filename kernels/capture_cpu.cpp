@@ -1,21 +1,31 @@
-// Native CPU kernel for compiledump's capture (the `compiledump::capture_kernel_v1` op).
+// Native CPU kernels for compiledump's capture ops (schemas defined by compiledump/ops.py).
 //
-// Python owns the schema (compiledump/ops.py defines it) and decides everything host-side:
-// the slot, the arena region and the [T, H, D] geometry with strides. This file only adds the
-// CPU kernel, with exactly the semantics of the Triton kernel (compiledump/triton_kernel.py)
-// and of the Python reference kernel (ops.capture_reference): read the header registers, bump
-// exactly one counter of the slot, and, for a kept capture, gather the row, average over H in
-// fp32 (sequential in h, then one IEEE division) or copy it, and store it into the arena.
-#include <torch/library.h>
+// - `capture_kernel_v1`: the kernel layer. The caller has decided the slot, the arena region
+//   and the [T, H, D] geometry with strides; this reads the header registers, bumps exactly one
+//   counter of the slot and, for a kept capture, gathers the row, averages over H in fp32
+//   (sequential in h, then one IEEE division) or copies it, and stores it into the arena: the
+//   semantics of the Triton kernel (compiledump/triton_kernel.py) and of the Python reference
+//   (ops.capture_reference).
+// - `capture_export_v1`: the capture op of exported programs. Its arguments carry the region,
+//   the payload shape and the token gate, so it needs no Python registry: the host-side gates
+//   and the geometry of ops.export_gates / ops.geometry, then the kernel above.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <torch/library.h>
+
+#include <mutex>
+
+#include "capture.h"
+#include "layout.h"
+
+namespace compiledump {
+
+std::mutex& capture_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
 
 namespace {
-
-// Keep in sync with compiledump/layout.py (tests compare this kernel with the Python one).
-constexpr int64_t REG_ENABLED = 0, REG_ROWS = 1, REG_MAX_ROWS = 2;
-constexpr int64_t CNT_WRITTEN = 0, CNT_SUSPENDED = 1, CNT_ROWS_GATE = 3, CNT_ROW_OUT_OF_RANGE = 4;
-constexpr int64_t KIND_RECORD_ONCE = 1, KIND_STEP = 2, KIND_IDS = 3;
 
 template <typename T>
 void store_row(const T* src, float* arena, int64_t dest, int64_t H, int64_t D, int64_t sh, int64_t sd,
@@ -43,6 +53,9 @@ void capture_kernel_cpu(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl
                         int64_t st, int64_t sh, int64_t sd, int64_t row_reg, bool mean) {
   TORCH_CHECK(arena.scalar_type() == at::kFloat && arena.is_contiguous(), "compiledump: bad arena");
   TORCH_CHECK(ctrl.scalar_type() == at::kInt && ctrl.is_contiguous(), "compiledump: bad control block");
+  TORCH_CHECK(base >= 0 && base + SLOT_WORDS <= ctrl.numel(), "compiledump: slot outside the control block");
+  // The counter update and the row write are one step for a concurrent flush (dump.cpp).
+  std::lock_guard<std::mutex> guard(capture_mutex());
   int32_t* regs = ctrl.data_ptr<int32_t>();
   const bool enabled = regs[REG_ENABLED] != 0;
   const bool rows_ok = kind != KIND_STEP || regs[REG_ROWS] <= regs[REG_MAX_ROWS];
@@ -70,6 +83,70 @@ void capture_kernel_cpu(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(compiledump, CPU, m) {
-  m.impl("capture_kernel_v1", &capture_kernel_cpu);
+std::vector<int64_t> payload_shape(at::IntArrayRef shape, int64_t kind) {
+  if (kind == KIND_IDS) return shape.vec();
+  if (kind == KIND_STEP) return shape.size() >= 2 ? shape.slice(1).vec() : shape.vec();
+  if (shape.size() == 2 || shape.size() == 3) return {shape.back()};
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  return {numel};
 }
+
+Geometry geometry(const at::Tensor& input, int64_t kind) {
+  at::Tensor x = input;
+  const int64_t dim = x.dim();
+  auto rows = [](const at::Tensor& t, int64_t row_reg, bool mean) {
+    if (t.dim() == 2) return Geometry{t, t.size(0), 1, t.size(1), t.stride(0), 0, t.stride(1), row_reg, mean};
+    return Geometry{t, t.size(0), t.size(1), t.size(2), t.stride(0), t.stride(1), t.stride(2), row_reg, mean};
+  };
+  if ((kind == KIND_RECORD || kind == KIND_RECORD_ONCE) && (dim == 2 || dim == 3))
+    return rows(x, REG_RECORD_ROW, dim == 3);
+  if (kind == KIND_STEP && dim >= 2) {
+    if (dim > 3) x = x.reshape({x.size(0), -1, x.size(-1)});
+    return rows(x, REG_STEP_ROW, false);
+  }
+  // Stored whole: one row of H x D words.
+  if (dim == 0) return Geometry{x, 1, 1, 1, 0, 0, 0, ROW_FIXED_ZERO, false};
+  if (dim == 1) return Geometry{x, 1, 1, x.size(0), 0, 0, x.stride(0), ROW_FIXED_ZERO, false};
+  if (dim > 2) x = x.reshape({x.size(0), -1});
+  return Geometry{x, 1, x.size(0), x.size(1), 0, x.stride(0), x.stride(1), ROW_FIXED_ZERO, false};
+}
+
+void capture_export(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl, int64_t slot, int64_t kind,
+                    int64_t reason, int64_t offset, at::IntArrayRef payload, int64_t capacity, int64_t tokens) {
+  // The gates of ops.export_gates, decided from shapes (host metadata: no device access).
+  if (reason == 0 && slot != 0) {
+    if (tokens && (kind == KIND_RECORD || kind == KIND_IDS) && x.dim() > 0 && x.size(0) != tokens)
+      reason = CNT_TOKEN_GATE;
+    else if (payload_shape(x.sizes(), kind) != payload.vec())
+      reason = CNT_SHAPE_CHANGED;
+    else if (offset < 0)
+      reason = CNT_ARENA_FULL;
+  }
+  if (reason != 0) {
+    offset = -1;
+    capacity = 0;
+  }
+  const Geometry g = geometry(x, kind);
+  static auto kernel = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("compiledump::capture_kernel_v1", "")
+                           .typed<void(const at::Tensor&, at::Tensor&, at::Tensor&, int64_t, int64_t, int64_t,
+                                       int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                       int64_t, bool)>();
+  // Through the dispatcher: the CPU kernel above, or the CUDA one (capture_cuda.cu).
+  kernel.call(g.x, arena, ctrl, kind, slot_base(slot), offset, capacity, reason, g.T, g.H, g.D, g.stride_t,
+              g.stride_h, g.stride_d, g.row_reg, g.mean);
+}
+
+}  // namespace compiledump
+
+TORCH_LIBRARY_IMPL(compiledump, CPU, m) {
+  m.impl("capture_kernel_v1", &compiledump::capture_kernel_cpu);
+  m.impl("capture_export_v1", &compiledump::capture_export);
+}
+
+#ifdef COMPILEDUMP_WITH_CUDA
+TORCH_LIBRARY_IMPL(compiledump, CUDA, m) {
+  m.impl("capture_export_v1", &compiledump::capture_export);
+}
+#endif

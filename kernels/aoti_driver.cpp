@@ -1,0 +1,111 @@
+// A C++-only engine run of the built-in model (compiledump/model.py), with no Python in the
+// process: it loads the prefill and decode AOTInductor packages written by
+// examples/export_aoti.py (compiledump.aot), runs the same engine session as
+// compiledump.model.run_session (prefill, a profile run with capture suspended, a wide warm-up
+// decode gated by set_rows, padded decode steps), and flushes the dump through the native
+// library's C++ API. `compiledump compare` then compares it with the Python run.
+//
+//   compiledump_aoti_driver PREFILL.pt2 DECODE.pt2 INPUTS.txt OUT_DIR
+//
+// INPUTS.txt (written by examples/export_aoti.py): whitespace-separated
+//   prompt N ids... | profile N ids... | warmup_rows R | decode STEPS ROWS ids... (row 0 real)
+//   | pad_state LAYERS ROWS DIM floats...
+#include <c10/core/InferenceMode.h>
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "compiledump.h"
+
+namespace {
+
+struct Inputs {
+  std::map<std::string, at::Tensor> tensors;
+  int64_t warmup_rows = 0;
+};
+
+Inputs read_inputs(const std::string& path) {
+  std::ifstream in(path);
+  TORCH_CHECK(in, "cannot read ", path);
+  Inputs inputs;
+  std::string name;
+  auto read_longs = [&](std::vector<int64_t> shape) {
+    at::Tensor t = at::empty(shape, at::kLong);
+    for (int64_t i = 0; i < t.numel(); ++i) in >> t.data_ptr<int64_t>()[i];
+    return t;
+  };
+  while (in >> name) {
+    int64_t a = 0, b = 0, c = 0;
+    if (name == "prompt" || name == "profile") {
+      in >> a;
+      inputs.tensors[name] = read_longs({a});
+    } else if (name == "warmup_rows") {
+      in >> inputs.warmup_rows;
+    } else if (name == "decode") {
+      in >> a >> b;
+      inputs.tensors[name] = read_longs({a, b});
+    } else if (name == "pad_state") {
+      in >> a >> b >> c;
+      at::Tensor t = at::empty({a, b, c}, at::kFloat);
+      for (int64_t i = 0; i < t.numel(); ++i) in >> t.data_ptr<float>()[i];
+      inputs.tensors[name] = t;
+    } else {
+      TORCH_CHECK(false, "unknown input '", name, "' in ", path);
+    }
+    TORCH_CHECK(!in.fail(), "bad input '", name, "' in ", path);
+  }
+  for (const char* required : {"prompt", "profile", "decode", "pad_state"})
+    TORCH_CHECK(inputs.tensors.count(required), "missing input '", required, "' in ", path);
+  return inputs;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 5) {
+    std::cerr << "usage: " << argv[0] << " PREFILL.pt2 DECODE.pt2 INPUTS.txt OUT_DIR\n";
+    return 2;
+  }
+  try {
+    torch::inductor::AOTIModelPackageLoader prefill(argv[1]), decode(argv[2]);
+    // Both packages were exported against one registry: their plans are parts of one plan.
+    compiledump::Plan plan = compiledump::Plan::from_metadata(prefill.get_metadata());
+    plan.merge(compiledump::Plan::from_metadata(decode.get_metadata()));
+    compiledump::Dump dump(plan, at::kCPU);
+    Inputs inputs = read_inputs(argv[3]);
+    c10::InferenceMode inference;  // no autograd bookkeeping for the run
+
+    // 1. Prefill of the prompt.
+    dump.set_rows(1);
+    std::vector<at::Tensor> out = prefill.run({dump.arena(), dump.ctrl(), inputs.tensors["prompt"]});
+    at::Tensor state = out.at(1);
+    // 2. The engine's profile run: capture suspended (compiledump.profiling()).
+    dump.set_enabled(false);
+    prefill.run({dump.arena(), dump.ctrl(), inputs.tensors["profile"]});
+    dump.set_enabled(true);
+    // 3. A wide warm-up decode, reported through set_rows: record_step must skip it.
+    if (inputs.warmup_rows > 0) {
+      const int64_t rows = inputs.warmup_rows;
+      dump.set_rows(rows);
+      decode.run({dump.arena(), dump.ctrl(), at::zeros({rows}, at::kLong),
+                  at::zeros({state.size(0), rows, state.size(2)}, state.options())});
+    }
+    // 4. Padded decode steps: row 0 is the real request.
+    state = at::cat({state, inputs.tensors["pad_state"].to(state.dtype())}, 1);
+    const at::Tensor& steps = inputs.tensors["decode"];
+    for (int64_t step = 0; step < steps.size(0); ++step) {
+      dump.set_rows(1);
+      out = decode.run({dump.arena(), dump.ctrl(), steps[step].contiguous(), state});
+      state = out.at(1);
+    }
+    std::cout << dump.flush(argv[4]) << std::endl;
+  } catch (const std::exception& error) {
+    std::cerr << "compiledump_aoti_driver: " << error.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

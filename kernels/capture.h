@@ -1,0 +1,31 @@
+// The native capture ops' host-side helpers, shared by the CPU and CUDA registrations.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <mutex>
+#include <vector>
+
+namespace compiledump {
+
+// How a kernel reads its input: `x` viewed as [T, H, D] with element strides; the row comes from
+// register `row_reg` (ROW_FIXED_ZERO: row 0), averaged over H when `mean`. See ops.geometry.
+struct Geometry {
+  at::Tensor x;
+  int64_t T, H, D, stride_t, stride_h, stride_d, row_reg;
+  bool mean;
+};
+
+Geometry geometry(const at::Tensor& x, int64_t kind);
+
+// Shape of what one capture of a tensor of shape `shape` stores (arena.payload_shape).
+std::vector<int64_t> payload_shape(at::IntArrayRef shape, int64_t kind);
+
+// `compiledump::capture_export_v1`.
+void capture_export(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl, int64_t slot, int64_t kind,
+                    int64_t reason, int64_t offset, at::IntArrayRef payload, int64_t capacity, int64_t tokens);
+
+// Held by the CPU kernel while it updates a counter and writes a row, and by the C++ flush while
+// it snapshots a CPU arena: a capture from another thread is never half-written in a dump.
+std::mutex& capture_mutex();
+
+}  // namespace compiledump

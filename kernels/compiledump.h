@@ -1,0 +1,73 @@
+// C++ API of the native library for processes without Python: create the arena that an exported
+// program (compiledump.aot) writes into, set the registers the Python API sets, and flush the
+// dump in the same files and format as compiledump.flush() (docs/FORMAT.md).
+//
+//   auto plan = compiledump::Plan::from_metadata(loader.get_metadata());
+//   compiledump::Dump dump(plan, at::kCPU);
+//   dump.set_rows(1);
+//   loader.run({dump.arena(), dump.ctrl(), tokens});
+//   std::string npz = dump.flush("dumps");
+#pragma once
+#include <ATen/ATen.h>
+
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace compiledump {
+
+// One tag's slot and arena region, as exported (a `slot` line of the plan; docs/EXPORT.md).
+struct PlanSlot {
+  int64_t index = 0, kind = 0, order = 0, offset = -1, capacity = 1;
+  std::string source_dtype;           // "" when unknown
+  bool placed = false;                // false: no capture fixed the payload shape when exported
+  std::vector<int64_t> shape;         // payload shape of one capture
+  std::vector<int64_t> source_shape;  // -1 = a dimension that was dynamic when exported
+  std::string tag;
+};
+
+// The registry of an exported program: the `compiledump.plan` and `compiledump.config` entries
+// of an AOTInductor package's metadata (written by compiledump.aot.package).
+struct Plan {
+  std::string version;
+  int64_t arena_words = 0, ctrl_words = 0, used_words = 0, max_rows = 1;
+  std::string device_type = "cpu";
+  std::map<int64_t, PlanSlot> slots;  // by slot index
+  std::vector<std::pair<std::string, std::string>> filtered;  // tag, reason
+  std::vector<std::string> overflow;  // tags past max_tags (share slot 0)
+  std::string config_json;            // the settings, without "dir"
+
+  static Plan parse(const std::string& plan_text, const std::string& config_json);
+  static Plan from_metadata(const std::unordered_map<std::string, std::string>& metadata);
+  // Union with the plan of another package exported against the same registry (e.g. prefill
+  // and decode); throws if they disagree about a slot or the arena's size.
+  void merge(const Plan& other);
+};
+
+class Dump {
+ public:
+  // Allocates the arena and the control block on `device` and sets the registers to their
+  // defaults (capture enabled, max_rows from the plan, record row -1, step row 0).
+  Dump(Plan plan, c10::Device device);
+
+  at::Tensor& arena() { return arena_; }
+  at::Tensor& ctrl() { return ctrl_; }
+  const Plan& plan() const { return plan_; }
+
+  // A one-word fill of the control block (a kernel on CUDA: no copy, no sync).
+  void set_register(int64_t index, int64_t value);
+  void set_rows(int64_t rows);              // compiledump.set_rows
+  void set_enabled(bool enabled);           // false inside an engine's profile run (profiling())
+  void set_gather_rows(int64_t record_row, int64_t step_row);  // compiledump.set_gather_rows
+
+  // One device-to-host copy, then `<dir>/compiledump_rank<R>_pid<P>.npz` and `.json`, written
+  // atomically (temporary file + rename). Returns the npz path; "" if the plan has no tags.
+  std::string flush(const std::string& dir) const;
+
+ private:
+  Plan plan_;
+  at::Tensor arena_, ctrl_;
+};
+
+}  // namespace compiledump

@@ -1,0 +1,410 @@
+// The C++ flush: the same .npz + .json dump as compiledump.flush() (compiledump/runtime.py
+// `_collect`, compiledump/writer.py), for processes without Python. The plan (the registry an
+// exported program was traced with) names the arena's regions; the counters come from ctrl.
+#include "compiledump.h"
+
+#include <torch/version.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <filesystem>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include "capture.h"
+#include "layout.h"
+
+namespace compiledump {
+namespace {
+
+// Drop reasons by counter, in manifest order (layout.DROP_REASONS).
+const std::array<std::pair<int64_t, const char*>, 7> kDropReasons{{
+    {CNT_SUSPENDED, "suspended"},
+    {CNT_TOKEN_GATE, "token_gate"},
+    {CNT_ROWS_GATE, "rows_gate"},
+    {CNT_ROW_OUT_OF_RANGE, "row_out_of_range"},
+    {CNT_SHAPE_CHANGED, "shape_changed"},
+    {CNT_ARENA_FULL, "arena_full"},
+    {CNT_TAG_TABLE_FULL, "tag_table_full"},
+}};
+
+const char* kind_name(int64_t kind) {
+  switch (kind) {
+    case KIND_RECORD: return "record";
+    case KIND_RECORD_ONCE: return "record_once";
+    case KIND_STEP: return "step";
+    case KIND_IDS: return "ids";
+  }
+  throw std::runtime_error("compiledump: unknown capture kind " + std::to_string(kind));
+}
+
+std::string json_string(const std::string& s) {
+  std::string out = "\"";
+  for (unsigned char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += static_cast<char>(c);
+    } else if (c < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", c);
+      out += buf;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out + "\"";
+}
+
+std::string json_ints(const std::vector<int64_t>& v, bool negative_is_null = false) {
+  std::string out = "[";
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i) out += ",";
+    out += negative_is_null && v[i] < 0 ? "null" : std::to_string(v[i]);
+  }
+  return out + "]";
+}
+
+// ---- .npz: a stored (uncompressed) zip of .npy members, as numpy.savez writes ----
+
+uint32_t crc32(const std::string& data) {
+  static const auto table = [] {
+    std::array<uint32_t, 256> t{};
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+      t[i] = c;
+    }
+    return t;
+  }();
+  uint32_t c = 0xFFFFFFFFu;
+  for (unsigned char b : data) c = table[(c ^ b) & 0xFF] ^ (c >> 8);
+  return c ^ 0xFFFFFFFFu;
+}
+
+void put16(std::string& out, uint32_t v) {
+  out += static_cast<char>(v & 0xFF);
+  out += static_cast<char>((v >> 8) & 0xFF);
+}
+void put32(std::string& out, uint32_t v) {
+  put16(out, v & 0xFFFF);
+  put16(out, v >> 16);
+}
+
+// A .npy (format 1.0) holding `nbytes` little-endian elements of numpy type `descr`.
+std::string npy(const char* descr, const std::vector<int64_t>& shape, const void* data, size_t nbytes) {
+  std::string dims;  // numpy's tuple syntax: "()", "(64,)", "(7, 2)"
+  for (size_t i = 0; i < shape.size(); ++i) dims += (i ? ", " : "") + std::to_string(shape[i]);
+  if (shape.size() == 1) dims += ",";
+  std::string header = std::string("{'descr': '") + descr + "', 'fortran_order': False, 'shape': (" + dims + "), }";
+  // Pad with spaces so that the data starts on a 64-byte boundary, as numpy does.
+  const size_t unpadded = 10 + header.size() + 1;
+  header.append((64 - unpadded % 64) % 64, ' ');
+  header += '\n';
+  std::string out = "\x93NUMPY";
+  out += '\x01';
+  out += '\x00';
+  put16(out, static_cast<uint32_t>(header.size()));
+  out += header;
+  out.append(static_cast<const char*>(data), nbytes);
+  return out;
+}
+
+struct Member {
+  std::string name, data;
+};
+
+std::string zip_stored(const std::vector<Member>& members) {
+  std::string out, directory;
+  for (const auto& m : members) {
+    TORCH_CHECK(m.data.size() < 0xFFFFFFFFull && out.size() < 0xFFFFFFFFull && members.size() < 0xFFFF,
+                "compiledump: dump too large for the native writer (needs zip64); flush from Python");
+    const uint32_t crc = crc32(m.data), size = static_cast<uint32_t>(m.data.size());
+    const uint32_t local_offset = static_cast<uint32_t>(out.size());
+    // Local file header: version 2.0, no flags, stored, 1980-01-01 00:00.
+    put32(out, 0x04034b50);
+    put16(out, 20), put16(out, 0), put16(out, 0), put16(out, 0), put16(out, 0x21);
+    put32(out, crc), put32(out, size), put32(out, size);
+    put16(out, static_cast<uint32_t>(m.name.size())), put16(out, 0);
+    out += m.name;
+    out += m.data;
+    // Its central directory entry.
+    put32(directory, 0x02014b50);
+    put16(directory, 20), put16(directory, 20), put16(directory, 0), put16(directory, 0);
+    put16(directory, 0), put16(directory, 0x21);
+    put32(directory, crc), put32(directory, size), put32(directory, size);
+    put16(directory, static_cast<uint32_t>(m.name.size())), put16(directory, 0), put16(directory, 0);
+    put16(directory, 0), put16(directory, 0), put32(directory, 0), put32(directory, local_offset);
+    directory += m.name;
+  }
+  const uint32_t directory_offset = static_cast<uint32_t>(out.size());
+  out += directory;
+  put32(out, 0x06054b50);
+  put16(out, 0), put16(out, 0);
+  put16(out, static_cast<uint32_t>(members.size())), put16(out, static_cast<uint32_t>(members.size()));
+  put32(out, static_cast<uint32_t>(directory.size())), put32(out, directory_offset);
+  put16(out, 0);
+  return out;
+}
+
+// Temporary file in the same directory, fsync, rename: a reader sees the old or the new file.
+void atomic_write(const std::filesystem::path& path, const std::string& content) {
+  const std::filesystem::path tmp =
+      path.parent_path() / ("." + path.filename().string() + "." + std::to_string(getpid()) + ".tmp");
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  TORCH_CHECK(fd >= 0, "compiledump: cannot write ", tmp.string(), ": ", std::strerror(errno));
+  size_t done = 0;
+  while (done < content.size()) {
+    const ssize_t n = ::write(fd, content.data() + done, content.size() - done);
+    if (n < 0) {
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      TORCH_CHECK(false, "compiledump: write failed for ", tmp.string(), ": ", std::strerror(errno));
+    }
+    done += static_cast<size_t>(n);
+  }
+  ::fsync(fd);
+  ::close(fd);
+  std::filesystem::rename(tmp, path);
+}
+
+std::string env_or(const char* name, const std::string& fallback) {
+  const char* value = std::getenv(name);
+  return value && *value ? value : fallback;
+}
+
+}  // namespace
+
+// ---- Plan ----
+
+Plan Plan::parse(const std::string& plan_text, const std::string& config_json) {
+  Plan plan;
+  plan.config_json = config_json;
+  std::istringstream lines(plan_text);
+  std::string line;
+  std::getline(lines, line);
+  TORCH_CHECK(line == "compiledump-plan 1", "compiledump: not a compiledump plan (first line '", line, "')");
+  while (std::getline(lines, line)) {
+    if (line.empty()) continue;
+    std::istringstream f(line);
+    std::string what;
+    f >> what;
+    if (what == "slot") {
+      PlanSlot s;
+      int64_t ndim = 0, source_ndim = 0;
+      f >> s.index >> s.kind >> s.order >> s.offset >> s.capacity >> s.source_dtype >> ndim;
+      s.placed = ndim >= 0;
+      s.shape.resize(std::max<int64_t>(ndim, 0));
+      for (auto& d : s.shape) f >> d;
+      f >> source_ndim;
+      s.source_shape.resize(std::max<int64_t>(source_ndim, 0));
+      for (auto& d : s.source_shape) f >> d;
+      if (source_ndim < 0) s.source_shape = {-2};  // unknown: written as null
+      if (s.source_dtype == "-") s.source_dtype.clear();
+      f >> s.tag;
+      TORCH_CHECK(!f.fail() && !s.tag.empty(), "compiledump: bad plan line '", line, "'");
+      plan.slots[s.index] = s;
+    } else if (what == "filtered") {
+      std::string tag, reason;
+      f >> tag >> reason;
+      plan.filtered.emplace_back(tag, reason);
+    } else if (what == "overflow") {
+      std::string tag;
+      f >> tag;
+      plan.overflow.push_back(tag);
+    } else if (what == "version") {
+      f >> plan.version;
+    } else if (what == "arena_words") {
+      f >> plan.arena_words;
+    } else if (what == "ctrl_words") {
+      f >> plan.ctrl_words;
+    } else if (what == "used_words") {
+      f >> plan.used_words;
+    } else if (what == "max_rows") {
+      f >> plan.max_rows;
+    } else if (what == "device_type") {
+      f >> plan.device_type;
+    }  // other header lines: added by later versions, ignored
+  }
+  TORCH_CHECK(plan.arena_words > 0 && plan.ctrl_words > 0, "compiledump: plan without arena sizes");
+  return plan;
+}
+
+Plan Plan::from_metadata(const std::unordered_map<std::string, std::string>& metadata) {
+  const auto plan = metadata.find("compiledump.plan");
+  const auto config = metadata.find("compiledump.config");
+  TORCH_CHECK(plan != metadata.end() && config != metadata.end(),
+              "compiledump: the package has no compiledump plan; package it with compiledump.aot.package");
+  return parse(plan->second, config->second);
+}
+
+void Plan::merge(const Plan& other) {
+  TORCH_CHECK(arena_words == other.arena_words && ctrl_words == other.ctrl_words,
+              "compiledump: packages exported for different arena sizes");
+  for (const auto& [index, slot] : other.slots) {
+    auto it = slots.find(index);
+    if (it == slots.end()) {
+      slots[index] = slot;
+    } else if (!it->second.placed && slot.placed) {
+      it->second = slot;
+    } else {
+      TORCH_CHECK(it->second.tag == slot.tag && it->second.kind == slot.kind &&
+                      (!slot.placed || (it->second.offset == slot.offset && it->second.shape == slot.shape)),
+                  "compiledump: packages disagree about slot ", index, " (", it->second.tag, " / ", slot.tag,
+                  "); export them in one process, against one registry");
+    }
+  }
+  used_words = std::max(used_words, other.used_words);
+  for (const auto& entry : other.filtered)
+    if (std::find(filtered.begin(), filtered.end(), entry) == filtered.end()) filtered.push_back(entry);
+  for (const auto& tag : other.overflow)
+    if (std::find(overflow.begin(), overflow.end(), tag) == overflow.end()) overflow.push_back(tag);
+}
+
+// ---- Dump ----
+
+Dump::Dump(Plan plan, c10::Device device) : plan_(std::move(plan)) {
+  TORCH_CHECK(device.str().rfind(plan_.device_type, 0) == 0, "compiledump: the program was exported for ",
+              plan_.device_type, ", not ", device.str());
+  arena_ = at::empty({plan_.arena_words}, at::TensorOptions().dtype(at::kFloat).device(device));
+  ctrl_ = at::zeros({plan_.ctrl_words}, at::TensorOptions().dtype(at::kInt).device(device));
+  set_register(REG_ENABLED, 1);
+  set_register(REG_MAX_ROWS, plan_.max_rows);
+  set_register(REG_RECORD_ROW, -1);
+  set_register(REG_STEP_ROW, 0);
+}
+
+void Dump::set_register(int64_t index, int64_t value) {
+  TORCH_CHECK(index >= 0 && index < HEADER_WORDS, "compiledump: no register ", index);
+  ctrl_[index].fill_(value);
+}
+
+void Dump::set_rows(int64_t rows) { set_register(REG_ROWS, rows); }
+void Dump::set_enabled(bool enabled) { set_register(REG_ENABLED, enabled ? 1 : 0); }
+void Dump::set_gather_rows(int64_t record_row, int64_t step_row) {
+  set_register(REG_RECORD_ROW, record_row);
+  set_register(REG_STEP_ROW, step_row);
+}
+
+std::string Dump::flush(const std::string& dir) const {
+  if (plan_.slots.empty()) return "";
+  at::Tensor arena, ctrl;
+  {
+    // One copy of each; on CPU under the kernel's lock, so no capture is half-written.
+    std::unique_lock<std::mutex> guard(capture_mutex(), std::defer_lock);
+    if (arena_.is_cpu()) guard.lock();
+    arena = arena_.narrow(0, 0, plan_.used_words).to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
+    ctrl = ctrl_.to(at::kCPU, false, true);
+  }
+  const float* words = arena.data_ptr<float>();
+  const int32_t* counts_all = ctrl.data_ptr<int32_t>();
+
+  std::vector<const PlanSlot*> ordered;
+  for (const auto& [index, slot] : plan_.slots) ordered.push_back(&slot);
+  std::sort(ordered.begin(), ordered.end(), [](auto* a, auto* b) { return a->order < b->order; });
+
+  std::vector<Member> members;
+  std::string keys, tags;
+  std::map<std::string, int64_t> totals;
+  std::vector<std::string> total_order;
+  auto add_total = [&](const std::string& name, int64_t count) {
+    if (!totals.count(name)) total_order.push_back(name);
+    totals[name] += count;
+  };
+  for (const PlanSlot* slot : ordered) {
+    if (slot->index == 0) continue;
+    const int32_t* counts = counts_all + slot_base(slot->index);
+    int64_t calls = 0;
+    for (int64_t c = 0; c < SLOT_WORDS; ++c) calls += counts[c];
+    const int64_t written = counts[CNT_WRITTEN];
+    std::vector<std::pair<std::string, int64_t>> drops;
+    for (const auto& [counter, name] : kDropReasons)
+      if (counts[counter]) drops.emplace_back(name, counts[counter]);
+    int64_t kept = 0;
+    if (slot->placed && slot->offset >= 0 && written) {
+      kept = std::min(written, slot->capacity);
+      if (slot->kind == KIND_STEP && written > slot->capacity) drops.emplace_back("step_capacity", written - slot->capacity);
+      int64_t numel = 1;
+      for (int64_t d : slot->shape) numel *= d;
+      const bool ids = slot->kind == KIND_IDS;
+      const std::string source_shape =
+          slot->source_shape == std::vector<int64_t>{-2} ? "null" : json_ints(slot->source_shape, true);
+      for (int64_t n = 0; n < kept; ++n) {
+        const bool step = slot->kind == KIND_STEP;
+        const std::string key = step ? slot->tag + "_" + std::to_string(n) : slot->tag;
+        members.push_back({key + ".npy", npy(ids ? "<i4" : "<f4", slot->shape, words + slot->offset + n * numel,
+                                              static_cast<size_t>(numel) * 4)});
+        if (!keys.empty()) keys += ",";
+        keys += json_string(key) + ":{\"tag\":" + json_string(slot->tag) + ",\"kind\":\"" + kind_name(slot->kind) +
+                "\",\"step\":" + (step ? std::to_string(n) : "null") + ",\"order\":" + std::to_string(slot->order) +
+                ",\"source_dtype\":" + (slot->source_dtype.empty() ? "null" : json_string(slot->source_dtype)) +
+                ",\"source_shape\":" + source_shape + ",\"dtype\":\"" + (ids ? "int32" : "float32") +
+                "\",\"shape\":" + json_ints(slot->shape) + "}";
+      }
+    }
+    std::string drop_json;
+    for (const auto& [name, count] : drops) {
+      drop_json += (drop_json.empty() ? "" : ",") + json_string(name) + ":" + std::to_string(count);
+      add_total(name, count);
+    }
+    if (!tags.empty()) tags += ",";
+    tags += json_string(slot->kind == KIND_STEP ? slot->tag + "_<n>" : slot->tag) + ":{\"tag\":" +
+            json_string(slot->tag) + ",\"kind\":\"" + kind_name(slot->kind) + "\",\"order\":" +
+            std::to_string(slot->order) + ",\"calls\":" + std::to_string(calls) + ",\"passed\":" +
+            std::to_string(written) + ",\"kept\":" + std::to_string(kept) + ",\"drops\":{" + drop_json + "}}";
+  }
+  if (!plan_.overflow.empty()) {
+    // Tags past the table share slot 0: only the totals can report their calls.
+    const int32_t* shared = counts_all + slot_base(0);
+    for (const auto& [counter, name] : kDropReasons)
+      if (shared[counter]) add_total(name, shared[counter]);
+    for (const auto& tag : plan_.overflow) {
+      if (!tags.empty()) tags += ",";
+      tags += json_string(tag) + ":{\"tag\":" + json_string(tag) +
+              ",\"kind\":null,\"order\":null,\"calls\":null,\"passed\":0,\"kept\":0,\"drops\":{\"tag_table_full\":null}}";
+    }
+  }
+  std::string drops_json, filtered_json;
+  for (const auto& name : total_order)
+    drops_json += (drops_json.empty() ? "" : ",") + json_string(name) + ":" + std::to_string(totals[name]);
+  for (const auto& [tag, reason] : plan_.filtered)
+    filtered_json += (filtered_json.empty() ? "" : ",") + json_string(tag) + ":" + json_string(reason);
+
+  // The settings as exported, with this run's directory.
+  std::string settings = plan_.config_json;
+  const size_t open = settings.find('{'), close = settings.rfind('}');
+  settings = open == std::string::npos || close == std::string::npos ? "" : settings.substr(open + 1, close - open - 1);
+  const std::string rank = env_or("RANK", "x");
+  const std::string world = env_or("WORLD_SIZE", "");
+  const bool world_is_number = !world.empty() && world.find_first_not_of("0123456789") == std::string::npos;
+  char created[64];
+  std::snprintf(created, sizeof created, "%.6f",
+                std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
+
+  const std::string manifest =
+      std::string("{\"format\":\"compiledump-dump\",\"format_version\":1,\"compiledump_version\":") +
+      json_string(plan_.version) + ",\"torch_version\":" + json_string(TORCH_VERSION) + ",\"created_unix\":" +
+      created + ",\"rank\":" + json_string(rank) + ",\"pid\":" + std::to_string(getpid()) +
+      ",\"world_size\":" + (world_is_number ? world : "null") + ",\"device\":" + json_string(arena_.device().str()) +
+      ",\"config\":{\"dir\":" + json_string(dir) + (settings.empty() ? "" : "," + settings) + "},\"keys\":{" + keys +
+      "},\"tags\":{" + tags + "},\"drops\":{" + drops_json + "},\"filtered_tags\":{" + filtered_json +
+      "},\"arena_words_used\":" + std::to_string(plan_.used_words) + ",\"parallel\":{},\"writer\":\"native\"}";
+
+  const std::filesystem::path out(dir);
+  std::filesystem::create_directories(out);
+  const std::string stem = "compiledump_rank" + rank + "_pid" + std::to_string(getpid());
+  const auto npz_path = out / (stem + ".npz");
+  atomic_write(npz_path, zip_stored(members));  // npz first: a manifest never names a missing key
+  atomic_write(out / (stem + ".json"), manifest);
+  return npz_path.string();
+}
+
+}  // namespace compiledump

@@ -1,0 +1,37 @@
+// Layout of the control block and the capture kinds: the C++ copy of compiledump/layout.py
+// (tests/test_aot.py checks that every constant here equals the Python one).
+#pragma once
+#include <cstdint>
+
+namespace compiledump {
+
+// Header registers (word index into the control block).
+constexpr int64_t REG_ENABLED = 0;
+constexpr int64_t REG_ROWS = 1;
+constexpr int64_t REG_MAX_ROWS = 2;
+constexpr int64_t REG_RECORD_ROW = 3;
+constexpr int64_t REG_STEP_ROW = 4;
+constexpr int64_t HEADER_WORDS = 8;
+
+// Per-slot counters (word offset inside a slot's record).
+constexpr int64_t CNT_WRITTEN = 0;
+constexpr int64_t CNT_SUSPENDED = 1;
+constexpr int64_t CNT_TOKEN_GATE = 2;
+constexpr int64_t CNT_ROWS_GATE = 3;
+constexpr int64_t CNT_ROW_OUT_OF_RANGE = 4;
+constexpr int64_t CNT_SHAPE_CHANGED = 5;
+constexpr int64_t CNT_ARENA_FULL = 6;
+constexpr int64_t CNT_TAG_TABLE_FULL = 7;
+constexpr int64_t SLOT_WORDS = 8;
+
+// Capture kinds.
+constexpr int64_t KIND_RECORD = 0;
+constexpr int64_t KIND_RECORD_ONCE = 1;
+constexpr int64_t KIND_STEP = 2;
+constexpr int64_t KIND_IDS = 3;
+
+constexpr int64_t ROW_FIXED_ZERO = -1;
+
+inline int64_t slot_base(int64_t slot) { return HEADER_WORDS + slot * SLOT_WORDS; }
+
+}  // namespace compiledump

@@ -1,0 +1,15 @@
+// The `compiledump` op schemas, for processes without Python (kernels/schemas.cpp defines
+// them there). Generated from compiledump/ops.py SCHEMAS by
+// `python -m compiledump.native --write-schemas`; tests/test_aot.py checks it is current.
+#pragma once
+
+namespace compiledump {
+
+constexpr const char* kSchemas[] = {
+    "capture_v1(Tensor x, Tensor(a!) arena, Tensor(b!) ctrl, int slot, int kind, int reason) -> ()",
+    "set_register_v1(Tensor(a!) ctrl, int index, SymInt value) -> ()",
+    "capture_kernel_v1(Tensor x, Tensor(a!) arena, Tensor(b!) ctrl, int kind, int base, int offset, int capacity, int reason, int T, int H, int D, int stride_t, int stride_h, int stride_d, int row_reg, bool mean) -> ()",
+    "capture_export_v1(Tensor x, Tensor(a!) arena, Tensor(b!) ctrl, int slot, int kind, int reason, int offset, int[] payload, int capacity, int tokens) -> ()",
+};
+
+}  // namespace compiledump
