@@ -51,6 +51,18 @@ def native_available() -> bool:
     return _LOADED is not None
 
 
+def kernel_owner(op: str, key: str = "CPU") -> str | None:
+    """Who serves `compiledump::<op>` for dispatch `key`: "native", "python", or None (nobody).
+
+    One owner per (op, key): the native library for the keys it implements when it is loaded,
+    Python otherwise. Read from the dispatcher's own record of where each kernel was registered.
+    """
+    for line in torch._C._dispatch_dump(f"compiledump::{op}").splitlines():
+        if line.startswith(f"{key}: registered at "):
+            return "python" if ".py:" in line else "native"
+    return None
+
+
 SCHEMAS_HEADER = Path(__file__).resolve().parents[1] / "kernels" / "schemas.h"
 
 

@@ -31,6 +31,7 @@ PROMPT_LEN = 7
 MODEL = ModelConfig(layers=3, captures_per_layer=5)
 # Small capacities keep the exported arena input small (it is a program input of fixed size).
 SETTINGS = dict(tokens=PROMPT_LEN, moe_layers=MODEL.layers, arena_mb=1, max_steps=32, max_tags=64)
+SESSION = make_session(MODEL, prompt_len=PROMPT_LEN, steps=8)
 
 
 def _start(directory: Path) -> None:
@@ -39,10 +40,10 @@ def _start(directory: Path) -> None:
     compiledump.configure(dir=str(directory), **SETTINGS)
 
 
-def run_eager(out: Path, session) -> str:
+def run_eager(out: Path, session, model: ModelConfig = MODEL) -> str:
     """The reference dump: the engine session run eagerly."""
     _start(out / "eager")
-    run_session(TinyMoE(MODEL, dump=compiledump), compiledump, session)
+    run_session(TinyMoE(model, dump=compiledump), compiledump, session)
     return compiledump.flush()
 
 
@@ -87,17 +88,14 @@ def write_inputs(path: Path, session) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def run_driver(driver: str, out: Path, prefill: str, decode: str) -> str:
+def run_driver(driver: str, out: Path, prefill: str, decode: str, session) -> str:
     """The C++-only run; returns the npz path the driver printed."""
-    write_inputs(out / "inputs.txt", _SESSION)
+    write_inputs(out / "inputs.txt", session)
     done = subprocess.run([driver, prefill, decode, str(out / "inputs.txt"), str(out / "cpp")],
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{driver} failed ({done.returncode}):\n{done.stdout}{done.stderr}")
     return done.stdout.strip().splitlines()[-1]
-
-
-_SESSION = make_session(MODEL, prompt_len=PROMPT_LEN, steps=8)
 
 
 def main(argv=None) -> int:
@@ -106,11 +104,11 @@ def main(argv=None) -> int:
     parser.add_argument("--driver", help="path of the built compiledump_aoti_driver")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    eager = run_eager(args.out, _SESSION)
-    prefill, decode = export_packages(args.out, _SESSION)
-    runs = {"aoti (Python)": run_packages(args.out, prefill, decode, _SESSION)}
+    eager = run_eager(args.out, SESSION)
+    prefill, decode = export_packages(args.out, SESSION)
+    runs = {"aoti (Python)": run_packages(args.out, prefill, decode, SESSION)}
     if args.driver:
-        runs["aoti (C++ driver)"] = run_driver(args.driver, args.out, prefill, decode)
+        runs["aoti (C++ driver)"] = run_driver(args.driver, args.out, prefill, decode, SESSION)
     status = 0
     for name, dump in runs.items():
         report = compare(eager, dump, CompareOptions())

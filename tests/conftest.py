@@ -6,6 +6,10 @@ kernel run on CPU tensors, which is how the suite checks it without a GPU.
 
 import dataclasses
 import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -34,3 +38,29 @@ def cpu_kernel(request, monkeypatch):
     """Run the CPU path with the reference kernel, or with the Triton kernel interpreted."""
     monkeypatch.setenv("COMPILEDUMP_CPU_KERNEL", request.param)
     return request.param
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def native_build(tmp_path_factory) -> Path:
+    """A CMake build directory with the native library and the C++ driver built from this tree.
+
+    COMPILEDUMP_BUILD_DIR names one already built (CI's native lane builds `build/` first);
+    otherwise it is built once per session into a temporary directory (about 25 s). Skipped
+    where cmake or a C++ compiler is missing.
+    """
+    prebuilt = os.environ.get("COMPILEDUMP_BUILD_DIR")
+    if prebuilt:
+        return Path(prebuilt).resolve()
+    if shutil.which("cmake") is None or shutil.which("c++") is None:
+        pytest.skip("cmake or a C++ compiler is not installed")
+    build = tmp_path_factory.mktemp("build")
+    prefix = subprocess.run([sys.executable, "-c", "import torch; print(torch.utils.cmake_prefix_path)"],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    for cmd in (["cmake", "-S", str(REPO), "-B", str(build), f"-DCMAKE_PREFIX_PATH={prefix}"],
+                ["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2)]):
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return build

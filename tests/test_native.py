@@ -1,12 +1,6 @@
 """The optional native op library: builds with CMake against this torch, and its CPU kernel
 matches the Python reference kernel on every sample (skipped where no compiler/cmake exists)."""
 
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -15,27 +9,17 @@ from compiledump import native, ops
 
 from test_ops import DTYPES, GEOMETRIES, REGISTERS, _int_samples, _run_kernel
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
-def native_library(tmp_path_factory):
+def native_library(native_build):
     if native.native_available():
         yield native._LOADED
         return
-    if shutil.which("cmake") is None or shutil.which("c++") is None:
-        pytest.skip("cmake or a C++ compiler is not installed")
-    build = tmp_path_factory.mktemp("build")
-    prefix = subprocess.run([sys.executable, "-c", "import torch; print(torch.utils.cmake_prefix_path)"],
-                            capture_output=True, text=True, check=True).stdout.strip()
-    for cmd in (["cmake", "-S", str(REPO), "-B", str(build), f"-DCMAKE_PREFIX_PATH={prefix}"],
-                ["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2)]):
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    library = build / native.LIBRARY_NAME
+    library = native_build / native.LIBRARY_NAME
     assert native.load(library)
     yield str(library)
-    # The rest of the suite runs as it started (the kernels stay registered, but unused).
+    # The rest of the suite runs the Python capture path again. The kernels stay registered; the
+    # native capture_export_v1 replaces the Python one (same semantics: tests/test_aot.py).
     native._LOADED = None
 
 
@@ -75,9 +59,51 @@ def test_opcheck_native_kernel(native_library):
     torch.library.opcheck(ops.capture_kernel, (x, arena, ctrl, L.KIND_RECORD, L.slot_base(1), 0, 1, 0, *geo))
 
 
+def test_kernel_owner(native_library):
+    assert native.kernel_owner(ops.KERNEL, "CPU") == "native"
+    assert native.kernel_owner(ops.CAPTURE, "CPU") == "python"  # needs the Python registry
+    assert native.kernel_owner(ops.KERNEL, "Meta") == "python"  # fake implementations stay Python's
+
+
 def test_native_loader_errors(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_LOADED", None)
     with pytest.raises(RuntimeError, match="native library not found"):
         native.load(tmp_path / "missing.so")
     monkeypatch.setenv("COMPILEDUMP_NATIVE", "0")
     assert native.load() is False and not native.native_available()
+
+
+# capture_export_v1: (x, kind, payload the region was sized for, tokens, offset, preset reason)
+_EXPORT_CASES = {
+    "record_3d": (lambda g: torch.randn(7, 4, 33, generator=g).bfloat16(), L.KIND_RECORD, [33], 7, 16, 0),
+    "record_noncontig": (lambda g: torch.randn(7, 33, 4, generator=g).transpose(1, 2), L.KIND_RECORD, [33], 0, 16, 0),
+    "token_gated": (lambda g: torch.randn(5, 33, generator=g), L.KIND_RECORD, [33], 7, 16, 0),
+    "once_1d": (lambda g: torch.randn(13, generator=g).half(), L.KIND_RECORD_ONCE, [13], 7, 16, 0),
+    "step_4d": (lambda g: torch.randn(3, 2, 5, 6, generator=g), L.KIND_STEP, [2, 5, 6], 0, 16, 0),
+    "ids": (lambda g: torch.randint(-9, 99, (7, 2), generator=g), L.KIND_IDS, [7, 2], 7, 16, 0),
+    "shape_changed": (lambda g: torch.randn(4, 10, generator=g), L.KIND_STEP, [11], 0, 16, 0),
+    "arena_full": (lambda g: torch.randn(4, 10, generator=g), L.KIND_RECORD, [10], 0, -1, 0),
+    "table_full": (lambda g: torch.randn(4, 10, generator=g), L.KIND_RECORD, [10], 0, 16, L.CNT_TAG_TABLE_FULL),
+}
+
+
+@pytest.mark.parametrize("case", list(_EXPORT_CASES))
+def test_native_capture_export_matches_python(native_library, case):
+    make, kind, payload, tokens, offset, reason = _EXPORT_CASES[case]
+    x = make(torch.Generator().manual_seed(3))
+    assert native.kernel_owner(ops.EXPORT) == "native", "a stale native library is loaded: rebuild it"
+    for registers in REGISTERS:
+        results = []
+        for impl in (ops._capture_export_cpu, ops.capture_export):  # Python, then the native kernel
+            enabled, rows, record_row, step_row = registers
+            arena = torch.full((1024,), float("nan"))
+            ctrl = torch.zeros(L.control_words(4), dtype=torch.int32)
+            ctrl[L.REG_ENABLED], ctrl[L.REG_ROWS], ctrl[L.REG_MAX_ROWS] = enabled, rows, 1
+            ctrl[L.REG_RECORD_ROW], ctrl[L.REG_STEP_ROW] = record_row, step_row
+            for _ in range(3):
+                impl(x, arena, ctrl, 2, kind, reason, offset, payload, 4, tokens)
+            results.append((arena, ctrl))
+        (want_arena, want_ctrl), (got_arena, got_ctrl) = results
+        assert torch.equal(got_ctrl, want_ctrl)
+        assert want_ctrl[L.slot_base(2):L.slot_base(3)].sum() == 3  # one counter per call
+        assert torch.equal(got_arena.view(torch.int32), want_arena.view(torch.int32))
