@@ -53,7 +53,8 @@ class BuildNative(build_ext):
                      f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
                      # No RPATH to this machine's torch/lib in the shipped file (as `cmake --install`
                      # leaves it): torch is imported, its libraries loaded, before the library is.
-                     "-DCMAKE_SKIP_BUILD_RPATH=ON"]
+                     "-DCMAKE_SKIP_BUILD_RPATH=ON",
+                     "-DCOMPILEDUMP_BUILD_DRIVER=OFF"]
         build = ["cmake", "--build", str(build_dir), "--target", TARGET,
                  "--parallel", str(self.parallel or os.cpu_count() or 1)]
         for cmd in (configure, build):

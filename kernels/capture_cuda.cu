@@ -24,13 +24,11 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "layout.h"
+
 namespace {
 
-// Keep in sync with compiledump/layout.py (and kernels/capture_cpu.cpp).
-constexpr int64_t REG_ENABLED = 0, REG_ROWS = 1, REG_MAX_ROWS = 2, HEADER_WORDS = 8;
-constexpr int64_t CNT_WRITTEN = 0, CNT_SUSPENDED = 1, CNT_ROWS_GATE = 3, CNT_ROW_OUT_OF_RANGE = 4;
-constexpr int64_t SLOT_WORDS = 8;
-constexpr int64_t KIND_RECORD_ONCE = 1, KIND_STEP = 2, KIND_IDS = 3;
+using namespace compiledump;
 
 constexpr int THREADS = 256;
 
