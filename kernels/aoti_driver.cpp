@@ -75,8 +75,11 @@ int main(int argc, char** argv) {
     // Both packages were exported against one registry: their plans are parts of one plan.
     compiledump::Plan plan = compiledump::Plan::from_metadata(prefill.get_metadata());
     plan.merge(compiledump::Plan::from_metadata(decode.get_metadata()));
-    compiledump::Dump dump(plan, at::kCPU);
+    // The device the packages were compiled for (their inputs must live there).
+    const c10::Device device(plan.device_type == "cuda" ? "cuda:0" : plan.device_type);
+    compiledump::Dump dump(plan, device);
     Inputs inputs = read_inputs(argv[3]);
+    for (auto& [name, tensor] : inputs.tensors) tensor = tensor.to(device);
     c10::InferenceMode inference;  // no autograd bookkeeping for the run
 
     // 1. Prefill of the prompt.
@@ -91,7 +94,7 @@ int main(int argc, char** argv) {
     if (inputs.warmup_rows > 0) {
       const int64_t rows = inputs.warmup_rows;
       dump.set_rows(rows);
-      decode.run({dump.arena(), dump.ctrl(), at::zeros({rows}, at::kLong),
+      decode.run({dump.arena(), dump.ctrl(), at::zeros({rows}, at::TensorOptions(at::kLong).device(device)),
                   at::zeros({state.size(0), rows, state.size(2)}, state.options())});
     }
     // 4. Padded decode steps: row 0 is the real request.
