@@ -16,6 +16,7 @@
 #include <mutex>
 
 #include "capture.h"
+#include "gates.h"
 #include "layout.h"
 
 namespace compiledump {
@@ -57,16 +58,8 @@ void capture_kernel_cpu(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl
   // The counter update and the row write are one step for a concurrent flush (dump.cpp).
   std::lock_guard<std::mutex> guard(capture_mutex());
   int32_t* regs = ctrl.data_ptr<int32_t>();
-  const bool enabled = regs[REG_ENABLED] != 0;
-  const bool rows_ok = kind != KIND_STEP || regs[REG_ROWS] <= regs[REG_MAX_ROWS];
-  int64_t row = row_reg < 0 ? 0 : regs[row_reg];
-  if (row < 0) row += T;
-  const bool row_ok = row >= 0 && row < T;
-  int64_t counter = CNT_WRITTEN;
-  if (!enabled) counter = CNT_SUSPENDED;
-  else if (reason != 0) counter = reason;
-  else if (!rows_ok) counter = CNT_ROWS_GATE;
-  else if (!row_ok) counter = CNT_ROW_OUT_OF_RANGE;
+  const Gate gate = choose_counter(regs, kind, reason, T, row_reg);
+  const int64_t counter = gate.counter, row = gate.row;
   const int64_t old = regs[base + counter]++;
   if (counter != CNT_WRITTEN) return;
   if (kind == KIND_RECORD_ONCE && old != 0) return;

@@ -24,6 +24,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "gates.h"
 #include "layout.h"
 
 namespace {
@@ -43,16 +44,8 @@ __global__ void capture_kernel(const scalar_t* __restrict__ x, float* __restrict
 
   if (threadIdx.x == 0) {
     // Same gates and precedence as the CPU kernel: exactly one counter per call.
-    const bool enabled = ctrl[REG_ENABLED] != 0;
-    const bool rows_ok = kind != KIND_STEP || ctrl[REG_ROWS] <= ctrl[REG_MAX_ROWS];
-    int64_t row = row_reg < 0 ? 0 : ctrl[row_reg];
-    if (row < 0) row += T;
-    const bool row_ok = row >= 0 && row < T;
-    int64_t counter = CNT_WRITTEN;
-    if (!enabled) counter = CNT_SUSPENDED;
-    else if (reason != 0) counter = reason;
-    else if (!rows_ok) counter = CNT_ROWS_GATE;
-    else if (!row_ok) counter = CNT_ROW_OUT_OF_RANGE;
+    const Gate gate = choose_counter(ctrl, kind, reason, T, row_reg);
+    const int64_t counter = gate.counter, row = gate.row;
     // The one atomic: concurrent captures of a slot (other streams) each get their own step.
     const int64_t old = atomicAdd(ctrl + base + counter, 1);
     // record_once writes only on the first live call; a step only while the region has room.
