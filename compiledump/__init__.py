@@ -30,7 +30,7 @@ _PARALLEL_API = (
     "get_parallel",
     "set_parallel",
 )
-__all__ = ["Config", *_RUNTIME_API, *_PARALLEL_API]
+__all__ = ["Config", "native_available", *_RUNTIME_API, *_PARALLEL_API]
 
 
 def __getattr__(name):
@@ -46,6 +46,11 @@ def __getattr__(name):
 
         globals().update({api: getattr(parallel, api) for api in _PARALLEL_API})
         return globals()[name]
+    if name == "native_available":
+        from .native import native_available
+
+        globals()["native_available"] = native_available
+        return native_available
     if name == "Config":
         from .config import Config
 

@@ -47,7 +47,10 @@ def load(path: str | os.PathLike | None = None) -> bool:
 
 
 def native_available() -> bool:
-    """True when the native op library is loaded and serves the CPU capture kernel."""
+    """True when the native op library is loaded (it is loaded with the op schemas, on first use
+    of the capture API or here) and serves the CPU capture kernel."""
+    from . import ops  # noqa: F401 - defining the schemas loads the library (COMPILEDUMP_NATIVE)
+
     return _LOADED is not None
 
 

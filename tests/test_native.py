@@ -107,3 +107,10 @@ def test_native_capture_export_matches_python(native_library, case):
         assert torch.equal(got_ctrl, want_ctrl)
         assert want_ctrl[L.slot_base(2):L.slot_base(3)].sum() == 3  # one counter per call
         assert torch.equal(got_arena.view(torch.int32), want_arena.view(torch.int32))
+
+
+def test_native_available_is_public():
+    import compiledump
+
+    assert compiledump.native_available is native.native_available
+    assert compiledump.native_available() == (native._LOADED is not None)
