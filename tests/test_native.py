@@ -11,11 +11,11 @@ from test_ops import DTYPES, GEOMETRIES, REGISTERS, _int_samples, _run_kernel
 
 
 @pytest.fixture(scope="module")
-def native_library(native_build):
+def native_library(request):
     if native.native_available():
         yield native._LOADED
         return
-    library = native_build / native.LIBRARY_NAME
+    library = request.getfixturevalue("native_build") / native.LIBRARY_NAME
     assert native.load(library)
     yield str(library)
     # The rest of the suite runs the Python capture path again. The kernels stay registered; the
