@@ -10,7 +10,12 @@ Phases (each writes its own dump and is compared with the eager one):
                  profiling(), as engines capture with dummy data) and replayed for every step;
   reduce_overhead torch.compile(mode="reduce-overhead", fullgraph=True): Inductor's CUDA graph
                  trees; the run must report zero cudagraph skips;
-and the decode loops of cuda_graph and reduce_overhead run under
+  aoti           prefill and decode exported with compiledump.aot (dynamic prompt length and
+                 batch), packaged with AOTInductor and run from Python (tests/test_aot.py covers
+                 the CPU run and the C++-only driver);
+  native_cuda_kernel  if the native library was built against this CUDA torch (CMakeLists.txt),
+                 its CUDA capture kernel against the Triton kernel on random samples;
+and the decode loops of cuda_graph, reduce_overhead and aoti run under
 torch.cuda.set_sync_debug_mode("error"). `--device cpu` runs the phases that need no GPU (eager
 and a default-mode compile), so the script itself is tested without one.
 """
@@ -113,6 +118,64 @@ def phase_cuda_graph(cfg, session, device, out_dir):
     return compiledump.flush(), {"seconds": time.perf_counter() - start, "replays": session.decode_tokens.shape[0] + 1}
 
 
+def phase_aoti(cfg, session, device, out_dir):
+    from compiledump import aot, native, ops
+
+    _fresh_dump(out_dir / "aoti_export")
+    model = TinyMoE(cfg, dump=compiledump).to(device)
+    batch = 1 + session.pad_tokens.shape[1]
+    rows = torch.export.Dim("batch", min=2, max=1024)
+    start = time.perf_counter()
+    prefill = aot.export(model, (session.prompt,), dynamic_shapes=({0: torch.export.Dim("tokens", min=2, max=4096)},))
+    decode = aot.export(model, (torch.zeros(batch, dtype=torch.long, device=device),
+                                torch.zeros(cfg.layers, batch, cfg.dim, device=device)),
+                        dynamic_shapes=({0: rows}, {1: rows}))
+    paths = aot.package(prefill, out_dir / "prefill.pt2"), aot.package(decode, out_dir / "decode.pt2")
+    compile_seconds = time.perf_counter() - start
+    _fresh_dump(out_dir / "aoti")
+    run_prefill, run_decode = (aot.load(path) for path in paths)
+    start = time.perf_counter()
+    on_cuda = device.type == "cuda"
+    run_session(lambda tokens, state=None: run_prefill(tokens) if state is None else run_decode(tokens, state),
+                compiledump, session, on_step=_sync_debug_after_first if on_cuda else None)
+    if on_cuda:
+        torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+    return compiledump.flush(), {"seconds": time.perf_counter() - start, "compile_seconds": compile_seconds,
+                                 "capture_export_owner": native.kernel_owner(ops.EXPORT, device.type.upper())}
+
+
+def check_native_cuda_kernel(device) -> dict:
+    """The native CUDA kernel (kernels/capture_cuda.cu) against the Triton kernel."""
+    from compiledump import layout as L
+    from compiledump import native, ops
+
+    if native.kernel_owner(ops.KERNEL, "CUDA") != "native":
+        return {"ok": None, "skipped": "the native library is not loaded or was built without CUDA"}
+    g = torch.Generator(device=device).manual_seed(0)
+    samples = {
+        "record_3d_bf16": (torch.randn(7, 4, 1031, generator=g, device=device).bfloat16(), L.KIND_RECORD),
+        "record_noncontig": (torch.randn(7, 33, 4, generator=g, device=device).transpose(1, 2), L.KIND_RECORD),
+        "once_2d_fp16": (torch.randn(5, 700, generator=g, device=device).half(), L.KIND_RECORD_ONCE),
+        "step_2d": (torch.randn(4, 32000, generator=g, device=device), L.KIND_STEP),
+        "ids": (torch.randint(-5, 1000, (7, 8), generator=g, device=device), L.KIND_IDS),
+    }
+    mismatched = []
+    for name, (x, kind) in samples.items():
+        results = []
+        for launch in (ops.capture_triton, ops.capture_native):  # capture_native: the dispatcher's kernel
+            arena = torch.full((70000,), float("nan"), device=device)
+            ctrl = torch.zeros(L.control_words(4), dtype=torch.int32, device=device)
+            ctrl[L.REG_ENABLED], ctrl[L.REG_ROWS], ctrl[L.REG_MAX_ROWS], ctrl[L.REG_RECORD_ROW] = 1, 1, 1, -1
+            for _ in range(3):
+                launch(x, arena, ctrl, kind, L.slot_base(2), 16, 2, 0)
+            results.append((arena.cpu(), ctrl.cpu()))
+        (a1, c1), (a2, c2) = results
+        if not (torch.equal(c1, c2) and torch.equal(a1.view(torch.int32), a2.view(torch.int32))):
+            mismatched.append(name)
+    return {"ok": not mismatched, "keys": len(samples), "mismatched": mismatched}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -138,9 +201,10 @@ def main(argv=None) -> int:
             phases += [
                 ("cuda_graph", lambda: phase_cuda_graph(cfg, session, device, out_dir), 1e-6),
                 ("reduce_overhead", lambda: phase_compiled(cfg, session, device, out_dir, "reduce-overhead"), 1e-4),
+                ("aoti", lambda: phase_aoti(cfg, session, device, out_dir), 1e-4),
             ]
         else:
-            for name in ("cuda_graph", "reduce_overhead"):
+            for name in ("cuda_graph", "reduce_overhead", "aoti", "native_cuda_kernel"):
                 results["phases"][name] = {"ok": None, "skipped": "needs a CUDA device"}
         for name, run, rtol in phases:
             try:
@@ -152,6 +216,11 @@ def main(argv=None) -> int:
             except Exception as error:  # noqa: BLE001 - report every phase, then fail
                 torch.cuda.set_sync_debug_mode(0) if device.type == "cuda" else None
                 results["phases"][name] = {"ok": False, "error": f"{type(error).__name__}: {error}"}
+        if device.type == "cuda":
+            try:
+                results["phases"]["native_cuda_kernel"] = check_native_cuda_kernel(device)
+            except Exception as error:  # noqa: BLE001
+                results["phases"]["native_cuda_kernel"] = {"ok": False, "error": f"{type(error).__name__}: {error}"}
 
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"{'phase':<18}{'ok':<6}{'keys':>6}{'max_rel_err':>13}{'graphs':>8}{'cg_skips':>10}{'seconds':>9}  note")

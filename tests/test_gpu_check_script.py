@@ -23,7 +23,23 @@ def test_cpu_phases_pass(tmp_path, dump_dir):
     assert result["phases"]["eager"]["ok"] is True
     assert result["phases"]["compiled_default"]["ok"] is True
     assert result["phases"]["compiled_default"]["max_rel_err"] < 1e-4
-    assert result["phases"]["cuda_graph"]["skipped"] == "needs a CUDA device"
+    for phase in ("cuda_graph", "reduce_overhead", "aoti", "native_cuda_kernel"):
+        assert result["phases"][phase]["skipped"] == "needs a CUDA device"
+
+
+def test_aoti_phase_on_cpu(tmp_path, dump_dir):
+    """The script's AOTInductor phase (CUDA-only in the script) run on CPU: same dump as eager."""
+    import torch
+
+    script = _load()
+    cfg = script.ModelConfig(layers=2, captures_per_layer=4)
+    session = script.make_session(cfg, prompt_len=script.PROMPT, steps=3)
+    cpu = torch.device("cpu")
+    reference, _ = script.phase_eager(cfg, session, cpu, tmp_path)
+    path, info = script.phase_aoti(cfg, session, cpu, tmp_path)
+    verdict = script.compare_dumps(script._load(reference), script._load(path), 1e-4)
+    assert verdict["ok"] and verdict["keys"] >= 10, verdict
+    assert info["capture_export_owner"] in ("native", "python")
 
 
 def test_compare_dumps_detects_differences():
