@@ -96,7 +96,8 @@ def emit_capture(rt: _arena.Runtime, index: int, kind: int, reason: int, x: torc
     offset, payload, capacity = -1, [], 0
     if reason == 0 and index != 0:
         offset, payload, capacity = rt.place(index, kind, x)
-    ops.capture_export(x, arena, ctrl, index, kind, reason, offset, payload, capacity, rt.config.tokens)
+    ops.capture_export(x, arena, ctrl, index, kind, reason, offset, ops.encode_payload(payload), capacity,
+                       rt.config.tokens)
 
 
 def package(ep: torch.export.ExportedProgram, path: str | os.PathLike,

@@ -161,26 +161,22 @@ class Runtime:
     def place(self, index: int, kind: int, x: torch.Tensor) -> tuple[int, list, int]:
         """Claim the tag's region while a program is exported: (offset, payload shape, capacity).
 
-        `x` is the traced tensor, whose dimensions may be symbolic. A payload cannot have a
-        dynamic size, except the token dim of `record_ids`, which the token gate pins to
-        COMPILEDUMP_TOKENS.
+        `x` is the traced tensor, whose dimensions may be symbolic. Unlike `resolve`, a capture
+        that the token gate would skip claims the region too (the program has no later chance):
+        with COMPILEDUMP_TOKENS set, a gated kind's token dim is sized by it, the only size such a
+        capture keeps. Any other dynamic dimension of a stored payload is an error.
         """
         slot = self.by_index[index]
-        tokens = self.config.tokens
-        if tokens and kind in (L.KIND_RECORD, L.KIND_IDS) and x.dim() > 0 and isinstance(x.shape[0], int) \
-                and x.shape[0] != tokens:
-            # Token-gated in every run of this program: its shape must not claim the region.
-            return -1, [], 0
-        payload = payload_shape(tuple(x.shape), kind)
+        shape = list(x.shape)
+        if self.config.tokens and kind in (L.KIND_RECORD, L.KIND_IDS) and shape:
+            shape[0] = self.config.tokens
+        payload = payload_shape(tuple(shape), kind)
         if not all(isinstance(d, int) for d in payload):
-            if kind == L.KIND_IDS and self.config.tokens and all(isinstance(d, int) for d in payload[1:]):
-                payload = (self.config.tokens, *payload[1:])
-            else:
-                raise ValueError(
-                    f"compiledump: tag {slot.tag!r} would store a payload of dynamic shape {payload} in an "
-                    "exported program; capture a tensor whose stored dims are static (or set "
-                    "COMPILEDUMP_TOKENS for record_ids of a dynamic token dim)"
-                )
+            raise ValueError(
+                f"compiledump: tag {slot.tag!r} would store a payload of dynamic shape {payload} in an "
+                "exported program; capture a tensor whose stored dims are static (or set "
+                "COMPILEDUMP_TOKENS for record_ids of a dynamic token dim)"
+            )
         if slot.payload_shape is None:
             with self.lock:
                 if slot.payload_shape is None:

@@ -47,6 +47,8 @@ SCHEMAS = {
     # The capture of exported programs (torch.export / AOTInductor): the arena region and the
     # token gate are arguments, fixed when the program was exported, so running it needs no
     # Python registry (a C++-only process runs it with the native library). See aot.py.
+    # `payload` is the stored shape with its length first ([ndim, *dims]): never an empty list,
+    # which AOTInductor's proxy executor hands to the op as None.
     EXPORT: f"{EXPORT}(Tensor x, Tensor(a!) arena, Tensor(b!) ctrl, int slot, int kind, int reason,"
     " int offset, int[] payload, int capacity, int tokens) -> ()",
 }
@@ -196,6 +198,11 @@ def _capture_cpu(x, arena, ctrl, slot, kind, reason):
         capture_reference(x, arena, ctrl, kind, *args)
 
 
+def encode_payload(shape) -> list[int]:
+    """`capture_export_v1`'s payload argument: [ndim, *dims] (never empty)."""
+    return [len(shape), *shape]
+
+
 def export_gates(x, slot, kind, reason, offset, payload, capacity, tokens) -> tuple[int, int, int, int]:
     """`capture_export_v1`'s host-side gates: (ctrl base, arena offset, capacity, drop reason).
 
@@ -207,7 +214,7 @@ def export_gates(x, slot, kind, reason, offset, payload, capacity, tokens) -> tu
     if reason == 0 and slot != 0:
         if tokens and kind in (L.KIND_RECORD, L.KIND_IDS) and x.dim() > 0 and x.shape[0] != tokens:
             reason = L.CNT_TOKEN_GATE
-        elif list(_arena.payload_shape(tuple(x.shape), kind)) != list(payload):
+        elif encode_payload(_arena.payload_shape(tuple(x.shape), kind)) != list(payload):
             reason = L.CNT_SHAPE_CHANGED
         elif offset < 0:
             reason = L.CNT_ARENA_FULL

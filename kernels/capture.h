@@ -20,6 +20,9 @@ Geometry geometry(const at::Tensor& x, int64_t kind);
 // Shape of what one capture of a tensor of shape `shape` stores (arena.payload_shape).
 std::vector<int64_t> payload_shape(at::IntArrayRef shape, int64_t kind);
 
+// capture_export_v1's `payload` argument: [ndim, *dims] (never empty; ops.encode_payload).
+std::vector<int64_t> encode_payload(const std::vector<int64_t>& shape);
+
 // `compiledump::capture_export_v1`.
 void capture_export(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl, int64_t slot, int64_t kind,
                     int64_t reason, int64_t offset, at::IntArrayRef payload, int64_t capacity, int64_t tokens);

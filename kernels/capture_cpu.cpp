@@ -85,6 +85,12 @@ std::vector<int64_t> payload_shape(at::IntArrayRef shape, int64_t kind) {
   return {numel};
 }
 
+std::vector<int64_t> encode_payload(const std::vector<int64_t>& shape) {
+  std::vector<int64_t> encoded{static_cast<int64_t>(shape.size())};
+  encoded.insert(encoded.end(), shape.begin(), shape.end());
+  return encoded;
+}
+
 Geometry geometry(const at::Tensor& input, int64_t kind) {
   at::Tensor x = input;
   const int64_t dim = x.dim();
@@ -111,7 +117,7 @@ void capture_export(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl, in
   if (reason == 0 && slot != 0) {
     if (tokens && (kind == KIND_RECORD || kind == KIND_IDS) && x.dim() > 0 && x.size(0) != tokens)
       reason = CNT_TOKEN_GATE;
-    else if (payload_shape(x.sizes(), kind) != payload.vec())
+    else if (encode_payload(payload_shape(x.sizes(), kind)) != payload.vec())
       reason = CNT_SHAPE_CHANGED;
     else if (offset < 0)
       reason = CNT_ARENA_FULL;

@@ -89,9 +89,10 @@ def test_opcheck_capture_export():
         (torch.randn(3, 9, generator=g).half(), L.KIND_STEP, [9], 0),
         (torch.randint(0, 99, (7, 2), generator=g), L.KIND_IDS, [7, 2], 7),
         (torch.randn(5, 10, generator=g), L.KIND_RECORD, [11], 0),  # shape changed
+        (torch.randn((), generator=g), L.KIND_STEP, [], 0),  # 0-d: an empty payload shape
     ]
     for x, kind, payload, tokens in samples:
-        args = (x, torch.zeros(512), ctrl.clone(), 1, kind, 0, 16, payload, 4, tokens)
+        args = (x, torch.zeros(512), ctrl.clone(), 1, kind, 0, 16, ops.encode_payload(payload), 4, tokens)
         torch.library.opcheck(ops.capture_export, args)
 
 
@@ -217,3 +218,51 @@ def test_driver_usage_and_bad_package(native_build, tmp_path):
     missing = subprocess.run([driver, str(tmp_path / "no.pt2"), str(tmp_path / "no.pt2"), "x", str(tmp_path)],
                              capture_output=True, text=True)
     assert missing.returncode == 1 and "compiledump_aoti_driver:" in missing.stderr
+
+
+class _Corners(torch.nn.Module):
+    """Captures whose export arguments are corner cases: a token-gated record and ids (the traced
+    batch is not the token count), a 0-d step (empty payload shape), a tag past max_tags."""
+
+    def forward(self, x):
+        h = x.float().sin()
+        compiledump.record("hidden", h)
+        compiledump.record_ids("ids", x.long() % 7)
+        compiledump.record_step("scalar", h.sum())
+        compiledump.record("overflow", h * 2)
+        return h
+
+
+def test_aoti_corner_cases(tmp_path):
+    """Exported alone (no prefill first), these once reached AOTInductor with an empty int list,
+    which its proxy executor passes to the op as None."""
+    settings = dict(tokens=5, max_tags=3, arena_mb=1, max_steps=8)
+    inputs = [torch.randn(n, 3) * 4 for n in (5, 4, 5, 6)]
+
+    def run(forward, directory):
+        for x in inputs:
+            forward(x)
+        return compiledump.flush()
+
+    compiledump.reset()
+    try:
+        compiledump.configure(dir=str(tmp_path / "eager"), **settings)
+        with pytest.warns(RuntimeWarning):
+            eager = run(_Corners(), tmp_path / "eager")
+        compiledump.reset()
+        compiledump.configure(dir=str(tmp_path / "aoti"), **settings)
+        rows = torch.export.Dim("rows", min=2, max=64)
+        ep = aot.export(_Corners(), (torch.randn(4, 3),), dynamic_shapes=({0: rows},))
+        path = aot.package(ep, tmp_path / "corners.pt2")
+        compiledump.reset()
+        compiledump.configure(dir=str(tmp_path / "aoti"))
+        program = aot.load(path)
+        with pytest.warns(RuntimeWarning):
+            exported = run(program, tmp_path / "aoti")
+        assert_same_dump(eager, exported)
+        manifest = _manifest(exported)
+        assert manifest["keys"]["scalar_0"]["shape"] == [] and manifest["tags"]["hidden"]["drops"] == {"token_gate": 2}
+        assert manifest["drops"]["tag_table_full"] == 4
+    finally:
+        compiledump.reset()
+        compiledump.configure(dir=None, tokens=0, max_tags=1024, arena_mb=256, max_steps=256)

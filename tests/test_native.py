@@ -84,6 +84,8 @@ _EXPORT_CASES = {
     "shape_changed": (lambda g: torch.randn(4, 10, generator=g), L.KIND_STEP, [11], 0, 16, 0),
     "arena_full": (lambda g: torch.randn(4, 10, generator=g), L.KIND_RECORD, [10], 0, -1, 0),
     "table_full": (lambda g: torch.randn(4, 10, generator=g), L.KIND_RECORD, [10], 0, 16, L.CNT_TAG_TABLE_FULL),
+    "step_0d": (lambda g: torch.randn((), generator=g), L.KIND_STEP, [], 0, 16, 0),
+    "ids_0d": (lambda g: torch.tensor(-3, dtype=torch.int32), L.KIND_IDS, [], 5, 16, 0),
 }
 
 
@@ -101,7 +103,7 @@ def test_native_capture_export_matches_python(native_library, case):
             ctrl[L.REG_ENABLED], ctrl[L.REG_ROWS], ctrl[L.REG_MAX_ROWS] = enabled, rows, 1
             ctrl[L.REG_RECORD_ROW], ctrl[L.REG_STEP_ROW] = record_row, step_row
             for _ in range(3):
-                impl(x, arena, ctrl, 2, kind, reason, offset, payload, 4, tokens)
+                impl(x, arena, ctrl, 2, kind, reason, offset, ops.encode_payload(payload), 4, tokens)
             results.append((arena, ctrl))
         (want_arena, want_ctrl), (got_arena, got_ctrl) = results
         assert torch.equal(got_ctrl, want_ctrl)

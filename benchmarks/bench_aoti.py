@@ -1,0 +1,68 @@
+"""Cost of capture points in an AOTInductor package: one decode step with and without them.
+
+    python benchmarks/bench_aoti.py                      # capture_export_v1 served by the native
+    COMPILEDUMP_NATIVE=0 python benchmarks/bench_aoti.py # library if built, else by Python
+
+Exports the built-in model's decode step twice, with its capture points (compiledump.aot, the
+arena as inputs) and uninstrumented (plain torch.export of the same weights), packages both
+with AOTInductor, and times them interleaved in one process (median µs per step over rounds,
+median of per-round ratios). The decode batch is padded, so most captures are token-gated: the
+kernel still runs and counts them, as in an engine. Prints which implementation served
+`capture_export_v1` (kernel_owner).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+
+from harness import interleaved, machine, median, ratio
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    import compiledump
+    from compiledump import aot, native, ops
+    from compiledump.model import NO_DUMP, ModelConfig, TinyMoE
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-aoti-"))
+    cfg = ModelConfig(layers=args.layers, dim=args.dim, ffn=2 * args.dim, captures_per_layer=5)
+    compiledump.configure(dir=str(tmp / "dump"), tokens=7, moe_layers=args.layers, arena_mb=4)
+    batch = 4
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab, (batch,), generator=g)
+    state = torch.randn(cfg.layers, batch, cfg.dim, generator=g)
+    with torch.no_grad():
+        captured = aot.load(aot.package(aot.export(TinyMoE(cfg, dump=compiledump), (tokens, state)),
+                                        tmp / "captured.pt2"))
+        plain_ep = torch.export.export(TinyMoE(cfg, dump=NO_DUMP), (tokens, state), strict=False)
+        plain = torch._inductor.aoti_load_package(
+            torch._inductor.aoti_compile_and_package(plain_ep, package_path=str(tmp / "plain.pt2")))
+    compiledump.set_rows(1)
+    cases = {
+        "decode step, no capture points": lambda: plain(tokens, state),
+        f"decode step, {cfg.layers * 5 + 1} capture points": lambda: captured(tokens, state),
+    }
+    per_round = interleaved(cases, rounds=args.rounds, calls=args.calls)
+    print(f"machine: {machine()}; threads {args.threads}")
+    print(f"model: {cfg.layers} layers, dim {cfg.dim}, hc {cfg.hc_mult}, batch {batch}; "
+          f"capture_export_v1 served by: {native.kernel_owner(ops.EXPORT)}")
+    for name, times in per_round.items():
+        print(f"{name:<36}{median(times) * 1e6:>10.1f} us")
+    names = list(cases)
+    print(f"ratio with / without capture points: {ratio(per_round, names[1], names[0]):.3f}")
+
+
+if __name__ == "__main__":
+    main()
