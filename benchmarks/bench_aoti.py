@@ -29,6 +29,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--calls", type=int, default=50)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--arena-mb", type=int, default=4)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -38,7 +39,7 @@ def main(argv=None) -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-aoti-"))
     cfg = ModelConfig(layers=args.layers, dim=args.dim, ffn=2 * args.dim, captures_per_layer=5)
-    compiledump.configure(dir=str(tmp / "dump"), tokens=7, moe_layers=args.layers, arena_mb=4)
+    compiledump.configure(dir=str(tmp / "dump"), tokens=7, moe_layers=args.layers, arena_mb=args.arena_mb)
     batch = 4
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab, (batch,), generator=g)
