@@ -23,6 +23,11 @@
 #include "capture.h"
 #include "layout.h"
 
+#ifdef COMPILEDUMP_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
 namespace compiledump {
 namespace {
 
@@ -301,6 +306,13 @@ std::string Dump::flush(const std::string& dir) const {
     // One copy of each; on CPU under the kernel's lock, so no capture is half-written.
     std::unique_lock<std::mutex> guard(capture_mutex(), std::defer_lock);
     if (arena_.is_cpu()) guard.lock();
+#ifdef COMPILEDUMP_WITH_CUDA
+    if (arena_.is_cuda()) {
+      // Captures may have been issued on any stream, not only the one the copy waits for.
+      c10::cuda::CUDAGuard device_guard(arena_.device());
+      c10::cuda::device_synchronize();
+    }
+#endif
     arena = arena_.narrow(0, 0, plan_.used_words).to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
     ctrl = ctrl_.to(at::kCPU, false, true);
   }
