@@ -65,8 +65,9 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, d
     one entry per element of `args` (as torch.export takes it for positional inputs). Capture must
     be configured (`COMPILEDUMP_DIR` or `configure(dir=...)`); the arena is created on `device`
     (default: the device of the first tensor in `args`). Each captured tag's region is claimed
-    from its traced shape; a payload with a dynamic dimension (`record_ids` of a dynamic token
-    dim) is sized by `COMPILEDUMP_TOKENS`, the only token count such a capture keeps.
+    from its traced shape; with `COMPILEDUMP_TOKENS` set, the token dim of `record`/`record_ids`
+    is sized by it (the only token count such a capture keeps), so it may be dynamic. Raises
+    ValueError for any other dynamic dimension in a stored payload.
     """
     if not _runtime.enabled():
         raise RuntimeError("compiledump.aot.export: capture is not configured: set COMPILEDUMP_DIR or call "
@@ -104,8 +105,9 @@ def package(ep: torch.export.ExportedProgram, path: str | os.PathLike,
             inductor_configs: dict | None = None) -> str:
     """AOTInductor-compile `ep` (from `export`) into the package `path`, with the plan; returns it.
 
-    Export every program that shares this arena (e.g. prefill and decode) before packaging the
-    last one: each package carries the plan of the whole registry as it stands when packaged.
+    Each package carries the plan of the whole registry as it stands when packaged (at least
+    this program's tags); loading several packages (`load`, or `Plan::merge` in C++) merges them.
+    `inductor_configs` are passed on; compiledump adds its entries to "aot_inductor.metadata".
     """
     configs = dict(inductor_configs or {})
     metadata = dict(configs.pop("aot_inductor.metadata", {}) or {})
