@@ -51,6 +51,7 @@ def main(argv=None) -> None:
         plain = torch._inductor.aoti_load_package(
             torch._inductor.aoti_compile_and_package(plain_ep, package_path=str(tmp / "plain.pt2")))
     compiledump.set_rows(1)
+    packages = {"captured": tmp / "captured.pt2", "plain": tmp / "plain.pt2"}
     cases = {
         "decode step, no capture points": lambda: plain(tokens, state),
         f"decode step, {cfg.layers * 5 + 1} capture points": lambda: captured(tokens, state),
@@ -63,6 +64,24 @@ def main(argv=None) -> None:
         print(f"{name:<36}{median(times) * 1e6:>10.1f} us")
     names = list(cases)
     print(f"ratio with / without capture points: {ratio(per_round, names[1], names[0]):.3f}")
+    for name, path in packages.items():
+        kernels, extern_calls = generated_code_counts(path)
+        print(f"{name} package: {kernels} generated kernels, {extern_calls} extern op calls")
+
+
+def generated_code_counts(package: Path) -> tuple[int, int]:
+    """(generated CPU kernels, custom-op calls through the proxy executor) in an AOTI package."""
+    import zipfile
+
+    kernels = calls = 0
+    with zipfile.ZipFile(package) as archive:
+        for name in archive.namelist():
+            text = archive.read(name).decode(errors="replace") if name.endswith(".cpp") else ""
+            if name.endswith(".kernel.cpp"):
+                kernels += text.count('extern "C"')
+            elif name.endswith(".wrapper.cpp"):
+                calls += text.count("proxy_executor_call_function")
+    return kernels, calls
 
 
 if __name__ == "__main__":
