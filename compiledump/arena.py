@@ -180,16 +180,16 @@ class Runtime:
         if slot.payload_shape is None:
             with self.lock:
                 if slot.payload_shape is None:
-                    self._allocate(slot, payload, x)
+                    # A dimension left dynamic in the program has no single size: None.
+                    self._allocate(slot, payload, x, [d if isinstance(d, int) else None for d in shape])
         return slot.offset, list(slot.payload_shape), slot.capacity
 
-    def _allocate(self, slot: Slot, payload: tuple, x: torch.Tensor) -> None:
+    def _allocate(self, slot: Slot, payload: tuple, x: torch.Tensor, source_shape: list | None = None) -> None:
         capacity = self.config.max_steps if slot.kind == L.KIND_STEP else 1
         words = int(np.prod(payload, dtype=np.int64)) * capacity
         start = -(-self.used_words // _ALIGN_WORDS) * _ALIGN_WORDS
         slot.source_dtype = str(x.dtype).removeprefix("torch.")
-        # A dimension left dynamic in an exported program has no single size: None.
-        slot.source_shape = [d if isinstance(d, int) else None for d in x.shape]
+        slot.source_shape = list(x.shape) if source_shape is None else source_shape
         slot.capacity = capacity
         if start + words <= self.arena.numel():
             slot.offset = start

@@ -253,6 +253,9 @@ def test_aoti_corner_cases(tmp_path):
         compiledump.configure(dir=str(tmp_path / "aoti"), **settings)
         rows = torch.export.Dim("rows", min=2, max=64)
         ep = aot.export(_Corners(), (torch.randn(4, 3),), dynamic_shapes=({0: rows},))
+        # The token dim of gated kinds is sized by COMPILEDUMP_TOKENS, whatever was traced.
+        assert cd_arena.ACTIVE.slots[("ids", False)].source_shape == [5, 3]
+        assert cd_arena.ACTIVE.slots[("scalar", True)].source_shape == []
         path = aot.package(ep, tmp_path / "corners.pt2")
         compiledump.reset()
         compiledump.configure(dir=str(tmp_path / "aoti"))
