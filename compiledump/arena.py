@@ -137,8 +137,7 @@ class Runtime:
             )
         if reason or index == 0:
             return L.slot_base(index), -1, 0, reason
-        tokens = self.config.tokens
-        if tokens and kind in (L.KIND_RECORD, L.KIND_IDS) and x.dim() > 0 and x.shape[0] != tokens:
+        if token_gated(x.shape, kind, self.config.tokens):
             # Shape-derived, so fixed for a captured graph: decided here rather than while
             # tracing, where comparing a dynamic token dim would specialize the graph on it.
             return L.slot_base(index), -1, 0, L.CNT_TOKEN_GATE
@@ -168,7 +167,7 @@ class Runtime:
         """
         slot = self.by_index[index]
         shape = list(x.shape)
-        if self.config.tokens and kind in (L.KIND_RECORD, L.KIND_IDS) and shape:
+        if self.config.tokens and kind in TOKEN_GATED_KINDS and shape:
             shape[0] = self.config.tokens
         payload = payload_shape(tuple(shape), kind)
         if not all(isinstance(d, int) for d in payload):
@@ -238,6 +237,15 @@ def _step_prefix(tag: str) -> str | None:
 
 def _stream_capturing(x: torch.Tensor) -> bool:
     return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+# The kinds COMPILEDUMP_TOKENS gates (record_once and steps are never token-gated).
+TOKEN_GATED_KINDS = (L.KIND_RECORD, L.KIND_IDS)
+
+
+def token_gated(x_shape, kind: int, tokens: int) -> bool:
+    """True when the token gate skips a capture of this shape (`shape[0]` is not the prompt length)."""
+    return bool(tokens) and kind in TOKEN_GATED_KINDS and len(x_shape) > 0 and x_shape[0] != tokens
 
 
 def payload_shape(x_shape: tuple, kind: int) -> tuple:

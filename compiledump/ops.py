@@ -182,7 +182,8 @@ def _runtime_for(x, arena, ctrl):
 
 
 def capture_native(x, arena, ctrl, kind, base, offset, capacity, reason):
-    """The native CPU kernel (kernels/capture_cpu.cpp), with the Python kernel's arguments."""
+    """The native kernel (kernels/capture_cpu.cpp; capture_cuda.cu for CUDA tensors), with the
+    Python kernel's arguments."""
     src, geo = geometry(x, kind)
     with CPU_LOCK:
         capture_kernel(src, arena, ctrl, kind, base, offset, capacity, reason, *geo)
@@ -212,7 +213,7 @@ def export_gates(x, slot, kind, reason, offset, payload, capacity, tokens) -> tu
     """
     base = L.slot_base(slot)
     if reason == 0 and slot != 0:
-        if tokens and kind in (L.KIND_RECORD, L.KIND_IDS) and x.dim() > 0 and x.shape[0] != tokens:
+        if _arena.token_gated(x.shape, kind, tokens):
             reason = L.CNT_TOKEN_GATE
         elif encode_payload(_arena.payload_shape(tuple(x.shape), kind)) != list(payload):
             reason = L.CNT_SHAPE_CHANGED
