@@ -17,6 +17,7 @@ import torch
 
 LIBRARY_NAME = "libcompiledump_native.so"
 _LOADED: str | None = None  # path of the loaded library
+_TRIED = False  # load() has run (it runs when ops.py defines the schemas)
 
 
 def _candidate() -> Path | None:
@@ -30,7 +31,8 @@ def _candidate() -> Path | None:
 
 def load(path: str | os.PathLike | None = None) -> bool:
     """Load the native library (from `path`, else as COMPILEDUMP_NATIVE says); True if loaded."""
-    global _LOADED
+    global _LOADED, _TRIED
+    _TRIED = True
     if _LOADED is not None:
         return True
     target = Path(path) if path is not None else _candidate()
@@ -49,8 +51,8 @@ def load(path: str | os.PathLike | None = None) -> bool:
 def native_available() -> bool:
     """True when the native op library is loaded (it is loaded with the op schemas, on first use
     of the capture API or here) and serves the CPU capture kernel."""
-    from . import ops  # noqa: F401 - defining the schemas loads the library (COMPILEDUMP_NATIVE)
-
+    if _LOADED is None and not _TRIED:  # the capture path calls this: import only once
+        from . import ops  # noqa: F401 - defining the schemas loads the library (COMPILEDUMP_NATIVE)
     return _LOADED is not None
 
 

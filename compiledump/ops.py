@@ -57,6 +57,7 @@ _lib = torch.library.Library(NAMESPACE, "DEF")
 for _schema in SCHEMAS.values():
     _lib.define(_schema)
 
+
 def geometry(x: torch.Tensor, kind: int) -> tuple[torch.Tensor, tuple]:
     """View `x` as `[T, H, D]` for the kernel: returns (tensor to read, geometry tuple).
 
@@ -189,14 +190,24 @@ def capture_native(x, arena, ctrl, kind, base, offset, capacity, reason):
         capture_kernel(src, arena, ctrl, kind, base, offset, capacity, reason, *geo)
 
 
-def _capture_cpu(x, arena, ctrl, slot, kind, reason):
-    args = _runtime_for(x, arena, ctrl).resolve(slot, kind, x, reason)
+def _cpu_kernel(x, arena, ctrl, kind, args) -> None:
+    """Run the CPU kernel layer with (ctrl base, arena offset, capacity, drop reason) = `args`."""
     if _use_triton_on_cpu():
         capture_triton(x, arena, ctrl, kind, *args)
     elif _native.native_available():
         capture_native(x, arena, ctrl, kind, *args)
     else:
         capture_reference(x, arena, ctrl, kind, *args)
+
+
+def _cuda_kernel(x, arena, ctrl, kind, args) -> None:
+    """Run the CUDA kernel layer (Triton, on the input's device) with `args` as `_cpu_kernel`."""
+    with torch.cuda.device(x.device):
+        capture_triton(x, arena, ctrl, kind, *args)
+
+
+def _capture_cpu(x, arena, ctrl, slot, kind, reason):
+    _cpu_kernel(x, arena, ctrl, kind, _runtime_for(x, arena, ctrl).resolve(slot, kind, x, reason))
 
 
 def encode_payload(shape) -> list[int]:
@@ -225,23 +236,15 @@ def export_gates(x, slot, kind, reason, offset, payload, capacity, tokens) -> tu
 
 
 def _capture_export_cpu(x, arena, ctrl, slot, kind, reason, offset, payload, capacity, tokens):
-    args = export_gates(x, slot, kind, reason, offset, payload, capacity, tokens)
-    if _use_triton_on_cpu():
-        capture_triton(x, arena, ctrl, kind, *args)
-    else:
-        capture_reference(x, arena, ctrl, kind, *args)
+    _cpu_kernel(x, arena, ctrl, kind, export_gates(x, slot, kind, reason, offset, payload, capacity, tokens))
 
 
 def _capture_export_cuda(x, arena, ctrl, slot, kind, reason, offset, payload, capacity, tokens):
-    args = export_gates(x, slot, kind, reason, offset, payload, capacity, tokens)
-    with torch.cuda.device(x.device):
-        capture_triton(x, arena, ctrl, kind, *args)
+    _cuda_kernel(x, arena, ctrl, kind, export_gates(x, slot, kind, reason, offset, payload, capacity, tokens))
 
 
 def _capture_cuda(x, arena, ctrl, slot, kind, reason):
-    args = _runtime_for(x, arena, ctrl).resolve(slot, kind, x, reason)
-    with torch.cuda.device(x.device):
-        capture_triton(x, arena, ctrl, kind, *args)
+    _cuda_kernel(x, arena, ctrl, kind, _runtime_for(x, arena, ctrl).resolve(slot, kind, x, reason))
 
 
 def capture_eager(x, arena, ctrl, slot, kind, reason):
