@@ -213,6 +213,31 @@ def run_session(forward, dump, session: Session, device="cpu", on_step=None, eng
         return torch.stack(out)
 
 
+def export_session(model: "TinyMoE", session: Session):
+    """The model's prefill and decode step exported with `compiledump.aot.export`, as an engine
+    exports them: prefill with a dynamic prompt length, decode with a dynamic batch (its tokens
+    and state share the batch dim). Capture must be configured. Returns (prefill, decode)."""
+    from . import aot
+
+    device = session.prompt.device
+    batch = 1 + session.pad_tokens.shape[1]
+    rows = torch.export.Dim("batch", min=2, max=1024)
+    prefill = aot.export(model, (session.prompt,), dynamic_shapes=({0: torch.export.Dim("tokens", min=2, max=4096)},))
+    state = torch.zeros(model.cfg.layers, batch, model.cfg.dim, device=device, dtype=model.embed.dtype)
+    decode = aot.export(model, (torch.zeros(batch, dtype=torch.long, device=device), state),
+                        dynamic_shapes=({0: rows}, {1: rows}))
+    return prefill, decode
+
+
+def session_forward(prefill, decode):
+    """One `forward(tokens, state=None)` for `run_session` from separate prefill and decode programs."""
+
+    def forward(tokens, state=None):
+        return prefill(tokens) if state is None else decode(tokens, state)
+
+    return forward
+
+
 def run_session_cuda_graph(forward, dump, session: Session, on_step=None):
     """`run_session` with the decode step captured once in a `torch.cuda.graph` and replayed.
 

@@ -25,7 +25,7 @@ import torch
 import compiledump
 from compiledump import aot
 from compiledump.compare import CompareOptions, compare, format_report
-from compiledump.model import ModelConfig, TinyMoE, make_session, run_session
+from compiledump.model import ModelConfig, TinyMoE, export_session, make_session, run_session, session_forward
 
 PROMPT_LEN = 7
 MODEL = ModelConfig(layers=3, captures_per_layer=5)
@@ -50,13 +50,7 @@ def run_eager(out: Path, session, model: ModelConfig = MODEL) -> str:
 def export_packages(out: Path, session) -> tuple[str, str]:
     """Export prefill and decode against one arena, then package both (each carries the plan)."""
     _start(out / "export")
-    model = TinyMoE(MODEL, dump=compiledump)
-    batch = 1 + session.pad_tokens.shape[1]
-    tokens_dim = torch.export.Dim("tokens", min=2, max=4096)
-    batch_dim = torch.export.Dim("batch", min=2, max=1024)
-    prefill = aot.export(model, (session.prompt,), dynamic_shapes=({0: tokens_dim},))
-    decode = aot.export(model, (torch.zeros(batch, dtype=torch.long), torch.zeros(MODEL.layers, batch, MODEL.dim)),
-                        dynamic_shapes=({0: batch_dim}, {1: batch_dim}))
+    prefill, decode = export_session(TinyMoE(MODEL, dump=compiledump), session)
     paths = aot.package(prefill, out / "prefill.pt2"), aot.package(decode, out / "decode.pt2")
     compiledump.reset()  # nothing was captured here: no dump at exit
     return paths
@@ -67,9 +61,7 @@ def run_packages(out: Path, prefill: str, decode: str, session) -> str:
     torch._dynamo.reset()
     compiledump.reset()
     compiledump.configure(dir=str(out / "aoti"))
-    run_prefill, run_decode = aot.load(prefill), aot.load(decode)
-    run_session(lambda tokens, state=None: run_prefill(tokens) if state is None else run_decode(tokens, state),
-                compiledump, session)
+    run_session(session_forward(aot.load(prefill), aot.load(decode)), compiledump, session)
     return compiledump.flush()
 
 

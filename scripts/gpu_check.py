@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 import compiledump
-from compiledump.model import ModelConfig, TinyMoE, make_session, run_session, run_session_cuda_graph
+from compiledump.model import (ModelConfig, TinyMoE, export_session, make_session, run_session,
+                               run_session_cuda_graph, session_forward)
 
 PROMPT = 7
 
@@ -122,22 +123,15 @@ def phase_aoti(cfg, session, device, out_dir):
     from compiledump import aot, native, ops
 
     _fresh_dump(out_dir / "aoti_export")
-    model = TinyMoE(cfg, dump=compiledump).to(device)
-    batch = 1 + session.pad_tokens.shape[1]
-    rows = torch.export.Dim("batch", min=2, max=1024)
     start = time.perf_counter()
-    prefill = aot.export(model, (session.prompt,), dynamic_shapes=({0: torch.export.Dim("tokens", min=2, max=4096)},))
-    decode = aot.export(model, (torch.zeros(batch, dtype=torch.long, device=device),
-                                torch.zeros(cfg.layers, batch, cfg.dim, device=device)),
-                        dynamic_shapes=({0: rows}, {1: rows}))
+    prefill, decode = export_session(TinyMoE(cfg, dump=compiledump).to(device), session)
     paths = aot.package(prefill, out_dir / "prefill.pt2"), aot.package(decode, out_dir / "decode.pt2")
     compile_seconds = time.perf_counter() - start
     _fresh_dump(out_dir / "aoti")
-    run_prefill, run_decode = (aot.load(path) for path in paths)
+    forward = session_forward(*(aot.load(path) for path in paths))
     start = time.perf_counter()
     on_cuda = device.type == "cuda"
-    run_session(lambda tokens, state=None: run_prefill(tokens) if state is None else run_decode(tokens, state),
-                compiledump, session, on_step=_sync_debug_after_first if on_cuda else None)
+    run_session(forward, compiledump, session, on_step=_sync_debug_after_first if on_cuda else None)
     if on_cuda:
         torch.cuda.set_sync_debug_mode(0)
         torch.cuda.synchronize()

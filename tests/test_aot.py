@@ -7,6 +7,7 @@ program may round differently: rtol 1e-5), equal int ids, and the same per-tag c
 in the manifest.
 """
 
+import functools
 import importlib.util
 import json
 import re
@@ -22,7 +23,7 @@ import compiledump
 from compiledump import aot, native, ops
 from compiledump import arena as cd_arena
 from compiledump import layout as L
-from compiledump.model import ModelConfig, TinyMoE, run_session
+from compiledump.model import ModelConfig, TinyMoE, export_session, run_session, session_forward
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -113,19 +114,10 @@ def test_exported_program_writes_the_eager_dump(tmp_path, dtype):
     eager = compiledump.flush()
 
     EX._start(tmp_path / "export")
-    m = model()
-    batch = 1 + session.pad_tokens.shape[1]
-    dim = torch.export.Dim("tokens", min=2, max=64)
-    prefill = aot.export(m, (session.prompt,), dynamic_shapes=({0: dim},)).module()
-    rows = torch.export.Dim("batch", min=2, max=64)
-    decode = aot.export(m, (torch.zeros(batch, dtype=torch.long), torch.zeros(cfg.layers, batch, cfg.dim, dtype=dtype)),
-                        dynamic_shapes=({0: rows}, {1: rows})).module()
+    programs = [ep.module() for ep in export_session(model(), session)]
     rt = cd_arena.ACTIVE
-
-    def forward(tokens, state=None):
-        return prefill(rt.arena, rt.ctrl, tokens) if state is None else decode(rt.arena, rt.ctrl, tokens, state)
-
-    run_session(forward, compiledump, session)
+    prefill, decode = (functools.partial(program, rt.arena, rt.ctrl) for program in programs)
+    run_session(session_forward(prefill, decode), compiledump, session)
     assert_same_dump(eager, compiledump.flush())
     compiledump.reset()
 
