@@ -2,7 +2,8 @@
 
 Writes two dumps into a temporary directory (deleted afterwards):
 
-* REF: a compiledump file (npz + manifest), RUN: a seed-style file (npz only), so both readers run;
+* REF: a compiledump file (npz + manifest), RUN: a file without a manifest (npz only, as debug_dump.py
+  writes it), so both ways of reading key meanings run;
 * 200 hidden-state keys of dim 7168 (``layer<i>_moe_out`` and ``layer<i>`` for 100 layers), 100
   int32 top-8 expert-id keys, a prefill ``logits`` row, and 256 decode steps of 129280-wide
   ``logits_<n>`` (132 MB of logits per side);
@@ -11,11 +12,11 @@ Writes two dumps into a temporary directory (deleted afterwards):
 
 Then runs ``compiledump compare REF RUN --json ...`` (the ``python -m compiledump`` entry, table
 printed to /dev/null) in a child process and reports its wall time and peak RSS (VmHWM), next to a
-child that only imports the package; does the same with compare.py loaded alone (numpy only,
-without the package ``__init__``); and checks that the report names layer 60 and step 199.
+child that only imports the package; does the same calling ``compiledump.compare`` directly from
+Python (no CLI, and checked to load no torch); and checks that the report names layer 60 and step 199.
 
 Usage: python benchmarks/bench_compare.py [--steps 256] [--vocab 129280] [--layers 100] [--dim 7168]
-       python benchmarks/bench_compare.py --calibrate   # the bf16 noise measurement in the README, "Comparing dumps"
+       python benchmarks/bench_compare.py --calibrate   # the bf16 noise measurement behind docs/compare.md
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class NpzStream:
 
 def generate(directory: Path, layers: int, dim: int, steps: int, vocab: int, diverge_layer: int,
              diverge_step: int, seed: int = 0) -> tuple[Path, Path]:
-    """Write the REF (with manifest) and RUN (seed-style) dumps; return their paths."""
+    """Write the REF (with manifest) and RUN (no manifest) dumps; return their paths."""
     rng = np.random.default_rng(seed)
     ref_path = directory / "ref" / "compiledump_rank0_pid1.npz"
     run_path = directory / "run" / "deepinfer_layers_rank0_pid2.npz"
@@ -91,19 +92,18 @@ def generate(directory: Path, layers: int, dim: int, steps: int, vocab: int, div
     return ref_path, run_path
 
 
-# Loads compiledump/compare.py by path, without the package __init__ (which imports torch for the
-# capture runtime), to measure what the comparator itself costs: numpy only.
+# Calls the comparator from Python, without the CLI, to measure what it costs itself. The package
+# imports its capture side (and torch) lazily, so this is numpy only; checked.
 STANDALONE = """
-import importlib.util, sys
-spec = importlib.util.spec_from_file_location("compare_standalone", {path!r})
-cmp = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = cmp
-spec.loader.exec_module(cmp)
+import sys
+import compiledump.compare as cmp
+assert "torch" not in sys.modules, "compiledump.compare imported torch"
 if len(sys.argv) > 1:
     report = cmp.compare(sys.argv[1], sys.argv[2])
     print("\\n".join(cmp.format_report(report)))
     cmp.write_json_report(report, sys.argv[3])
-    sys.exit(report["exit_status"])
+    assert "torch" not in sys.modules, "the comparison imported torch"
+    sys.exit(report.exit_status)
 """
 
 
@@ -144,7 +144,7 @@ def _bf16(x: np.ndarray) -> np.ndarray:
 
 
 def calibrate(tokens: int = 64, seed: int = 0) -> None:
-    """The measurement behind the default threshold and near-tie epsilon (the README, "Comparing dumps").
+    """The measurement behind the default threshold and near-tie epsilon (docs/compare.md).
 
     A toy 61-layer residual MoE (dim 1024, 16 experts of hidden 512, top-4, RMSNorm, SiLU) run in
     float64 and with bf16 emulated (weights, and every activation after a matmul, nonlinearity or
@@ -250,9 +250,8 @@ def main() -> int:
         runs = [timed_child(CLI, ["compare", str(ref_path), str(run_path), "--json", str(report_path)], hwm)
                 for _ in range(args.repeat)]
         report = json.loads(report_path.read_text())
-        standalone = STANDALONE.format(path=str(REPO / "compiledump" / "compare.py"))
-        numpy_baseline = timed_child(standalone, [], hwm)
-        numpy_runs = [timed_child(standalone, [str(ref_path), str(run_path), str(directory / "standalone.json")], hwm)
+        numpy_baseline = timed_child(STANDALONE, [], hwm)
+        numpy_runs = [timed_child(STANDALONE, [str(ref_path), str(run_path), str(directory / "standalone.json")], hwm)
                       for _ in range(args.repeat)]
         numpy_elapsed = json.loads((directory / "standalone.json").read_text())["elapsed_s"]
     walls = sorted(wall for wall, _, _ in runs)
@@ -271,7 +270,7 @@ def main() -> int:
           f"decode step {decode['step']}; first argmax flip: step {report['first_argmax_flip']['step']} "
           f"{report['first_argmax_flip']['kind']} (reference margin {report['first_argmax_flip']['margin_ref']:.4f})")
     numpy_walls = sorted(wall for wall, _, _ in numpy_runs)
-    print(f"numpy-only (compare.py loaded without the package __init__): wall min {numpy_walls[0]:.2f} s, "
+    print(f"numpy-only (compiledump.compare called from Python, no CLI): wall min {numpy_walls[0]:.2f} s, "
           f"median {numpy_walls[len(numpy_walls) // 2]:.2f} s (comparison proper {numpy_elapsed:.2f} s); "
           f"peak RSS {max(rss for _, rss, _ in numpy_runs):.1f} MiB vs {numpy_baseline[1]:.1f} MiB for its imports alone")
     ok = ok and all(code == 1 for _, _, code in numpy_runs)

@@ -110,7 +110,7 @@ def _run_compare(args: argparse.Namespace) -> int:
             print(f"compiledump: warning: plot skipped: {exc}", file=sys.stderr)
         except OSError as exc:
             return _error(f"cannot write the plot {args.plot}: {exc.strerror or exc}")
-    return report["exit_status"]
+    return report.exit_status
 
 
 def _add_inspect_parser(subparsers) -> None:
@@ -129,7 +129,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
     import json
 
     from .compare import json_safe
-    from .inspect import format_inspection, inspect_path
+    from .compare.inspect import format_inspection, inspect_path
 
     summaries = inspect_path(args.file)
     _emit([line for summary in summaries for line in format_inspection(summary)])

@@ -1,5 +1,5 @@
-// The C++ flush: the same .npz + .json dump as compiledump.flush() (compiledump/runtime.py
-// `_collect`, compiledump/writer.py), for processes without Python. The plan (the registry an
+// The C++ flush: the same .npz + .json dump as compiledump.flush() (compiledump/capture/flush.py
+// `_collect`, compiledump/format/writer.py), for processes without Python. The plan (the registry an
 // exported program was traced with) names the arena's regions; the counters come from ctrl.
 #include "compiledump.h"
 
@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "capture.h"
+#include "format.h"
 #include "layout.h"
 
 #ifdef COMPILEDUMP_WITH_CUDA
@@ -31,7 +32,7 @@
 namespace compiledump {
 namespace {
 
-// Drop reasons by counter, in manifest order (layout.DROP_REASONS).
+// Drop reasons by counter, in manifest order (compiledump/ops/layout.py DROP_REASONS).
 const std::array<std::pair<int64_t, const char*>, 7> kDropReasons{{
     {CNT_SUSPENDED, "suspended"},
     {CNT_TOKEN_GATE, "token_gate"},
@@ -402,7 +403,8 @@ std::string Dump::flush(const std::string& dir) const {
                 std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count());
 
   const std::string manifest =
-      std::string("{\"format\":\"compiledump-dump\",\"format_version\":1,\"compiledump_version\":") +
+      std::string("{\"format\":\"") + kFormatName + "\",\"format_version\":" + std::to_string(kFormatVersion) +
+      ",\"compiledump_version\":" +
       json_string(plan_.version) + ",\"torch_version\":" + json_string(TORCH_VERSION) + ",\"created_unix\":" +
       created + ",\"rank\":" + json_string(rank) + ",\"pid\":" + std::to_string(getpid()) +
       ",\"world_size\":" + (world_is_number ? world : "null") + ",\"device\":" + json_string(arena_.device().str()) +
@@ -412,7 +414,7 @@ std::string Dump::flush(const std::string& dir) const {
 
   const std::filesystem::path out(dir);
   std::filesystem::create_directories(out);
-  const std::string stem = "compiledump_rank" + rank + "_pid" + std::to_string(getpid());
+  const std::string stem = std::string(kStemPrefix) + "_rank" + rank + "_pid" + std::to_string(getpid());
   const auto npz_path = out / (stem + ".npz");
   atomic_write(npz_path, zip_stored(members));  // npz first: a manifest never names a missing key
   atomic_write(out / (stem + ".json"), manifest);

@@ -11,10 +11,13 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
 import numpy as np
+
+from . import spec
 
 
 def _atomic_write(path: Path, write) -> None:
@@ -41,6 +44,17 @@ def _write_npz(handle, arrays: dict[str, np.ndarray]) -> None:
             with archive.open(f"{key}.npy", "w", force_zip64=True) as member:
                 # np.require, not np.ascontiguousarray: the latter turns a 0-d array into shape (1,).
                 np.lib.format.write_array(member, np.require(array, requirements="C"), allow_pickle=False)
+
+
+def build_manifest(*, keys: dict, tags: dict, drops: dict, **fields) -> dict:
+    """The manifest of one dump (docs/format.md): the format's name and version, `fields` (who
+    wrote it: versions, rank, pid, device, config, ...), and the per-key, per-tag and total
+    counts. `created_unix` is added when not given."""
+    manifest = {"format": spec.FORMAT_NAME, "format_version": spec.FORMAT_VERSION}
+    manifest.update(fields)
+    manifest.setdefault("created_unix", time.time())
+    manifest.update(keys=keys, tags=tags, drops=drops)
+    return manifest
 
 
 def write_dump(directory: str | os.PathLike, stem: str, arrays: dict[str, np.ndarray], manifest: dict) -> Path:

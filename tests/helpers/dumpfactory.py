@@ -1,8 +1,9 @@
 """Synthetic dumps for the comparator tests.
 
-Files are written exactly as docs/FORMAT.md describes (a plain ``numpy.savez`` archive plus a
-``compiledump-dump`` manifest with the same stem), or seed-style (the npz alone, members in capture
-order), without going through the capture runtime. Data is random, never zeros.
+Files are written exactly as docs/format.md describes (a plain ``numpy.savez`` archive plus a
+``compiledump-dump`` manifest with the same stem), or as debug_dump.py wrote them (the npz alone,
+members in capture order, named ``deepinfer_layers_rank<R>_pid<P>.npz``), without going through the
+capture runtime. Data is random, never zeros.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def _layer(tag: str) -> int | None:
 
 def manifest_for(captures: list[Capture], rank: int | str = 0, pid: int = 1000, drops: dict | None = None,
                  filtered_tags: dict | None = None) -> dict:
-    """The manifest docs/FORMAT.md specifies for these captures. ``order`` is the first-capture
+    """The manifest docs/format.md specifies for these captures. ``order`` is the first-capture
     order of the tag's slot; like the runtime, a step tag has its own slot, separate from a record
     of the same name (``logits`` once at prefill and ``logits_<n>`` per step)."""
     slot_order: dict[tuple[str, bool], int] = {}
@@ -149,9 +150,9 @@ def write_compiledump(directory: Path, captures: list[Capture], rank: int | str 
     return stem.with_suffix(".npz")
 
 
-def write_seed_style(directory: Path, captures: list[Capture], rank: int | str = 0, pid: int = 1000) -> Path:
-    """Write ``deepinfer_layers_rank<rank>_pid<pid>.npz`` like the seed: members in capture order,
-    no manifest."""
+def write_legacy(directory: Path, captures: list[Capture], rank: int | str = 0, pid: int = 1000) -> Path:
+    """Write ``deepinfer_layers_rank<rank>_pid<pid>.npz`` as debug_dump.py does: members in capture
+    order, no manifest."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"deepinfer_layers_rank{rank}_pid{pid}.npz"
     np.savez(path, **{capture.key: capture.array for capture in captures})

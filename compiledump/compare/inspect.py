@@ -9,8 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from .compare import (CHUNK_ELEMENTS, DumpError, DumpFile, ShardInfo, _fmt, _rank_sort_key, collect_dumps,
-                      order_key_infos, shard_of)
+from ..format.keys import order_key_infos
+from ..format.reader import DumpError, DumpFile, ShardInfo, collect_dumps, preview, rank_sort_key
+from .metrics import CHUNK_ELEMENTS
+from .text import fmt_value
 
 
 def array_stats(array: np.ndarray, chunk: int = CHUNK_ELEMENTS) -> dict:
@@ -48,7 +50,7 @@ def inspect_dump(dump: DumpFile) -> dict:
             "key": info.key, "kind": info.kind, "tag": info.tag, "layer": info.layer, "step": info.step,
             "shape": list(member.shape), "dtype": str(member.dtype), "from_manifest": info.from_manifest,
         }
-        shard = shard_of(dump, info.key)
+        shard = dump.shard(info.key)
         if shard is not None:
             entry["shard"] = {"dim": shard.dim, "how": shard.how, "group": shard.group}
         array = None
@@ -76,7 +78,7 @@ def inspect_dump(dump: DumpFile) -> dict:
 def inspect_path(path: str | Path) -> list[dict]:
     """Inspect an npz file, or every dump file of a directory (by rank)."""
     files, _ = collect_dumps(path, "FILE")
-    return [inspect_dump(DumpFile(files[rank], "FILE")) for rank in sorted(files, key=_rank_sort_key)]
+    return [inspect_dump(DumpFile(files[rank], "FILE")) for rank in sorted(files, key=rank_sort_key)]
 
 
 def format_inspection(summary: dict) -> list[str]:
@@ -94,8 +96,7 @@ def format_inspection(summary: dict) -> list[str]:
         shards = [entry for entry in summary["keys"] if entry.get("shard")]
         if shards:
             described = [f"{entry['key']} ({ShardInfo(**entry['shard']).describe()})" for entry in shards]
-            lines.append(f"shards: {len(shards)} keys: " + ", ".join(described[:8])
-                         + (f", ... ({len(described) - 8} more)" if len(described) > 8 else ""))
+            lines.append(f"shards: {len(shards)} keys: " + preview(described))
         config = summary.get("config") or {}
         lines.append("config: " + (" ".join(f"{name}={value}" for name, value in config.items()) or "-"))
         drops = summary.get("drops") or {}
@@ -106,7 +107,8 @@ def format_inspection(summary: dict) -> list[str]:
         if filtered:
             lines.append("filtered tags: " + ", ".join(f"{tag} ({why})" for tag, why in filtered.items()))
     else:
-        lines.append("no manifest (seed-style file): kinds, steps and order inferred from key names and dtypes")
+        lines.append("no manifest (legacy deepinfer_layers file): kinds, steps and order inferred from key "
+                     "names and dtypes")
     for note in summary["notes"]:
         lines.append(f"note: {note}")
     for bad in summary["unreadable"]:
@@ -120,10 +122,11 @@ def format_inspection(summary: dict) -> list[str]:
         if "error" in entry:
             lines.append(f"  {entry['key']:<{width}} {entry['kind']:<11} unreadable: {entry['error']}")
             continue
+        layer, step = fmt_value(entry["layer"], "d"), fmt_value(entry["step"], "d")
+        low, high, mean = (fmt_value(entry[name], ".4g") for name in ("min", "max", "mean"))
         lines.append(
-            f"  {entry['key']:<{width}} {entry['kind']:<11} {_fmt(entry['layer'], 'd'):>5} {_fmt(entry['step'], 'd'):>5} "
-            f"{shape:<14} {entry['dtype']:<8} {_fmt(entry['min'], '.4g'):>11} {_fmt(entry['max'], '.4g'):>11} "
-            f"{_fmt(entry['mean'], '.4g'):>11} {entry['nan']:>6} {entry['inf']:>6}"
+            f"  {entry['key']:<{width}} {entry['kind']:<11} {layer:>5} {step:>5} {shape:<14} {entry['dtype']:<8} "
+            f"{low:>11} {high:>11} {mean:>11} {entry['nan']:>6} {entry['inf']:>6}"
         )
     counts: dict[str, int] = {}
     for entry in keys:

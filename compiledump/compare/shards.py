@@ -1,0 +1,169 @@
+"""Merging the ranks of a sharded run (tensor/expert parallel) into one side before comparing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..format.keys import KeyInfo
+from ..format.reader import Dump, DumpFile, KeyProblem, Member, Replica, ShardInfo, rank_sort_key
+
+
+class MergedDump(Dump):
+    """The files of one side of a sharded multi-rank run, seen as one dump.
+
+    A key declared as a shard (manifest ``keys[k].shard``) is merged across the ranks of its
+    group (ordered by ``<group>_rank``); ranks that differ in another declared group (e.g. the
+    expert-parallel rank for a tensor-parallel key) hold separate replicas, each compared. A key
+    without a declaration is compared on every rank that holds it (one replica per rank).
+    """
+
+    def __init__(self, ranked: list[tuple[str, DumpFile]], label: str, declared: set[str]) -> None:
+        self.label = label
+        self.ranked = ranked
+        self.merged_ranks = [rank for rank, _ in ranked]
+        directory = ranked[0][1].path.parent
+        self.path = f"{directory} [ranks {'+'.join(self.merged_ranks)} merged]"
+        self.notes = [f"rank {rank}: {note}" for rank, dump in ranked for note in dump.notes]
+        self.bad_members = {key: f"rank {rank}: {why}" for rank, dump in ranked for key, why in dump.bad_members.items()}
+        self.problems = []
+        self.excluded = set()
+        self.members: dict[str, Member] = {}
+        self._replicas: dict[str, list[Replica]] = {}
+        self._declared = declared
+        self._coords = {rank: dump.parallel_coords(rank) for rank, dump in ranked}
+        infos: dict[str, KeyInfo] = {}
+        for _, dump in ranked:
+            for key, info in dump.infos.items():
+                infos.setdefault(key, info)
+        for key in infos:
+            if key not in self.bad_members:
+                self._plan(key)
+        self.infos = {key: info for key, info in infos.items() if key in self.members}
+        self.manifest = self._manifest()
+
+    def replicas(self, key: str) -> list[Replica]:
+        return self._replicas[key]
+
+    def _exclude(self, kind: str, key: str, detail: str) -> None:
+        self.excluded.add(key)
+        self.problems.append(KeyProblem(kind, key, detail))
+
+    def _plan(self, key: str) -> None:
+        holders = [(rank, dump) for rank, dump in self.ranked if key in dump.members]
+        specs = {dump.shard(key) for _, dump in holders}
+        if len(specs) > 1:
+            self._exclude("shard_mismatch", key, "ranks declare different shards for this key: "
+                          + ", ".join(sorted(spec.describe() if spec else "none" for spec in specs)))
+            return
+        spec = specs.pop()
+        members = [dump.members[key] for _, dump in holders]
+        if len({member.is_integer for member in members}) > 1:
+            self._exclude("shard_mismatch", key, "integer on some ranks, float on others")
+            return
+        if spec is None:
+            if len({member.shape for member in members}) > 1:
+                self._exclude("shard_mismatch", key, "unsharded key with different shapes on different ranks: "
+                              + ", ".join(f"rank {rank} {list(m.shape)}" for (rank, _), m in zip(holders, members)))
+                return
+            held = {rank for rank, _ in holders}
+            missing = [rank for rank in self.merged_ranks if rank not in held]
+            if missing:
+                self.problems.append(KeyProblem(
+                    "missing_on_rank", key, f"unsharded key present on ranks {'+'.join(r for r, _ in holders)} only, "
+                                            f"not on {'+'.join(missing)}; compared where present"))
+            self._replicas[key] = [Replica(key, None, [holder]) for holder in holders]
+            self.members[key] = members[0]
+            return
+        replicas = self._shard_replicas(key, spec, holders)
+        if replicas is None:
+            return
+        shapes = [[list(dump.members[key].shape) for _, dump in replica.parts] for replica in replicas]
+        merged_shape = self._merged_shape(key, spec, shapes)
+        if merged_shape is None:
+            return
+        self._replicas[key] = replicas
+        first = members[0]
+        self.members[key] = Member(key, first.dtype, tuple(merged_shape), False, "", None)
+
+    def _shard_replicas(self, key: str, spec: ShardInfo, holders) -> list[Replica] | None:
+        rank_name = "world_rank" if spec.group == "world" else f"{spec.group}_rank"
+        size_name = "world_size" if spec.group == "world" else f"{spec.group}_size"
+        unordered = [rank for rank, _ in holders if rank_name not in self._coords[rank]]
+        if unordered:
+            self._exclude("shard_incomplete", key,
+                          f"{spec.describe()}: the manifest of rank(s) {'+'.join(unordered)} has no {rank_name} "
+                          f"(compiledump.set_parallel({rank_name}=...)); not merged")
+            return None
+        # Ranks that differ in another declared group hold separate copies of this key.
+        ignore = {"world_rank", "world_size", rank_name} | ({f"{g}_rank" for g in self._declared}
+                                                             if spec.group == "world" else set())
+        by_copy: dict[tuple, list[tuple[str, DumpFile]]] = {}
+        for rank, dump in holders:
+            copy = tuple(sorted((n, v) for n, v in self._coords[rank].items() if n not in ignore))
+            by_copy.setdefault(copy, []).append((rank, dump))
+        replicas = []
+        for parts in by_copy.values():
+            parts.sort(key=lambda part: self._coords[part[0]][rank_name])
+            positions = [self._coords[rank][rank_name] for rank, _ in parts]
+            sizes = {self._coords[rank].get(size_name) for rank, _ in parts} - {None}
+            size = sizes.pop() if len(sizes) == 1 else len(parts)
+            if positions != list(range(size)):
+                self._exclude("shard_incomplete", key,
+                              f"{spec.describe()}: {rank_name} {positions} present (ranks {'+'.join(r for r, _ in parts)}), "
+                              f"expected 0..{size - 1}; not merged")
+                return None
+            replicas.append(Replica(key, spec, parts))
+        return replicas
+
+    def _merged_shape(self, key: str, spec: ShardInfo, shapes: list[list[list[int]]]) -> list[int] | None:
+        merged = None
+        for replica_shapes in shapes:
+            first = replica_shapes[0]
+            if spec.how == "sum":
+                ok = all(shape == first for shape in replica_shapes)
+                shape = first
+            else:
+                ok = spec.dim < len(first) and all(
+                    len(shape) == len(first) and all(a == b for i, (a, b) in enumerate(zip(shape, first)) if i != spec.dim)
+                    for shape in replica_shapes)
+                shape = list(first)
+                if ok:
+                    shape[spec.dim] = sum(s[spec.dim] for s in replica_shapes)
+            if not ok or (merged is not None and shape != merged):
+                self._exclude("shard_mismatch", key, f"{spec.describe()}: shard shapes {replica_shapes} do not merge")
+                return None
+            merged = shape
+        return merged
+
+    def _manifest(self) -> dict | None:
+        manifests = [dump.manifest for _, dump in self.ranked if dump.manifest is not None]
+        if not manifests:
+            return None
+        drops: dict[str, int] = {}
+        for manifest in manifests:
+            for reason, count in (manifest.get("drops") or {}).items():
+                if isinstance(count, int):
+                    drops[reason] = drops.get(reason, 0) + count
+        keys: dict = {}
+        for manifest in manifests:
+            for key, entry in manifest["keys"].items():
+                keys.setdefault(key, entry)
+        return dict(manifests[0], keys=keys, drops=drops, merged_ranks=self.merged_ranks)
+
+
+def merge_side(files: dict[str, Path], label: str) -> list[MergedDump] | None:
+    """The merged shard sets of one side's per-rank files, or None when no manifest declares a
+    shard. Files whose ``parallel`` coordinates differ in anything but the declared groups'
+    ranks (e.g. ``dp_rank``) form separate sets."""
+    dumps = [(rank, DumpFile(files[rank], label)) for rank in sorted(files, key=rank_sort_key)]
+    declared: set[str] = set()
+    for _, dump in dumps:
+        declared |= {spec.group for spec in (dump.shard(key) for key in dump.members) if spec is not None}
+    if not declared:
+        return None
+    ignore = {"world_rank", "world_size"} | {f"{group}_rank" for group in declared}
+    sets: dict[tuple, list[tuple[str, DumpFile]]] = {}
+    for rank, dump in dumps:
+        coords = dump.parallel_coords(rank)
+        sets.setdefault(tuple(sorted((n, v) for n, v in coords.items() if n not in ignore)), []).append((rank, dump))
+    return [MergedDump(ranked, label, declared) for ranked in sets.values()]

@@ -1,0 +1,201 @@
+"""The comparison: every key of every pair measured in model order, then each pair's findings
+(first divergence per phase, likely root cause, argmax flips, decode margins), then the report
+that combines the pairs."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from ..format.keys import order_key_infos
+from ..format.reader import Dump, DumpError, rank_sort_key
+from .measure import KeyMeasurer, logits_tags
+from .metrics import Workspace
+from .options import CompareOptions
+from .pairing import find_pairs
+from .report import ArgmaxFlip, DecodeMargins, Divergence, KeyRecord, PairResult, Problem, Report
+
+
+class NoCommonKeys(DumpError):
+    """A REF/RUN pair shares no key, so nothing can be compared."""
+
+
+def compare(ref_path: str | Path, run_path: str | Path, options: CompareOptions | None = None) -> Report:
+    """Compare REF and RUN (npz files or directories of per-rank files); return the report.
+
+    Raises :class:`DumpError` for unusable input (missing path, not an npz, no dumps in a
+    directory, no common rank or keys). docs/compare.md describes the report.
+    """
+    options = options or CompareOptions()
+    started = time.perf_counter()
+    pairs, problems = find_pairs(ref_path, run_path)
+    results = []
+    empty: list[str] = []
+    for pair in pairs:
+        try:
+            results.append(compare_pair(pair.ref, pair.run, options, pair.rank))
+        except NoCommonKeys as exc:
+            # One rank without common keys is a problem to list; all of them is unusable input.
+            empty.append(str(exc))
+            problems.append(Problem("no_common_keys", pair.rank, str(exc)))
+    if not results:
+        raise DumpError(empty[0] if len(empty) == 1 else f"no keys in common for any of {len(empty)} rank pairs")
+    return build_report(str(ref_path), str(run_path), options, results, problems, time.perf_counter() - started)
+
+
+def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> PairResult:
+    """Compare two dumps key by key, in model order; return this pair's part of the report.
+
+    Arrays are read one key at a time and released before the next, so each side holds at most
+    one mapped array and one float64 chunk.
+    """
+    problems: list[Problem] = []
+    notes = [f"REF: {note}" for note in ref.notes] + [f"RUN: {note}" for note in run.notes]
+    for side, dump in (("REF", ref), ("RUN", run)):
+        for key, why in dump.bad_members.items():
+            problems.append(Problem("unreadable", rank, f"{side} {why}", key, side=side))
+        for problem in dump.problems:
+            problems.append(Problem(problem.kind, rank, f"{side} {problem.detail}", problem.key, side=side))
+    # Key meanings come from a manifest when one side has it (authoritative), else from REF.
+    authority, other = (ref, run) if ref.manifest is not None or run.manifest is None else (run, ref)
+    meanings = dict(authority.infos)
+    for key, info in other.infos.items():
+        meanings.setdefault(key, info)
+    ordered = order_key_infos(list(meanings.values()))
+    common = ref.members.keys() & run.members.keys()
+    if not common:
+        raise NoCommonKeys(
+            f"no keys in common between REF {ref.path} ({len(ref.members)} keys) and "
+            f"RUN {run.path} ({len(run.members)} keys)"
+        )
+    float_sizes = [member.size for key, member in ref.members.items() if key in common and not member.is_integer]
+    workspace = Workspace(min(options.chunk_elements, max(float_sizes, default=1)))
+    measurer = KeyMeasurer(ref, run, options, rank, logits_tags(ordered, authority.members | other.members),
+                           workspace)
+    records: list[KeyRecord] = []
+    for info in ordered:
+        key = info.key
+        if key not in run.members:
+            if key not in run.bad_members and key not in run.excluded:
+                problems.append(Problem("missing_in_run", rank, "present in REF only", key))
+            continue
+        if key not in ref.members:
+            if key not in ref.bad_members and key not in ref.excluded:
+                problems.append(Problem("extra_in_run", rank, "present in RUN only", key))
+            continue
+        records.append(measurer.record(info, problems))
+    for position, record in enumerate(records):
+        record.position = position
+    for side, dump in (("REF", ref), ("RUN", run)):
+        drops = (dump.manifest or {}).get("drops") or {}
+        if isinstance(drops, dict) and drops:
+            notes.append(f"{side} manifest drops: " + ", ".join(f"{reason}={count}" for reason, count in drops.items()))
+    result = PairResult(rank=rank, ref=str(ref.path), run=str(run.path), ref_manifest=ref.manifest is not None,
+                        run_manifest=run.manifest is not None, keys=records, problems=problems, notes=notes)
+    analyse_pair(result)
+    return result
+
+
+def _divergence(record: KeyRecord, last_good: KeyRecord | None) -> Divergence:
+    divergence = Divergence(
+        key=record.key, layer=record.layer, step=record.step, phase=record.phase, rank=record.rank,
+        position=record.position, metric=record.metric, value=record.value, threshold=record.threshold,
+        last_good=last_good.key if last_good else None, last_good_step=last_good.step if last_good else None,
+        merge=record.merge,
+    )
+    if record.ids is not None:
+        ids = record.ids
+        divergence = replace(divergence, metric="ids", value=ids.mismatched_elements, threshold=None,
+                             row=ids.first_mismatch_row, overlap=ids.overlap, k=ids.k)
+    return divergence
+
+
+def _first_in_phase(floats: list[KeyRecord], phase: str) -> Divergence | None:
+    """The first divergent float key of ``phase`` and the float key before it (last good)."""
+    last_good = None
+    for record in floats:
+        if record.phase != phase:
+            continue
+        if record.divergent:
+            return _divergence(record, last_good)
+        last_good = record
+    return None
+
+
+def analyse_pair(pair: PairResult) -> None:
+    """Fill in ``pair``'s findings from its key records."""
+    records = pair.keys
+    floats = [record for record in records if record.floats is not None]
+    pair.prefill_divergence = _first_in_phase(floats, "prefill")
+    pair.decode_divergence = _first_in_phase(floats, "decode")
+    id_mismatches = [record for record in records if record.ids is not None and record.divergent]
+    first_ids = _divergence(id_mismatches[0], None) if id_mismatches else None
+    pair.first_id_mismatch = first_ids
+    flips = [record for record in records if record.margin_analysis and record.argmax_equal is False]
+    if flips:
+        flip = flips[0]
+        ref_top, run_top = flip.floats.margins.ref, flip.floats.margins.run
+        epsilon = flip.near_tie_epsilon
+        pair.first_argmax_flip = ArgmaxFlip(
+            step=flip.step, key=flip.key, tag=flip.tag, rank=pair.rank,
+            kind="near-tie" if ref_top.margin < epsilon else "divergence", margin_ref=ref_top.margin,
+            margin_run=run_top.margin, argmax_ref=ref_top.argmax, argmax_run=run_top.argmax, epsilon=epsilon,
+            position=flip.position)
+    float_first = pair.prefill_divergence or pair.decode_divergence
+    if float_first is not None and first_ids is not None and first_ids.position < float_first.position:
+        pair.root_cause = replace(first_ids, reason="integer ids differ before the first float divergence")
+    first = float_first or first_ids
+    flip = pair.first_argmax_flip
+    if first is None and flip is not None and flip.kind == "divergence":
+        flipped = records[flip.position]
+        first = Divergence(key=flipped.key, layer=flipped.layer, step=flipped.step, phase="decode", rank=pair.rank,
+                           position=flipped.position, metric="argmax", value=flip.margin_ref,
+                           threshold=flip.epsilon)
+    pair.first_divergence = first
+    with_margins = [record for record in records if record.margin_analysis and record.argmax_equal is not None]
+    if with_margins:
+        smallest = min(with_margins, key=lambda record: _nan_last(record.floats.margins.ref.margin))
+        pair.decode_margins = DecodeMargins(
+            tags=sorted({record.tag for record in with_margins}),
+            steps=len({record.step for record in with_margins}),
+            argmax_agree=sum(1 for record in with_margins if record.argmax_equal),
+            compared=len(with_margins),
+            flips=[record.step for record in flips],
+            smallest_step=smallest.step, smallest_key=smallest.key,
+            smallest_value=smallest.floats.margins.ref.margin,
+        )
+
+
+def _nan_last(value: float | None) -> float:
+    return math.inf if value is None or math.isnan(value) else value
+
+
+def build_report(ref: str, run: str, options: CompareOptions, pairs: list[PairResult], side_problems: list[Problem],
+                 elapsed: float) -> Report:
+    """Combine per-pair results into the report: earliest divergence across pairs (by position
+    in model order, then rank), earliest argmax flip (by step, then rank)."""
+
+    def earliest(name: str, order):
+        found = [getattr(pair, name) for pair in pairs if getattr(pair, name) is not None]
+        return min(found, key=order) if found else None
+
+    def by_position(item: Divergence) -> tuple:
+        return (item.position, rank_sort_key(item.rank))
+
+    first = earliest("first_divergence", by_position)
+    root_cause = None
+    if first is not None:
+        root_cause = next(pair for pair in pairs if pair.rank == first.rank).root_cause
+    return Report(
+        ref=ref, run=run, options=options, pairs=pairs,
+        problems=side_problems + [problem for pair in pairs for problem in pair.problems],
+        first_divergence=first,
+        prefill_divergence=earliest("prefill_divergence", by_position),
+        decode_divergence=earliest("decode_divergence", by_position),
+        first_id_mismatch=earliest("first_id_mismatch", by_position),
+        root_cause=root_cause,
+        first_argmax_flip=earliest("first_argmax_flip", lambda item: (item.step, rank_sort_key(item.rank))),
+        elapsed_s=elapsed,
+    )

@@ -1,0 +1,118 @@
+"""What the keys of a dump mean (capture kind, tag, decode step, layer) and the order they are
+compared in: from the manifest, or inferred from key names and dtypes for files without one."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from . import spec
+
+
+class Named(Protocol):
+    """What inference needs of an npz member (``reader.Member``): its key and whether it holds
+    integers."""
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def is_integer(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    """What a key is: its capture kind, tag, step, layer and capture order."""
+
+    key: str
+    kind: str  # one of spec.KINDS
+    tag: str
+    step: int | None
+    layer: int | None
+    order: float  # tag's first-capture order (manifest) or member position (inferred)
+    from_manifest: bool
+
+    @property
+    def phase(self) -> str:
+        """``decode`` for step keys, ``prefill`` for everything else."""
+        return "decode" if self.kind == "step" else "prefill"
+
+
+def info_from_manifest(key: str, entry: Any) -> KeyInfo | None:
+    """A key's meaning from its manifest entry ``keys[key]``, or None if the entry is unusable."""
+    if not isinstance(entry, dict) or entry.get("kind") not in spec.KINDS:
+        return None
+    tag = entry.get("tag") if isinstance(entry.get("tag"), str) else key
+    step = entry.get("step") if isinstance(entry.get("step"), int) else None
+    order = entry.get("order")
+    order = float(order) if isinstance(order, (int, float)) else math.inf
+    kind = entry["kind"]
+    if kind == "step" and step is None:
+        return None
+    return KeyInfo(key, kind, tag, step if kind == "step" else None, spec.layer_of(tag), order, True)
+
+
+def infer_key_infos(members: list[Named]) -> dict[str, KeyInfo]:
+    """Key meanings for a file without a manifest (debug_dump.py files), from names and dtypes.
+
+    Rules (docs/compare.md, "Files without a manifest"):
+
+    * ``<prefix>_<n>`` (n without leading zeros) is decode step n of tag ``<prefix>`` when the
+      file also holds ``<prefix>_0`` (record_step numbers every tag from 0) and, if the prefix is
+      itself ``layer<N>``, the family has at least two members (a lone ``layer3_0`` is more
+      likely a record tag than a one-step decode).
+    * otherwise an integer array is ``ids`` and a float array is a ``record``.
+    * the order is the member's position in the npz: debug_dump.py's dict keeps first-insertion
+      order and ``np.savez`` writes it as is, so position is first-capture order. A step family
+      takes the position of its first member.
+    """
+    position = {member.key: index for index, member in enumerate(members)}
+    families: dict[str, list[tuple[int, str]]] = {}
+    for member in members:
+        split = spec.split_step_key(member.key)
+        if split is not None:
+            families.setdefault(split[0], []).append((split[1], member.key))
+    step_of: dict[str, tuple[str, int]] = {}
+    family_order: dict[str, int] = {}
+    for prefix, entries in families.items():
+        if 0 not in {step for step, _ in entries}:
+            continue
+        if spec.LAYER_ONLY.match(prefix) and len(entries) < 2:
+            continue
+        family_order[prefix] = min(position[key] for _, key in entries)
+        for step, key in entries:
+            step_of[key] = (prefix, step)
+    infos: dict[str, KeyInfo] = {}
+    for member in members:
+        if member.key in step_of:
+            tag, step = step_of[member.key]
+            infos[member.key] = KeyInfo(member.key, "step", tag, step, spec.layer_of(tag),
+                                        float(family_order[tag]), False)
+        else:
+            kind = "ids" if member.is_integer else "record"
+            infos[member.key] = KeyInfo(member.key, kind, member.key, None, spec.layer_of(member.key),
+                                        float(position[member.key]), False)
+    return infos
+
+
+def order_key_infos(infos: list[KeyInfo]) -> list[KeyInfo]:
+    """Keys in comparison order: prefill keys first, then decode steps.
+
+    Prefill: tags captured before the first ``layer<N>`` tag (e.g. ``embed``), then layer keys by
+    layer number and capture order within the layer, then the remaining non-layer tags (e.g.
+    ``final_norm``, ``logits``) in capture order. Decode: by step, then tag capture order.
+    """
+    prefill = [info for info in infos if info.kind != "step"]
+    steps = [info for info in infos if info.kind == "step"]
+    layer_orders = [info.order for info in prefill if info.layer is not None]
+    first_layer_order = min(layer_orders) if layer_orders else math.inf
+
+    def prefill_rank(info: KeyInfo):
+        if info.layer is not None:
+            return (1, info.layer, info.order, info.key)
+        return (0 if info.order < first_layer_order else 2, 0, info.order, info.key)
+
+    prefill.sort(key=prefill_rank)
+    steps.sort(key=lambda info: (info.step, info.order, info.key))
+    return prefill + steps

@@ -1,0 +1,360 @@
+"""Reading dump files: one ``.npz`` and its manifest (docs/format.md), lazily and memory-mapped.
+
+Also reads files without a manifest (debug_dump.py's ``deepinfer_layers_rank*_pid*.npz``): their
+key meanings are inferred from names and dtypes (:mod:`.keys`). numpy and the standard library only.
+
+Memory: arrays are never loaded as a whole file. Each ``.npy`` member stored uncompressed (what
+``numpy.savez`` and the compiledump writer produce) is memory-mapped at its byte offset inside the
+zip; compressed members are decompressed one at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import spec
+from .keys import KeyInfo, infer_key_infos, info_from_manifest
+
+# Members smaller than this are read with one read() instead of an mmap (two syscalls fewer each).
+_SMALL_READ_BYTES = 1 << 16
+
+
+class DumpError(Exception):
+    """Input that cannot be read or compared at all; the CLI prints it as one line and exits 2."""
+
+
+@dataclass(frozen=True)
+class Member:
+    """One ``.npy`` member of an npz, located without reading its data."""
+
+    key: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    fortran_order: bool
+    zip_name: str
+    # Byte offset of the raw array data inside the npz when the member is stored uncompressed;
+    # None for compressed members, which must be decompressed through zipfile.
+    data_offset: int | None
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.dtype.itemsize * math.prod(self.shape))
+
+    @property
+    def size(self) -> int:
+        return int(math.prod(self.shape))
+
+    @property
+    def is_integer(self) -> bool:
+        return bool(np.issubdtype(self.dtype, np.integer) or self.dtype == np.bool_)
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """A key's ``shard`` entry in the manifest (``compiledump.declare_shard``)."""
+
+    dim: int | None
+    how: str  # concat | sum
+    group: str
+
+    def describe(self) -> str:
+        return f"concat {self.group} dim {self.dim}" if self.how == "concat" else f"sum {self.group}"
+
+
+@dataclass(frozen=True)
+class KeyProblem:
+    """A key of a dump that is present but cannot be compared, and why."""
+
+    kind: str
+    key: str
+    detail: str
+
+
+@dataclass
+class Replica:
+    """One whole copy of a key: the (rank, file) pairs holding its parts, in shard order. A key
+    of a single file, or an unsharded key of a merged side, has one part."""
+
+    key: str
+    shard: ShardInfo | None
+    parts: list[tuple[str, DumpFile]]
+
+    @property
+    def ranks(self) -> list[str]:
+        return [rank for rank, _ in self.parts]
+
+    def arrays(self) -> list[np.ndarray]:
+        return [dump.array(self.key) for _, dump in self.parts]
+
+    def whole(self) -> np.ndarray:
+        """The key's whole array (:meth:`combine` of :meth:`arrays`)."""
+        return self.combine(self.arrays())
+
+    def combine(self, arrays: list[np.ndarray]) -> np.ndarray:
+        """The whole array: the shards concatenated along the shard dim, or added in float64
+        (int64 for integers)."""
+        if self.shard is None:
+            return arrays[0]
+        if self.shard.how == "concat":
+            return np.concatenate(arrays, axis=self.shard.dim)
+        total = np.zeros(arrays[0].shape, np.int64 if np.issubdtype(arrays[0].dtype, np.integer) else np.float64)
+        for array in arrays:
+            total += array
+        return total
+
+
+class Dump:
+    """What the comparator needs of one side of a pair: a single file (:class:`DumpFile`) or
+    several ranks' files merged into one (``compiledump.compare.shards.MergedDump``)."""
+
+    path: Path | str
+    label: str
+    members: dict[str, Member]
+    infos: dict[str, KeyInfo]
+    manifest: dict | None
+    notes: list[str]
+    bad_members: dict[str, str]  # key -> why its member is unreadable
+    problems: list[KeyProblem]  # keys held but not comparable (e.g. shards that do not merge)
+    excluded: set[str]  # the keys of those problems: not compared, and not "missing" either
+    merged_ranks: list[str] | None  # the ranks merged into this side; None for a single file
+
+    def replicas(self, key: str) -> list[Replica]:
+        """The whole copies of ``key`` this side holds (one for a single file)."""
+        raise NotImplementedError
+
+
+def _read_npy_header(handle) -> tuple[tuple[int, ...], bool, np.dtype]:
+    version = np.lib.format.read_magic(handle)
+    if version == (1, 0):
+        return np.lib.format.read_array_header_1_0(handle)
+    if version == (2, 0):
+        return np.lib.format.read_array_header_2_0(handle)
+    # Version 3.0 only differs by a UTF-8 header; numpy exposes no public reader for it.
+    return np.lib.format._read_array_header(handle, version)  # noqa: SLF001
+
+
+def _local_data_start(handle, info: zipfile.ZipInfo) -> int:
+    """Offset of a member's data: after its local header, whose extra field can differ in size
+    from the central directory's (zip64), so it has to be read from the local header itself."""
+    handle.seek(info.header_offset)
+    header = handle.read(30)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise ValueError(f"member {info.filename!r} has a corrupt local header")
+    name_length, extra_length = struct.unpack("<HH", header[26:30])
+    return info.header_offset + 30 + name_length + extra_length
+
+
+def _locate(handle, archive: zipfile.ZipFile, info: zipfile.ZipInfo, file_size: int) -> Member:
+    key = info.filename[: -len(".npy")]
+    if info.compress_type == zipfile.ZIP_STORED and not info.flag_bits & 0x1:
+        handle.seek(_local_data_start(handle, info))
+        shape, fortran, dtype = _read_npy_header(handle)
+        offset = handle.tell()
+    else:
+        with archive.open(info) as member_handle:
+            shape, fortran, dtype = _read_npy_header(member_handle)
+        offset = None
+    if dtype.hasobject:
+        raise ValueError(f"dtype {dtype} holds Python objects; only numeric arrays are compared")
+    member = Member(key, dtype, tuple(int(n) for n in shape), bool(fortran), info.filename, offset)
+    if offset is not None and offset + member.nbytes > file_size:
+        raise ValueError(f"data runs past the end of the file ({offset + member.nbytes} > {file_size} bytes)")
+    return member
+
+
+class DumpFile(Dump):
+    """One dump file: its members (located lazily), manifest and key meanings.
+
+    Construction reads only the zip directory, each member's ``.npy`` header and the manifest.
+    Array data is read by :meth:`array`, one key at a time.
+    """
+
+    def __init__(self, path: str | Path, label: str = "dump") -> None:
+        self.path = Path(path)
+        self.label = label
+        match = spec.DUMP_NAME.match(self.path.name)
+        self.rank = match.group("rank") if match else "?"
+        self.members = {}
+        self.notes = []
+        self.bad_members = {}
+        self.problems = []
+        self.excluded = set()
+        self.merged_ranks = None
+        self._read_members()
+        self.manifest = self._read_manifest()
+        self.infos = self._key_infos()
+
+    def _read_members(self) -> None:
+        if not self.path.exists():
+            raise DumpError(f"{self.label} {self.path}: no such file or directory")
+        try:
+            size = self.path.stat().st_size
+            with open(self.path, "rb") as handle:
+                try:
+                    archive = zipfile.ZipFile(handle)
+                except (zipfile.BadZipFile, EOFError, ValueError) as exc:
+                    raise DumpError(
+                        f"{self.label} {self.path}: not a readable .npz archive "
+                        f"(truncated or not a zip file: {exc})"
+                    ) from None
+                with archive:
+                    infos = archive.infolist()
+                    npy_members = [info for info in infos if info.filename.endswith(".npy")]
+                    if infos and not npy_members:
+                        raise DumpError(f"{self.label} {self.path}: zip archive holds no .npy arrays, not an .npz dump")
+                    for info in npy_members:
+                        key = info.filename[: -len(".npy")]
+                        try:
+                            self.members[key] = _locate(handle, archive, info, size)
+                        except (ValueError, OSError, EOFError, zipfile.BadZipFile, struct.error) as exc:
+                            self.bad_members[key] = f"unreadable member: {exc}"
+        except PermissionError as exc:
+            raise DumpError(f"{self.label} {self.path}: {exc.strerror}") from None
+        except IsADirectoryError:
+            raise DumpError(f"{self.label} {self.path}: is a directory") from None
+
+    def _read_manifest(self) -> dict | None:
+        path = self.path.with_suffix(".json")
+        if not path.is_file():
+            return None
+        try:
+            manifest = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            self.notes.append(f"manifest {path.name} unreadable ({exc}); key kinds inferred from names")
+            return None
+        if not isinstance(manifest, dict) or manifest.get("format") != spec.FORMAT_NAME:
+            self.notes.append(f"{path.name} is not a compiledump manifest; key kinds inferred from names")
+            return None
+        version = manifest.get("format_version")
+        if isinstance(version, int) and version > spec.FORMAT_VERSION:
+            self.notes.append(f"manifest format_version {version} is newer than this reader "
+                              f"({spec.FORMAT_VERSION}); reading it anyway")
+        if not isinstance(manifest.get("keys"), dict):
+            self.notes.append(f"manifest {path.name} has no 'keys' table; key kinds inferred from names")
+            manifest["keys"] = {}
+        return manifest
+
+    def _key_infos(self) -> dict[str, KeyInfo]:
+        inferred = infer_key_infos(list(self.members.values()))
+        if self.manifest is None:
+            return inferred
+        infos: dict[str, KeyInfo] = {}
+        table = self.manifest["keys"]
+        unlisted = []
+        for key in self.members:
+            info = info_from_manifest(key, table.get(key))
+            if info is None:
+                unlisted.append(key)
+                info = inferred[key]
+            infos[key] = info
+        if unlisted:
+            self.notes.append(f"{len(unlisted)} keys missing from the manifest, kinds inferred: {preview(unlisted)}")
+        phantom = [key for key in table if key not in self.members and key not in self.bad_members]
+        if phantom:
+            self.notes.append(f"manifest lists {len(phantom)} keys absent from the npz: {preview(phantom)}")
+        return infos
+
+    def array(self, key: str) -> np.ndarray:
+        """The array stored under ``key``: a read-only memory map for large stored members, an
+        in-memory copy for small or compressed ones."""
+        member = self.members[key]
+        order = "F" if member.fortran_order else "C"
+        if member.data_offset is None:
+            with zipfile.ZipFile(self.path) as archive, archive.open(member.zip_name) as handle:
+                return np.lib.format.read_array(handle, allow_pickle=False)
+        if member.nbytes < _SMALL_READ_BYTES:
+            with open(self.path, "rb") as handle:
+                handle.seek(member.data_offset)
+                data = handle.read(member.nbytes)
+            if len(data) != member.nbytes:
+                raise ValueError(f"{key}: file ends inside the array data")
+            return np.frombuffer(data, dtype=member.dtype).reshape(member.shape, order=order)
+        return np.memmap(self.path, dtype=member.dtype, mode="r", offset=member.data_offset,
+                         shape=member.shape, order=order)
+
+    def replicas(self, key: str) -> list[Replica]:
+        return [Replica(key, None, [(self.rank, self)])]
+
+    def shard(self, key: str) -> ShardInfo | None:
+        """The shard declaration of ``key`` in the manifest, or None (also for a malformed one)."""
+        entry = ((self.manifest or {}).get("keys") or {}).get(key)
+        shard = entry.get("shard") if isinstance(entry, dict) else None
+        if not isinstance(shard, dict) or shard.get("how") not in ("concat", "sum") \
+                or not isinstance(shard.get("group"), str):
+            return None
+        dim = shard.get("dim")
+        if shard["how"] == "concat" and (not isinstance(dim, int) or isinstance(dim, bool) or dim < 0):
+            return None
+        return ShardInfo(dim if shard["how"] == "concat" else None, shard["how"], shard["group"])
+
+    def parallel_coords(self, file_rank: str) -> dict[str, int]:
+        """The manifest's ``parallel`` groups plus ``world_rank``/``world_size`` (from its rank and
+        world_size, else the file name's rank ``file_rank``)."""
+        manifest = self.manifest or {}
+        parallel = manifest.get("parallel")
+        coords = {name: value for name, value in (parallel.items() if isinstance(parallel, dict) else ())
+                  if isinstance(name, str) and isinstance(value, int) and not isinstance(value, bool)}
+        rank = str(manifest.get("rank", file_rank))
+        if rank.isdigit():
+            coords["world_rank"] = int(rank)
+        elif file_rank.isdigit():
+            coords["world_rank"] = int(file_rank)
+        if isinstance(manifest.get("world_size"), int):
+            coords["world_size"] = manifest["world_size"]
+        return coords
+
+
+def preview(items: list[str], limit: int = 8) -> str:
+    """The first ``limit`` items, comma-separated, and how many more there are."""
+    shown = ", ".join(items[:limit])
+    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
+
+
+def rank_sort_key(rank: str) -> tuple:
+    """Orders rank labels: numbers numerically, then other labels (``x``, ``?``) by name."""
+    return (0, int(rank), "") if rank.isdigit() else (1, 0, rank)
+
+
+@dataclass(frozen=True)
+class DuplicateRank:
+    """A file left out because a newer file of the same rank was found beside it."""
+
+    rank: str
+    path: Path
+    used: Path
+
+
+def collect_dumps(path: str | Path, label: str) -> tuple[dict[str, Path], list[DuplicateRank]]:
+    """Dump files of one side by rank label, and the files left out as duplicates of a rank.
+
+    ``path`` is an npz file or a directory of ``compiledump_rank<R>_pid<P>.npz`` /
+    ``deepinfer_layers_rank<R>_pid<P>.npz`` files. A file whose name carries no rank gets the label
+    ``?``. When a directory holds several files of one rank (data-parallel engines all report
+    RANK=0 and differ by pid), the newest is used.
+    """
+    path = Path(path)
+    if path.is_dir():
+        files = sorted({found for pattern in spec.DUMP_GLOBS for found in path.glob(pattern) if found.is_file()})
+        if not files:
+            raise DumpError(f"{label} {path}: directory holds no dumps ({' or '.join(spec.DUMP_GLOBS)})")
+        by_rank: dict[str, list[Path]] = {}
+        for found in files:
+            by_rank.setdefault(spec.DUMP_NAME.match(found.name).group("rank"), []).append(found)
+        chosen: dict[str, Path] = {}
+        duplicates: list[DuplicateRank] = []
+        for rank, candidates in by_rank.items():
+            candidates.sort(key=lambda candidate: (candidate.stat().st_mtime, candidate.name))
+            chosen[rank] = candidates[-1]
+            duplicates.extend(DuplicateRank(rank, ignored, candidates[-1]) for ignored in candidates[:-1])
+        return chosen, duplicates
+    if not path.exists():
+        raise DumpError(f"{label} {path}: no such file or directory")
+    match = spec.DUMP_NAME.match(path.name)
+    return {match.group("rank") if match else "?": path}, []

@@ -1,0 +1,71 @@
+"""The dump format's names and rules, spelled once.
+
+Every other place that needs them (the Python writer and reader, the capture runtime, the C++
+flush in kernels/dump.cpp) takes them from here or is checked against here by a test
+(tests/format/test_spec.py). docs/format.md is the description for people.
+"""
+
+from __future__ import annotations
+
+import re
+
+FORMAT_NAME = "compiledump-dump"  # the manifest's "format"
+FORMAT_VERSION = 1  # the manifest's "format_version"; a reader reads newer versions with a note
+REPORT_FORMAT = "compiledump-compare"  # the JSON report of `compiledump compare`
+REPORT_FORMAT_VERSION = 1  # its "format_version"
+
+# The capture kinds as the manifest names them ("kind" of a key or tag).
+KINDS = ("record", "record_once", "step", "ids")
+
+# Why a capture was not kept, as the manifest's "drops" names them.
+DROP_REASONS = (
+    "suspended",  # inside profiling()
+    "token_gate",  # shape[0] != COMPILEDUMP_TOKENS
+    "rows_gate",  # set_rows() value above COMPILEDUMP_MAX_ROWS
+    "row_out_of_range",  # the gather row does not exist in that batch
+    "shape_changed",  # payload shape differs from the tag's first capture
+    "arena_full",  # no arena space left when the tag was first seen
+    "tag_table_full",  # more tags than COMPILEDUMP_MAX_TAGS
+    "step_capacity",  # more steps than COMPILEDUMP_MAX_STEPS
+)
+# Reported in the manifest but not warned about: the user asked for these filters.
+DELIBERATE_REASONS = frozenset({"suspended", "token_gate", "rows_gate"})
+
+# File names: `<stem>.npz` + `<stem>.json`, stem `compiledump_rank<R>_pid<P>`. debug_dump.py
+# wrote `deepinfer_layers_rank<R>_pid<P>.npz` without a manifest; readers accept both.
+STEM_PREFIX = "compiledump"
+LEGACY_STEM_PREFIX = "deepinfer_layers"
+DUMP_GLOBS = (f"{STEM_PREFIX}_rank*_pid*.npz", f"{LEGACY_STEM_PREFIX}_rank*_pid*.npz")
+DUMP_NAME = re.compile(rf"^(?:{STEM_PREFIX}|{LEGACY_STEM_PREFIX})_rank(?P<rank>.+?)_pid(?P<pid>\d+)\.npz$")
+
+
+def dump_stem(rank: str, pid: int) -> str:
+    """The file stem of one process's dump."""
+    return f"{STEM_PREFIX}_rank{rank}_pid{pid}"
+
+
+# `record_step(tag)` writes keys `<tag>_<n>`, n = 0, 1, 2, ... without leading zeros.
+_STEP_KEY = re.compile(r"^(?P<prefix>.+)_(?P<step>0|[1-9][0-9]*)$")
+
+
+def step_key(tag: str, step: int) -> str:
+    """The key of decode step `step` of a `record_step` tag."""
+    return f"{tag}_{step}"
+
+
+def split_step_key(key: str) -> tuple[str, int] | None:
+    """(tag, step) if `key` has the shape of a step key `<tag>_<n>`, else None."""
+    match = _STEP_KEY.match(key)
+    return (match.group("prefix"), int(match.group("step"))) if match else None
+
+
+# Tags `layer<N>` and `layer<N>_<x>` belong to layer N: the comparator orders by it and the MoE
+# layer filter (COMPILEDUMP_MOE_LAYERS) reads it.
+_LAYER_TAG = re.compile(r"^layer(\d+)(?:_|$)")
+LAYER_ONLY = re.compile(r"^layer\d+$")
+
+
+def layer_of(tag: str) -> int | None:
+    """Layer number of a tag `layer<N>` or `layer<N>_<x>`, else None."""
+    match = _LAYER_TAG.match(tag)
+    return int(match.group(1)) if match else None

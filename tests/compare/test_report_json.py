@@ -1,0 +1,258 @@
+"""The ``--json`` report's fields, pinned: docs/compare.md ("Output") documents them and scripts
+read them, so the typed report must serialise to exactly these field sets.
+
+The expected sets below were taken from the reports of the comparator as it was before it
+returned typed records (one module, compiledump/compare.py, building dicts); this test passed
+against it unchanged. Every kind of record they cover is produced here and checked, and the test
+fails if a kind is no longer produced, so the pin cannot pass vacuously.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import dumpfactory as factory
+from compiledump.compare import CompareOptions, compare, write_json_report
+
+TOP = {"format", "format_version", "ref", "run", "threshold", "threshold_for", "near_tie", "first_divergence",
+       "prefill_divergence", "decode_divergence", "first_id_mismatch", "root_cause", "first_argmax_flip", "keys",
+       "problems", "notes", "pairs", "elapsed_s", "exit_status"}
+
+BASE = {"key", "rank", "kind", "tag", "layer", "step", "phase", "shape_ref", "shape_run", "dtype_ref", "dtype_run",
+        "status", "divergent", "position"}
+FLOAT = {"metric_kind", "threshold", "rel_diff", "cosine", "max_abs", "mean_abs", "rel_l2", "nan_ref", "nan_run",
+         "inf_ref", "inf_run", "nonfinite_mismatch", "compared_elements", "logits", "margin_analysis"}
+MARGINS = {"argmax_ref", "argmax_run", "margin_ref", "margin_run", "top1_ref", "top1_run", "argmax_equal",
+           "near_tie_epsilon"}
+CROSSED = {"metric", "value"}
+IDS = {"metric_kind", "ids_equal", "mismatched_elements", "total_elements"}
+IDS_DIFFER = {"first_mismatch_row", "first_mismatch_index", "mismatched_rows", "rows", "overlap", "k", "same_set",
+              "ref_ids", "run_ids"}
+MERGE = {"merge", "merged_ranks", "ranks", "divergent_ranks", "worst_rank"}
+
+# (metric_kind, status, margins computed, merged, worst rank named) -> the record's fields
+RECORDS = {
+    (None, "skipped", False, False, False): BASE,
+    ("float", "ok", False, False, False): BASE | FLOAT,
+    ("float", "ok", True, False, False): BASE | FLOAT | MARGINS,
+    ("float", "divergent", False, False, False): BASE | FLOAT | CROSSED,
+    ("float", "divergent", True, False, False): BASE | FLOAT | MARGINS | CROSSED,
+    ("ids", "ok", False, False, False): BASE | IDS,
+    ("ids", "mismatch", False, False, False): BASE | IDS | IDS_DIFFER,
+    ("float", "ok", False, True, False): BASE | FLOAT | MERGE,
+    ("float", "ok", True, True, False): BASE | FLOAT | MARGINS | MERGE,
+    ("float", "divergent", False, True, False): BASE | FLOAT | CROSSED | MERGE,  # partial sums: no rank named
+    ("float", "divergent", False, True, True): BASE | FLOAT | CROSSED | MERGE | {"worst_rank_value"},
+    ("float", "divergent", True, True, True): BASE | FLOAT | MARGINS | CROSSED | MERGE | {"worst_rank_value"},
+    ("ids", "ok", False, True, False): BASE | IDS | MERGE,
+    ("ids", "mismatch", False, True, True): BASE | IDS | IDS_DIFFER | MERGE | {"worst_rank_value"},
+}
+RANK_PARTS = {
+    frozenset({"rank", "divergent", "rel_diff", "max_abs", "nonfinite_mismatch"}),  # a copy of an unsharded key
+    frozenset({"rank", "divergent", "slice", "rel_diff", "max_abs", "nonfinite_mismatch"}),  # a concat shard
+    frozenset({"rank", "divergent", "mismatched_elements"}),  # ids
+    frozenset({"rank", "partial_sum"}),
+}
+KEY_PROBLEM = {"kind", "rank", "key", "detail"}
+FILE_PROBLEM = {"kind", "side", "rank", "file", "detail"}
+PROBLEMS = {
+    "missing_in_run": KEY_PROBLEM, "extra_in_run": KEY_PROBLEM, "shape_mismatch": KEY_PROBLEM,
+    "dtype_mismatch": KEY_PROBLEM, "no_common_keys": KEY_PROBLEM,
+    "unreadable": KEY_PROBLEM | {"side"},  # a member of one side (an array that fails to read later: no side)
+    "shard_incomplete": KEY_PROBLEM | {"side"}, "shard_mismatch": KEY_PROBLEM | {"side"},
+    "missing_on_rank": KEY_PROBLEM | {"side"}, "unpaired_rank": FILE_PROBLEM, "duplicate_rank": FILE_PROBLEM,
+}
+DIVERGENCE = {"key", "layer", "step", "phase", "rank", "position", "last_good", "last_good_step", "metric", "value",
+              "threshold"}
+MERGED_DIVERGENCE = {"merge", "worst_rank", "worst_rank_value", "merged_ranks", "divergent_ranks"}
+# (metric, merged, root cause) -> fields of first_divergence / prefill_divergence / ... / root_cause
+DIVERGENCES = {
+    ("rel_diff", False, False): DIVERGENCE,
+    ("nonfinite", False, False): DIVERGENCE,
+    ("argmax", False, False): DIVERGENCE,
+    ("ids", False, False): DIVERGENCE | {"row", "overlap", "k"},
+    ("ids", False, True): DIVERGENCE | {"row", "overlap", "k", "reason"},
+    ("rel_diff", True, False): DIVERGENCE | MERGED_DIVERGENCE,
+    ("ids", True, False): DIVERGENCE | {"row", "overlap", "k"} | MERGED_DIVERGENCE,
+}
+FLIP = {"step", "key", "tag", "rank", "kind", "margin_ref", "margin_run", "argmax_ref", "argmax_run", "epsilon",
+        "position"}
+PAIR = {"rank", "ref", "run", "ref_manifest", "run_manifest", "compared", "divergent_keys", "first_divergence",
+        "first_argmax_flip", "decode_margins"}
+DECODE_MARGINS = {"tags", "steps", "argmax_agree", "compared", "flips", "smallest_ref_margin"}
+
+
+def write_tp2(directory: Path, captures: list[factory.Capture], shards: dict[str, dict],
+              broken: dict[str, int] | None = None) -> list[Path]:
+    """Two tensor-parallel rank files of ``captures``: keys in ``shards`` split (concat) or as
+    partial sums, the others replicated; ``broken[key] = rank``: that rank's part is wrong."""
+    rng = np.random.default_rng(5)
+    paths = []
+    for rank in (0, 1):
+        caps = []
+        for cap in captures:
+            shard, array = shards.get(cap.key), cap.array
+            if shard is not None and shard["how"] == "concat":
+                array = np.array_split(array, 2, axis=shard["dim"])[rank].copy()
+            elif shard is not None:
+                part = np.random.default_rng(12345).standard_normal(array.shape)  # the same on both ranks
+                array = (part if rank == 0 else array - part).astype(array.dtype)
+            elif not np.issubdtype(array.dtype, np.integer):
+                array = (array * (1 + rng.standard_normal(array.shape) * 1e-7)).astype(array.dtype)
+            if (broken or {}).get(cap.key) == rank:
+                if np.issubdtype(array.dtype, np.integer):
+                    array = array.copy()
+                    array.flat[0] = 99
+                else:
+                    array = (array * 1.5).astype(array.dtype)
+            caps.append(factory.replace(cap, array=array))
+        manifest = factory.manifest_for(caps, rank, pid=100 + rank)
+        manifest["parallel"] = {"tp_rank": rank, "tp_size": 2}
+        manifest["world_size"] = 2
+        for key, shard in shards.items():
+            manifest["keys"][key]["shard"] = shard
+        paths.append(factory.write_compiledump(directory, caps, rank, 100 + rank, manifest=manifest))
+    return paths
+
+
+def corrupt_member(path: Path, key: str) -> None:
+    """Overwrite the .npy magic of one member in place (the zip directory stays intact)."""
+    with zipfile.ZipFile(path) as archive:
+        info = archive.getinfo(f"{key}.npy")
+    data = bytearray(path.read_bytes())
+    extra = int.from_bytes(data[info.header_offset + 28:info.header_offset + 30], "little")
+    start = info.header_offset + 30 + len(info.filename) + extra
+    data[start:start + 6] = b"BROKEN"
+    path.write_bytes(bytes(data))
+
+
+def reports(tmp_path: Path) -> list[dict]:
+    """JSON reports covering every kind of record, problem and finding."""
+    out = []
+
+    def run(ref, run_side, **options):
+        path = tmp_path / f"report{len(out)}.json"
+        write_json_report(compare(ref, run_side, CompareOptions(**options)), path)
+        out.append(json.loads(path.read_text()))
+
+    rng = np.random.default_rng(200)
+    ref = factory.model_captures(rng, layers=5, dim=31, steps=4, vocab=101)
+    ref_path = factory.write_compiledump(tmp_path / "ref", ref)
+    # One pair: float and id divergences, a root cause, prefill and decode logits, key problems.
+    changed = factory.perturb(ref, rng, from_layer=3, from_step=2, ids_layer=1)
+    changed = [c for c in changed if c.key != "layer0"]
+    changed.append(factory.Capture("probe", np.ones(3, np.float32) + 0.25, "record", "probe"))
+    changed = [factory.replace(c, array=np.concatenate([c.array, c.array[:1]])) if c.key == "layer2" else c
+               for c in changed]
+    changed = [factory.replace(c, array=c.array.astype(np.float32)) if c.key == "layer4_topk" else c
+               for c in changed]
+    changed_path = factory.write_compiledump(tmp_path / "a", changed)
+    corrupt_member(changed_path, "layer3")
+    run(ref_path, changed_path)
+    # A NaN on one side only, and (with a huge threshold) an argmax flip as the first divergence.
+    noisy = factory.perturb(ref, rng)
+    noisy[[c.key for c in noisy].index("layer2_moe_out")].array[3] = np.nan
+    run(ref_path, factory.write_compiledump(tmp_path / "b", noisy))
+    flipped = factory.perturb(ref, rng)
+    flipped[[c.key for c in flipped].index("logits_1")].array[0] = 1e3
+    run(ref_path, factory.write_compiledump(tmp_path / "c", flipped), threshold=10.0, near_tie=0.5)
+    # An id mismatch alone, and ranks: unpaired, duplicate, no common keys.
+    for rank in (0, 1, 2):
+        factory.write_compiledump(tmp_path / "d/ref", ref, rank=rank, pid=10 + rank)
+    factory.write_compiledump(tmp_path / "d/run", factory.perturb(ref, rng, ids_layer=2), rank=0, pid=20)
+    old = factory.write_compiledump(tmp_path / "d/run", ref, rank=0, pid=19)
+    os.utime(old, (1_000_000, 1_000_000))
+    np.savez(tmp_path / "d/run/compiledump_rank1_pid21.npz", other=rng.standard_normal(3))
+    run(tmp_path / "d/ref", tmp_path / "d/run")
+    # Sharded: concat, partial sums, replicated floats and ids, each with a broken rank.
+    shards = {"layer1_moe_out": {"dim": 0, "how": "concat", "group": "tp"},
+              "layer2_moe_out": {"dim": None, "how": "sum", "group": "tp"},
+              "logits_0": {"dim": 0, "how": "concat", "group": "tp"}}
+    write_tp2(tmp_path / "e", ref, shards)
+    run(ref_path, tmp_path / "e")
+    for name, broken in (("f", {"layer1_moe_out": 1}), ("g", {"layer2_moe_out": 0}), ("h", {"layer1_topk": 1}),
+                         ("i", {"logits_2": 0}), ("j", {"layer3": 1})):
+        write_tp2(tmp_path / name, ref, shards, broken)
+        run(ref_path, tmp_path / name)
+    # Shards that cannot be merged, and a key held by one rank only.
+    _, rank1 = write_tp2(tmp_path / "k", ref, shards)
+    manifest = json.loads(rank1.with_suffix(".json").read_text())
+    manifest["keys"]["layer1_moe_out"]["shard"] = {"dim": None, "how": "sum", "group": "tp"}
+    manifest["parallel"] = {"tp_size": 2}  # no tp_rank: the other shards cannot be ordered
+    rank1.with_suffix(".json").write_text(json.dumps(manifest))
+    with np.load(rank1) as data:
+        arrays = {key: data[key] for key in data.files if key != "layer3"}
+    np.savez(rank1, **arrays)
+    run(ref_path, tmp_path / "k")
+    return out
+
+
+def fields(item: dict) -> frozenset:
+    return frozenset(item)
+
+
+def test_json_report_fields_are_pinned(tmp_path):
+    seen_records, seen_problems, seen_divergences, seen_parts = set(), set(), set(), set()
+    all_reports = reports(tmp_path)
+    for report in all_reports:
+        assert set(report) == TOP
+        assert report["format"] == "compiledump-compare" and report["format_version"] == 1
+        assert set(report["near_tie"]) in ({"epsilon"}, {"ulps_of_ref_top1"})
+        for record in report["keys"]:
+            kind = (record.get("metric_kind"), record["status"], "argmax_ref" in record, "merge" in record,
+                    record.get("worst_rank") is not None)
+            assert kind in RECORDS, (kind, sorted(record))
+            assert set(record) == RECORDS[kind], (kind, sorted(set(record) ^ RECORDS[kind]))
+            seen_records.add(kind)
+            for part in record.get("ranks", ()):
+                assert fields(part) in RANK_PARTS, sorted(part)
+                seen_parts.add(fields(part))
+        for problem in report["problems"]:
+            assert set(problem) == PROBLEMS[problem["kind"]], problem
+            seen_problems.add(problem["kind"])
+        for name in ("first_divergence", "prefill_divergence", "decode_divergence", "first_id_mismatch", "root_cause"):
+            item = report[name]
+            if item is not None:
+                kind = (item["metric"], "merge" in item, name == "root_cause")
+                assert set(item) == DIVERGENCES[kind], (name, kind, sorted(item))
+                seen_divergences.add(kind)
+        if report["first_argmax_flip"] is not None:
+            assert set(report["first_argmax_flip"]) == FLIP
+        for pair in report["pairs"]:
+            assert set(pair) == PAIR
+            if pair["decode_margins"] is not None:
+                assert set(pair["decode_margins"]) == DECODE_MARGINS
+                assert set(pair["decode_margins"]["smallest_ref_margin"]) == {"step", "key", "value"}
+        assert report["exit_status"] == (1 if report["first_divergence"] is not None else 0)
+    # Every kind was produced: the pin checks something.
+    assert seen_records == set(RECORDS), set(RECORDS) - seen_records
+    assert seen_parts == RANK_PARTS
+    assert seen_problems == set(PROBLEMS), set(PROBLEMS) - seen_problems
+    assert seen_divergences == set(DIVERGENCES), set(DIVERGENCES) - seen_divergences
+    assert any(report["first_argmax_flip"] for report in all_reports)
+
+
+def test_json_report_is_strict_json(tmp_path, capsys):
+    from compiledump.cli import main
+
+    rng = np.random.default_rng(62)
+    ref = factory.model_captures(rng)
+    ref[[c.key for c in ref].index("embed")].array[:] = np.nan  # no finite element: metrics are undefined
+    ref[[c.key for c in ref].index("logits")].array[:] = -np.inf  # margin -inf - -inf is NaN
+    run = [factory.replace(c, array=c.array.copy()) for c in ref]
+    factory.write_compiledump(tmp_path / "ref", ref)
+    factory.write_compiledump(tmp_path / "run", run)
+    assert main(["compare", str(tmp_path / "ref"), str(tmp_path / "run"), "--json", str(tmp_path / "r.json")]) == 0
+    capsys.readouterr()
+    text = (tmp_path / "r.json").read_text()
+    report = json.loads(text, parse_constant=lambda name: pytest.fail(f"non-standard JSON constant {name}"))
+    by_key = {record["key"]: record for record in report["keys"]}
+    assert by_key["embed"]["max_abs"] is None and by_key["embed"]["nan_ref"] == by_key["embed"]["compared_elements"] + 48
+    assert by_key["logits"]["margin_ref"] is None
+    assert report["threshold_for"] == [] and report["near_tie"] == {"ulps_of_ref_top1": 4.0}

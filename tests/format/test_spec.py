@@ -1,0 +1,61 @@
+"""The format's names and rules (compiledump/format/spec.py) and their C++ copies."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from compiledump.format import spec
+from compiledump.ops import layout as L
+
+KERNELS = Path(__file__).resolve().parents[2] / "kernels"
+
+
+def test_cpp_format_constants_match_python():
+    text = (KERNELS / "format.h").read_text()
+    assert re.search(r'kFormatName = "([^"]+)"', text).group(1) == spec.FORMAT_NAME
+    assert int(re.search(r"kFormatVersion = (\d+)", text).group(1)) == spec.FORMAT_VERSION
+    assert re.search(r'kStemPrefix = "([^"]+)"', text).group(1) == spec.STEM_PREFIX
+
+
+def test_cpp_drop_reasons_and_kinds_match_python():
+    dump = (KERNELS / "dump.cpp").read_text()
+    pairs = re.findall(r'\{(CNT_\w+), "(\w+)"\}', dump)
+    assert {getattr(L, counter): name for counter, name in pairs} == L.DROP_REASONS
+    kinds = dict(re.findall(r'case (KIND_\w+): return "(\w+)";', dump))
+    assert {getattr(L, kind): name for kind, name in kinds.items()} == L.KIND_NAMES
+    assert '"step_capacity"' in dump
+
+
+def test_device_names_are_the_format_names():
+    # Counters map onto the manifest's drop reasons, kinds onto its kinds: nothing else.
+    assert set(L.DROP_REASONS.values()) | {"step_capacity"} == set(spec.DROP_REASONS)
+    assert tuple(L.KIND_NAMES[k] for k in sorted(L.KIND_NAMES)) == spec.KINDS
+    assert spec.DELIBERATE_REASONS < set(spec.DROP_REASONS)
+
+
+@pytest.mark.parametrize("key, parts", [
+    ("logits_0", ("logits", 0)), ("logits_17", ("logits", 17)), ("layer3_moe_out_2", ("layer3_moe_out", 2)),
+    ("a_b_10", ("a_b", 10)), ("x_03", None), ("x_", None), ("_3", None), ("x3", None), ("x_-1", None), ("x_1a", None),
+])
+def test_step_keys(key, parts):
+    assert spec.split_step_key(key) == parts
+    if parts is not None:
+        assert spec.step_key(*parts) == key
+
+
+@pytest.mark.parametrize("tag, layer", [
+    ("layer0", 0), ("layer12_moe_out", 12), ("layer03_x", 3), ("layer", None), ("layer_3", None),
+    ("layer3a_x", None), ("xlayer3", None), ("logits", None), ("layer7_", 7),
+])
+def test_layer_of(tag, layer):
+    assert spec.layer_of(tag) == layer
+
+
+def test_dump_names():
+    for rank in ("0", "13", "x"):
+        match = spec.DUMP_NAME.match(spec.dump_stem(rank, 4242) + ".npz")
+        assert match and match.group("rank") == rank and match.group("pid") == "4242"
+    assert spec.DUMP_NAME.match("deepinfer_layers_rank1_pid7.npz").group("rank") == "1"
+    assert spec.DUMP_NAME.match("compiledump_rank1_pid7.json") is None
+    assert spec.DUMP_NAME.match("other_rank1_pid7.npz") is None
