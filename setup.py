@@ -3,7 +3,7 @@
   COMPILEDUMP_BUILD_NATIVE=1 pip install --no-build-isolation .
 
 which runs the top-level CMakeLists.txt and ships libcompiledump_native.so inside the
-`compiledump` package, where compiledump/native.py loads it. Without the variable nothing here
+`compiledump` package, where compiledump/ops/native.py loads it. Without the variable nothing here
 runs: the wheel stays pure Python and no compiler or cmake is needed.
 
 --no-build-isolation is required with the opt-in because the library is compiled against the
@@ -20,7 +20,7 @@ from setuptools import Distribution, setup
 from setuptools.command.build_ext import build_ext
 
 BUILD_NATIVE = os.environ.get("COMPILEDUMP_BUILD_NATIVE", "") == "1"
-LIBRARY = "libcompiledump_native.so"  # compiledump.native.LIBRARY_NAME (not imported: it imports torch)
+LIBRARY = "libcompiledump_native.so"  # compiledump.ops.native.LIBRARY_NAME (not imported: it imports torch)
 TARGET = "compiledump_native"  # the CMake target; the project has others we must not build
 ROOT = Path(__file__).resolve().parent
 

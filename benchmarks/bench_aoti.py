@@ -34,8 +34,9 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
 
     import compiledump
-    from compiledump import aot, native, ops
-    from compiledump.model import NO_DUMP, ModelConfig, TinyMoE
+    from compiledump import aot
+    from compiledump.ops import native, schemas
+    from compiledump.demo.model import NO_DUMP, ModelConfig, TinyMoE
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-aoti-"))
     cfg = ModelConfig(layers=args.layers, dim=args.dim, ffn=2 * args.dim, captures_per_layer=5)
@@ -59,7 +60,7 @@ def main(argv=None) -> None:
     per_round = interleaved(cases, rounds=args.rounds, calls=args.calls)
     print(f"machine: {machine()}; threads {args.threads}")
     print(f"model: {cfg.layers} layers, dim {cfg.dim}, hc {cfg.hc_mult}, batch {batch}; "
-          f"capture_export_v1 served by: {native.kernel_owner(ops.EXPORT)}")
+          f"capture_export_v1 served by: {native.kernel_owner(schemas.EXPORT)}")
     for name, times in per_round.items():
         print(f"{name:<36}{median(times) * 1e6:>10.1f} us")
     names = list(cases)

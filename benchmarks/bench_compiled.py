@@ -33,7 +33,7 @@ def _child(mode: str, rounds: int, steps: int) -> dict:
     from torch._inductor.utils import run_and_get_code
 
     import compiledump
-    from compiledump.model import NO_DUMP, ModelConfig, TinyMoE
+    from compiledump.demo.model import NO_DUMP, ModelConfig, TinyMoE
 
     cfg = ModelConfig(**BENCH)
     if mode == "enabled":

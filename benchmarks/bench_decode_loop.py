@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-from harness import machine
+from harness import load_debug_dump, machine
 
 BENCH = dict(layers=8, dim=1024, hc_mult=4, experts=8, top_k=2, vocab=32000, ffn=256, captures_per_layer=4)
 BATCH = 8
@@ -30,7 +30,7 @@ def _child(side: str, steps: int) -> dict:
     import torch
     from torch._dynamo.utils import counters
 
-    from compiledump.model import ModelConfig, TinyMoE
+    from compiledump.demo.model import ModelConfig, TinyMoE
 
     cfg = ModelConfig(**BENCH)
     tmp = tempfile.mkdtemp(prefix="bench-loop-")
@@ -40,9 +40,8 @@ def _child(side: str, steps: int) -> dict:
         dump.configure(dir=tmp, moe_layers=cfg.layers)
         fullgraph = True
     else:
-        from seed_reference import load_seed
 
-        dump = load_seed(tmp, moe_layers=cfg.layers)
+        dump = load_debug_dump(tmp, moe_layers=cfg.layers)
         fullgraph = False
     model = torch.compile(TinyMoE(cfg, dump=dump), fullgraph=fullgraph)
     g = torch.Generator().manual_seed(0)

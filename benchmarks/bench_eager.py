@@ -16,7 +16,7 @@ import tempfile
 
 import torch
 
-from harness import interleaved, machine, median
+from harness import interleaved, load_debug_dump, machine, median
 
 
 def main(argv=None) -> None:
@@ -29,11 +29,10 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
 
     import compiledump
-    from seed_reference import load_seed
 
     tmp = tempfile.mkdtemp(prefix="bench-eager-")
     compiledump.configure(dir=f"{tmp}/cd", max_steps=1 << 30 // 32000, moe_layers=8)
-    seed = load_seed(f"{tmp}/seed", moe_layers=8)
+    seed = load_debug_dump(f"{tmp}/seed", moe_layers=8)
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(8, 4, 1024, generator=g)
     hidden_bf16 = hidden.to(torch.bfloat16)

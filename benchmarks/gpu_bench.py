@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import interleaved, machine  # noqa: E402
+from harness import interleaved, load_debug_dump, machine  # noqa: E402
 
 
 def _events_ms(fn, repeats: int) -> float:
@@ -96,7 +96,7 @@ def graph_capture_cost(device, quick, tmp):
 
 def decode_overhead(device, quick, tmp):
     import compiledump
-    from compiledump.model import NO_DUMP, ModelConfig, TinyMoE
+    from compiledump.demo.model import NO_DUMP, ModelConfig, TinyMoE
 
     _fresh(tmp / "d", moe_layers=1000)
     if quick:
@@ -141,14 +141,14 @@ def kernel_bandwidth(device, quick, tmp):
 
 def flush_throughput(device, quick, tmp):
     import compiledump
-    from compiledump import arena
+    from compiledump.capture.state import STATE
 
     _fresh(tmp / "f", max_steps=64 if not quick else 8)
     steps, width = (8, 32000) if quick else (64, 129280)
     logits = torch.randn(8, width, device=device)
     for _ in range(steps):
         compiledump.record_step("logits", logits)
-    rt = arena.ACTIVE
+    rt = STATE.runtime
     nbytes = rt.used_words * 4
     rt.snapshot()  # allocates the pinned buffers once
     snap = []
@@ -176,11 +176,9 @@ def flush_throughput(device, quick, tmp):
 def eager_vs_seed(device, quick, tmp):
     import compiledump
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from seed_reference import load_seed
 
     _fresh(tmp / "e", max_steps=1 << 20)
-    seed = load_seed(tmp / "seed", moe_layers=8)
+    seed = load_debug_dump(tmp / "seed", moe_layers=8)
     x = torch.randn(8, 4, 1024 if quick else 7168, device=device, dtype=torch.bfloat16)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 

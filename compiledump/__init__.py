@@ -1,62 +1,39 @@
 """compiledump: layer dumps that survive torch.compile and CUDA graphs.
 
 Capture calls (`record`, `record_step`, `record_ids`) are no-ops unless `COMPILEDUMP_DIR` is set
-(or `configure(dir=...)` is called). See the README for the settings and the file format.
+(or `configure(dir=...)` is called). docs/api.md describes the API and the settings;
+docs/architecture.md the layout of this package.
 
 The capture API is imported on first use, so `compiledump compare` and `compiledump inspect`
 (numpy only) start without importing torch.
 """
 
-__version__ = "0.1.0"
+from .version import __version__
 
-_RUNTIME_API = (
-    "configure",
-    "dump_stem",
-    "enabled",
-    "flush",
-    "get_config",
-    "init",
-    "profiling",
-    "record",
-    "record_ids",
-    "record_step",
-    "reset",
-    "set_gather_rows",
-    "set_rows",
-)
-# Multi-rank metadata (compiledump/parallel.py), imported lazily in the same way.
-_PARALLEL_API = (
-    "declare_shard",
-    "get_parallel",
-    "set_parallel",
-)
-__all__ = ["Config", "native_available", *_RUNTIME_API, *_PARALLEL_API]
+# Public name -> the module that defines it (imported when the name is first used).
+_LAZY = {
+    **{name: "capture.api" for name in (
+        "configure", "dump_stem", "enabled", "flush", "get_config", "init", "profiling", "record",
+        "record_ids", "record_step", "reset", "set_gather_rows", "set_rows")},
+    **{name: "capture.parallel" for name in ("declare_shard", "get_parallel", "set_parallel")},
+    "native_available": "ops.native",
+    "Config": "config",
+}
+__all__ = ["__version__", *_LAZY]
 
 
 def __getattr__(name):
     # Resolved once, then stored as a plain module attribute (also when first reached while
     # dynamo traces a model: it resolves module attributes by running this).
-    if name in _RUNTIME_API:
-        from . import runtime
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'compiledump' has no attribute {name!r}")
+    import importlib
 
-        globals().update({api: getattr(runtime, api) for api in _RUNTIME_API})
-        return globals()[name]
-    if name in _PARALLEL_API:
-        from . import parallel
-
-        globals().update({api: getattr(parallel, api) for api in _PARALLEL_API})
-        return globals()[name]
-    if name == "native_available":
-        from .native import native_available
-
-        globals()["native_available"] = native_available
-        return native_available
-    if name == "Config":
-        from .config import Config
-
-        globals()["Config"] = Config
-        return Config
-    raise AttributeError(f"module 'compiledump' has no attribute {name!r}")
+    module = importlib.import_module(f".{module_name}", __name__)
+    value = getattr(module, name)
+    globals()[name] = value
+    return value
 
 
 def __dir__():

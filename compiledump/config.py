@@ -1,38 +1,85 @@
-"""Settings, read from the environment once and changeable with `compiledump.configure()`."""
+"""Settings: the one table of every `COMPILEDUMP_*` variable, and the capture `Config`.
+
+`ENV_VARS` lists every environment variable the project reads, wherever it is read; code reads
+them through `env()`, which refuses a name missing from the table, and docs/api.md's variable
+table is generated from it (tests/repo/test_docs.py keeps both in step). Variables with a
+`field` become `Config` fields: read once at import, changeable with `compiledump.configure()`.
+CMake options share the prefix but are not environment variables: `CMAKE_OPTIONS`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 
-# Variable name -> (field, default). The README documents each one.
-ENV_VARS = {
-    "COMPILEDUMP_DIR": ("dir", None),
-    "COMPILEDUMP_TOKENS": ("tokens", 0),
-    "COMPILEDUMP_MOE_LAYERS": ("moe_layers", 2),
-    "COMPILEDUMP_MAX_ROWS": ("max_rows", 1),
-    "COMPILEDUMP_MAX_STEPS": ("max_steps", 256),
-    "COMPILEDUMP_ARENA_MB": ("arena_mb", 256),
-    "COMPILEDUMP_MAX_TAGS": ("max_tags", 1024),
-}
+
+@dataclasses.dataclass(frozen=True)
+class EnvVar:
+    """One environment variable: its name, default (as text), meaning and where it is read."""
+
+    name: str
+    default: str
+    meaning: str
+    field: str | None = None  # the Config field it sets, if any
+    scope: str = "capture"  # capture | native | build | tests
+
+
+ENV_VARS: tuple[EnvVar, ...] = (
+    EnvVar("COMPILEDUMP_DIR", "", "dump directory; unset disables capture entirely (every capture call is a "
+           "no-op that adds nothing to a compiled graph)", "dir"),
+    EnvVar("COMPILEDUMP_TOKENS", "0", "token gate: if > 0, `record` (without `once`) and `record_ids` keep only "
+           "tensors whose `shape[0]` equals it (the prompt length); others are counted as `token_gate`", "tokens"),
+    EnvVar("COMPILEDUMP_MOE_LAYERS", "2", "keep `layer<N>_<x>` tags only for N below this", "moe_layers"),
+    EnvVar("COMPILEDUMP_MAX_ROWS", "1", "`record_step` is skipped (counted as `rows_gate`) while the last "
+           "`set_rows` value exceeds this", "max_rows"),
+    EnvVar("COMPILEDUMP_MAX_STEPS", "256", "steps kept per `record_step` tag; later ones are counted as "
+           "`step_capacity` drops", "max_steps"),
+    EnvVar("COMPILEDUMP_ARENA_MB", "256", "device arena size in MiB (all captures of a run); a tag that does "
+           "not fit is counted as `arena_full`", "arena_mb"),
+    EnvVar("COMPILEDUMP_MAX_TAGS", "1024", "distinct tags; more are counted as `tag_table_full`", "max_tags"),
+    EnvVar("COMPILEDUMP_SIGNALS", "1", "`0`: install no SIGTERM/SIGINT handlers (the dump is then written at "
+           "normal exit or by `flush()`)"),
+    EnvVar("COMPILEDUMP_NATIVE", "", "the optional native op library: unset = use it if it was built into the "
+           "package, `0` = never, `1` = required (an error if it cannot be loaded), or a path to the `.so`",
+           scope="native"),
+    EnvVar("COMPILEDUMP_CPU_KERNEL", "", "tests only: `triton` runs the Triton kernel on CPU tensors (needs "
+           "`TRITON_INTERPRET=1`) instead of the reference or native CPU kernel", scope="tests"),
+    EnvVar("COMPILEDUMP_BUILD_NATIVE", "", "install time only: `1` makes `pip install --no-build-isolation .` "
+           "build the native library with CMake and ship it in the package (setup.py)", scope="build"),
+    EnvVar("COMPILEDUMP_BUILD_DIR", "", "tests only: a CMake build directory (library + "
+           "`compiledump_aoti_driver`) for the native and C++-driver tests to use instead of building their "
+           "own; CI's native lane sets it", scope="tests"),
+    EnvVar("COMPILEDUMP_FUZZ_SCALE", "1", "tests only: multiplies the number of hypothesis examples of the fuzz "
+           "tests", scope="tests"),
+)
+_BY_NAME = {var.name: var for var in ENV_VARS}
+
+# CMake cache options (`cmake -D<NAME>=...`), documented in docs/export.md.
+CMAKE_OPTIONS = ("COMPILEDUMP_INSTALL_DIR", "COMPILEDUMP_BUILD_DRIVER")
 
 # Settings that size device allocations: fixed once the arena exists.
 CAPACITY_FIELDS = frozenset({"max_steps", "arena_mb", "max_tags"})
 
 
+def env(name: str, environ=os.environ) -> str:
+    """The value of a `COMPILEDUMP_*` variable (its default when unset or empty)."""
+    var = _BY_NAME.get(name)
+    if var is None:
+        raise KeyError(f"compiledump: {name} is not in compiledump.config.ENV_VARS")
+    return environ.get(name, "") or var.default
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """compiledump settings.
+    """compiledump settings (see `ENV_VARS` for each field's variable and meaning).
 
-    dir: dump directory; None disables capture entirely (every capture call is a no-op that
-        adds nothing to a compiled graph).
-    tokens: if > 0, `record` (without once) and `record_ids` keep only tensors whose
-        `shape[0]` equals it (filters an engine's dummy/profile forwards by prompt length).
+    dir: dump directory; None disables capture entirely.
+    tokens: if > 0, the token gate of `record` (without once) and `record_ids`.
     moe_layers: tags `layer<N>_<x>` are kept only for N < moe_layers.
     max_rows: `record_step` is skipped while the last `set_rows()` value exceeds it.
-    max_steps: steps kept per `record_step` tag; later steps are counted as dropped.
+    max_steps: steps kept per `record_step` tag.
     arena_mb: size of the device arena that holds every capture (MiB).
-    max_tags: number of distinct tags; further tags are counted as dropped.
+    max_tags: number of distinct tags.
     """
 
     dir: str | None = None
@@ -48,7 +95,7 @@ class Config:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"compiledump: {field} must be a non-negative int, got {value!r}")
-        for field in ("max_steps", "arena_mb", "max_tags"):
+        for field in CAPACITY_FIELDS:
             if getattr(self, field) == 0:
                 raise ValueError(f"compiledump: {field} must be positive")
 
@@ -61,22 +108,33 @@ class Config:
         return self.arena_mb * (1 << 20) // 4
 
 
-def _parse_int(name: str, raw: str) -> int:
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"compiledump: {name} must be an integer, got {raw!r}") from None
-
-
 def from_env(environ=os.environ) -> Config:
     """Build a Config from the COMPILEDUMP_* environment variables (empty means default)."""
     values = {}
-    for name, (field, default) in ENV_VARS.items():
-        raw = environ.get(name, "")
-        if raw == "":
-            values[field] = default
-        elif field == "dir":
-            values[field] = raw
+    for var in ENV_VARS:
+        if var.field is None:
+            continue
+        raw = env(var.name, environ)
+        if var.field == "dir":
+            values["dir"] = raw or None
         else:
-            values[field] = _parse_int(name, raw)
+            try:
+                values[var.field] = int(raw)
+            except ValueError:
+                raise ValueError(f"compiledump: {var.name} must be an integer, got {raw!r}") from None
     return Config(**values)
+
+
+def env_table() -> str:
+    """The markdown table of `ENV_VARS` that docs/api.md holds between its env-table markers
+    (`python scripts/write_docs_tables.py` writes it; a test checks it is current)."""
+    rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
+    for var in ENV_VARS:
+        default = f"`{var.default}`" if var.default else "unset"
+        rows.append(f"| `{var.name}` | {default} | {var.meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+def settings(config: Config) -> dict:
+    """`config` as a plain dict (the manifest's "config")."""
+    return dataclasses.asdict(config)

@@ -1,6 +1,6 @@
 """Wrap a CUDA-graph decode runner the way vLLM and SGLang do, with dumps.
 
-The rules (see the README): create the arena before any capture (`compiledump.init`), warm up
+The rules (docs/compiling.md): create the arena before any capture (`compiledump.init`), warm up
 and capture under `compiledump.profiling()` (capture records the capture kernels but nothing is
 written while the device flag is off), then replay for real steps with capture enabled. Settings
 that differ per step (rows for the gate, the row to gather) are set outside the graph; the

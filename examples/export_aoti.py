@@ -25,7 +25,7 @@ import torch
 import compiledump
 from compiledump import aot
 from compiledump.compare import CompareOptions, compare, format_report
-from compiledump.model import ModelConfig, TinyMoE, export_session, make_session, run_session, session_forward
+from compiledump.demo.model import ModelConfig, TinyMoE, export_session, make_session, run_session, session_forward
 
 PROMPT_LEN = 7
 MODEL = ModelConfig(layers=3, captures_per_layer=5)
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
         report = compare(eager, dump, CompareOptions())
         print(f"== eager vs {name}")
         print("\n".join(format_report(report, table="divergent")))
-        status = max(status, report["exit_status"])
+        status = max(status, report.exit_status)
     return status
 
 

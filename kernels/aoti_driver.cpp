@@ -1,7 +1,7 @@
-// A C++-only engine run of the built-in model (compiledump/model.py), with no Python in the
+// A C++-only engine run of the built-in model (compiledump/demo/model.py), with no Python in the
 // process: it loads the prefill and decode AOTInductor packages written by
 // examples/export_aoti.py (compiledump.aot), runs the same engine session as
-// compiledump.model.run_session (prefill, a profile run with capture suspended, a wide warm-up
+// compiledump.demo.model.run_session (prefill, a profile run with capture suspended, a wide warm-up
 // decode gated by set_rows, padded decode steps), and flushes the dump through the native
 // library's C++ API. `compiledump compare` then compares it with the Python run.
 //

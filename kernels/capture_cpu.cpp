@@ -1,10 +1,10 @@
-// Native CPU kernels for compiledump's capture ops (schemas defined by compiledump/ops.py).
+// Native CPU kernels for compiledump's capture ops (schemas defined by compiledump/ops/schemas.py).
 //
 // - `capture_kernel_v1`: the kernel layer. The caller has decided the slot, the arena region
 //   and the [T, H, D] geometry with strides; this reads the header registers, bumps exactly one
 //   counter of the slot and, for a kept capture, gathers the row, averages over H in fp32
 //   (sequential in h, then one IEEE division) or copies it, and stores it into the arena: the
-//   semantics of the Triton kernel (compiledump/triton_kernel.py) and of the Python reference
+//   semantics of the Triton kernel (compiledump/ops/triton_kernel.py) and of the Python reference
 //   (ops.capture_reference).
 // - `capture_export_v1`: the capture op of exported programs. Its arguments carry the region,
 //   the payload shape and the token gate, so it needs no Python registry: the host-side gates

@@ -1,7 +1,7 @@
 // Native CUDA kernel for compiledump's capture (the `compiledump::capture_kernel_v1` op).
 //
 // The CUDA twin of kernels/capture_cpu.cpp, with exactly the semantics of the Triton kernel
-// (compiledump/triton_kernel.py) and of the Python reference (ops.capture_reference). Python
+// (compiledump/ops/triton_kernel.py) and of the Python reference (compiledump/ops/reference.py). Python
 // owns the schema and decides everything host-side (slot, arena region, [T, H, D] geometry);
 // everything that may change between CUDA-graph replays is read from `ctrl` by the kernel:
 //

@@ -1,6 +1,6 @@
 // C++ API of the native library for processes without Python: create the arena that an exported
 // program (compiledump.aot) writes into, set the registers the Python API sets, and flush the
-// dump in the same files and format as compiledump.flush() (docs/FORMAT.md).
+// dump in the same files and format as compiledump.flush() (docs/format.md).
 //
 //   auto plan = compiledump::Plan::from_metadata(loader.get_metadata());
 //   compiledump::Dump dump(plan, at::kCPU);
@@ -17,7 +17,7 @@
 
 namespace compiledump {
 
-// One tag's slot and arena region, as exported (a `slot` line of the plan; docs/EXPORT.md).
+// One tag's slot and arena region, as exported (a `slot` line of the plan; docs/export.md).
 struct PlanSlot {
   int64_t index = 0, kind = 0, order = 0, offset = -1, capacity = 1;
   std::string source_dtype;           // "" when unknown

@@ -1,5 +1,5 @@
-// Layout of the control block and the capture kinds: the C++ copy of compiledump/layout.py
-// (tests/test_aot.py checks that every constant here equals the Python one).
+// Layout of the control block and the capture kinds: the C++ copy of compiledump/ops/layout.py
+// (tests/export/test_aot.py checks that every constant here equals the Python one).
 #pragma once
 #include <cstdint>
 

@@ -1,6 +1,6 @@
 // The `compiledump` op schemas, for processes without Python (kernels/schemas.cpp defines
-// them there). Generated from compiledump/ops.py SCHEMAS by
-// `python -m compiledump.native --write-schemas`; tests/test_aot.py checks it is current.
+// them there). Generated from compiledump/ops/schemas.py SCHEMAS by
+// `python scripts/write_schemas_header.py`; tests/export/test_aot.py checks it is current.
 #pragma once
 
 namespace compiledump {

@@ -11,7 +11,7 @@ Phases (each writes its own dump and is compared with the eager one):
   reduce_overhead torch.compile(mode="reduce-overhead", fullgraph=True): Inductor's CUDA graph
                  trees; the run must report zero cudagraph skips;
   aoti           prefill and decode exported with compiledump.aot (dynamic prompt length and
-                 batch), packaged with AOTInductor and run from Python (tests/test_aot.py covers
+                 batch), packaged with AOTInductor and run from Python (tests/export/test_aot.py covers
                  the CPU run and the C++-only driver);
   native_cuda_kernel  if the native library was built against this CUDA torch (CMakeLists.txt),
                  its CUDA capture kernel against the Triton kernel on random samples;
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 import compiledump
-from compiledump.model import (ModelConfig, TinyMoE, export_session, make_session, run_session,
+from compiledump.demo.model import (ModelConfig, TinyMoE, export_session, make_session, run_session,
                                run_session_cuda_graph, session_forward)
 
 PROMPT = 7
@@ -120,7 +120,8 @@ def phase_cuda_graph(cfg, session, device, out_dir):
 
 
 def phase_aoti(cfg, session, device, out_dir):
-    from compiledump import aot, native, ops
+    from compiledump import aot
+    from compiledump.ops import native, schemas
 
     _fresh_dump(out_dir / "aoti_export")
     start = time.perf_counter()
@@ -136,15 +137,15 @@ def phase_aoti(cfg, session, device, out_dir):
         torch.cuda.set_sync_debug_mode(0)
         torch.cuda.synchronize()
     return compiledump.flush(), {"seconds": time.perf_counter() - start, "compile_seconds": compile_seconds,
-                                 "capture_export_owner": native.kernel_owner(ops.EXPORT, device.type.upper())}
+                                 "capture_export_owner": native.kernel_owner(schemas.EXPORT, device.type.upper())}
 
 
 def check_native_cuda_kernel(device) -> dict:
     """The native CUDA kernel (kernels/capture_cuda.cu) against the Triton kernel."""
-    from compiledump import layout as L
-    from compiledump import native, ops
+    from compiledump.ops import layout as L
+    from compiledump.ops import native, register, schemas
 
-    if native.kernel_owner(ops.KERNEL, "CUDA") != "native":
+    if native.kernel_owner(schemas.KERNEL, "CUDA") != "native":
         return {"ok": None, "skipped": "the native library is not loaded or was built without CUDA"}
     g = torch.Generator(device=device).manual_seed(0)
     samples = {
@@ -157,7 +158,7 @@ def check_native_cuda_kernel(device) -> dict:
     mismatched = []
     for name, (x, kind) in samples.items():
         results = []
-        for launch in (ops.capture_triton, ops.capture_native):  # capture_native: the dispatcher's kernel
+        for launch in (register.capture_triton, register.capture_native):  # capture_native: the dispatcher's kernel
             arena = torch.full((70000,), float("nan"), device=device)
             ctrl = torch.zeros(L.control_words(4), dtype=torch.int32, device=device)
             ctrl[L.REG_ENABLED], ctrl[L.REG_ROWS], ctrl[L.REG_MAX_ROWS], ctrl[L.REG_RECORD_ROW] = 1, 1, 1, -1

@@ -1,0 +1,322 @@
+"""The capture API: settings and lifecycle, the host-side registers, and the capture calls.
+
+What happens where, and why:
+
+- `record*` run as ordinary Python in eager mode and are traced by dynamo under torch.compile.
+  Everything they decide on the host is fixed per call site and shape (is capture on, token
+  gate, which slot and arena region a tag owns), so a compiled graph contains exactly one
+  `compiledump::capture_v1` call per capture point, with constant integer arguments.
+- The tag registry (capture/arena.py) is reached through `_plan`, marked
+  `assume_constant_result`: dynamo calls it once per call site while tracing and bakes the
+  returned integers into the graph, instead of tracing (and guarding on) the registry dict. It also creates the arena on first use, so the first
+  capture may happen while tracing.
+- Everything that can change between two runs of one graph (profiling suspension, rows gate,
+  step counters, keep-first flags, the row to gather) lives in the control block on the device
+  and is read by the kernel. The host only ever writes it through small kernels, outside any
+  graph, and reads it in `flush()`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import re
+
+import torch
+
+from .. import config as _config
+from ..format import spec
+from ..ops import layout as L
+from ..ops import schemas
+from . import dispatch, signals
+from .arena import Runtime
+from .flush import dump_stem, flush, flush_at_exit, flush_on_signal
+from .state import STATE
+
+__all__ = ["configure", "dump_stem", "enabled", "flush", "get_config", "init", "profiling", "record",
+           "record_ids", "record_step", "reset", "set_gather_rows", "set_rows"]
+
+_TAG_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration and lifecycle
+
+
+def configure(**settings) -> _config.Config:
+    """Change settings (the same names as `Config`'s fields); return the new config.
+
+    `configure(dir="dumps")` enables capture from Python instead of `COMPILEDUMP_DIR`. Capacity
+    settings (`max_steps`, `arena_mb`, `max_tags`) size the device allocations and cannot change
+    once the arena exists. Compiled functions that captured under the old settings recompile.
+    """
+    unknown = set(settings) - {f.name for f in dataclasses.fields(_config.Config)}
+    if unknown:
+        raise TypeError(f"compiledump.configure: unknown setting(s) {sorted(unknown)}")
+    new = dataclasses.replace(STATE.config, **settings)
+    rt = STATE.runtime
+    if rt is not None:
+        changed = {f for f in _config.CAPACITY_FIELDS if getattr(new, f) != getattr(rt.config, f)}
+        if changed:
+            raise RuntimeError(
+                f"compiledump.configure: {sorted(changed)} cannot change after the arena was created"
+            )
+        rt.config = new
+        if new.max_rows != STATE.config.max_rows:
+            rt.set_register(L.REG_MAX_ROWS, new.max_rows)
+    STATE.config = new
+    STATE.plans.clear()
+    _register_atexit()
+    return new
+
+
+def get_config() -> _config.Config:
+    """The settings in force."""
+    return STATE.config
+
+
+def init(device: str | torch.device | None = None) -> torch.device | None:
+    """Create the arena on `device` now (default: the current CUDA device, else CPU).
+
+    Engines that pick their GPU after importing compiledump call this once, after
+    `torch.cuda.set_device`, and before any compile or CUDA graph capture. Without it the arena is
+    created on the device of the first captured tensor. A no-op when capture is disabled.
+    Returns the arena's device, or None when disabled.
+    """
+    if not STATE.config.active:
+        return None
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    device = _normalize_device(torch.device(device))
+    with STATE.lock:
+        rt = STATE.runtime
+        if rt is not None:
+            if rt.device != device:
+                raise RuntimeError(
+                    f"compiledump.init({device}): the arena already lives on {rt.device}; "
+                    "call init() before the first capture"
+                )
+            return device
+        STATE.device = device
+        _create_runtime(device)
+    return device
+
+
+def _normalize_device(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _create_runtime(device: torch.device) -> Runtime:
+    rt = Runtime(device, STATE.config, STATE.profiling_depth, STATE.lock)
+    for index, value in STATE.pending_registers.items():
+        rt.set_register(index, value)
+    STATE.pending_registers.clear()
+    STATE.runtime = rt
+    return rt
+
+
+def reset() -> None:
+    """Forget every capture, the arena, `set_parallel` groups and `declare_shard` declarations
+    (tests, notebooks). Re-trace compiled functions after this (`torch._dynamo.reset()`): their
+    graphs hold the old arena."""
+    STATE.reset()
+
+
+def _register_atexit() -> None:
+    """Once capture is active: flush at interpreter exit, and on SIGTERM/SIGINT (signals.py)."""
+    if STATE.config.active and not STATE.atexit_registered:
+        atexit.register(flush_at_exit)
+        STATE.atexit_registered = True
+    if STATE.config.active:
+        signals.install(flush_on_signal)
+
+
+# --------------------------------------------------------------------------------------------
+# Host-side state the kernels read
+
+
+def enabled() -> bool:
+    """True when capture is configured and not suspended by `profiling()`."""
+    return STATE.config.active and STATE.profiling_depth == 0
+
+
+def _write_register(index: int, value: int) -> None:
+    rt = STATE.runtime
+    if rt is None:
+        STATE.pending_registers[index] = value
+    else:
+        rt.set_register(index, value)
+
+
+class profiling:
+    """Suspend every capture while an engine runs its dummy/profile or graph-capture forwards.
+
+    Works inside compiled and CUDA-graph-captured code: it clears a device flag that every
+    capture kernel reads, so graphs recorded now replay correctly later. Nestable. Enter and
+    exit it outside graph capture.
+    """
+
+    def __enter__(self) -> "profiling":
+        STATE.profiling_depth += 1
+        if STATE.profiling_depth == 1:
+            _write_register(L.REG_ENABLED, 0)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        STATE.profiling_depth -= 1
+        if STATE.profiling_depth == 0:
+            _write_register(L.REG_ENABLED, 1)
+
+
+def set_rows(rows: int) -> None:
+    """Tell the dump how many rows the sampler just produced; `record_step` is skipped while
+    this exceeds `max_rows` (warm-up batches). Call it outside graphs, or inside with a value
+    fixed by the graph's shape."""
+    if not STATE.config.active:
+        return
+    rt = STATE.runtime
+    if rt is None:
+        STATE.pending_registers[L.REG_ROWS] = rows
+    else:
+        schemas.set_register(rt.ctrl, L.REG_ROWS, rows)
+
+
+def set_gather_rows(*, record: int | None = None, step: int | None = None) -> None:
+    """Choose which row `record` and `record_step` keep (defaults: record -1 = last, step 0).
+
+    For padded batches: e.g. a captured prefill whose real last token is not the last row.
+    Negative values count from the end. The kernels read these at run time, so set them outside
+    graphs and replay: no recompilation, no re-capture.
+    """
+    if not STATE.config.active:
+        return
+    if record is not None:
+        _write_register(L.REG_RECORD_ROW, int(record))
+    if step is not None:
+        _write_register(L.REG_STEP_ROW, int(step))
+
+
+# --------------------------------------------------------------------------------------------
+# Capture calls (traced by dynamo: keep them free of anything it cannot constant-fold)
+
+
+def record(tag: str, tensor: torch.Tensor, once: bool = False) -> None:
+    """Store the last row of `tensor` under `tag` as float32.
+
+    A 3-D tensor is `[tokens, hc_mult, dim]` and is averaged over hc_mult (fp32 accumulation);
+    a 2-D tensor keeps one row; any other rank is stored whole, flattened. The row is the last
+    one unless `set_gather_rows(record=...)` says otherwise. Without `once` the last write wins
+    and, if `COMPILEDUMP_TOKENS` is set, tensors whose `shape[0]` differs are skipped (counted).
+    With `once=True` the first write wins and the token gate does not apply.
+    """
+    if not STATE.config.active:
+        return
+    _check_tensor(tensor, "record")
+    _capture(tag, tensor, L.KIND_RECORD_ONCE if once else L.KIND_RECORD, True)
+
+
+def record_step(tag: str, tensor: torch.Tensor) -> None:
+    """Append row 0 of `tensor` (the whole tensor if it has < 2 dims) as `<tag>_<n>`.
+
+    n counts this tag's kept captures from 0. Skipped (counted) while the last `set_rows`
+    value exceeds `max_rows`. The row is chosen by `set_gather_rows(step=...)` (default 0: the
+    first real request of a padded decode batch). Stored as float32, shape `tensor.shape[1:]`.
+    """
+    if not STATE.config.active:
+        return
+    _check_tensor(tensor, "record_step")
+    _capture(tag, tensor, L.KIND_STEP, False)
+
+
+def record_ids(tag: str, tensor: torch.Tensor) -> None:
+    """Store an integer tensor (e.g. top-k expert ids) whole, as int32; last write wins.
+
+    Token-gated like `record` and subject to the MoE layer filter.
+    """
+    if not STATE.config.active:
+        return
+    _check_tensor(tensor, "record_ids")
+    if tensor.is_floating_point():
+        raise TypeError(f"compiledump.record_ids({tag!r}): expected an integer tensor, got {tensor.dtype}")
+    _capture(tag, tensor, L.KIND_IDS, True)
+
+
+def _check_tensor(tensor, call: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"compiledump.{call}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_complex():
+        raise TypeError(f"compiledump.{call}: complex tensors are not supported ({tensor.dtype})")
+    if tensor.numel() == 0:
+        raise ValueError(f"compiledump.{call}: empty tensor of shape {tuple(tensor.shape)}")
+
+
+def _capture(tag: str, tensor: torch.Tensor, kind: int, moe_filtered: bool) -> None:
+    slot, reason = _plan(tag, kind, moe_filtered, str(tensor.device))
+    if slot < 0:
+        return
+    rt = STATE.runtime
+    if torch.compiler.is_exporting():
+        dispatch.emit_export(rt, slot, kind, reason, tensor)
+    elif torch.compiler.is_compiling():
+        schemas.capture(tensor, rt.arena, rt.ctrl, slot, kind, reason)
+    else:
+        dispatch.capture_eager(tensor, rt.arena, rt.ctrl, slot, kind, reason)
+
+
+@torch.compiler.assume_constant_result
+def _plan(tag: str, kind: int, moe_filtered: bool, device: str) -> tuple[int, int]:
+    """Host decisions for one capture site: (slot, drop reason decided on the host).
+
+    Returns slot -1 when the tag is filtered out (MoE layer filter): no op is emitted at all.
+    Pure in its arguments once the registry has seen them (the registry only grows), which is
+    what makes it safe for dynamo to treat the result as a constant. Shapes are deliberately
+    not arguments: the token gate and the arena region are decided when the op runs, from the
+    real tensor, so a dynamic token dim is never guarded or specialized.
+    """
+    key = (tag, kind, moe_filtered, device)
+    plan = STATE.plans.get(key)
+    if plan is None:
+        with STATE.lock:
+            plan = STATE.plans.get(key) or _make_plan(*key)
+            STATE.plans[key] = plan
+    return plan
+
+
+def _make_plan(tag, kind, moe_filtered, device):
+    if not isinstance(tag, str) or not _TAG_PATTERN.fullmatch(tag):
+        raise ValueError(
+            f"compiledump: invalid tag {tag!r}: use 1-200 characters from [A-Za-z0-9_.-] "
+            "(it becomes an npz key and a file name inside the archive)"
+        )
+    if moe_filtered and not _wants_moe(tag, STATE.config.moe_layers):
+        STATE.filtered_tags[tag] = "moe_layers"
+        return (-1, 0)
+    slot = _runtime_for(torch.device(device), tag).slot_for(tag, kind)
+    if slot.index == 0:
+        return (0, L.CNT_TAG_TABLE_FULL)
+    return (slot.index, 0)
+
+
+def _runtime_for(device: torch.device, tag: str) -> Runtime:
+    rt = STATE.runtime
+    if rt is None:
+        rt = _create_runtime(STATE.device or _normalize_device(device))
+    if rt.device != device:
+        raise RuntimeError(
+            f"compiledump: tag {tag!r} got a tensor on {device} but the arena lives on {rt.device}; "
+            "call compiledump.init(device) with the model's device before the first capture"
+        )
+    return rt
+
+
+def _wants_moe(tag: str, moe_layers: int) -> bool:
+    """The MoE layer filter: tags `layer<N>_<x>` are kept only for N < moe_layers (a bare
+    `layer<N>` always)."""
+    layer = spec.layer_of(tag)
+    return layer is None or "_" not in tag or layer < moe_layers
+
+
+if STATE.config.active:
+    _register_atexit()

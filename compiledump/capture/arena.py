@@ -1,0 +1,235 @@
+"""The device arena, the control block and the tag registry of one process.
+
+`Runtime` owns two preallocated device tensors (separate allocations, marked static so CUDA
+graph trees accept graphs that mutate them) and the host-side registry that maps tags to slots
+and arena regions. A tag gets its slot when a capture site is planned (eager call or dynamo
+trace) and its arena region when its first capture actually runs (`resolve`), from the real
+tensor's shape: that keeps symbolic (dynamic) sizes out of the compiled graph's arguments.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .. import config as _config
+from ..format import spec
+from ..ops import layout as L
+from ..ops.geometry import TOKEN_GATED_KINDS, payload_shape, token_gated
+
+ALIGN_WORDS = 4  # regions start 16-byte aligned: vector stores in the kernel
+
+
+@dataclass
+class Slot:
+    """One tag's place in the control block and the arena (host-side bookkeeping only)."""
+
+    tag: str
+    kind: int
+    index: int  # slot number; its counters start at layout.slot_base(index)
+    order: int  # first-capture order, i.e. the order the forward ran the capture points
+    payload_shape: tuple | None = None  # shape of one stored capture (None until first kept)
+    offset: int = -1  # arena word offset of the region; -1 = no region
+    capacity: int = 1  # captures the region holds (steps for KIND_STEP)
+    source_dtype: str | None = None
+    source_shape: tuple | None = None
+
+    @property
+    def words(self) -> int:
+        return math.prod(self.payload_shape) if self.payload_shape is not None else 0
+
+
+class Runtime:
+    """The device state of one process: arena, control block and the tag registry."""
+
+    def __init__(self, device: torch.device, cfg: _config.Config, profiling_depth: int, lock: threading.Lock):
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "compiledump: the arena cannot be created during CUDA graph capture; call "
+                "compiledump.init(device) (or run one eager step) before capturing"
+            )
+        self.device = device
+        self.config = cfg
+        # Plain (non-inference) tensors even if the first capture runs under inference_mode:
+        # the host must be able to update them later outside it.
+        with torch.inference_mode(False), torch.no_grad():
+            self.arena = torch.empty(cfg.arena_words, dtype=torch.float32, device=device)
+            self.ctrl = torch.zeros(L.control_words(cfg.max_tags), dtype=torch.int32, device=device)
+            # fill_ with a host scalar is a kernel argument, not a host-to-device copy.
+            self.ctrl[L.REG_ENABLED].fill_(0 if profiling_depth else 1)
+            self.ctrl[L.REG_MAX_ROWS].fill_(cfg.max_rows)
+            self.ctrl[L.REG_RECORD_ROW].fill_(-1)
+            self.ctrl[L.REG_STEP_ROW].fill_(0)
+        # Static addresses: CUDA graph trees may then replay graphs that mutate them.
+        torch._dynamo.mark_static_address(self.arena)
+        torch._dynamo.mark_static_address(self.ctrl)
+        self.slots: dict[tuple[str, bool], Slot] = {}  # (tag, is_step) -> slot
+        self.by_index: dict[int, Slot] = {}
+        self.lock = lock  # the registry lock (capture/state.py)
+        self.next_slot = 1  # slot 0 collects captures of tags that found the table full
+        self.used_words = 0
+        self.overflow_tags: list[str] = []
+        self.host_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.host_enabled = not profiling_depth  # the host's copy of REG_ENABLED
+
+    def set_register(self, index: int, value: int) -> None:
+        """Host write of one register: a one-word fill kernel, never a copy or a sync."""
+        with torch.inference_mode(False), torch.no_grad():
+            self.ctrl[index].fill_(value)
+        if index == L.REG_ENABLED:
+            self.host_enabled = bool(value)
+
+    def slot_for(self, tag: str, kind: int) -> Slot:
+        """The tag's slot, created on first sight; raises on a tag/kind conflict."""
+        is_step = kind == L.KIND_STEP
+        slot = self.slots.get((tag, is_step))
+        if slot is not None:
+            if slot.kind != kind:
+                raise ValueError(
+                    f"compiledump: tag {tag!r} was first captured with "
+                    f"{_CALL_NAMES[slot.kind]} and now with {_CALL_NAMES[kind]}; use separate tags"
+                )
+            return slot
+        self._check_key_collision(tag, is_step)
+        index = self.next_slot
+        if index > self.config.max_tags:
+            index = 0
+            self.overflow_tags.append(tag)
+        else:
+            self.next_slot += 1
+        slot = Slot(tag=tag, kind=kind, index=index, order=len(self.slots))
+        self.slots[(tag, is_step)] = slot
+        self.by_index.setdefault(index, slot)
+        return slot
+
+    def _check_key_collision(self, tag: str, is_step: bool) -> None:
+        # `record_step("x")` writes keys x_0, x_1, ...; a plain tag "x_3" would collide.
+        if is_step:
+            clash = [t for (t, step), _ in self.slots.items() if not step and _step_prefix(t) == tag]
+        else:
+            prefix = _step_prefix(tag)
+            clash = [prefix] if prefix is not None and (prefix, True) in self.slots else []
+        if clash:
+            raise ValueError(
+                f"compiledump: tag {tag!r} collides with the step keys of {clash[0]!r}; rename one"
+            )
+
+    def resolve(self, index: int, kind: int, x: torch.Tensor, reason: int) -> tuple[int, int, int, int]:
+        """Kernel arguments for one capture: (ctrl base, arena offset, capacity, drop reason).
+
+        Runs in the op's implementation, on the real tensor: the first capture of a tag that
+        passes the host-side gates (token gate, tag table, not inside `profiling()` unless a
+        CUDA graph is being captured) fixes its payload shape and claims its arena region; a
+        later capture of another shape is counted as `shape_changed`. Host metadata only: no
+        device access.
+        """
+        slot = self.by_index.get(index)
+        if slot is None:
+            raise RuntimeError(
+                f"compiledump: unknown slot {index}: the graph was traced against an arena that was "
+                "reset; re-trace compiled functions (torch._dynamo.reset())"
+            )
+        if reason or index == 0:
+            return L.slot_base(index), -1, 0, reason
+        if token_gated(x.shape, kind, self.config.tokens):
+            # Shape-derived, so fixed for a captured graph: decided here rather than while
+            # tracing, where comparing a dynamic token dim would specialize the graph on it.
+            return L.slot_base(index), -1, 0, L.CNT_TOKEN_GATE
+        payload = payload_shape(tuple(x.shape), kind)
+        if slot.payload_shape is None:
+            if not self.host_enabled and not _stream_capturing(x):
+                # Suspended (an engine's profile run): don't let its dummy shapes claim the
+                # region; the kernel counts the call as suspended. During graph capture the
+                # region must be claimed now: the replays that follow cannot change it.
+                return L.slot_base(index), -1, 0, L.CNT_SUSPENDED
+            with self.lock:
+                if slot.payload_shape is None:
+                    self._allocate(slot, payload, x)
+        if slot.payload_shape != payload:
+            return L.slot_base(index), -1, 0, L.CNT_SHAPE_CHANGED
+        if slot.offset < 0:
+            return L.slot_base(index), -1, 0, L.CNT_ARENA_FULL
+        return L.slot_base(index), slot.offset, slot.capacity, 0
+
+    def place(self, index: int, kind: int, x: torch.Tensor) -> tuple[int, list, int]:
+        """Claim the tag's region while a program is exported: (offset, payload shape, capacity).
+
+        `x` is the traced tensor, whose dimensions may be symbolic. Unlike `resolve`, a capture
+        that the token gate would skip claims the region too (the program has no later chance):
+        with COMPILEDUMP_TOKENS set, a gated kind's token dim is sized by it, the only size such a
+        capture keeps. Any other dynamic dimension of a stored payload is an error.
+        """
+        slot = self.by_index[index]
+        shape = list(x.shape)
+        if self.config.tokens and kind in TOKEN_GATED_KINDS and shape:
+            shape[0] = self.config.tokens
+        payload = payload_shape(tuple(shape), kind)
+        if not all(isinstance(d, int) for d in payload):
+            raise ValueError(
+                f"compiledump: tag {slot.tag!r} would store a payload of dynamic shape {payload} in an "
+                "exported program; capture a tensor whose stored dims are static (or set "
+                "COMPILEDUMP_TOKENS for record_ids of a dynamic token dim)"
+            )
+        if slot.payload_shape is None:
+            with self.lock:
+                if slot.payload_shape is None:
+                    # A dimension left dynamic in the program has no single size: None.
+                    self._allocate(slot, payload, x, [d if isinstance(d, int) else None for d in shape])
+        return slot.offset, list(slot.payload_shape), slot.capacity
+
+    def _allocate(self, slot: Slot, payload: tuple, x: torch.Tensor, source_shape: list | None = None) -> None:
+        capacity = self.config.max_steps if slot.kind == L.KIND_STEP else 1
+        words = math.prod(payload) * capacity
+        start = -(-self.used_words // ALIGN_WORDS) * ALIGN_WORDS
+        slot.source_dtype = str(x.dtype).removeprefix("torch.")
+        slot.source_shape = list(x.shape) if source_shape is None else source_shape
+        slot.capacity = capacity
+        if start + words <= self.arena.numel():
+            slot.offset = start
+            self.used_words = start + words
+        # Set last: another thread may read payload_shape without the lock.
+        slot.payload_shape = payload
+
+    def snapshot(self) -> tuple[np.ndarray, np.ndarray]:
+        """One device-to-host copy each of the used arena and the control block."""
+        arena = self.arena[: self.used_words]
+        ctrl = self.ctrl
+        if self.device.type != "cuda":
+            return arena.clone().numpy(), ctrl.clone().numpy()
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("compiledump.flush() cannot run during CUDA graph capture")
+        if self.host_buffers is None or self.host_buffers[0].numel() < arena.numel():
+            self.host_buffers = (
+                torch.empty(self.arena.numel(), dtype=torch.float32, pin_memory=True),
+                torch.empty(ctrl.numel(), dtype=torch.int32, pin_memory=True),
+            )
+        host_arena, host_ctrl = self.host_buffers
+        # Captures may have been issued on any stream: wait for all of them first.
+        torch.cuda.synchronize(self.device)
+        host_arena[: arena.numel()].copy_(arena, non_blocking=True)
+        host_ctrl.copy_(ctrl, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+        return host_arena[: arena.numel()].numpy().copy(), host_ctrl.numpy().copy()
+
+
+_CALL_NAMES = {
+    L.KIND_RECORD: "record()",
+    L.KIND_RECORD_ONCE: "record(once=True)",
+    L.KIND_STEP: "record_step()",
+    L.KIND_IDS: "record_ids()",
+}
+
+
+def _step_prefix(tag: str) -> str | None:
+    parts = spec.split_step_key(tag)
+    return parts[0] if parts else None
+
+
+def _stream_capturing(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()

@@ -1,0 +1,213 @@
+"""Flush: one copy of the arena and the control block to the host, sliced into the dump's
+arrays and manifest (format/writer.py writes them).
+
+Also the two automatic flushes: at interpreter exit, and from the SIGTERM/SIGINT handler
+(capture/signals.py), which must never block on a lock the interrupted frame may hold.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import numpy as np
+import torch
+
+from .. import config as _config
+from ..format import spec, writer
+from ..ops import layout as L
+from ..ops.register import KERNEL_LOCK
+from ..version import __version__
+from . import parallel
+from .arena import Runtime
+from .state import STATE
+
+def _rank() -> str:
+    """`RANK`, else the torch.distributed rank (remembered once seen, so that a flush at exit
+    after `destroy_process_group()` keeps the file name), else `x`."""
+    rank = os.getenv("RANK")
+    if rank:
+        return rank
+    dist_rank, _ = parallel.observe_distributed()
+    return str(dist_rank) if dist_rank is not None else "x"
+
+
+def _world_size() -> int | None:
+    _, world = parallel.observe_distributed()
+    if world is not None:
+        return world
+    world = os.getenv("WORLD_SIZE")
+    return int(world) if world and world.isdigit() else None
+
+
+def dump_stem() -> str:
+    """File stem of this process's dump: `compiledump_rank<R>_pid<P>`."""
+    return spec.dump_stem(_rank(), os.getpid())
+
+
+def flush() -> str | None:
+    """Write everything captured so far; return the npz path, or None if nothing was captured.
+
+    One device-to-host copy of the used arena and the control block, then slicing on the host.
+    The files are rewritten whole on every flush (the dump is cumulative: flushing again after
+    more captures writes a superset; flushing twice with nothing new writes the same content),
+    atomically (temporary file + rename, npz first). Callable from any thread: concurrent
+    flushes are serialized, and a capture running in another thread at the same moment lands in
+    this flush or the next. Also runs at interpreter exit and on SIGTERM/SIGINT.
+    """
+    return _flush(wait_for_captures=True)
+
+
+def _flush(wait_for_captures: bool) -> str | None:
+    # From a signal handler (wait_for_captures=False) the interrupted frame may hold STATE.lock
+    # (a capture planning a new tag) or the flush lock of a flush in another thread that waits
+    # for STATE.lock: never block on either. The registry is then read from copies of its dicts,
+    # which the GIL makes atomic; a tag being registered at that moment has captured nothing yet.
+    got_flush_lock = STATE.flush_lock.acquire(timeout=-1 if wait_for_captures else 5.0)
+    try:
+        st = STATE
+        rt = STATE.runtime
+        if not st.config.active or rt is None or not rt.slots:
+            return None
+        locked = st.lock.acquire(blocking=wait_for_captures)
+        # CPU captures run on the calling thread: the kernel lock keeps a capture of another
+        # thread from being half-written in the snapshot. (CUDA: the snapshot synchronizes.)
+        cpu_lock = KERNEL_LOCK if rt.device.type == "cpu" else None
+        cpu_locked = cpu_lock is not None and cpu_lock.acquire(blocking=wait_for_captures)
+        try:
+            arena, ctrl = rt.snapshot()
+            arrays, manifest = _collect(rt, arena, ctrl)
+        finally:
+            if cpu_locked:
+                cpu_lock.release()
+            if locked:
+                st.lock.release()
+        _warn_drops(manifest)
+        path = writer.write_dump(st.config.dir, dump_stem(), arrays, manifest)
+        return str(path)
+    finally:
+        if got_flush_lock:
+            STATE.flush_lock.release()
+
+
+def _collect(rt: Runtime, arena: np.ndarray, ctrl: np.ndarray) -> tuple[dict, dict]:
+    arrays: dict[str, np.ndarray] = {}
+    keys: dict[str, dict] = {}
+    tags: dict[str, dict] = {}
+    totals: dict[str, int] = {}
+    for slot in sorted(list(rt.slots.values()), key=lambda s: s.order):
+        base = L.slot_base(slot.index)
+        counts = ctrl[base : base + L.SLOT_WORDS].astype(np.int64)
+        if slot.index == 0:
+            continue  # shared overflow slot: reported once below
+        written = int(counts[L.CNT_WRITTEN])
+        drops = {name: int(counts[c]) for c, name in L.DROP_REASONS.items() if counts[c]}
+        kept = 0
+        if slot.offset >= 0 and written:
+            kept = min(written, slot.capacity)
+            if slot.kind == L.KIND_STEP and written > slot.capacity:
+                drops["step_capacity"] = written - slot.capacity
+            # Views of the snapshot, which is this flush's private host copy: no per-key copies.
+            region = arena[slot.offset : slot.offset + slot.words * kept]
+            if slot.kind == L.KIND_IDS:
+                region = region.view(np.int32)
+            meta = {
+                "tag": slot.tag,
+                "kind": L.KIND_NAMES[slot.kind],
+                "step": None,
+                "order": slot.order,
+                "source_dtype": slot.source_dtype,
+                "source_shape": slot.source_shape,
+                "dtype": str(region.dtype),
+                "shape": list(slot.payload_shape),
+            }
+            steps = region.reshape(kept, *slot.payload_shape)
+            for n in range(kept):
+                is_step = slot.kind == L.KIND_STEP
+                key = spec.step_key(slot.tag, n) if is_step else slot.tag
+                keys[key] = {**meta, "step": n} if is_step else meta
+                arrays[key] = steps[n]
+        tags[f"{slot.tag}_<n>" if slot.kind == L.KIND_STEP else slot.tag] = {
+            "tag": slot.tag,
+            "kind": L.KIND_NAMES[slot.kind],
+            "order": slot.order,
+            "calls": int(counts.sum()),
+            "passed": written,
+            "kept": kept,
+            "drops": drops,
+        }
+        for name, count in drops.items():
+            totals[name] = totals.get(name, 0) + count
+    if rt.overflow_tags:
+        # Tags past the table share slot 0: their calls are counted there, tag_table_full or,
+        # inside profiling(), suspended; only the totals can report them.
+        shared = ctrl[L.slot_base(0) : L.slot_base(0) + L.SLOT_WORDS].astype(np.int64)
+        for counter, name in L.DROP_REASONS.items():
+            if shared[counter]:
+                totals[name] = totals.get(name, 0) + int(shared[counter])
+        for tag in list(rt.overflow_tags):
+            tags[tag] = {"tag": tag, "kind": None, "order": None, "calls": None, "passed": 0,
+                         "kept": 0, "drops": {"tag_table_full": None}}
+    manifest = writer.build_manifest(
+        compiledump_version=__version__,
+        torch_version=torch.__version__,
+        rank=_rank(),
+        pid=os.getpid(),
+        world_size=_world_size(),
+        device=str(rt.device),
+        config=_config.settings(rt.config),
+        filtered_tags=dict(STATE.filtered_tags),
+        arena_words_used=rt.used_words,
+        parallel=parallel.manifest_fields(keys, _warn_once),
+        keys=keys,
+        tags=tags,
+        drops=totals,
+    )
+    return arrays, manifest
+
+
+def _warn_once(message: str) -> None:
+    if ("*", message) not in STATE.warned:
+        STATE.warned.add(("*", message))
+        warnings.warn(f"compiledump: {message}", RuntimeWarning, stacklevel=4)
+
+
+def _warn_drops(manifest: dict) -> None:
+    """One warning per tag and reason for captures that were lost, one line for the filters."""
+    deliberate: dict[str, int] = {}
+    for name, info in manifest["tags"].items():
+        for reason, count in info["drops"].items():
+            if reason in spec.DELIBERATE_REASONS:
+                deliberate[reason] = deliberate.get(reason, 0) + count
+                continue
+            if (name, reason) in STATE.warned:
+                continue
+            STATE.warned.add((name, reason))
+            how_many = f"{count} capture(s)" if count is not None else "all captures"
+            warnings.warn(
+                f"compiledump: tag {info['tag']!r}: {how_many} dropped ({reason}); "
+                "see the manifest's 'drops'",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+    if deliberate and ("*", "filters") not in STATE.warned:
+        STATE.warned.add(("*", "filters"))
+        summary = ", ".join(f"{reason}: {count}" for reason, count in sorted(deliberate.items()))
+        warnings.warn(f"compiledump: captures skipped by filters ({summary})", RuntimeWarning, stacklevel=4)
+
+
+def flush_at_exit() -> None:
+    """The atexit hook: flush, and never turn interpreter exit into a traceback storm."""
+    try:
+        flush()
+    except Exception as error:  # noqa: BLE001
+        print(f"[compiledump] flush at exit failed: {error!r}", flush=True)
+
+
+def flush_on_signal() -> None:
+    """The signal handler's flush: on the main thread, possibly inside a capture or a flush of
+    that same thread, so it waits for no lock (capture/signals.py)."""
+    path = _flush(wait_for_captures=False)
+    if path is not None:
+        print(f"[compiledump] flushed {path} on signal", file=sys.stderr, flush=True)

@@ -1,0 +1,53 @@
+"""The capture side's process state: one object, `STATE`, and the two locks that guard it.
+
+Everything `compiledump.reset()` forgets lives here, so reset is one call (`STATE.reset()`).
+What outlives a reset is process-wide by nature and says so below: the settings, the atexit
+registration, the torch.distributed rank once seen, the locks. (Two other process-wide facts
+live with their owners: the loaded native library in ops/native.py and the installed signal
+handlers in capture/signals.py; a reset cannot undo either.)
+
+Locks:
+- `STATE.lock` guards the tag registry (plans, slots, arena regions), the parallel metadata
+  and the creation of the arena. Held only for host bookkeeping, never across a kernel.
+- `STATE.flush_lock` (reentrant) makes one flush at a time, so the npz and the manifest on disk
+  come from one snapshot; a signal handler may flush on the main thread while it is flushing.
+The kernel lock (ops/register.py KERNEL_LOCK) is the device layer's: a CPU capture holds it
+while it counts and writes.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from .. import config as _config
+
+
+@dataclass
+class State:
+    """The capture side's state (module docstring). Fields marked "kept" survive `reset()`."""
+
+    config: _config.Config  # kept: the settings in force
+    runtime: object = None  # capture.arena.Runtime once created (init() or the first capture)
+    device: object = None  # torch.device chosen by init(), else the first capture's device
+    profiling_depth: int = 0
+    pending_registers: dict[int, int] = field(default_factory=dict)  # set before the arena exists
+    plans: dict = field(default_factory=dict)  # the capture-site memo of capture/api.py _plan
+    filtered_tags: dict[str, str] = field(default_factory=dict)  # tag -> filter (moe_layers)
+    warned: set = field(default_factory=set)  # (tag or "*", reason) already warned about
+    parallel_groups: dict[str, int] = field(default_factory=dict)  # set_parallel()
+    shards: list = field(default_factory=list)  # declare_shard(): [(compiled regex, ShardSpec)]
+    export_binding: tuple | None = None  # (arena, ctrl) inputs of a program being exported
+    dist_seen: dict = field(default_factory=lambda: {"rank": None, "world_size": None})  # kept
+    atexit_registered: bool = False  # kept
+    lock: threading.Lock = field(default_factory=threading.Lock)  # kept
+    flush_lock: threading.RLock = field(default_factory=threading.RLock)  # kept
+
+    def reset(self) -> None:
+        """Forget every capture, the arena, parallel groups and shard declarations."""
+        kept = {name: getattr(self, name)
+                for name in ("config", "dist_seen", "atexit_registered", "lock", "flush_lock")}
+        self.__dict__.update(State(**kept).__dict__)
+
+
+STATE = State(config=_config.from_env())

@@ -1,0 +1,62 @@
+"""Layout of the device control block, shared by the kernels and the host reader.
+
+The control block is one flat int32 tensor: a small header of registers the host sets outside
+any graph (and the kernels read at run time), then one fixed-size record of counters per tag
+slot. Keeping the layout in one module means the Triton kernel, the CPU implementation and
+`flush()` cannot disagree about which word means what.
+"""
+
+from __future__ import annotations
+
+# Header registers (word index into the control block).
+REG_ENABLED = 0  # 1 while capturing, 0 inside profiling()
+REG_ROWS = 1  # last value given to set_rows()
+REG_MAX_ROWS = 2  # COMPILEDUMP_MAX_ROWS: record_step is skipped while rows > max_rows
+REG_RECORD_ROW = 3  # row that record() gathers; negative counts from the end (-1 = last)
+REG_STEP_ROW = 4  # row that record_step() gathers (0 = first real request)
+HEADER_WORDS = 8
+
+# Per-slot counters (word offset inside a slot's record). Exactly one of them is incremented by
+# each capture call that reaches the device, so their sum is the number of calls.
+CNT_WRITTEN = 0  # calls that passed every gate (for steps: the step number handed out)
+CNT_SUSPENDED = 1  # inside profiling()
+CNT_TOKEN_GATE = 2  # shape[0] != COMPILEDUMP_TOKENS (decided on the host from the shape)
+CNT_ROWS_GATE = 3  # set_rows value above COMPILEDUMP_MAX_ROWS
+CNT_ROW_OUT_OF_RANGE = 4  # the gather row does not exist in this batch
+CNT_SHAPE_CHANGED = 5  # payload shape differs from the tag's first capture
+CNT_ARENA_FULL = 6  # no arena space was left when the tag was first seen
+CNT_TAG_TABLE_FULL = 7  # more tags than COMPILEDUMP_MAX_TAGS (all share slot 0)
+SLOT_WORDS = 8
+
+# Drop reasons as the manifest names them (format/spec.py DROP_REASONS), by counter.
+DROP_REASONS = {
+    CNT_SUSPENDED: "suspended",
+    CNT_TOKEN_GATE: "token_gate",
+    CNT_ROWS_GATE: "rows_gate",
+    CNT_ROW_OUT_OF_RANGE: "row_out_of_range",
+    CNT_SHAPE_CHANGED: "shape_changed",
+    CNT_ARENA_FULL: "arena_full",
+    CNT_TAG_TABLE_FULL: "tag_table_full",
+}
+
+# Capture kinds (the `kind` argument of the capture op).
+KIND_RECORD = 0  # last write wins, row from REG_RECORD_ROW, hc mean for 3-D input
+KIND_RECORD_ONCE = 1  # first write wins, otherwise as KIND_RECORD
+KIND_STEP = 2  # appended at the tag's next step index, row from REG_STEP_ROW, rows-gated
+KIND_IDS = 3  # whole tensor, stored as int32, last write wins
+# As the manifest names them (format/spec.py KINDS).
+KIND_NAMES = {KIND_RECORD: "record", KIND_RECORD_ONCE: "record_once", KIND_STEP: "step", KIND_IDS: "ids"}
+
+# Geometry modes: how the op views its input as [T, H, D] and which row it takes.
+ROW_FIXED_ZERO = -1  # whole tensor viewed as one row
+# otherwise the row comes from register REG_RECORD_ROW or REG_STEP_ROW
+
+
+def slot_base(slot: int) -> int:
+    """Word index of slot `slot`'s first counter in the control block."""
+    return HEADER_WORDS + slot * SLOT_WORDS
+
+
+def control_words(max_tags: int) -> int:
+    """Size of a control block with `max_tags` slots (slot 0 is the shared overflow slot)."""
+    return HEADER_WORDS + (max_tags + 1) * SLOT_WORDS

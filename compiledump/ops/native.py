@@ -1,0 +1,74 @@
+"""The optional native op library (`libcompiledump_native.so`, built by the top-level CMakeLists.txt).
+
+Python owns every schema (ops/schemas.py); the library only adds kernels for them, registered
+when it is loaded. It is loaded once per process, by ops/register.py right after the schemas are
+defined (or by `native_available()` if that comes first), so that Python registers its own
+kernels only for the dispatch keys the library leaves free: one owner per (op, key).
+
+COMPILEDUMP_NATIVE (compiledump/config.py): unset = load the library if it was built into the
+package, `0` = never, `1` = required (an error if it cannot be loaded), or a path to the library.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .. import config
+from . import schemas  # defines the schemas the library registers kernels for
+
+LIBRARY_NAME = "libcompiledump_native.so"
+_loaded: str | None = None  # path of the loaded library
+_tried = False  # load() has run
+
+
+def _candidate() -> Path | None:
+    setting = config.env("COMPILEDUMP_NATIVE")
+    if setting == "0":
+        return None
+    if setting not in ("", "1"):
+        return Path(setting)
+    return Path(__file__).resolve().parents[1] / LIBRARY_NAME
+
+
+def load(path: str | os.PathLike | None = None) -> bool:
+    """Load the native library (from `path`, else as COMPILEDUMP_NATIVE says); True if loaded."""
+    global _loaded, _tried
+    _tried = True
+    if _loaded is not None:
+        return True
+    target = Path(path) if path is not None else _candidate()
+    required = path is not None or config.env("COMPILEDUMP_NATIVE") not in ("", "0")
+    if target is None or not target.exists():
+        if required:
+            raise RuntimeError(f"compiledump: native library not found at {target}; build it with CMakeLists.txt")
+        return False
+    torch.ops.load_library(str(target))
+    _loaded = str(target)
+    return True
+
+
+def loaded_path() -> str | None:
+    """Path of the loaded native library, or None."""
+    return _loaded
+
+
+def native_available() -> bool:
+    """True when the native op library is loaded (loading it now if no one has tried yet) and
+    serves the CPU capture kernel."""
+    if not _tried:
+        load()
+    return _loaded is not None
+
+
+def kernel_owner(op: str, key: str = "CPU") -> str | None:
+    """Who serves `compiledump::<op>` for dispatch `key`: "native", "python", or None (nobody).
+
+    Read from the dispatcher's own record of where each kernel was registered.
+    """
+    for line in torch._C._dispatch_dump(f"{schemas.NAMESPACE}::{op}").splitlines():
+        if line.startswith(f"{key}: registered at "):
+            return "python" if ".py:" in line else "native"
+    return None

@@ -1,0 +1,62 @@
+"""The reference capture kernel: plain torch on CPU tensors, with the Triton kernel's exact
+semantics and accumulation order (ops/triton_kernel.py is the device twin, kernels/capture_cpu.cpp
+the native one; tests hold all three equal).
+
+Reading the control block here is a plain CPU memory read: there is no device to sync with.
+The caller (ops/register.py) holds the kernel lock, so the counter update and the write are one
+step, as the device kernel's atomic makes them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import layout as L
+from .geometry import geometry
+
+
+def capture_reference(x, arena, ctrl, kind, base, offset, capacity, reason) -> None:
+    """Run one capture: pick and bump exactly one counter of the slot at `base`, then (if the
+    capture is kept) write its payload at arena word `offset` (+ step x payload for steps)."""
+    src, (T, H, D, st, sh, sd, row_reg, mean) = geometry(x, kind)
+    regs = ctrl.numpy()
+    enabled = regs[L.REG_ENABLED] != 0
+    rows_ok = kind != L.KIND_STEP or regs[L.REG_ROWS] <= regs[L.REG_MAX_ROWS]
+    row = 0 if row_reg < 0 else int(regs[row_reg])
+    if row < 0:
+        row += T
+    row_ok = 0 <= row < T
+
+    # Exactly one counter per call; this order is the precedence of the reasons.
+    if not enabled:
+        counter = L.CNT_SUSPENDED
+    elif reason != 0:
+        counter = reason
+    elif not rows_ok:
+        counter = L.CNT_ROWS_GATE
+    elif not row_ok:
+        counter = L.CNT_ROW_OUT_OF_RANGE
+    else:
+        counter = L.CNT_WRITTEN
+    old = int(regs[base + counter])
+    regs[base + counter] = old + 1
+    if counter != L.CNT_WRITTEN:
+        return
+    if kind == L.KIND_RECORD_ONCE and old != 0:
+        return
+    if kind == L.KIND_STEP and old >= capacity:
+        return
+    step = old if kind == L.KIND_STEP else 0
+    words = D if mean else H * D
+    dest = offset + step * words
+    # The row as [H, D] with the caller's strides (no copy).
+    row_view = src.as_strided((H, D), (sh, sd), src.storage_offset() + row * st)
+    if kind == L.KIND_IDS:
+        arena.view(torch.int32)[dest : dest + words].view(H, D).copy_(row_view)
+    elif mean:
+        # As the kernel: an fp32 sum over h, then one IEEE division, in one op. torch's CPU
+        # mean sums an outer dim in h order for hc_mult <= 4 (bit-identical to the kernel);
+        # for larger H its vectorized order can differ by 1 ulp (tests hold 1e-6).
+        torch.mean(row_view, 0, dtype=torch.float32, out=arena[dest : dest + words])
+    else:
+        arena[dest : dest + words].view(H, D).copy_(row_view)

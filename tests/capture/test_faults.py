@@ -1,0 +1,424 @@
+"""Failure modes: signals, a process killed while flushing, flush semantics, threads.
+
+Signal and kill tests run a child Python process (a signal ends it); the flush and thread
+tests run here, on the CPU kernel. Every dump is checked against values the test itself put in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import compiledump
+from compiledump import compare as cmp
+from compiledump.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def child_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPILEDUMP_") and k != "RANK"}
+    env.update(PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1",
+               RANK="0", **extra)
+    return env
+
+
+_children: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _kill_leftover_children():
+    """A failed test must not leave a child running (some ignore SIGTERM)."""
+    yield
+    while _children:
+        proc = _children.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def start_child(script: str, **env) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], env=child_env(**env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _children.append(proc)
+    return proc
+
+
+def wait_for_line(proc: subprocess.Popen, text: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if text in line:
+            return
+        if not line and proc.poll() is not None:
+            raise AssertionError(f"child exited ({proc.returncode}) before {text!r}: {proc.stderr.read()}")
+    raise AssertionError(f"child never printed {text!r}")
+
+
+def load_dump(directory: Path) -> tuple[dict[str, np.ndarray], dict]:
+    """The one dump in `directory`, fully read (every array), and its manifest."""
+    (npz,) = directory.glob("compiledump_rank*_pid*.npz")
+    with np.load(npz, allow_pickle=False) as data:
+        arrays = {key: data[key] for key in data.files}
+    manifest = json.loads(npz.with_suffix(".json").read_text())
+    return arrays, manifest
+
+
+# A child that captures until a file STOP exists: step n stores the value n (record_step),
+# `last` the latest n.
+CAPTURING = """
+    import os, signal, sys, torch, compiledump
+    STOP = None
+    {setup}
+    for n in range(10**9):
+        compiledump.record_step("h", torch.full((1, 8), float(n)))
+        compiledump.record("last", torch.full((2, 8), float(n)))
+        if n == 20:
+            print("ready", flush=True)
+        if n > 20 and STOP and os.path.exists(STOP):
+            break
+"""
+
+
+def check_capturing_dump(directory: Path) -> None:
+    arrays, manifest = load_dump(directory)
+    steps = sorted((k for k in arrays if k.startswith("h_")), key=lambda k: int(k[2:]))
+    assert len(steps) >= 21 and steps == [f"h_{n}" for n in range(len(steps))]
+    for n, key in enumerate(steps):
+        np.testing.assert_array_equal(arrays[key], np.full(8, float(n), np.float32))
+    calls_h = manifest["tags"]["h_<n>"]["calls"]
+    calls_last = manifest["tags"]["last"]["calls"]
+    # The signal may land between the two captures of one iteration.
+    assert calls_h - calls_last in (0, 1)
+    assert set(manifest["keys"]) == set(arrays)
+    assert float(arrays["last"][0]) == calls_last - 1
+
+
+@pytest.mark.parametrize("host", ["none", "python_handler", "ignore"])
+def test_sigterm_flushes_a_complete_dump_and_chains(tmp_path, host):
+    """Acceptance 2: SIGTERM to a capturing child leaves a complete, loadable dump; the
+    application's own handler still runs, an ignored SIGTERM stays ignored (the child goes on
+    until told to stop), and without a handler the process dies of SIGTERM."""
+    dump, stop = tmp_path / "dump", tmp_path / "stop"
+    setup = {
+        "none": "",
+        "python_handler": "signal.signal(signal.SIGTERM, lambda *a: (print('host handler', flush=True), sys.exit(3)))",
+        "ignore": f"signal.signal(signal.SIGTERM, signal.SIG_IGN); STOP = {str(stop)!r}",
+    }[host]
+    # The application's handler comes first; compiledump becomes active after it (configure).
+    setup = "; ".join(filter(None, [setup, f"compiledump.configure(dir={str(dump)!r})"]))
+    proc = start_child(CAPTURING.format(setup=setup))
+    wait_for_line(proc, "ready")
+    proc.send_signal(signal.SIGTERM)
+    if host == "ignore":
+        deadline = time.monotonic() + 30
+        while not list(dump.glob("*.json")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert proc.poll() is None  # SIGTERM was ignored after the flush: still capturing
+        check_capturing_dump(dump)
+        stop.touch()
+    out, err = proc.communicate(timeout=60)
+    expected = {"none": -signal.SIGTERM, "python_handler": 3, "ignore": 0}[host]
+    assert proc.returncode == expected, err
+    assert "on signal" in err
+    if host == "python_handler":
+        assert "host handler" in out
+    check_capturing_dump(dump)
+    assert not list(dump.glob(".*.tmp"))
+
+
+def test_sigint_flushes_then_raises_keyboardinterrupt(tmp_path):
+    proc = start_child(CAPTURING.format(setup=""), COMPILEDUMP_DIR=str(tmp_path))
+    wait_for_line(proc, "ready")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert "KeyboardInterrupt" in err and "on signal" in err
+    assert proc.returncode in (-signal.SIGINT, 1, 130)
+    check_capturing_dump(tmp_path)
+
+
+def test_signal_while_the_interrupted_frame_holds_the_runtime_locks(tmp_path):
+    """The handler runs on the main thread between two bytecodes of whatever it interrupted:
+    a capture registering a tag (runtime lock), a CPU capture (kernel lock) or a flush (flush
+    lock). It must flush without waiting for them (a plain lock would deadlock)."""
+    script = f"""
+        import os, signal, time, torch, compiledump
+        from compiledump.capture.state import STATE
+        from compiledump.ops.register import KERNEL_LOCK
+        T0 = None
+        # The application's handler, chained after the flush: reports how long the flush took.
+        signal.signal(signal.SIGTERM, lambda *a: (print(f"elapsed {{time.monotonic() - T0:.3f}}", flush=True),
+                                                  os._exit(7)))
+        compiledump.configure(dir={str(tmp_path)!r})
+        compiledump.record("a", torch.arange(6.0).reshape(2, 3))
+        compiledump.record_step("s", torch.ones(1, 4))
+        with STATE.lock, STATE.flush_lock, KERNEL_LOCK:
+            T0 = time.monotonic()
+            os.kill(os.getpid(), signal.SIGTERM)
+        print("not reached", flush=True)
+    """
+    proc = start_child(script)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 7, err
+    assert "not reached" not in out
+    # Flushed at once: no lock wait, not even one that would time out.
+    assert float(out.split("elapsed ")[1]) < 2.0, out
+    arrays, manifest = load_dump(tmp_path)
+    np.testing.assert_array_equal(arrays["a"], [3.0, 4.0, 5.0])
+    np.testing.assert_array_equal(arrays["s_0"], np.ones(4, np.float32))
+
+
+def test_signal_inside_the_kernel_waits_for_the_capture_to_finish(tmp_path):
+    """Deterministic version of the race the capturing tests hit by chance: SIGTERM raised on
+    the line right after the CPU kernel counted a capture and before it wrote it. The handler
+    must not flush that half-done capture: it lets the call finish and takes the signal again."""
+    script = f"""
+        import inspect, os, signal, sys, time, torch, compiledump
+        from compiledump.ops import reference  # stepped through: COMPILEDUMP_NATIVE=0 below
+        compiledump.configure(dir={str(tmp_path)!r})
+        compiledump.record_step("h", torch.full((1, 8), 1.0))
+        lines, first = inspect.getsourcelines(reference.capture_reference)
+        counted = next(first + i for i, line in enumerate(lines) if "regs[base + counter] =" in line)
+        fired = []
+
+        def tracer(frame, event, arg):
+            if frame.f_code is not reference.capture_reference.__code__:
+                return None
+            def line(frame, event, arg):
+                if event == "line" and frame.f_lineno > counted and not fired:
+                    fired.append(frame.f_lineno)
+                    print("fired", flush=True)
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return line
+            return line
+
+        sys.settrace(tracer)
+        compiledump.record_step("h", torch.full((1, 8), 2.0))
+        sys.settrace(None)
+        print("returned", flush=True)
+        time.sleep(30)  # the deferred signal ends the process
+    """
+    proc = start_child(script, COMPILEDUMP_NATIVE="0")
+    out, err = proc.communicate(timeout=90)
+    assert out.split() == ["fired", "returned"], (out, err)
+    assert proc.returncode == -signal.SIGTERM, err
+    arrays, manifest = load_dump(tmp_path)
+    np.testing.assert_array_equal(arrays["h_0"], np.full(8, 1.0, np.float32))
+    np.testing.assert_array_equal(arrays["h_1"], np.full(8, 2.0, np.float32))
+    assert manifest["tags"]["h_<n>"]["calls"] == 2
+
+
+def test_handlers_only_from_the_main_thread_and_can_be_turned_off(tmp_path):
+    script = f"""
+        import signal, threading, compiledump
+        from compiledump.capture import signals
+        t = threading.Thread(target=lambda: compiledump.configure(dir={str(tmp_path)!r}))
+        t.start(); t.join()
+        print("thread", signals.installed(), flush=True)
+        compiledump.configure(dir={str(tmp_path)!r})
+        print("main", signals.installed(), flush=True)
+    """
+    default, off = start_child(script), start_child(script, COMPILEDUMP_SIGNALS="0")
+    out, err = default.communicate(timeout=60)
+    assert out.split("\n")[:2] == ["thread False", "main True"], err
+    out, err = off.communicate(timeout=60)
+    assert out.split("\n")[:2] == ["thread False", "main False"], err
+
+
+# ----------------------------------------------------------------------------------------------
+# Killed while flushing
+# ----------------------------------------------------------------------------------------------
+
+
+FLUSHING = """
+    import torch, compiledump
+    compiledump.configure(dir={dir!r}, arena_mb=64)
+    for t in range(24):
+        compiledump.record(f"t{{t}}", torch.full((2, 131072), float(t)))
+    n = 0
+    while True:
+        compiledump.record_step("s", torch.full((1, 4), float(n)))
+        n += 1
+        compiledump.flush()
+        if n == 2:
+            print("flushing", flush=True)
+"""
+
+
+@pytest.mark.parametrize("target", [".npz.", ".json."])
+def test_kill_during_flush_leaves_no_truncated_file(tmp_path, target):
+    """Acceptance 2: SIGKILL while a flush writes (a temporary file of the npz, or of the
+    manifest, exists at that moment) leaves the final files complete: every array loads with
+    the values captured, and the manifest only names keys the npz holds."""
+    proc = start_child(FLUSHING.format(dir=str(tmp_path)))
+    wait_for_line(proc, "flushing")
+    caught = False
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not caught:
+        for entry in os.scandir(tmp_path):
+            if entry.name.startswith(".") and target in entry.name and entry.name.endswith(".tmp"):
+                proc.kill()
+                caught = True
+                break
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert caught, f"never saw a {target} temporary file"
+    arrays, manifest = load_dump(tmp_path)
+    for t in range(24):
+        np.testing.assert_array_equal(arrays[f"t{t}"], np.full(131072, float(t), np.float32))
+    steps = sorted((k for k in arrays if k.startswith("s_")), key=lambda k: int(k[2:]))
+    assert steps == [f"s_{n}" for n in range(len(steps))] and len(steps) >= 2
+    for n, key in enumerate(steps):
+        np.testing.assert_array_equal(arrays[key], np.full(4, float(n), np.float32))
+    # The npz may be one flush ahead of the manifest (it is written first), never behind.
+    assert set(manifest["keys"]) <= set(arrays)
+    for key, entry in manifest["keys"].items():
+        assert list(arrays[key].shape) == entry["shape"]
+    # Leftover temporaries are hidden files the readers never pick up.
+    assert main(["inspect", str(tmp_path)]) == 0
+    assert len(cmp.collect_dumps(tmp_path, "REF")[0]) == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# flush() semantics
+# ----------------------------------------------------------------------------------------------
+
+
+def read(path) -> dict[str, np.ndarray]:
+    with np.load(path) as data:
+        return {key: data[key] for key in data.files}
+
+
+def test_flush_twice_and_after_more_captures(dump_dir):
+    x, y = torch.randn(3, 5), torch.randn(3, 5)
+    compiledump.record("r", x)
+    compiledump.record_step("s", x)
+    first = compiledump.flush()
+    again = compiledump.flush()
+    assert first == again
+    a = read(first)
+    assert sorted(a) == ["r", "s_0"]
+    np.testing.assert_array_equal(a["r"], x[-1].numpy())
+    compiledump.record("r", y)  # last write wins
+    compiledump.record_step("s", y)
+    compiledump.record("new", y)
+    b = read(compiledump.flush())
+    assert sorted(b) == ["new", "r", "s_0", "s_1"]  # a superset, rewritten whole
+    np.testing.assert_array_equal(b["s_0"], x[0].numpy())
+    np.testing.assert_array_equal(b["s_1"], y[0].numpy())
+    np.testing.assert_array_equal(b["r"], y[-1].numpy())
+    manifest = json.loads(Path(first).with_suffix(".json").read_text())
+    assert manifest["tags"]["s_<n>"]["calls"] == 2 and set(manifest["keys"]) == set(b)
+    assert sorted(p.name for p in dump_dir.iterdir()) == sorted([Path(first).name, Path(first).with_suffix(".json").name])
+
+
+def test_flush_from_other_threads_while_capturing(dump_dir):
+    """Flushes from several threads, concurrent with captures on this thread: each one writes
+    a consistent pair of files, and the last flush holds every capture."""
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    paths = set()
+
+    def flusher():
+        try:
+            while not stop.is_set():
+                path = compiledump.flush()
+                if path is not None:
+                    paths.add(path)
+                    data = read(path)
+                    manifest = json.loads(Path(path).with_suffix(".json").read_text())
+                    # The pair on disk may be replaced between the two reads, but each file is whole.
+                    assert all(key.startswith(("s_", "r")) for key in data)
+                    assert all(entry["shape"] == [16] for entry in manifest["keys"].values())
+        except BaseException as error:  # noqa: BLE001
+            errors.append(error)
+
+    threads = [threading.Thread(target=flusher) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    rows = [torch.randn(2, 16) for _ in range(150)]
+    for n, row in enumerate(rows):
+        compiledump.record_step("s", row)
+        compiledump.record(f"r{n % 7}", row)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert len(paths) == 1
+    final = read(compiledump.flush())
+    for n, row in enumerate(rows):
+        np.testing.assert_array_equal(final[f"s_{n}"], row[0].numpy())
+    for r in range(7):
+        last = max(n for n in range(150) if n % 7 == r)
+        np.testing.assert_array_equal(final[f"r{r}"], rows[last][-1].numpy())
+
+
+# ----------------------------------------------------------------------------------------------
+# Capture calls from several threads
+# ----------------------------------------------------------------------------------------------
+
+
+def test_capture_calls_from_many_threads_are_exact(dump_dir):
+    """Threads hammering record_step/record/record_ids, on their own tags and on shared ones,
+    with a tiny switch interval to force interleavings inside the capture path: every count is
+    exact, every stored value is one that was captured, none is lost or written twice."""
+    threads_n, calls = 4, 150
+    compiledump.configure(max_steps=threads_n * calls)
+    values = {t: torch.arange(calls, dtype=torch.float32)[:, None].repeat(1, 6) + 1000 * t for t in range(threads_n)}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(threads_n)
+
+    def worker(t):
+        try:
+            barrier.wait()
+            for n in range(calls):
+                row = values[t][n : n + 1]
+                compiledump.record_step(f"own{t}", row)  # a new tag per thread: registration races
+                compiledump.record_step("shared", row)
+                compiledump.record("shared_last", row)
+                compiledump.record_ids(f"ids{t}", torch.tensor([[t, n]]))
+        except BaseException as error:  # noqa: BLE001
+            errors.append(error)
+
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        workers = [threading.Thread(target=worker, args=(t,)) for t in range(threads_n)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        sys.setswitchinterval(previous)
+    assert not errors, errors
+    path = compiledump.flush()
+    data = read(path)
+    manifest = json.loads(Path(path).with_suffix(".json").read_text())
+    tags = manifest["tags"]
+    for t in range(threads_n):
+        assert tags[f"own{t}_<n>"]["calls"] == tags[f"own{t}_<n>"]["kept"] == calls
+        for n in range(calls):  # one thread per tag: steps in call order
+            np.testing.assert_array_equal(data[f"own{t}_{n}"], values[t][n].numpy())
+        np.testing.assert_array_equal(data[f"ids{t}"], [[t, calls - 1]])
+        assert tags[f"ids{t}"]["calls"] == calls
+    assert tags["shared_<n>"]["calls"] == tags["shared_<n>"]["kept"] == threads_n * calls
+    stored = sorted(float(data[f"shared_{n}"][0]) for n in range(threads_n * calls))
+    assert stored == sorted(float(v[n, 0]) for v in values.values() for n in range(calls))
+    for n in range(threads_n * calls):  # each stored row whole, never a mix of two captures
+        row = data[f"shared_{n}"]
+        assert (row == row[0]).all()
+    assert tags["shared_last"]["calls"] == threads_n * calls
+    assert float(data["shared_last"][0]) in {float(v[calls - 1, 0]) for v in values.values()}
+    assert manifest["drops"] == {}

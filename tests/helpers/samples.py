@@ -1,0 +1,61 @@
+"""Capture-kernel samples shared by the op tests and the native-kernel tests: random data of
+odd sizes in fp32/bf16/fp16, contiguous and not, and the register settings to run them under."""
+
+import torch
+
+from compiledump.ops import layout as L
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def float_samples(dtype):
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    return {
+        "3d": rnd(5, 4, 33),
+        "3d_noncontig": rnd(5, 33, 4).transpose(1, 2),
+        "2d_sliced": rnd(7, 19)[:, ::2],
+        "1d_strided": rnd(35)[::2],
+        "0d": rnd(()),
+        "4d": rnd(3, 2, 5, 7),
+    }
+
+
+def int_samples():
+    g = torch.Generator().manual_seed(1)
+    return {
+        "ids_int64": torch.randint(0, 1000, (5, 3), generator=g),
+        "ids_int32_transposed": torch.randint(-50, 50, (3, 5), generator=g, dtype=torch.int32).t(),
+        "ids_1d_int16": torch.randint(0, 100, (9,), generator=g, dtype=torch.int16),
+    }
+
+
+GEOMETRIES = {
+    "3d": lambda g, dt: torch.randn(6, 4, 37, generator=g).to(dt),
+    "3d_noncontig": lambda g, dt: torch.randn(6, 37, 4, generator=g).to(dt).transpose(1, 2),
+    "2d": lambda g, dt: torch.randn(5, 1031, generator=g).to(dt),  # > one BLOCK
+    "2d_sliced": lambda g, dt: torch.randn(5, 23, generator=g).to(dt)[1:, ::3],
+    "1d": lambda g, dt: torch.randn(13, generator=g).to(dt),
+}
+REGISTERS = [  # (enabled, rows, record_row, step_row)
+    (1, 1, -1, 0),
+    (1, 1, 2, 3),
+    (1, 1, -3, -1),
+    (1, 5, -1, 0),  # rows gate closed: steps skipped
+    (0, 1, -1, 0),  # suspended
+    (1, 1, 40, 0),  # record row out of range
+]
+
+
+def run_kernel(kernel, x, kind, registers, calls, reason=0):
+    enabled, rows, record_row, step_row = registers
+    arena_t = torch.full((4096,), float("nan"))
+    ctrl = torch.zeros(L.control_words(4), dtype=torch.int32)
+    ctrl[L.REG_ENABLED], ctrl[L.REG_ROWS], ctrl[L.REG_MAX_ROWS] = enabled, rows, 1
+    ctrl[L.REG_RECORD_ROW], ctrl[L.REG_STEP_ROW] = record_row, step_row
+    for _ in range(calls):
+        kernel(x, arena_t, ctrl, kind, L.slot_base(2), 8, 2, reason)
+    return arena_t, ctrl

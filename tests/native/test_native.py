@@ -1,0 +1,124 @@
+"""The optional native op library: builds with CMake against this torch, and its CPU kernel
+matches the Python reference kernel on every sample (skipped where no compiler/cmake exists)."""
+
+import pytest
+import torch
+
+from compiledump.ops import layout as L
+from compiledump.ops import geometry, native, reference, register, schemas
+
+from helpers.samples import DTYPES, GEOMETRIES, REGISTERS, int_samples, run_kernel
+
+
+@pytest.fixture(scope="module")
+def native_library(request):
+    if native.native_available():
+        yield native._loaded
+        return
+    library = request.getfixturevalue("native_build") / native.LIBRARY_NAME
+    assert native.load(library)
+    yield str(library)
+    # The rest of the suite runs the Python capture path again. The kernels stay registered; the
+    # native capture_export_v1 replaces the Python one (same semantics: tests/export/test_aot.py).
+    native._loaded = None
+
+
+def _native_kernel(x, arena, ctrl, kind, base, offset, capacity, reason):
+    register.capture_native(x, arena, ctrl, kind, base, offset, capacity, reason)
+
+
+@pytest.mark.parametrize("geometry", list(GEOMETRIES))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", [L.KIND_RECORD, L.KIND_RECORD_ONCE, L.KIND_STEP])
+def test_native_matches_reference(native_library, geometry, dtype, kind):
+    g = torch.Generator().manual_seed(11)
+    x = GEOMETRIES[geometry](g, dtype)
+    for registers in REGISTERS:
+        want_arena, want_ctrl = run_kernel(reference.capture_reference, x, kind, registers, calls=3)
+        got_arena, got_ctrl = run_kernel(_native_kernel, x, kind, registers, calls=3)
+        assert torch.equal(got_ctrl, want_ctrl)
+        torch.testing.assert_close(got_arena, want_arena, rtol=1e-6, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", list(int_samples()))
+def test_native_ids_match_reference(native_library, name):
+    x = int_samples()[name]
+    for registers in REGISTERS:
+        want_arena, want_ctrl = run_kernel(reference.capture_reference, x, L.KIND_IDS, registers, calls=2)
+        got_arena, got_ctrl = run_kernel(_native_kernel, x, L.KIND_IDS, registers, calls=2)
+        assert torch.equal(got_ctrl, want_ctrl)
+        assert torch.equal(got_arena.view(torch.int32), want_arena.view(torch.int32))
+
+
+def test_opcheck_native_kernel(native_library):
+    x = torch.randn(5, 33, 4).transpose(1, 2)
+    arena = torch.zeros(256)
+    ctrl = torch.zeros(L.control_words(2), dtype=torch.int32)
+    ctrl[L.REG_ENABLED], ctrl[L.REG_MAX_ROWS], ctrl[L.REG_RECORD_ROW] = 1, 1, -1
+    _, geo = geometry.geometry(x, L.KIND_RECORD)
+    torch.library.opcheck(schemas.capture_kernel, (x, arena, ctrl, L.KIND_RECORD, L.slot_base(1), 0, 1, 0, *geo))
+
+
+def test_kernel_owner(native_library):
+    assert native.kernel_owner(schemas.KERNEL, "CPU") == "native"
+    assert native.kernel_owner(schemas.CAPTURE, "CPU") == "python"  # needs the Python registry
+    assert native.kernel_owner(schemas.KERNEL, "Meta") == "python"  # fake implementations stay Python's
+
+
+def test_native_loader_errors(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "_loaded", None)
+    with pytest.raises(RuntimeError, match="native library not found"):
+        native.load(tmp_path / "missing.so")
+    monkeypatch.setenv("COMPILEDUMP_NATIVE", "0")
+    assert native.load() is False and not native.native_available()
+
+
+# capture_export_v1: (x, kind, payload the region was sized for, tokens, offset, preset reason)
+_EXPORT_CASES = {
+    "record_3d": (lambda g: torch.randn(7, 4, 33, generator=g).bfloat16(), L.KIND_RECORD, [33], 7, 16, 0),
+    "record_noncontig": (lambda g: torch.randn(7, 33, 4, generator=g).transpose(1, 2), L.KIND_RECORD, [33], 0, 16, 0),
+    "token_gated": (lambda g: torch.randn(5, 33, generator=g), L.KIND_RECORD, [33], 7, 16, 0),
+    "once_1d": (lambda g: torch.randn(13, generator=g).half(), L.KIND_RECORD_ONCE, [13], 7, 16, 0),
+    "step_4d": (lambda g: torch.randn(3, 2, 5, 6, generator=g), L.KIND_STEP, [2, 5, 6], 0, 16, 0),
+    "ids": (lambda g: torch.randint(-9, 99, (7, 2), generator=g), L.KIND_IDS, [7, 2], 7, 16, 0),
+    "shape_changed": (lambda g: torch.randn(4, 10, generator=g), L.KIND_STEP, [11], 0, 16, 0),
+    "arena_full": (lambda g: torch.randn(4, 10, generator=g), L.KIND_RECORD, [10], 0, -1, 0),
+    "table_full": (lambda g: torch.randn(4, 10, generator=g), L.KIND_RECORD, [10], 0, 16, L.CNT_TAG_TABLE_FULL),
+    "step_0d": (lambda g: torch.randn((), generator=g), L.KIND_STEP, [], 0, 16, 0),
+    "ids_0d": (lambda g: torch.tensor(-3, dtype=torch.int32), L.KIND_IDS, [], 5, 16, 0),
+}
+
+
+def _python_capture_export(x, arena, ctrl, slot, kind, reason, offset, payload, capacity, tokens):
+    # Python's gates and Python's reference kernel, whatever kernel the library registered.
+    reference.capture_reference(x, arena, ctrl, kind, *register.export_gates(x, slot, kind, reason, offset, payload,
+                                                                     capacity, tokens))
+
+
+@pytest.mark.parametrize("case", list(_EXPORT_CASES))
+def test_native_capture_export_matches_python(native_library, case):
+    make, kind, payload, tokens, offset, reason = _EXPORT_CASES[case]
+    x = make(torch.Generator().manual_seed(3))
+    assert native.kernel_owner(schemas.EXPORT) == "native", "a stale native library is loaded: rebuild it"
+    for registers in REGISTERS:
+        results = []
+        for impl in (_python_capture_export, schemas.capture_export):  # Python, then the native op
+            enabled, rows, record_row, step_row = registers
+            arena = torch.full((1024,), float("nan"))
+            ctrl = torch.zeros(L.control_words(4), dtype=torch.int32)
+            ctrl[L.REG_ENABLED], ctrl[L.REG_ROWS], ctrl[L.REG_MAX_ROWS] = enabled, rows, 1
+            ctrl[L.REG_RECORD_ROW], ctrl[L.REG_STEP_ROW] = record_row, step_row
+            for _ in range(3):
+                impl(x, arena, ctrl, 2, kind, reason, offset, schemas.encode_payload(payload), 4, tokens)
+            results.append((arena, ctrl))
+        (want_arena, want_ctrl), (got_arena, got_ctrl) = results
+        assert torch.equal(got_ctrl, want_ctrl)
+        assert want_ctrl[L.slot_base(2):L.slot_base(3)].sum() == 3  # one counter per call
+        assert torch.equal(got_arena.view(torch.int32), want_arena.view(torch.int32))
+
+
+def test_native_available_is_public():
+    import compiledump
+
+    assert compiledump.native_available is native.native_available
+    assert compiledump.native_available() == (native._loaded is not None)

@@ -1,0 +1,105 @@
+"""The opt-in native build through pip (setup.py): without COMPILEDUMP_BUILD_NATIVE the wheel is
+pure Python and cmake never runs; with it, the wheel ships the library that compiledump/ops/native.py
+loads, and a failing CMake build fails the build.
+
+Every build runs on a copy of the checkout (the files git does not ignore) in a tmp dir: pip builds in
+tree, and nothing may write into the repository. A fake `cmake` first on PATH records whether
+cmake was run and, where no real build is wanted, fails.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+LIBRARY = "compiledump/libcompiledump_native.so"
+
+
+@pytest.fixture
+def source(tmp_path):
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("needs a git checkout (git lists the files to copy)")
+    # Tracked and untracked-but-not-ignored files: the work tree, less build outputs and venvs.
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                           cwd=REPO, capture_output=True, check=True).stdout
+    copy = tmp_path / "src"
+    for name in files.decode().split("\0"):
+        if name and (REPO / name).is_file():  # a tracked file may be deleted in the work tree
+            (copy / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, copy / name)
+    return copy
+
+
+@pytest.fixture
+def fake_cmake(tmp_path):
+    """A `cmake` that records its call and fails; returns (environment with it first on PATH, log)."""
+    bin_dir, log = tmp_path / "fake-bin", tmp_path / "cmake-calls"
+    bin_dir.mkdir()
+    (bin_dir / "cmake").write_text(f'#!/bin/sh\necho "$@" >> "{log}"\nexit 1\n')
+    (bin_dir / "cmake").chmod(0o755)
+    env = _env()
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    return env, log
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("COMPILEDUMP_BUILD_NATIVE", "COMPILEDUMP_NATIVE")}
+    env.update(extra)
+    return env
+
+
+def _pip(args, env, cwd):
+    # --no-index: these builds need nothing from the network (no isolation, no dependencies).
+    cmd = [sys.executable, "-m", "pip", *args, "--no-index", "--disable-pip-version-check"]
+    return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True)
+
+
+def _wheel(source, out, env):
+    return _pip(["wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(source)], env, source.parent)
+
+
+def test_default_wheel_is_pure_and_runs_no_cmake(source, fake_cmake, tmp_path):
+    env, log = fake_cmake
+    # A library left in the package by a manual `cmake --install` must not leak into a pure wheel.
+    (source / LIBRARY).write_bytes(b"stale")
+    out = _wheel(source, tmp_path / "dist", env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    assert wheel.name.endswith("-py3-none-any.whl")
+    assert not [n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".so")]
+    assert not log.exists(), f"cmake ran: {log.read_text()}"
+
+
+def test_opt_in_fails_loudly_when_cmake_fails(source, fake_cmake, tmp_path):
+    env, log = fake_cmake
+    env["COMPILEDUMP_BUILD_NATIVE"] = "1"
+    out = _wheel(source, tmp_path / "dist", env)
+    assert out.returncode != 0, "a failed native build must fail the wheel, not fall back to pure"
+    assert log.exists(), "the opt-in did not run cmake"
+    assert "COMPILEDUMP_BUILD_NATIVE=1" in out.stdout + out.stderr
+    assert not list((tmp_path / "dist").glob("*.whl"))
+
+
+def test_opt_in_wheel_ships_the_library(source, tmp_path):
+    if shutil.which("cmake") is None or shutil.which("c++") is None:
+        pytest.skip("cmake or a C++ compiler is not installed")
+    out = _wheel(source, tmp_path / "dist", _env(COMPILEDUMP_BUILD_NATIVE="1"))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    assert not wheel.name.endswith("-none-any.whl"), wheel.name  # platform-specific: it holds a .so
+    assert LIBRARY in zipfile.ZipFile(wheel).namelist()
+
+    # Installed, the existing loader finds it (it loads when the ops, the capture API, are imported).
+    site = tmp_path / "site"
+    out = _pip(["install", "--no-deps", "--target", str(site), str(wheel)], _env(), tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    probe = "import compiledump.ops.native as n; print(n.native_available(), n.loaded_path())"
+    out = subprocess.run([sys.executable, "-c", probe], env=_env(PYTHONPATH=str(site)), cwd=tmp_path,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["True", str(site / LIBRARY)]
