@@ -17,6 +17,7 @@ from typing import Callable
 EXIT_OK = 0
 EXIT_DIVERGENCE = 1
 EXIT_UNUSABLE = 2
+EXIT_NOT_COMPARABLE = 3  # compare: no divergence among the keys compared, but some were not comparable
 
 
 def _error(message: str) -> int:
@@ -50,6 +51,16 @@ def _threshold_override(text: str) -> tuple[str, float]:
     return pattern, _non_negative_float(value)
 
 
+def _map(text: str) -> tuple[str, str]:
+    """Parse ``PATTERN=REPLACEMENT`` for --map (split at the first ``=`` not escaped by a backslash)."""
+    from .compare.rename import split_map
+
+    try:
+        return split_map(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _non_negative_float(text: str) -> float:
     try:
         value = float(text)
@@ -61,24 +72,34 @@ def _non_negative_float(text: str) -> float:
 
 
 def _add_compare_parser(subparsers) -> None:
-    from .compare import DEFAULT_NEAR_TIE_ULPS, DEFAULT_THRESHOLD
+    from .compare import DEFAULT_NEAR_TIE_ULPS
 
     parser = subparsers.add_parser(
         "compare",
         help="compare two dumps and name the first divergent layer and decode step",
-        description="Compare REF (the reference run) with RUN key by key, in model order. Exit status: "
-                    "0 no divergence, 1 divergence found, 2 unusable input.",
+        description="Compare REF (the reference run) with RUN key by key, in model order. Thresholds follow "
+                    "the lower precision of the two sides' source dtypes (docs/compare.md). Exit status: "
+                    "0 no divergence, 1 divergence found, 2 unusable input, 3 no divergence but some keys "
+                    "were not comparable (values of different phases or token counts).",
     )
     parser.add_argument("ref", metavar="REF", help="reference dump: an .npz file or a directory of per-rank files")
     parser.add_argument("run", metavar="RUN", help="dump to check: an .npz file or a directory of per-rank files")
-    parser.add_argument("--threshold", type=_non_negative_float, default=DEFAULT_THRESHOLD, metavar="VALUE",
-                        help=f"rel_diff above VALUE is a divergence (default {DEFAULT_THRESHOLD:g})")
+    parser.add_argument("--threshold", type=_non_negative_float, default=None, metavar="VALUE",
+                        help="rel_diff above VALUE is a divergence, for every key (default: per precision "
+                             "class, e.g. 1e-8 for fp32, 2e-3 for bf16 prefill keys)")
     parser.add_argument("--threshold-for", type=_threshold_override, action="append", default=[],
                         metavar="REGEX=VALUE",
-                        help="threshold for keys matching REGEX (re.search); repeatable, the last match wins")
+                        help="rel_diff threshold for keys matching REGEX (re.search); repeatable, the last match wins")
+    parser.add_argument("--norm-threshold", type=_non_negative_float, default=None, metavar="VALUE",
+                        help="norm_diff = |norm(RUN) - norm(REF)| / norm(REF) above VALUE is a divergence, for every "
+                             "key (default: per precision class)")
+    parser.add_argument("--map", type=_map, action="append", default=[], metavar="PATTERN=REPLACEMENT",
+                        help="rename RUN keys before pairing: re.sub(PATTERN, REPLACEMENT, key); repeatable, "
+                             "applied in order; split at the first '=' not written as '\\='")
     parser.add_argument("--near-tie", type=_non_negative_float, default=None, metavar="EPS",
-                        help="fixed near-tie epsilon in logit units for argmax flips "
-                             "(default: --near-tie-ulps bf16 spacings of the reference top-1 logit)")
+                        help="fixed near-tie epsilon in logit units for argmax flips and, in low-precision "
+                             "pairs, for expert-id differences judged on the router logits (default: "
+                             "--near-tie-ulps bf16 spacings of the reference top-1 logit)")
     parser.add_argument("--near-tie-ulps", type=_non_negative_float, default=DEFAULT_NEAR_TIE_ULPS, metavar="N",
                         help=f"near-tie epsilon as N bf16 spacings at the reference top-1 logit "
                              f"(default {DEFAULT_NEAR_TIE_ULPS:g})")
@@ -94,6 +115,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     from .compare import CompareOptions, PlotUnavailable, compare, format_report, write_json_report, write_plot
 
     options = CompareOptions(threshold=args.threshold, overrides=list(args.threshold_for),
+                             norm_threshold=args.norm_threshold, maps=list(args.map),
                              near_tie=args.near_tie, near_tie_ulps=args.near_tie_ulps)
     report = compare(args.ref, args.run, options)
     _emit(format_report(report, table=args.table))

@@ -2,15 +2,19 @@
 
 numpy and the standard library only, so it runs on a machine without torch or a GPU. The parts:
 reading files (``compiledump.format.reader``, ``.keys``), pairing the two sides (:mod:`.pairing`, merging
-sharded ranks in :mod:`.shards`), per-key metrics (:mod:`.metrics`, :mod:`.measure`), the findings
-(:mod:`.verdict`), the typed report and its JSON (:mod:`.report`), terminal text (:mod:`.text`),
+sharded ranks in :mod:`.shards`, renaming RUN keys with ``--map`` in :mod:`.rename`), thresholds per
+precision class (:mod:`.options`), which values can be compared at all and what was not captured
+(:mod:`.phases`), per-key metrics (:mod:`.metrics`, :mod:`.measure`), the findings (:mod:`.verdict`),
+the typed report and its JSON (:mod:`.report`, with :mod:`.facts`), terminal text (:mod:`.text`),
 ``--plot`` (:mod:`.plot`) and ``compiledump inspect`` (:mod:`.inspect`).
 """
 
 from ..format.reader import DumpError, DumpFile, collect_dumps
-from .metrics import (CHUNK_ELEMENTS, FloatMetrics, IdMetrics, Workspace, bf16_spacing, compare_float_arrays,
-                      compare_id_arrays)
-from .options import DEFAULT_NEAR_TIE_ULPS, DEFAULT_THRESHOLD, CompareOptions
+from .facts import Closest, SideFacts
+from .metrics import (CHUNK_ELEMENTS, FloatMetrics, IdMetrics, RowMetrics, Workspace, bf16_spacing,
+                      compare_float_arrays, compare_id_arrays, compare_rows)
+from .options import (DEFAULT_NEAR_TIE_ULPS, DEFAULT_THRESHOLD, DEFAULT_THRESHOLDS, CompareOptions, Thresholds,
+                      pair_class, precision_class)
 from .plot import PlotUnavailable, write_plot
 from .report import (ArgmaxFlip, DecodeMargins, Divergence, KeyRecord, MergeInfo, PairResult, Problem, RankPart,
                      Report, json_safe, write_json_report)
@@ -19,10 +23,11 @@ from .text import describe_divergence, final_line, format_report, format_table
 from .verdict import NoCommonKeys, compare, compare_pair
 
 __all__ = [
-    "CHUNK_ELEMENTS", "DEFAULT_NEAR_TIE_ULPS", "DEFAULT_THRESHOLD", "ArgmaxFlip", "CompareOptions", "DecodeMargins",
-    "Divergence", "DumpError", "DumpFile", "FloatMetrics", "IdMetrics", "KeyRecord", "MergeInfo",
-    "MergedDump", "NoCommonKeys", "PairResult", "PlotUnavailable", "Problem", "RankPart", "Report", "Workspace",
-    "bf16_spacing", "collect_dumps", "compare", "compare_float_arrays", "compare_id_arrays", "compare_pair",
+    "CHUNK_ELEMENTS", "DEFAULT_NEAR_TIE_ULPS", "DEFAULT_THRESHOLD", "DEFAULT_THRESHOLDS", "ArgmaxFlip", "Closest",
+    "CompareOptions", "DecodeMargins", "Divergence", "DumpError", "DumpFile", "FloatMetrics", "IdMetrics", "KeyRecord",
+    "MergeInfo", "MergedDump", "NoCommonKeys", "PairResult", "PlotUnavailable", "Problem", "RankPart", "Report",
+    "RowMetrics", "SideFacts", "Thresholds", "Workspace", "bf16_spacing", "collect_dumps", "compare",
+    "compare_float_arrays", "compare_id_arrays", "compare_pair", "compare_rows", "pair_class", "precision_class",
     "describe_divergence", "final_line", "format_report", "format_table", "json_safe", "write_json_report",
     "write_plot",
 ]

@@ -11,9 +11,11 @@ import numpy as np
 
 from ..format.keys import KeyInfo
 from ..format.reader import Dump, Member
-from .metrics import Workspace, compare_float_arrays, compare_id_arrays
-from .options import CompareOptions
-from .report import KeyRecord, MergeInfo, Problem, RankPart
+from .metrics import RowMetrics, Workspace, compare_float_arrays, compare_id_arrays, compare_rows
+from .options import PRECISION_ORDER, CompareOptions, Thresholds, pair_class
+from .phases import not_comparable_reason
+from .report import KeyRecord, MergeInfo, Problem, RankPart, SideFacts
+from .routing import judge_routing, router_key_for
 
 
 def logits_tags(infos: list[KeyInfo], members: dict[str, Member]) -> set[str]:
@@ -27,24 +29,54 @@ def logits_tags(infos: list[KeyInfo], members: dict[str, Member]) -> set[str]:
             if info.key in members and len(members[info.key].shape) == 1 and not members[info.key].is_integer}
 
 
+def float_class(ref: Dump, run: Dump, keys) -> str:
+    """The precision class of a pair as its float keys ``keys`` say: the lowest class among
+    them (``legacy`` when no key has a known class below fp32 but some has none), ``fp32`` when
+    all are fp32. Expert ids without router logits are judged by it."""
+    classes = set()
+    for key in keys:
+        if ref.members[key].is_integer or run.members[key].is_integer:
+            continue
+        ref_info, run_info = ref.infos.get(key), run.infos.get(key)
+        classes.add(pair_class(ref_info.source_dtype if ref_info else None, run_info.source_dtype if run_info else None))
+    known = [klass for klass in classes if klass in PRECISION_ORDER and klass != "fp32"]
+    if known:
+        return min(known, key=PRECISION_ORDER.index)
+    if "legacy" in classes or not classes:
+        return "legacy"
+    return "fp32"
+
+
 class KeyMeasurer:
     """Measures the keys of one pair; holds what every key shares (settings, buffers)."""
 
     def __init__(self, ref: Dump, run: Dump, options: CompareOptions, rank: str, logits: set[str],
-                 workspace: Workspace) -> None:
+                 workspace: Workspace, klass: str = "legacy") -> None:
         self.ref, self.run = ref, run
         self.options = options
         self.rank = rank
         self.logits = logits
         self.workspace = workspace
+        self.klass = klass  # the pair's class from its float keys (float_class)
 
     def record(self, info: KeyInfo, problems: list[Problem]) -> KeyRecord:
         """Compare ``info.key`` (present on both sides); problems met go to ``problems``."""
         key = info.key
         ref_member, run_member = self.ref.members[key], self.run.members[key]
+        ref_info, run_info = self.ref.infos.get(key, info), self.run.infos.get(key, info)
+        sides = SideFacts(ref_info.source_dtype, run_info.source_dtype, ref_info.tokens, run_info.tokens,
+                          ref_info.written_phase, run_info.written_phase)
         record = KeyRecord(key=key, rank=self.rank, kind=info.kind, tag=info.tag, layer=info.layer, step=info.step,
                            phase=info.phase, shape_ref=list(ref_member.shape), shape_run=list(run_member.shape),
-                           dtype_ref=str(ref_member.dtype), dtype_run=str(run_member.dtype))
+                           dtype_ref=str(ref_member.dtype), dtype_run=str(run_member.dtype), sides=sides,
+                           limits=self.options.thresholds_for(key, ref_info.source_dtype, run_info.source_dtype,
+                                                              info.phase))
+        reason = not_comparable_reason(info.kind, ref_info, run_info)
+        if reason is not None:
+            # Values of different phases or token counts: comparing them could only mislead.
+            return replace(record, status="not_comparable", reason=reason)
+        all_rows = ref_info.all_rows or run_info.all_rows or info.all_rows
+        info = replace(info, all_rows=all_rows)
         dtypes = f"{ref_member.dtype} vs {run_member.dtype}"
         if ref_member.is_integer != run_member.is_integer:
             problems.append(Problem("dtype_mismatch", self.rank, f"{dtypes}: integer ids vs floats, not compared", key))
@@ -64,7 +96,12 @@ class KeyMeasurer:
         try:
             if self.ref.merged_ranks is None and self.run.merged_ranks is None:
                 (ref_copy,), (run_copy,) = self.ref.replicas(key), self.run.replicas(key)
-                return self.measure(record, ref_copy.whole(), run_copy.whole(), info)
+                x, y = ref_copy.whole(), run_copy.whole()
+                result = self.measure(record, x, y, info)
+                if result.ids is not None and not result.ids.ids_equal:
+                    result = self.judge_ids(result, info, x, y)
+                return result
+            # A merged side's ids are judged strictly (any mismatch diverges): no routing analysis.
             return self._measure_merged(record, info)
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
             problems.append(Problem("unreadable", self.rank, f"could not read the arrays: {exc}", key))
@@ -85,20 +122,58 @@ class KeyMeasurer:
         step_logits = margins and info.kind == "step" and info.tag in self.logits
         prefill_logits = margins and info.kind != "step" and "logits" in info.tag and x.ndim == 1
         want_margins = step_logits or prefill_logits
-        threshold = self.options.threshold_for(info.key)
+        limits = record.limits or self.options.thresholds_for(info.key)
         floats = compare_float_arrays(x, y, margins=want_margins, chunk=self.options.chunk_elements,
                                       workspace=self.workspace)
-        record = replace(record, threshold=threshold, floats=floats, logits=want_margins,
-                         margin_analysis=step_logits)
+        rows = None
+        if info.all_rows and x.ndim == 2 and x.shape == y.shape:
+            rows = compare_rows(x, y, chunk=self.options.chunk_elements)
+        record = replace(record, threshold=limits.rel_diff, limits=limits, floats=floats, rows=rows,
+                         logits=want_margins, margin_analysis=step_logits)
         if floats.nonfinite_mismatch > 0:
             record = replace(record, status="divergent", divergent=True, metric="nonfinite",
                              value=floats.nonfinite_mismatch)
-        elif floats.rel_diff > threshold:
-            record = replace(record, status="divergent", divergent=True, metric="rel_diff", value=floats.rel_diff)
+        elif rows is not None:
+            record = _judge_rows(record, rows, limits)
+        else:
+            _, metric = limits.ratio(floats.rel_diff, floats.norm_diff)
+            if floats.rel_diff > limits.rel_diff or (floats.norm_diff or 0.0) > limits.norm_diff:
+                value = floats.rel_diff if metric == "rel_diff" else floats.norm_diff
+                record = replace(record, status="divergent", divergent=True, metric=metric, value=value)
         if floats.margins is not None and floats.margins.ref.argmax is not None:
             record = replace(record, argmax_equal=floats.margins.ref.argmax == floats.margins.run.argmax,
                              near_tie_epsilon=self.options.near_tie_epsilon(floats.margins.ref.top1))
         return record
+
+    def judge_ids(self, record: KeyRecord, info: KeyInfo, x: np.ndarray, y: np.ndarray) -> KeyRecord:
+        """``record`` (ids that differ) judged by the routing rule (compare/routing.py): the
+        reference's router logits of the same layer decide near tie or divergence; the class
+        comes from the router key's source dtypes, else from the pair's float keys."""
+        router_key = router_key_for(info.key)
+        router = unavailable = None
+        klass, class_from = self.klass, "pair"
+        if router_key is not None and router_key in self.ref.members and not self.ref.members[router_key].is_integer:
+            router_info, ids_info = self.ref.infos.get(router_key), self.ref.infos.get(info.key)
+            if router_key in self.run.members and not self.run.members[router_key].is_integer:
+                run_info = self.run.infos.get(router_key)
+                klass = pair_class(router_info.source_dtype if router_info else None,
+                                   run_info.source_dtype if run_info else None)
+                class_from = "router"
+            tokens = (router_info.tokens if router_info else None, ids_info.tokens if ids_info else None)
+            if None not in tokens and tokens[0] != tokens[1]:
+                unavailable = (f"REF {router_key} holds a call of {tokens[0]} tokens, the ids one of "
+                               f"{tokens[1]}")
+            else:
+                try:
+                    (router_copy,) = self.ref.replicas(router_key)
+                    router = np.asarray(router_copy.whole())
+                except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
+                    unavailable = f"REF {router_key} could not be read: {exc}"
+        all_rows = bool(router_key and router_key in self.ref.infos and self.ref.infos[router_key].all_rows)
+        routing = judge_routing(x, y, router, router_key, all_rows, klass, class_from, self.options.near_tie,
+                                self.options.near_tie_ulps, unavailable)
+        status = "mismatch" if routing.divergent else routing.verdict
+        return replace(record, routing=routing, status=status, divergent=routing.divergent)
 
     def _measure_merged(self, record: KeyRecord, info: KeyInfo) -> KeyRecord:
         """One side merged from several ranks: every replica of the merged side against the
@@ -146,6 +221,78 @@ class KeyMeasurer:
             worst_part = max(rated, key=_badness)
             merge.worst_rank, merge.worst_rank_value = worst_part.rank, worst_part.value
         return replace(worst, merge=merge)
+
+
+def _judge_rows(record: KeyRecord, rows: RowMetrics, limits: Thresholds, skip=frozenset()) -> KeyRecord:
+    """An all-rows key diverges when any token row (but those in ``skip``) crosses a threshold;
+    it names those rows and the metric with the largest value/threshold among them."""
+    bad = [index for index, (rel, norm) in enumerate(zip(rows.rel_diff, rows.norm_diff))
+           if index not in skip and (rel > limits.rel_diff or (norm or 0.0) > limits.norm_diff)]
+    if not bad:
+        return replace(record, status="ok", divergent=False, metric=None, value=None, divergent_rows=[])
+    worst = max(bad, key=lambda index: limits.ratio(rows.rel_diff[index], rows.norm_diff[index])[0])
+    _, metric = limits.ratio(rows.rel_diff[worst], rows.norm_diff[worst])
+    values = rows.rel_diff if metric == "rel_diff" else rows.norm_diff
+    value = max((values[index] or 0.0) for index in range(len(values)) if index not in skip)
+    return replace(record, status="divergent", divergent=True, metric=metric, value=value, divergent_rows=bad)
+
+
+def excuse_near_ties(records: list[KeyRecord]) -> dict[str, list[str]]:
+    """Prefill float keys that cross a threshold only in token rows whose expert ids differed
+    by a near tie in an earlier ids key of a low-precision class: those rows went to other
+    experts, so their later values are not compared (docs/compare.md, "Expert ids and near
+    ties"); nor are those rows' ids in later ids keys (``Routing.excuse``). Changes the records
+    in place (status ``after_near_tie`` when no row is left, else the rows left) and returns
+    {ids key: [excused float keys]}.
+
+    One-row keys hold the last row of the call (that of the ids' last row); all-rows keys a row
+    per token. Non-finite mismatches are never excused."""
+    tied: dict[int, str] = {}  # token row -> the first ids key whose near tie routed it elsewhere
+    calls: dict[str, int | None] = {}  # ids key -> its row count (the call's tokens)
+    excused: dict[str, list[str]] = {}
+    for index, record in enumerate(records):
+        if record.phase != "prefill":
+            continue
+        routing = record.routing
+        if record.ids_differ and routing is not None:
+            if tied and any(row in tied for row in routing.differing_rows):
+                # Tokens an earlier near tie sent elsewhere: their ids here are a consequence.
+                routing.excuse(tied)
+                status = "mismatch" if routing.divergent else routing.verdict
+                records[index] = record = replace(record, status=status, divergent=routing.divergent)
+            if not routing.divergent:
+                for row in routing.near_tie_rows:
+                    tied.setdefault(row, record.key)
+                calls[record.key] = record.ids.rows
+            continue
+        if not tied or record.floats is None or not record.divergent or record.metric == "nonfinite":
+            continue
+        metric, value = record.metric, record.value
+        if record.rows is not None and record.divergent_rows:
+            # Token rows are the ids' rows only when both hold a call of as many tokens.
+            same_call = len(record.rows.rel_diff) in calls.values()
+            skip = {row for row in record.divergent_rows if row in tied} if same_call else set()
+            judged = _judge_rows(record, record.rows, record.limits, skip) if skip else None
+            values = record.rows.rel_diff if metric == "rel_diff" else record.rows.norm_diff
+            value = max((values[row] or 0.0) for row in skip) if skip else value  # the excused rows' worst
+        else:
+            # A one-row key holds the last row of its call: that of the ids' call of as many tokens.
+            tokens = record.sides.tokens_ref if record.sides is not None else None
+            rows = [count for count in calls.values() if count is not None]
+            last = (tokens if tokens is not None else (rows[0] if rows else 0)) - 1
+            skip = {last} if last in tied and (tokens is None or tokens in rows) else set()
+            judged = replace(record, status="ok", divergent=False, metric=None, value=None) if skip else None
+        if judged is None:
+            continue
+        by = sorted({tied[row] for row in skip})
+        judged = replace(judged, excused_rows=sorted(skip), excused_by=by, excused_metric=metric,
+                         excused_value=value)
+        if not judged.divergent:
+            judged.status = "after_near_tie"
+        records[index] = judged
+        for key in by:
+            excused.setdefault(key, []).append(record.key)
+    return excused
 
 
 def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -45,6 +45,8 @@ class FloatMetrics:
     nonfinite_mismatch: int
     compared_elements: int
     margins: Margins | None = None
+    # |‖y‖ − ‖x‖| / ‖x‖ (x = REF): the scale error; None when REF is all zero and RUN is not.
+    norm_diff: float | None = None
 
 
 @dataclass(frozen=True)
@@ -122,8 +124,9 @@ def compare_float_arrays(ref: np.ndarray, run: np.ndarray, margins: bool = False
 
     ``rel_diff`` = 1 − 2⟨x,y⟩/(‖x‖²+‖y‖²), computed as ‖x−y‖²/(‖x‖²+‖y‖²) (the same quantity
     without the cancellation). ``cosine`` = ⟨x,y⟩/(‖x‖‖y‖). ``max_abs``/``mean_abs`` of x−y,
-    ``rel_l2`` = ‖x−y‖/‖x‖ (x is the reference). All of them use the positions finite on both
-    sides; ``nonfinite_mismatch`` counts positions where the sides are not the same non-finite
+    ``rel_l2`` = ‖x−y‖/‖x‖ (x is the reference), ``norm_diff`` = |‖y‖−‖x‖|/‖x‖ (a uniform scale
+    error s gives norm_diff = s but rel_diff only ≈ s²/2). All of them use the positions finite on
+    both sides; ``nonfinite_mismatch`` counts positions where the sides are not the same non-finite
     value (NaN vs NaN and equal infinities agree, e.g. masked logits). With ``margins``, also the
     argmax and top-1 minus top-2 margin of each side (for 1-D logits).
     """
@@ -183,7 +186,58 @@ def compare_float_arrays(ref: np.ndarray, run: np.ndarray, margins: bool = False
         nonfinite_mismatch=mismatch,
         compared_elements=compared,
         margins=Margins(top_ref.result(), top_run.result()) if margins else None,
+        norm_diff=norm_diff_of(xx, yy),
     )
+
+
+def norm_diff_of(xx: float, yy: float) -> float | None:
+    """|‖y‖ − ‖x‖| / ‖x‖ from the sums of squares ``xx`` = ‖x‖² and ``yy`` = ‖y‖², written as
+    |yy − xx| / ((‖x‖ + ‖y‖)·‖x‖) so the difference of two close norms keeps its digits."""
+    if xx > 0:
+        nx = math.sqrt(xx)
+        return abs(yy - xx) / ((nx + math.sqrt(yy)) * nx)
+    return 0.0 if yy == 0 else None
+
+
+@dataclass(frozen=True)
+class RowMetrics:
+    """Per-row rel_diff and norm_diff of a ``[rows, dim]`` key (all-rows records: one row per
+    token position), over the positions finite on both sides."""
+
+    rel_diff: list[float]
+    norm_diff: list[float | None]
+
+    @property
+    def max_rel_diff(self) -> float:
+        return max(self.rel_diff, default=0.0)
+
+    @property
+    def max_norm_diff(self) -> float | None:
+        values = [value for value in self.norm_diff if value is not None]
+        return max(values) if values else None
+
+
+def compare_rows(ref: np.ndarray, run: np.ndarray, chunk: int = CHUNK_ELEMENTS) -> RowMetrics:
+    """rel_diff and norm_diff of each row (axis 0) of two arrays of equal shape, in float64,
+    converting at most about ``chunk`` elements per side at a time."""
+    x = np.asarray(ref).reshape(ref.shape[0], -1)
+    y = np.asarray(run).reshape(x.shape)
+    step = max(1, chunk // max(1, x.shape[1]))
+    rel: list[float] = []
+    norm: list[float | None] = []
+    for start in range(0, x.shape[0], step):
+        a = x[start:start + step].astype(np.float64)
+        b = y[start:start + step].astype(np.float64)
+        both = np.isfinite(a) & np.isfinite(b)
+        if not both.all():
+            a, b = np.where(both, a, 0.0), np.where(both, b, 0.0)
+        d = a - b
+        xx, yy, dd = (np.einsum("ij,ij->i", u, u) for u in (a, b, d))
+        for row_xx, row_yy, row_dd in zip(xx.tolist(), yy.tolist(), dd.tolist()):
+            total = row_xx + row_yy
+            rel.append(row_dd / total if total > 0 else 0.0)
+            norm.append(norm_diff_of(row_xx, row_yy))
+    return RowMetrics(rel, norm)
 
 
 def _dot(a: np.ndarray, b: np.ndarray) -> float:

@@ -1,4 +1,4 @@
-"""``--plot``: rel_diff per prefill key and logit margins per decode step (needs matplotlib)."""
+"""``--plot``: rel_diff and norm_diff per prefill key and logit margins per decode step (needs matplotlib)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ class PlotUnavailable(Exception):
 
 
 def write_plot(report: Report, path: str | Path) -> None:
-    """Draw rel_diff per prefill key (log scale, threshold line) and the reference and run
+    """Draw rel_diff and norm_diff per prefill key (log scale, each key's thresholds) and the reference and run
     top-1/top-2 margins per decode step, argmax flips marked. Needs matplotlib."""
     try:
         import matplotlib
@@ -22,14 +22,20 @@ def write_plot(report: Report, path: str | Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise PlotUnavailable("--plot needs matplotlib: pip install matplotlib (or compiledump[plot])") from None
-    threshold = report.options.threshold
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(12, 8))
     for pair in report.pairs:
         rank = pair.rank
         records = [record for record in pair.keys if record.floats is not None and record.phase == "prefill"]
         if records:
             values = [max(record.floats.rel_diff, 1e-18) for record in records]
-            top.semilogy(range(len(records)), values, marker=".", label=f"rank {rank}")
+            top.semilogy(range(len(records)), values, marker=".", label=f"rel_diff rank {rank}")
+            norms = [max(record.floats.norm_diff or 0.0, 1e-18) for record in records]
+            top.semilogy(range(len(records)), norms, marker="x", linestyle="--", label=f"norm_diff rank {rank}")
+            if rank == report.pairs[0].rank:  # each key's thresholds (they follow its precision class)
+                for name, style in (("rel_diff", ":"), ("norm_diff", "-.")):
+                    limits = [getattr(record.limits, name) for record in records]
+                    top.step(range(len(records)), limits, where="mid", color="gray", linestyle=style,
+                             label=f"{name} threshold")
             bad = [(index, value) for index, (record, value) in enumerate(zip(records, values)) if record.divergent]
             if bad:
                 top.scatter(*zip(*bad), color="red", zorder=3)
@@ -54,9 +60,8 @@ def write_plot(report: Report, path: str | Path) -> None:
             flips = [(record.step, record.floats.margins.ref.margin) for record in tagged if not record.argmax_equal]
             if flips:
                 bottom.scatter(*zip(*flips), color="red", marker="x", zorder=3, label="argmax flip")
-    top.axhline(threshold, color="gray", linestyle=":", label=f"threshold {threshold:.0e}")
-    top.set_title("prefill: rel_diff per key (x ticks: layer)")
-    top.set_ylabel("rel_diff")
+    top.set_title("prefill: rel_diff and norm_diff per key (x ticks: layer)")
+    top.set_ylabel("rel_diff, norm_diff")
     top.legend(loc="upper left", fontsize="small")
     bottom.set_title("decode: top-1 minus top-2 logit per step")
     bottom.set_xlabel("decode step")

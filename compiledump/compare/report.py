@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..format import spec
-from .metrics import FloatMetrics, IdMetrics
-from .options import CompareOptions
+from .facts import Closest, SideFacts, default_thresholds_json, threshold_uses
+from .metrics import FloatMetrics, IdMetrics, RowMetrics
+from .options import CompareOptions, Thresholds
+from .routing import Routing
 
 
 @dataclass
@@ -112,23 +114,60 @@ class KeyRecord:
     shape_run: list[int]
     dtype_ref: str
     dtype_run: str
-    status: str = "ok"  # ok | divergent | mismatch | skipped
+    status: str = "ok"  # ok | divergent | mismatch | skipped | not_comparable
     divergent: bool = False
-    threshold: float | None = None
+    threshold: float | None = None  # rel_diff threshold (limits.rel_diff)
+    limits: Thresholds | None = None  # both thresholds, the precision class and where they come from
     floats: FloatMetrics | None = None
     ids: IdMetrics | None = None
     logits: bool = False  # margin columns computed (1-D logits)
     margin_analysis: bool = False  # decode logits: counted for argmax flips
-    metric: str | None = None  # rel_diff | nonfinite
+    metric: str | None = None  # rel_diff | norm_diff | nonfinite
     value: float | int | None = None
     argmax_equal: bool | None = None  # set with near_tie_epsilon when margins were computed
     near_tie_epsilon: float | None = None
     merge: MergeInfo | None = None
     position: int = 0  # index in model order within its pair
+    sides: SideFacts | None = None  # what each side's manifest says about the key
+    reason: str | None = None  # status not_comparable: why
+    rows: RowMetrics | None = None  # all-rows keys: per token row
+    divergent_rows: list[int] | None = None
+    routing: Routing | None = None  # ids that differ: near tie or divergence (compare/routing.py)
+    # Token rows not judged because a near tie in an earlier ids key sent them to other experts,
+    # that ids key, and the metric/value that crossed in those rows (measure.excuse_near_ties).
+    excused_rows: list[int] | None = None
+    excused_by: list[str] | None = None
+    excused_metric: str | None = None
+    excused_value: float | None = None
+
+    @property
+    def ids_differ(self) -> bool:
+        """Integer ids compared and not equal (whether or not that is a divergence)."""
+        return self.ids is not None and not self.ids.ids_equal
 
     @property
     def metric_kind(self) -> str | None:
         return "float" if self.floats is not None else ("ids" if self.ids is not None else None)
+
+    @property
+    def closeness(self) -> tuple[float, str, float | None, float | None]:
+        """(value/threshold, metric, value, threshold) of the metric closest to its threshold
+        (all-rows keys: over rows); ratio 0 for keys without float metrics."""
+        if self.floats is None or self.limits is None:
+            return 0.0, "rel_diff", None, None
+        rel, norm = self.floats.rel_diff, self.floats.norm_diff
+        if self.rows is not None:
+            rel, norm = self.rows.max_rel_diff, self.rows.max_norm_diff
+            if self.excused_rows:
+                kept = [index for index in range(len(self.rows.rel_diff)) if index not in self.excused_rows]
+                rel = max((self.rows.rel_diff[index] for index in kept), default=0.0)
+                norm = max((self.rows.norm_diff[index] or 0.0 for index in kept), default=0.0)
+        elif self.excused_rows:
+            return 0.0, "rel_diff", None, None  # its one row was not judged
+        ratio, metric = self.limits.ratio(rel, norm)
+        if metric == "rel_diff":
+            return ratio, metric, rel, self.limits.rel_diff
+        return ratio, metric, norm, self.limits.norm_diff
 
     def to_json(self) -> dict:
         out: dict[str, Any] = {
@@ -137,17 +176,32 @@ class KeyRecord:
             "dtype_ref": self.dtype_ref, "dtype_run": self.dtype_run, "status": self.status,
             "divergent": self.divergent,
         }
+        if self.sides is not None:
+            out.update(self.sides.to_json())
+        if self.reason is not None:
+            out["reason"] = self.reason
         if self.floats is not None:
             out.update(metric_kind="float", threshold=self.threshold)
+            if self.limits is not None:
+                out.update(norm_threshold=self.limits.norm_diff, threshold_class=self.limits.klass,
+                           threshold_source=self.limits.rel_source, norm_threshold_source=self.limits.norm_source)
             out.update(_float_json(self.floats))
+            if self.rows is not None:
+                out.update(all_rows=True, row_count=len(self.rows.rel_diff), row_rel_diff=self.rows.rel_diff,
+                           row_norm_diff=self.rows.norm_diff, divergent_rows=self.divergent_rows or [])
             out.update(logits=self.logits, margin_analysis=self.margin_analysis)
             if self.metric is not None:
                 out.update(metric=self.metric, value=self.value)
+            if self.excused_rows:
+                out.update(excused_rows=self.excused_rows, excused_by=self.excused_by,
+                           excused_metric=self.excused_metric, excused_value=self.excused_value)
             if self.argmax_equal is not None:
                 out.update(argmax_equal=self.argmax_equal, near_tie_epsilon=self.near_tie_epsilon)
         elif self.ids is not None:
             out["metric_kind"] = "ids"
             out.update(_ids_json(self.ids))
+            if self.routing is not None:
+                out["routing"] = self.routing.to_json()
         if self.merge is not None:
             out.update(self.merge.to_json())
         out["position"] = self.position
@@ -156,7 +210,7 @@ class KeyRecord:
 
 def _float_json(metrics: FloatMetrics) -> dict:
     out = {name: getattr(metrics, name) for name in (
-        "rel_diff", "cosine", "max_abs", "mean_abs", "rel_l2", "nan_ref", "nan_run", "inf_ref", "inf_run",
+        "rel_diff", "norm_diff", "cosine", "max_abs", "mean_abs", "rel_l2", "nan_ref", "nan_run", "inf_ref", "inf_run",
         "nonfinite_mismatch", "compared_elements")}
     if metrics.margins is not None:
         ref, run = metrics.margins.ref, metrics.margins.run
@@ -197,6 +251,15 @@ class Divergence:
     k: int | None = None
     merge: MergeInfo | None = None
     reason: str | None = None
+    divergent_rows: list[int] | None = None  # all-rows keys: the token positions that diverge
+    row_count: int | None = None
+    routing: Routing | None = None  # ids: the routing judgement (near tie, not judged, divergence)
+
+    @property
+    def routing_verdict(self) -> str | None:
+        """``divergence``, ``near_tie`` or ``not_judged`` for ids; None for other metrics or
+        ids of a merged side (judged strictly)."""
+        return self.routing.verdict if self.routing is not None else None
 
     def to_json(self) -> dict:
         out: dict[str, Any] = {
@@ -205,13 +268,16 @@ class Divergence:
             "metric": self.metric, "value": self.value, "threshold": self.threshold,
         }
         if self.metric == "ids":
-            out.update(row=self.row, overlap=self.overlap, k=self.k)
+            out.update(row=self.row, overlap=self.overlap, k=self.k,
+                       routing=self.routing.to_json() if self.routing is not None else None)
         if self.merge is not None:
             out.update(merge=self.merge.how, worst_rank=self.merge.worst_rank,
                        worst_rank_value=self.merge.worst_rank_value, merged_ranks=self.merge.merged_ranks,
                        divergent_ranks=self.merge.divergent_ranks)
         if self.reason is not None:
             out["reason"] = self.reason
+        if self.divergent_rows is not None:
+            out.update(divergent_rows=self.divergent_rows, row_count=self.row_count)
         return out
 
 
@@ -223,7 +289,7 @@ class ArgmaxFlip:
     key: str
     tag: str
     rank: str
-    kind: str  # near-tie | divergence
+    kind: str  # near-tie | within-thresholds | divergence
     margin_ref: float
     margin_run: float
     argmax_ref: int
@@ -275,20 +341,36 @@ class PairResult:
     root_cause: Divergence | None = None
     first_argmax_flip: ArgmaxFlip | None = None
     decode_margins: DecodeMargins | None = None
+    id_mismatches: list[Divergence] = field(default_factory=list)  # every ids key that differs, in order
+    not_captured: dict[str, dict | None] = field(default_factory=dict)  # REF/RUN: phases.not_captured
+    prompt_tokens: int | None = None  # the prompt length either manifest states or implies
+    renamed: dict[str, str] = field(default_factory=dict)  # --map: new RUN key -> old
 
     @property
     def compared(self) -> int:
-        return len(self.keys)
+        return sum(1 for record in self.keys if record.status != "not_comparable")
+
+    @property
+    def not_comparable(self) -> list[KeyRecord]:
+        return [record for record in self.keys if record.status == "not_comparable"]
 
     @property
     def divergent_keys(self) -> int:
         return sum(1 for record in self.keys if record.divergent)
 
+    @property
+    def closest(self) -> Closest | None:
+        return Closest.of(self.keys)
+
     def to_json(self) -> dict:
         return {"rank": self.rank, "ref": self.ref, "run": self.run, "ref_manifest": self.ref_manifest,
                 "run_manifest": self.run_manifest, "compared": self.compared, "divergent_keys": self.divergent_keys,
+                "not_comparable": len(self.not_comparable), "prompt_tokens": self.prompt_tokens,
                 "first_divergence": _opt(self.first_divergence), "first_argmax_flip": _opt(self.first_argmax_flip),
-                "decode_margins": _opt(self.decode_margins)}
+                "id_mismatches": [item.to_json() for item in self.id_mismatches],
+                "decode_margins": _opt(self.decode_margins), "closest": _opt(self.closest),
+                "thresholds": threshold_uses(self.keys), "not_captured": self.not_captured,
+                "renamed": self.renamed}
 
 
 @dataclass
@@ -317,9 +399,25 @@ class Report:
         return [note for pair in self.pairs for note in pair.notes]
 
     @property
+    def not_comparable(self) -> list[KeyRecord]:
+        return [record for pair in self.pairs for record in pair.not_comparable]
+
+    @property
+    def closest(self) -> Closest | None:
+        return Closest.of(self.keys)
+
+    @property
+    def id_mismatches(self) -> list[Divergence]:
+        """Every ids key that differs, over all pairs (divergent or not: see ``routing``)."""
+        return [item for pair in self.pairs for item in pair.id_mismatches]
+
+    @property
     def exit_status(self) -> int:
-        """1 when something diverged, else 0 (the CLI's exit status)."""
-        return 1 if self.first_divergence is not None else 0
+        """The CLI's exit status: 1 when something diverged; else 3 when some keys were not
+        comparable (different phases or token counts); else 0."""
+        if self.first_divergence is not None:
+            return 1
+        return 3 if self.not_comparable else 0
 
     def to_json(self) -> dict:
         """The report as strict-JSON-ready data (docs/compare.md, "Output")."""
@@ -331,14 +429,23 @@ class Report:
             "run": self.run,
             "threshold": options.threshold,
             "threshold_for": [[pattern, value] for pattern, value in options.overrides],
+            "norm_threshold": options.norm_threshold,
+            "default_thresholds": default_thresholds_json(),
+            "thresholds": threshold_uses(self.keys),
+            "map": [[pattern, replacement] for pattern, replacement in options.maps],
             "near_tie": ({"epsilon": options.near_tie} if options.near_tie is not None
                          else {"ulps_of_ref_top1": options.near_tie_ulps}),
             "first_divergence": _opt(self.first_divergence),
             "prefill_divergence": _opt(self.prefill_divergence),
             "decode_divergence": _opt(self.decode_divergence),
             "first_id_mismatch": _opt(self.first_id_mismatch),
+            "id_mismatches": [item.to_json() for item in self.id_mismatches],
             "root_cause": _opt(self.root_cause),
             "first_argmax_flip": _opt(self.first_argmax_flip),
+            "closest": _opt(self.closest),
+            "compared": sum(pair.compared for pair in self.pairs),
+            "not_comparable": [{"key": record.key, "rank": record.rank, "reason": record.reason,
+                                **(record.sides or SideFacts()).to_json()} for record in self.not_comparable],
             "keys": [record.to_json() for record in self.keys],
             "problems": [problem.to_json() for problem in self.problems],
             "notes": self.notes,

@@ -5,7 +5,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .report import Divergence, KeyRecord, MergeInfo, Report
+from .facts import threshold_uses
+from .phases import fix_hint, tokens_text
+from .report import Divergence, KeyRecord, MergeInfo, PairResult, Report
+from .routing import describe_routing
 
 
 def fmt_value(value: Any, spec: str) -> str:
@@ -28,18 +31,32 @@ def where(item: Divergence) -> str:
 def describe_divergence(item: Divergence) -> str:
     """One phrase for a divergence: key, place and the metric that crossed."""
     text = f"{item.key}{where(item)}"
-    if item.metric == "rel_diff":
-        text += f": rel_diff {item.value:.3e} > threshold {item.threshold:.1e}"
+    if item.metric in ("rel_diff", "norm_diff"):
+        text += f": {item.metric} {item.value:.3e} > threshold {item.threshold:.1e}"
+        if item.divergent_rows:
+            text += f" at {_rows_text(item.divergent_rows, item.row_count)}"
     elif item.metric == "nonfinite":
         text += f": {item.value} positions NaN/Inf on one side only"
     elif item.metric == "ids":
         row = f"row {item.row}" if item.row is not None else "the ids"
         text += f": integer ids differ ({row}, overlap {item.overlap}/{item.k})"
+        if item.routing_verdict in ROUTING_WORDS:
+            text += f" [{ROUTING_WORDS[item.routing_verdict]}]"
     elif item.metric == "argmax":
         text += f": argmax flip with reference margin {item.value:.4g} >= near-tie epsilon {item.threshold:.3g}"
     if item.merge is not None:
         text += f" [{_worst_rank_text(item.merge)}]"
     return text
+
+
+# How a non-divergent id mismatch is named in one phrase.
+ROUTING_WORDS = {"near_tie": "near tie", "not_judged": "not judged"}
+
+
+def _rows_text(rows: list[int], count: int | None) -> str:
+    """``tokens 2, 5 of 7`` (0-based token positions of an all-rows key)."""
+    shown = ", ".join(str(row) for row in rows[:12]) + (f", ... ({len(rows) - 12} more)" if len(rows) > 12 else "")
+    return f"token{'s' if len(rows) > 1 else ''} {shown} of {count}"
 
 
 def _worst_rank_text(merge: MergeInfo) -> str:
@@ -66,7 +83,20 @@ def _worst_rank_text(merge: MergeInfo) -> str:
 def _note_for(record: KeyRecord) -> str:
     if record.status == "skipped":
         return "not compared (see problems)"
+    if record.status == "not_comparable":
+        return f"NOT COMPARABLE: {record.reason}"
     parts = []
+    if record.divergent_rows:
+        parts.append(f"diverges at {_rows_text(record.divergent_rows, len(record.rows.rel_diff))}")
+    elif record.divergent and record.metric == "norm_diff":
+        parts.append(f"norm_diff {record.value:.3e} > {record.limits.norm_diff:.1e}")
+    if record.excused_rows:
+        what = ""
+        if record.excused_metric in ("rel_diff", "norm_diff") and record.excused_value is not None:
+            what = f"{record.excused_metric} {record.excused_value:.3e} "
+        count = len(record.rows.rel_diff) if record.rows is not None else None
+        parts.append(f"{what}not judged at {_rows_text(record.excused_rows, count)}: routed to other experts by "
+                     f"the near tie at {', '.join(record.excused_by)}")
     ids = record.ids
     if ids is not None:
         if ids.ids_equal:
@@ -76,6 +106,8 @@ def _note_for(record: KeyRecord) -> str:
                 else f"index {ids.first_mismatch_index}"
             parts.append(f"IDS DIFFER at {at}: overlap {ids.overlap}/{ids.k}, "
                          f"{ids.mismatched_rows}/{ids.rows} rows differ")
+            if record.routing is not None:
+                parts.append(describe_routing(record.routing))
     floats = record.floats
     if record.logits and floats.margins.ref.argmax is not None:
         ref, run = floats.margins.ref, floats.margins.run
@@ -93,24 +125,28 @@ def _note_for(record: KeyRecord) -> str:
 
 
 def format_table(records: list[KeyRecord]) -> list[str]:
-    """One line per key in order: ``!`` marks divergent rows, ``?`` keys not compared."""
+    """One line per key in order: ``!`` marks divergent rows, ``*`` ids that differ without
+    being a divergence (a near tie, or rows without reference router logits), ``?`` keys not
+    compared, ``~`` keys not comparable (values of different phases or token counts)."""
     width = max([len(record.key) for record in records] + [3])
     width = min(width, 48)
-    header = (f"  {'key':<{width}} {'layer':>5} {'step':>5} {'shape':<14} {'rel_diff':>10} {'cosine':>10} "
-              f"{'max_abs':>10} {'mean_abs':>10} {'rel_l2':>9} {'nan':>7} {'inf':>7}  note")
+    header = (f"  {'key':<{width}} {'layer':>5} {'step':>5} {'shape':<14} {'rel_diff':>10} {'norm_diff':>10} "
+              f"{'cosine':>10} {'max_abs':>10} {'mean_abs':>10} {'rel_l2':>9} {'nan':>7} {'inf':>7}  note")
     lines = [header]
+    marks = {"skipped": "?", "not_comparable": "~", "near_tie": "*", "not_judged": "*", "after_near_tie": "*"}
     for record in records:
-        mark = "!" if record.divergent else ("?" if record.status == "skipped" else " ")
+        mark = "!" if record.divergent else marks.get(record.status, " ")
         shape = "x".join(str(n) for n in record.shape_ref) or "scalar"
         floats = record.floats
         nan = f"{floats.nan_ref}/{floats.nan_run}" if floats else "-"
         inf = f"{floats.inf_ref}/{floats.inf_run}" if floats else "-"
         metrics = [(getattr(floats, name) if floats else None, spec) for name, spec in (
-            ("rel_diff", ".3e"), ("cosine", ".6f"), ("max_abs", ".3e"), ("mean_abs", ".3e"), ("rel_l2", ".2e"))]
-        rel_diff, cosine, max_abs, mean_abs, rel_l2 = (fmt_value(value, spec) for value, spec in metrics)
+            ("rel_diff", ".3e"), ("norm_diff", ".3e"), ("cosine", ".6f"), ("max_abs", ".3e"), ("mean_abs", ".3e"),
+            ("rel_l2", ".2e"))]
+        rel_diff, norm_diff, cosine, max_abs, mean_abs, rel_l2 = (fmt_value(value, spec) for value, spec in metrics)
         lines.append(
             f"{mark} {record.key:<{width}} {fmt_value(record.layer, 'd'):>5} {fmt_value(record.step, 'd'):>5} "
-            f"{shape:<14} {rel_diff:>10} {cosine:>10} {max_abs:>10} {mean_abs:>10} {rel_l2:>9} "
+            f"{shape:<14} {rel_diff:>10} {norm_diff:>10} {cosine:>10} {max_abs:>10} {mean_abs:>10} {rel_l2:>9} "
             f"{nan:>7} {inf:>7}  {_note_for(record)}".rstrip()
         )
     return lines
@@ -123,14 +159,20 @@ def format_report(report: Report, table: str = "all") -> list[str]:
     many = len(report.pairs) > 1
     for pair in report.pairs:
         rank = f"rank {pair.rank}: " if pair.rank != "?" else ""
-        lines.append(f"== {rank}REF {pair.ref}  vs  RUN {pair.run}  (threshold {report.options.threshold:.1e})")
+        lines.append(f"== {rank}REF {pair.ref}  vs  RUN {pair.run}")
         records = pair.keys
         if table == "divergent":
-            records = [record for record in records if record.divergent or record.status == "skipped"]
+            records = [record for record in records if record.divergent or record.status != "ok"]
         if table != "none" and records:
             lines.extend(format_table(records))
     for note in report.notes:
         lines.append(f"note: {note}")
+    for pair in report.pairs:
+        prefix = f"rank {pair.rank} " if many else ""
+        lines.extend(f"{prefix}{line}" for line in threshold_lines(pair))
+        line = not_comparable_line(pair)
+        if line is not None:
+            lines.append(f"{prefix}{line}")
     if report.problems:
         lines.append(f"problems: {len(report.problems)}")
         for problem in report.problems:
@@ -149,10 +191,13 @@ def format_report(report: Report, table: str = "all") -> list[str]:
     flip = report.first_argmax_flip
     if flip is not None:
         relation = "<" if flip.kind == "near-tie" else ">="
+        within = ""
+        if flip.kind == "within-thresholds":
+            within = " (the step's logits stay within the decode-step thresholds: not a divergence)"
         lines.append(
             f"first argmax flip: step {flip.step} ({flip.key}): {flip.kind} -- reference margin "
             f"{fmt_value(flip.margin_ref, '.4g')} {relation} epsilon {flip.epsilon:.3g} "
-            f"(argmax REF {flip.argmax_ref}, RUN {flip.argmax_run})"
+            f"(argmax REF {flip.argmax_ref}, RUN {flip.argmax_run}){within}"
         )
     prefill, decode = report.prefill_divergence, report.decode_divergence
     if prefill is not None:
@@ -162,8 +207,14 @@ def format_report(report: Report, table: str = "all") -> list[str]:
     if decode is not None:
         lines.append(f"decode: first divergent step {decode.step}: {describe_divergence(decode)}; "
                      f"last good: {decode.last_good or 'none (first decode key)'}")
-    if report.first_id_mismatch is not None and report.root_cause is None:
-        lines.append(f"ids: first mismatch {describe_divergence(report.first_id_mismatch)}")
+    mismatches = report.id_mismatches
+    for item in mismatches[:8]:
+        at = f" [rank {item.rank}]" if many else ""
+        row = f"row {item.row}" if item.row is not None else "the ids"
+        why = f": {describe_routing(item.routing)}" if item.routing is not None else ": a divergence (merged side)"
+        lines.append(f"ids: {item.key}{where(item)}{at} differ ({row}, overlap {item.overlap}/{item.k}){why}")
+    if len(mismatches) > 8:
+        lines.append(f"ids: ... {len(mismatches) - 8} more ids keys differ (see the table or --json)")
     if report.root_cause is not None:
         lines.append(f"likely root cause: {describe_divergence(report.root_cause)}, "
                      f"before the first float divergence")
@@ -171,17 +222,88 @@ def format_report(report: Report, table: str = "all") -> list[str]:
     return lines
 
 
+def _number(value: float) -> str:
+    return format(value, ".0e") if value and float(format(value, ".0e")) == value else format(value, ".2g")
+
+
+def threshold_lines(pair: PairResult) -> list[str]:
+    """Which thresholds the pair's float keys were judged by, and why: one line per source-dtype
+    pair and threshold set."""
+    lines = []
+    for use in threshold_uses(pair.keys):
+        sides = f"{use['ref_dtype'] or 'unknown'} vs {use['run_dtype'] or 'unknown'}"
+        origin = {"calibrated": f"{use['class']} defaults, calibrated: docs/compare.md",
+                  "calibrated decode": f"{use['class']} decode-step defaults, calibrated: docs/compare.md",
+                  "legacy": "legacy default: a side has no source dtype (no manifest)",
+                  "legacy decode": "legacy decode-step default: a side has no source dtype (no manifest)"}
+        if use["rel_source"] == use["norm_source"]:
+            why = origin.get(use["rel_source"], use["rel_source"])
+        else:
+            why = (f"rel_diff from {origin.get(use['rel_source'], use['rel_source'])}, norm_diff from "
+                   f"{origin.get(use['norm_source'], use['norm_source'])}")
+        count = f"{use['keys']} key{'s' if use['keys'] != 1 else ''}"
+        lines.append(f"thresholds: {sides} -> rel_diff <= {_number(use['rel_diff'])}, norm_diff <= "
+                     f"{_number(use['norm_diff'])} ({why}; {count})")
+    return lines
+
+
+def not_comparable_line(pair: PairResult) -> str | None:
+    """One line for the keys whose two values come from different phases or token counts."""
+    refused = pair.not_comparable
+    if not refused:
+        return None
+    calls: dict[tuple, int] = {}
+    for record in refused:
+        sides = record.sides
+        call = (sides.phase_ref, sides.tokens_ref, sides.phase_run, sides.tokens_run)
+        calls[call] = calls.get(call, 0) + 1
+    described = []
+    for (phase_ref, tokens_ref, phase_run, tokens_run), count in calls.items():
+        described.append(f"{count} x REF {_call(phase_ref, tokens_ref)} vs RUN {_call(phase_run, tokens_run)}")
+    keys = ", ".join(record.key for record in refused[:6]) + (f", ... ({len(refused) - 6} more)"
+                                                              if len(refused) > 6 else "")
+    return (f"not comparable: {len(refused)} keys hold values of different phases or token counts "
+            f"({'; '.join(described)}): {keys}; not compared, fix: {fix_hint(pair.prompt_tokens)}")
+
+
+def _call(phase: str | None, tokens: int | None) -> str:
+    text = phase or "call"
+    return f"{text} of {tokens_text(tokens)}" if tokens is not None else text
+
+
 def final_line(report: Report) -> str:
     """The report's last line: ``first divergence: ...`` or ``no divergence: ...``."""
     first = report.first_divergence
     if first is None:
         compared = sum(pair.compared for pair in report.pairs)
+        closest = report.closest
+        near = ""
+        if closest is not None and closest.threshold is not None:
+            at = f" [rank {closest.rank}]" if len(report.pairs) > 1 else ""
+            place = where(closest)
+            near = (f"; closest: {closest.key}{place}{at} {closest.metric} {fmt_value(closest.value, '.2g')} "
+                    f"vs threshold {_number(closest.threshold)}")
+        refused = len(report.not_comparable)
+        skipped = f"; {refused} keys NOT COMPARABLE (see above)" if refused else ""
         extra = f"; {len(report.problems)} problems listed above" if report.problems else ""
         flip = report.first_argmax_flip
-        tie = f"; near-tie argmax flip at step {flip.step}" if flip is not None else ""
-        return f"no divergence: {compared} keys compared, all within threshold{tie}{extra}"
+        tie = f"; {flip.kind} argmax flip at step {flip.step}" if flip is not None else ""
+        ids = report.id_mismatches
+        routed = ""
+        if ids:
+            verdicts = ", ".join(f"{item.key} ({ROUTING_WORDS.get(item.routing_verdict, 'divergence')})"
+                                 for item in ids[:4])
+            more = f", ... ({len(ids) - 4} more)" if len(ids) > 4 else ""
+            routed = f"; expert ids differ without a divergence: {verdicts}{more}"
+            excused = sum(1 for record in report.keys if record.excused_rows)
+            if excused:
+                routed += f" ({excused} keys not judged at the tokens a near tie routed elsewhere)"
+        return f"no divergence: {compared} keys compared{near}{skipped}{routed}{tie}{extra}"
     rank = f" [rank {first.rank}]" if len(report.pairs) > 1 else ""
     last = f"; last good: {first.last_good}" if first.last_good else ""
     cause = report.root_cause
-    why = f"; likely root cause: {cause.key}{where(cause)} ids differ" if cause is not None else ""
+    why = ""
+    if cause is not None:
+        kind = f" ({ROUTING_WORDS[cause.routing_verdict]})" if cause.routing_verdict in ROUTING_WORDS else ""
+        why = f"; likely root cause: {cause.key}{where(cause)} ids differ{kind}"
     return f"first divergence: {describe_divergence(first)}{rank}{last}{why}"

@@ -11,11 +11,14 @@ from pathlib import Path
 
 from ..format.keys import order_key_infos
 from ..format.reader import Dump, DumpError, rank_sort_key
-from .measure import KeyMeasurer, logits_tags
+from .measure import KeyMeasurer, excuse_near_ties, float_class, logits_tags
 from .metrics import Workspace
 from .options import CompareOptions
 from .pairing import find_pairs
+from .phases import mixed_phase_detail, mixed_phase_keys, not_captured, not_captured_note, prompt_length
+from .rename import RenamedDump
 from .report import ArgmaxFlip, DecodeMargins, Divergence, KeyRecord, PairResult, Problem, Report
+from .routing import describe_routing
 
 
 class NoCommonKeys(DumpError):
@@ -35,7 +38,8 @@ def compare(ref_path: str | Path, run_path: str | Path, options: CompareOptions 
     empty: list[str] = []
     for pair in pairs:
         try:
-            results.append(compare_pair(pair.ref, pair.run, options, pair.rank))
+            run = RenamedDump(pair.run, options.maps) if options.maps else pair.run
+            results.append(compare_pair(pair.ref, run, options, pair.rank))
         except NoCommonKeys as exc:
             # One rank without common keys is a problem to list; all of them is unusable input.
             empty.append(str(exc))
@@ -73,7 +77,7 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     float_sizes = [member.size for key, member in ref.members.items() if key in common and not member.is_integer]
     workspace = Workspace(min(options.chunk_elements, max(float_sizes, default=1)))
     measurer = KeyMeasurer(ref, run, options, rank, logits_tags(ordered, authority.members | other.members),
-                           workspace)
+                           workspace, float_class(ref, run, sorted(common)))
     records: list[KeyRecord] = []
     for info in ordered:
         key = info.key
@@ -88,12 +92,19 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
         records.append(measurer.record(info, problems))
     for position, record in enumerate(records):
         record.position = position
+    prompt = prompt_length(ref, run)
     for side, dump in (("REF", ref), ("RUN", run)):
-        drops = (dump.manifest or {}).get("drops") or {}
-        if isinstance(drops, dict) and drops:
-            notes.append(f"{side} manifest drops: " + ", ".join(f"{reason}={count}" for reason, count in drops.items()))
+        mixed = mixed_phase_keys(dump)
+        if mixed[0]:
+            problems.append(Problem("mixed_phases", rank, mixed_phase_detail(side, *mixed, prompt), side=side))
+    captured = {"REF": not_captured(ref), "RUN": not_captured(run)}
+    note = not_captured_note(captured)
+    if note is not None:
+        notes.append(note)
     result = PairResult(rank=rank, ref=str(ref.path), run=str(run.path), ref_manifest=ref.manifest is not None,
-                        run_manifest=run.manifest is not None, keys=records, problems=problems, notes=notes)
+                        run_manifest=run.manifest is not None, keys=records, problems=problems, notes=notes,
+                        not_captured=captured, prompt_tokens=prompt,
+                        renamed=run.renamed() if isinstance(run, RenamedDump) else {})
     analyse_pair(result)
     return result
 
@@ -101,14 +112,17 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
 def _divergence(record: KeyRecord, last_good: KeyRecord | None) -> Divergence:
     divergence = Divergence(
         key=record.key, layer=record.layer, step=record.step, phase=record.phase, rank=record.rank,
-        position=record.position, metric=record.metric, value=record.value, threshold=record.threshold,
+        position=record.position, metric=record.metric, value=record.value,
+        threshold=record.limits.norm_diff if record.metric == "norm_diff" and record.limits else record.threshold,
         last_good=last_good.key if last_good else None, last_good_step=last_good.step if last_good else None,
         merge=record.merge,
     )
+    if record.divergent_rows:
+        divergence = replace(divergence, divergent_rows=record.divergent_rows, row_count=len(record.rows.rel_diff))
     if record.ids is not None:
         ids = record.ids
         divergence = replace(divergence, metric="ids", value=ids.mismatched_elements, threshold=None,
-                             row=ids.first_mismatch_row, overlap=ids.overlap, k=ids.k)
+                             row=ids.first_mismatch_row, overlap=ids.overlap, k=ids.k, routing=record.routing)
     return divergence
 
 
@@ -127,12 +141,31 @@ def _first_in_phase(floats: list[KeyRecord], phase: str) -> Divergence | None:
 def analyse_pair(pair: PairResult) -> None:
     """Fill in ``pair``'s findings from its key records."""
     records = pair.keys
+    excused = excuse_near_ties(records)
     floats = [record for record in records if record.floats is not None]
     pair.prefill_divergence = _first_in_phase(floats, "prefill")
     pair.decode_divergence = _first_in_phase(floats, "decode")
-    id_mismatches = [record for record in records if record.ids is not None and record.divergent]
-    first_ids = _divergence(id_mismatches[0], None) if id_mismatches else None
+    # Every ids key that differs; in a low-precision class a near tie (or a row without reference
+    # router logits) is reported but is not a divergence by itself (compare/routing.py).
+    differing = [record for record in records if record.ids_differ]
+    pair.id_mismatches = [_divergence(record, None) for record in differing]
+    first_ids = pair.id_mismatches[0] if differing else None
     pair.first_id_mismatch = first_ids
+    divergent_ids = next((_divergence(record, None) for record in differing if record.divergent), None)
+    for record in differing:
+        verdict = record.routing.verdict if record.routing is not None else "divergence"
+        if verdict == "not_judged":
+            pair.problems.append(Problem(
+                "ids_not_judged", pair.rank, f"{_ids_text(record)}: {describe_routing(record.routing)} by itself "
+                f"(a float divergence after it names it as the likely root cause); the router logits of every "
+                f"row (rows=\"all\") would judge each row", record.key))
+        elif verdict == "near_tie":
+            pair.notes.append(f"{record.key}: {_ids_text(record)}: {describe_routing(record.routing)}")
+        if record.key in excused:
+            keys = excused[record.key]
+            shown = ", ".join(keys[:8]) + (f", ... ({len(keys) - 8} more)" if len(keys) > 8 else "")
+            pair.notes.append(f"{record.key}: the tokens routed elsewhere by its near tie are not judged in the "
+                              f"{len(keys)} keys after it that crossed a threshold only there: {shown}")
     flips = [record for record in records if record.margin_analysis and record.argmax_equal is False]
     if flips:
         flip = flips[0]
@@ -140,13 +173,17 @@ def analyse_pair(pair: PairResult) -> None:
         epsilon = flip.near_tie_epsilon
         pair.first_argmax_flip = ArgmaxFlip(
             step=flip.step, key=flip.key, tag=flip.tag, rank=pair.rank,
-            kind="near-tie" if ref_top.margin < epsilon else "divergence", margin_ref=ref_top.margin,
+            kind=_flip_kind(flip, ref_top.margin, epsilon), margin_ref=ref_top.margin,
             margin_run=run_top.margin, argmax_ref=ref_top.argmax, argmax_run=run_top.argmax, epsilon=epsilon,
             position=flip.position)
     float_first = pair.prefill_divergence or pair.decode_divergence
     if float_first is not None and first_ids is not None and first_ids.position < float_first.position:
-        pair.root_cause = replace(first_ids, reason="integer ids differ before the first float divergence")
-    first = float_first or first_ids
+        reason = "integer ids differ before the first float divergence"
+        if first_ids.routing_verdict in ("near_tie", "not_judged"):
+            reason += f" ({'a near tie' if first_ids.routing_verdict == 'near_tie' else 'not judged'}: "
+            reason += "the tokens went to other experts, and the floats after them differ)"
+        pair.root_cause = replace(first_ids, reason=reason)
+    first = float_first or divergent_ids
     flip = pair.first_argmax_flip
     if first is None and flip is not None and flip.kind == "divergence":
         flipped = records[flip.position]
@@ -166,6 +203,25 @@ def analyse_pair(pair: PairResult) -> None:
             smallest_step=smallest.step, smallest_key=smallest.key,
             smallest_value=smallest.floats.margins.ref.margin,
         )
+
+
+def _flip_kind(record: KeyRecord, margin: float, epsilon: float) -> str:
+    """``near-tie`` (reference margin below epsilon), ``within-thresholds`` (the step's logits
+    stay within the decode-step defaults of a low-precision class, which an unrecorded routing
+    flip of the decoded token reaches: docs/compare.md) or ``divergence``."""
+    if margin < epsilon:
+        return "near-tie"
+    limits = record.limits
+    if (not record.divergent and limits is not None and limits.rel_source.endswith(" decode")
+            and limits.norm_source.endswith(" decode")):
+        return "within-thresholds"
+    return "divergence"
+
+
+def _ids_text(record: KeyRecord) -> str:
+    """``expert ids differ in 1/7 rows``."""
+    ids = record.ids
+    return f"expert ids differ in {ids.mismatched_rows}/{ids.rows} rows" if ids.rows is not None else "ids differ"
 
 
 def _nan_last(value: float | None) -> float:

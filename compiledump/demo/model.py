@@ -43,8 +43,9 @@ class ModelConfig:
     ffn: int = 96
     seed: int = 0
     captures_per_layer: int = 3  # hidden state + expert ids (2), + MoE output (3), + mixer (4), + MoE input (5)
-    bug_layer: int = -1  # dropped_hc: hc stream 1 loses this layer's update; routed_scale: MoE output x1.5
+    bug_layer: int = -1  # dropped_hc: hc stream 1 loses this layer's update; routed_scale: MoE output x bug_scale
     bug: str = "dropped_hc"  # or "routed_scale": how the bug at bug_layer breaks the layer
+    bug_scale: float = 1.5  # routed_scale's factor on the MoE output
 
     def __post_init__(self):
         if self.bug not in BUGS:
@@ -102,7 +103,7 @@ class TinyMoE(nn.Module):
         chosen = torch.gather(outs, 1, ids[:, :, None].expand(-1, -1, outs.shape[-1]))
         out = (chosen * weights[:, :, None]).sum(1)
         if i == cfg.bug_layer and cfg.bug == "routed_scale":
-            out = out * 1.5  # a routed scaling factor applied where the reference has none
+            out = out * cfg.bug_scale  # a routed scaling factor applied where the reference has none
         return out
 
     def forward(self, tokens: torch.Tensor, state: torch.Tensor | None = None):

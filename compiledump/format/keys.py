@@ -32,6 +32,11 @@ class KeyInfo:
     layer: int | None
     order: float  # tag's first-capture order (manifest) or member position (inferred)
     from_manifest: bool
+    # Optional manifest fields (absent from older manifests and files without one: None).
+    source_dtype: str | None = None  # the captured tensor's torch dtype name, e.g. "bfloat16"
+    tokens: int | None = None  # shape[0] of the call whose value the dump holds (record kinds, ids)
+    written_phase: str | None = None  # "prefill" | "decode": the phase that call belonged to
+    all_rows: bool = False  # keys[k].rows == "all": every token position's row, [tokens, dim]
 
     @property
     def phase(self) -> str:
@@ -50,7 +55,13 @@ def info_from_manifest(key: str, entry: Any) -> KeyInfo | None:
     kind = entry["kind"]
     if kind == "step" and step is None:
         return None
-    return KeyInfo(key, kind, tag, step if kind == "step" else None, spec.layer_of(tag), order, True)
+    tokens = entry.get("tokens")
+    phase = entry.get("phase")
+    return KeyInfo(key, kind, tag, step if kind == "step" else None, spec.layer_of(tag), order, True,
+                   source_dtype=entry["source_dtype"] if isinstance(entry.get("source_dtype"), str) else None,
+                   tokens=tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None,
+                   written_phase=phase if phase in ("prefill", "decode") else None,
+                   all_rows=entry.get("rows") == "all")
 
 
 def infer_key_infos(members: list[Named]) -> dict[str, KeyInfo]:

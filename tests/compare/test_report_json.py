@@ -22,12 +22,19 @@ from compiledump.compare import CompareOptions, compare, write_json_report
 
 TOP = {"format", "format_version", "ref", "run", "threshold", "threshold_for", "near_tie", "first_divergence",
        "prefill_divergence", "decode_divergence", "first_id_mismatch", "root_cause", "first_argmax_flip", "keys",
-       "problems", "notes", "pairs", "elapsed_s", "exit_status"}
+       "problems", "notes", "pairs", "elapsed_s", "exit_status",
+       # issue 13: thresholds from the data, norm_diff, phases, --map, the closest key
+       "norm_threshold", "default_thresholds", "thresholds", "map", "closest", "compared", "not_comparable",
+       # expert ids judged by the router logits: every ids key that differs
+       "id_mismatches"}
 
 BASE = {"key", "rank", "kind", "tag", "layer", "step", "phase", "shape_ref", "shape_run", "dtype_ref", "dtype_run",
-        "status", "divergent", "position"}
+        "status", "divergent", "position",
+        "source_dtype_ref", "source_dtype_run", "tokens_ref", "tokens_run", "phase_ref", "phase_run"}
 FLOAT = {"metric_kind", "threshold", "rel_diff", "cosine", "max_abs", "mean_abs", "rel_l2", "nan_ref", "nan_run",
-         "inf_ref", "inf_run", "nonfinite_mismatch", "compared_elements", "logits", "margin_analysis"}
+         "inf_ref", "inf_run", "nonfinite_mismatch", "compared_elements", "logits", "margin_analysis",
+         "norm_diff", "norm_threshold", "threshold_class", "threshold_source", "norm_threshold_source"}
+ROWS = {"all_rows", "row_count", "row_rel_diff", "row_norm_diff", "divergent_rows"}
 MARGINS = {"argmax_ref", "argmax_run", "margin_ref", "margin_run", "top1_ref", "top1_run", "argmax_equal",
            "near_tie_epsilon"}
 CROSSED = {"metric", "value"}
@@ -35,23 +42,36 @@ IDS = {"metric_kind", "ids_equal", "mismatched_elements", "total_elements"}
 IDS_DIFFER = {"first_mismatch_row", "first_mismatch_index", "mismatched_rows", "rows", "overlap", "k", "same_set",
               "ref_ids", "run_ids"}
 MERGE = {"merge", "merged_ranks", "ranks", "divergent_ranks", "worst_rank"}
+ROUTING = {"routing"}  # ids that differ, unless a side is merged (judged strictly)
+EXCUSED = {"excused_rows", "excused_by", "excused_metric", "excused_value"}
 
-# (metric_kind, status, margins computed, merged, worst rank named) -> the record's fields
+# (metric_kind, status, margins computed, merged, worst rank named, all rows) -> the record's fields;
+# the records with token rows excused by a near tie are in EXCUSED_RECORDS.
 RECORDS = {
-    (None, "skipped", False, False, False): BASE,
-    ("float", "ok", False, False, False): BASE | FLOAT,
-    ("float", "ok", True, False, False): BASE | FLOAT | MARGINS,
-    ("float", "divergent", False, False, False): BASE | FLOAT | CROSSED,
-    ("float", "divergent", True, False, False): BASE | FLOAT | MARGINS | CROSSED,
-    ("ids", "ok", False, False, False): BASE | IDS,
-    ("ids", "mismatch", False, False, False): BASE | IDS | IDS_DIFFER,
-    ("float", "ok", False, True, False): BASE | FLOAT | MERGE,
-    ("float", "ok", True, True, False): BASE | FLOAT | MARGINS | MERGE,
-    ("float", "divergent", False, True, False): BASE | FLOAT | CROSSED | MERGE,  # partial sums: no rank named
-    ("float", "divergent", False, True, True): BASE | FLOAT | CROSSED | MERGE | {"worst_rank_value"},
-    ("float", "divergent", True, True, True): BASE | FLOAT | MARGINS | CROSSED | MERGE | {"worst_rank_value"},
-    ("ids", "ok", False, True, False): BASE | IDS | MERGE,
-    ("ids", "mismatch", False, True, True): BASE | IDS | IDS_DIFFER | MERGE | {"worst_rank_value"},
+    (None, "skipped", False, False, False, False): BASE,
+    ("float", "ok", False, False, False, False): BASE | FLOAT,
+    ("float", "ok", True, False, False, False): BASE | FLOAT | MARGINS,
+    ("float", "divergent", False, False, False, False): BASE | FLOAT | CROSSED,
+    ("float", "divergent", True, False, False, False): BASE | FLOAT | MARGINS | CROSSED,
+    ("ids", "ok", False, False, False, False): BASE | IDS,
+    ("ids", "mismatch", False, False, False, False): BASE | IDS | IDS_DIFFER | ROUTING,
+    ("ids", "near_tie", False, False, False, False): BASE | IDS | IDS_DIFFER | ROUTING,
+    ("ids", "not_judged", False, False, False, False): BASE | IDS | IDS_DIFFER | ROUTING,
+    ("float", "ok", False, True, False, False): BASE | FLOAT | MERGE,
+    ("float", "ok", True, True, False, False): BASE | FLOAT | MARGINS | MERGE,
+    ("float", "divergent", False, True, False, False): BASE | FLOAT | CROSSED | MERGE,  # partial sums: no rank named
+    ("float", "divergent", False, True, True, False): BASE | FLOAT | CROSSED | MERGE | {"worst_rank_value"},
+    ("float", "divergent", True, True, True, False): BASE | FLOAT | MARGINS | CROSSED | MERGE | {"worst_rank_value"},
+    ("ids", "ok", False, True, False, False): BASE | IDS | MERGE,
+    ("ids", "mismatch", False, True, True, False): BASE | IDS | IDS_DIFFER | MERGE | {"worst_rank_value"},
+    (None, "not_comparable", False, False, False, False): BASE | {"reason"},
+    ("float", "ok", False, False, False, True): BASE | FLOAT | ROWS,
+    ("float", "divergent", False, False, False, True): BASE | FLOAT | CROSSED | ROWS,
+}
+EXCUSED_RECORDS = {
+    ("float", "after_near_tie", False, False, False, False): BASE | FLOAT | EXCUSED,
+    ("float", "after_near_tie", False, False, False, True): BASE | FLOAT | ROWS | EXCUSED,
+    ("float", "divergent", False, False, False, True): BASE | FLOAT | CROSSED | ROWS | EXCUSED,
 }
 RANK_PARTS = {
     frozenset({"rank", "divergent", "rel_diff", "max_abs", "nonfinite_mismatch"}),  # a copy of an unsharded key
@@ -67,25 +87,39 @@ PROBLEMS = {
     "unreadable": KEY_PROBLEM | {"side"},  # a member of one side (an array that fails to read later: no side)
     "shard_incomplete": KEY_PROBLEM | {"side"}, "shard_mismatch": KEY_PROBLEM | {"side"},
     "missing_on_rank": KEY_PROBLEM | {"side"}, "unpaired_rank": FILE_PROBLEM, "duplicate_rank": FILE_PROBLEM,
+    "mixed_phases": KEY_PROBLEM | {"side"}, "map_collision": KEY_PROBLEM | {"side"},
+    "ids_not_judged": KEY_PROBLEM,
 }
 DIVERGENCE = {"key", "layer", "step", "phase", "rank", "position", "last_good", "last_good_step", "metric", "value",
               "threshold"}
 MERGED_DIVERGENCE = {"merge", "worst_rank", "worst_rank_value", "merged_ranks", "divergent_ranks"}
-# (metric, merged, root cause) -> fields of first_divergence / prefill_divergence / ... / root_cause
+# (metric, merged, root cause, all rows) -> fields of first_divergence / prefill_divergence / ... / root_cause
 DIVERGENCES = {
-    ("rel_diff", False, False): DIVERGENCE,
-    ("nonfinite", False, False): DIVERGENCE,
-    ("argmax", False, False): DIVERGENCE,
-    ("ids", False, False): DIVERGENCE | {"row", "overlap", "k"},
-    ("ids", False, True): DIVERGENCE | {"row", "overlap", "k", "reason"},
-    ("rel_diff", True, False): DIVERGENCE | MERGED_DIVERGENCE,
-    ("ids", True, False): DIVERGENCE | {"row", "overlap", "k"} | MERGED_DIVERGENCE,
+    ("rel_diff", False, False, False): DIVERGENCE,
+    ("norm_diff", False, False, False): DIVERGENCE,
+    ("nonfinite", False, False, False): DIVERGENCE,
+    ("argmax", False, False, False): DIVERGENCE,
+    ("ids", False, False, False): DIVERGENCE | {"row", "overlap", "k", "routing"},
+    ("ids", False, True, False): DIVERGENCE | {"row", "overlap", "k", "routing", "reason"},
+    ("rel_diff", True, False, False): DIVERGENCE | MERGED_DIVERGENCE,
+    ("norm_diff", True, False, False): DIVERGENCE | MERGED_DIVERGENCE,
+    ("ids", True, False, False): DIVERGENCE | {"row", "overlap", "k", "routing"} | MERGED_DIVERGENCE,
+    ("rel_diff", False, False, True): DIVERGENCE | {"divergent_rows", "row_count"},
 }
 FLIP = {"step", "key", "tag", "rank", "kind", "margin_ref", "margin_run", "argmax_ref", "argmax_run", "epsilon",
         "position"}
 PAIR = {"rank", "ref", "run", "ref_manifest", "run_manifest", "compared", "divergent_keys", "first_divergence",
-        "first_argmax_flip", "decode_margins"}
+        "first_argmax_flip", "decode_margins", "id_mismatches",
+        "not_comparable", "prompt_tokens", "closest", "thresholds", "not_captured", "renamed"}
+CLOSEST = {"key", "rank", "layer", "step", "metric", "value", "threshold", "ratio"}
+THRESHOLD_USE = {"rank", "ref_dtype", "run_dtype", "class", "rel_diff", "norm_diff", "rel_source", "norm_source", "keys"}
+NOT_COMPARABLE = {"key", "rank", "reason", "source_dtype_ref", "source_dtype_run", "tokens_ref", "tokens_run",
+                  "phase_ref", "phase_run"}
+NOT_CAPTURED = {"filtered_tags", "filtered", "tags_none_kept", "drops"}
 DECODE_MARGINS = {"tags", "steps", "argmax_agree", "compared", "flips", "smallest_ref_margin"}
+ROUTING_FIELDS = {"verdict", "class", "class_from", "router_key", "router_rows", "differing_rows", "near_tie_rows",
+                  "far_rows", "not_judged_rows", "after_near_tie_rows", "rows"}
+ROUTING_ROW = {"row", "overlap", "k", "gap", "epsilon", "near_tie", "reason", "after_near_tie"}
 
 
 def write_tp2(directory: Path, captures: list[factory.Capture], shards: dict[str, dict],
@@ -161,7 +195,7 @@ def reports(tmp_path: Path) -> list[dict]:
     run(ref_path, factory.write_compiledump(tmp_path / "b", noisy))
     flipped = factory.perturb(ref, rng)
     flipped[[c.key for c in flipped].index("logits_1")].array[0] = 1e3
-    run(ref_path, factory.write_compiledump(tmp_path / "c", flipped), threshold=10.0, near_tie=0.5)
+    run(ref_path, factory.write_compiledump(tmp_path / "c", flipped), threshold=10.0, norm_threshold=1e9, near_tie=0.5)
     # An id mismatch alone, and ranks: unpaired, duplicate, no common keys.
     for rank in (0, 1, 2):
         factory.write_compiledump(tmp_path / "d/ref", ref, rank=rank, pid=10 + rank)
@@ -190,7 +224,85 @@ def reports(tmp_path: Path) -> list[dict]:
         arrays = {key: data[key] for key in data.files if key != "layer3"}
     np.savez(rank1, **arrays)
     run(ref_path, tmp_path / "k")
+    # Values of different phases (the token gate off on RUN): not comparable; RUN mixes phases.
+    prompt = 3
+    calls = factory.manifest_for(ref, key_fields=factory.call_fields(ref, prompt, prompt, prompt), prompt_tokens=prompt)
+    phased = factory.write_compiledump(tmp_path / "l/ref", ref, manifest=calls)
+    decoded = factory.perturb(ref, rng)
+    mixed = factory.manifest_for(decoded, key_fields=factory.call_fields(decoded, 4, prompt, prompt),
+                                 prompt_tokens=prompt, filtered_tags={"layer9_topk": "moe_layers"})
+    run(phased, factory.write_compiledump(tmp_path / "l/run", decoded, manifest=mixed))
+    # All-rows keys (one row off) and a key scaled by 1.05 (norm_diff crosses first).
+    rows_ref = ref + [factory.Capture(f"layer{n}_rows", rng.standard_normal((4, 31)).astype(np.float32), "record",
+                                      f"layer{n}_rows") for n in (0, 1)]
+    rows_run = factory.perturb(rows_ref, rng)
+    rows_run[-1].array[2] *= 1.2
+    rows_run = [factory.replace(c, array=(c.array * 1.05).astype(np.float32)) if c.key == "layer2_moe_out" else c
+                for c in rows_run]
+    fields = {"layer0_rows": {"rows": "all", "tokens": 4}, "layer1_rows": {"rows": "all", "tokens": 4}}
+    run(factory.write_compiledump(tmp_path / "m/ref", rows_ref,
+                                  manifest=factory.manifest_for(rows_ref, key_fields=fields)),
+        factory.write_compiledump(tmp_path / "m/run", rows_run,
+                                  manifest=factory.manifest_for(rows_run, key_fields=fields)))
+    scaled = [factory.replace(c, array=(c.array * 1.05).astype(np.float32)) if c.key == "layer2_moe_out" else c
+              for c in factory.perturb(ref, rng)]
+    run(ref_path, factory.write_compiledump(tmp_path / "n", scaled))
+    # Expert ids judged by router logits: near ties (one row, and rows of all-rows keys) excuse the
+    # float keys of those tokens after them; a row without logits is not judged.
+    for mode in ("one", "all"):
+        ref_moe, run_moe, moe_fields = moe_pair(np.random.default_rng(300), mode)
+        run(factory.write_compiledump(tmp_path / f"p{mode}/ref", ref_moe,
+                                      manifest=factory.manifest_for(ref_moe, key_fields=moe_fields)),
+            factory.write_compiledump(tmp_path / f"p{mode}/run", run_moe,
+                                      manifest=factory.manifest_for(run_moe, key_fields=moe_fields)))
+    # --map: RUN tags differ; two RUN keys map to one name.
+    renamed = [factory.replace(c, key=c.key.replace("layer", "blk"), tag=c.tag.replace("layer", "blk"))
+               for c in factory.perturb(ref, rng)]
+    renamed.append(factory.Capture("blk0x", np.ones(3, np.float32), "record", "blk0x"))
+    run(ref_path, factory.write_compiledump(tmp_path / "o", renamed), maps=[("^blk", "layer"), ("^layer0x$", "layer0")])
     return out
+
+
+def moe_pair(rng: np.random.Generator, mode: str) -> tuple[list, list, dict]:
+    """REF/RUN captures (bf16 manifests) of two MoE layers of 5 tokens: router logits (the last
+    row, or every row), top-2 ids (the top-2 of the logits), MoE and layer output. RUN: layer 0's
+    ids swap the 2nd and 3rd expert of row 4 (one mode) or row 2 (all mode) after REF's logits
+    there were made a near tie (gap 1e-3); layer 1's ids differ in row 0 (no logits in one mode);
+    the floats of layer 0 and after are 30 % off in that token (all mode: also in token 3 of
+    ``layer0_mlp``)."""
+    tokens, experts, dim = 5, 8, 16
+    tie_row = tokens - 1 if mode == "one" else 2
+    ref, run, moe_fields = [], [], {}
+    for layer in (0, 1):
+        logits = rng.standard_normal((tokens, experts)).astype(np.float32)
+        order = np.argsort(-logits[tie_row])
+        if layer == 0:
+            logits[tie_row, order[2]] = logits[tie_row, order[1]] - np.float32(1e-3)
+        ids = np.argsort(-logits, axis=1, kind="stable")[:, :2].astype(np.int32)
+        run_ids = ids.copy()
+        if layer == 0:
+            run_ids[tie_row, 1] = np.argsort(-logits[tie_row], kind="stable")[2]
+        else:
+            run_ids[0] = run_ids[0][::-1]
+        router = logits if mode == "all" else logits[-1]
+        shape = (tokens, dim) if mode == "all" else (dim,)
+        mlp, out = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+        off_mlp, off_out = mlp.copy(), out.copy()
+        for array in (off_mlp, off_out):
+            if mode == "all":
+                array[tie_row] *= 1.3
+            else:
+                array *= 1.3
+        if mode == "all" and layer == 0:
+            off_mlp[3] *= 1.3
+        names = [f"layer{layer}_router", f"layer{layer}_topk", f"layer{layer}_mlp", f"layer{layer}"]
+        for name, ref_array, run_array in zip(names, (router, ids, mlp, out), (router, run_ids, off_mlp, off_out)):
+            kind = "ids" if name.endswith("topk") else "record"
+            ref.append(factory.Capture(name, ref_array, kind, name))
+            run.append(factory.Capture(name, run_array, kind, name))
+            if mode == "all" and kind == "record":
+                moe_fields[name] = {"rows": "all", "tokens": tokens}
+    return ref, run, moe_fields
 
 
 def fields(item: dict) -> frozenset:
@@ -199,6 +311,7 @@ def fields(item: dict) -> frozenset:
 
 def test_json_report_fields_are_pinned(tmp_path):
     seen_records, seen_problems, seen_divergences, seen_parts = set(), set(), set(), set()
+    seen_pair_facts, seen_exits = set(), set()
     all_reports = reports(tmp_path)
     for report in all_reports:
         assert set(report) == TOP
@@ -206,10 +319,11 @@ def test_json_report_fields_are_pinned(tmp_path):
         assert set(report["near_tie"]) in ({"epsilon"}, {"ulps_of_ref_top1"})
         for record in report["keys"]:
             kind = (record.get("metric_kind"), record["status"], "argmax_ref" in record, "merge" in record,
-                    record.get("worst_rank") is not None)
-            assert kind in RECORDS, (kind, sorted(record))
-            assert set(record) == RECORDS[kind], (kind, sorted(set(record) ^ RECORDS[kind]))
-            seen_records.add(kind)
+                    record.get("worst_rank") is not None, "all_rows" in record)
+            table = EXCUSED_RECORDS if "excused_rows" in record else RECORDS
+            assert kind in table, (kind, sorted(record))
+            assert set(record) == table[kind], (kind, sorted(set(record) ^ table[kind]))
+            seen_records.add((kind, table is EXCUSED_RECORDS))
             for part in record.get("ranks", ()):
                 assert fields(part) in RANK_PARTS, sorted(part)
                 seen_parts.add(fields(part))
@@ -219,9 +333,16 @@ def test_json_report_fields_are_pinned(tmp_path):
         for name in ("first_divergence", "prefill_divergence", "decode_divergence", "first_id_mismatch", "root_cause"):
             item = report[name]
             if item is not None:
-                kind = (item["metric"], "merge" in item, name == "root_cause")
+                kind = (item["metric"], "merge" in item, name == "root_cause", "divergent_rows" in item)
                 assert set(item) == DIVERGENCES[kind], (name, kind, sorted(item))
                 seen_divergences.add(kind)
+        for item in report["id_mismatches"]:
+            kind = (item["metric"], "merge" in item, False, "divergent_rows" in item)
+            assert set(item) == DIVERGENCES[kind], sorted(item)
+            routing = item["routing"]
+            assert routing is None or set(routing) == ROUTING_FIELDS, sorted(routing)
+            for row in (routing or {}).get("rows", ()):
+                assert set(row) == ROUTING_ROW, sorted(row)
         if report["first_argmax_flip"] is not None:
             assert set(report["first_argmax_flip"]) == FLIP
         for pair in report["pairs"]:
@@ -229,13 +350,28 @@ def test_json_report_fields_are_pinned(tmp_path):
             if pair["decode_margins"] is not None:
                 assert set(pair["decode_margins"]) == DECODE_MARGINS
                 assert set(pair["decode_margins"]["smallest_ref_margin"]) == {"step", "key", "value"}
-        assert report["exit_status"] == (1 if report["first_divergence"] is not None else 0)
+            assert set(pair["closest"]) == CLOSEST
+            assert all(set(use) == THRESHOLD_USE for use in pair["thresholds"]) and pair["thresholds"]
+            for side in pair["not_captured"].values():
+                assert side is None or set(side) == NOT_CAPTURED
+            seen_pair_facts.update(name for name in ("prompt_tokens", "renamed") if pair[name])
+        assert set(report["closest"]) == CLOSEST and set(report["default_thresholds"]) == {
+            "fp32", "fp16", "bf16", "fp8", "legacy"}
+        assert all(set(use) == THRESHOLD_USE for use in report["thresholds"])
+        assert all(set(item) == NOT_COMPARABLE for item in report["not_comparable"])
+        assert report["compared"] == sum(pair["compared"] for pair in report["pairs"])
+        expected = 1 if report["first_divergence"] is not None else (3 if report["not_comparable"] else 0)
+        assert report["exit_status"] == expected
+        seen_exits.add(report["exit_status"])
     # Every kind was produced: the pin checks something.
-    assert seen_records == set(RECORDS), set(RECORDS) - seen_records
+    expected_records = {(kind, False) for kind in RECORDS} | {(kind, True) for kind in EXCUSED_RECORDS}
+    assert seen_records == expected_records, expected_records - seen_records
     assert seen_parts == RANK_PARTS
     assert seen_problems == set(PROBLEMS), set(PROBLEMS) - seen_problems
     assert seen_divergences == set(DIVERGENCES), set(DIVERGENCES) - seen_divergences
     assert any(report["first_argmax_flip"] for report in all_reports)
+    assert seen_pair_facts == {"prompt_tokens", "renamed"} and seen_exits == {0, 1, 3}
+    assert any(report["not_comparable"] for report in all_reports)
 
 
 def test_json_report_is_strict_json(tmp_path, capsys):

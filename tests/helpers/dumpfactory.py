@@ -101,10 +101,15 @@ def _layer(tag: str) -> int | None:
 
 
 def manifest_for(captures: list[Capture], rank: int | str = 0, pid: int = 1000, drops: dict | None = None,
-                 filtered_tags: dict | None = None) -> dict:
+                 filtered_tags: dict | None = None, source_dtype: str = "bfloat16",
+                 key_fields: dict[str, dict] | None = None, prompt_tokens: int | None = None) -> dict:
     """The manifest docs/format.md specifies for these captures. ``order`` is the first-capture
     order of the tag's slot; like the runtime, a step tag has its own slot, separate from a record
-    of the same name (``logits`` once at prefill and ``logits_<n>`` per step)."""
+    of the same name (``logits`` once at prefill and ``logits_<n>`` per step).
+
+    ``source_dtype`` is every float key's (ids say int64); ``key_fields[key]`` adds or replaces
+    fields of one key's entry (``tokens``, ``phase``, ``rows``, ...); ``prompt_tokens`` is written
+    at the top level when given (older manifests do not have it)."""
     slot_order: dict[tuple[str, bool], int] = {}
     for capture in captures:
         slot_order.setdefault((capture.tag, capture.kind == "step"), len(slot_order))
@@ -114,7 +119,7 @@ def manifest_for(captures: list[Capture], rank: int | str = 0, pid: int = 1000, 
         order = slot_order[(capture.tag, capture.kind == "step")]
         keys[capture.key] = {
             "tag": capture.tag, "kind": capture.kind, "step": capture.step, "order": order,
-            "source_dtype": "bfloat16" if capture.kind != "ids" else "int64",
+            "source_dtype": source_dtype if capture.kind != "ids" else "int64",
             "source_shape": list(capture.array.shape), "dtype": str(capture.array.dtype),
             "shape": list(capture.array.shape),
         }
@@ -123,7 +128,9 @@ def manifest_for(captures: list[Capture], rank: int | str = 0, pid: int = 1000, 
                                        "written": 0, "drops": {}})
         entry["calls"] += 1
         entry["written"] += 1
-    return {
+    for key, extra in (key_fields or {}).items():
+        keys[key].update(extra)
+    manifest = {
         "format": "compiledump-dump", "format_version": 1, "compiledump_version": "0.1.0",
         "torch_version": "2.13.0+cpu", "created_unix": 1764480000.0, "rank": str(rank), "pid": pid,
         "world_size": None, "device": "cpu",
@@ -131,6 +138,24 @@ def manifest_for(captures: list[Capture], rank: int | str = 0, pid: int = 1000, 
                    "arena_mb": 64, "max_tags": 4096},
         "keys": keys, "tags": tags, "drops": drops or {}, "filtered_tags": filtered_tags or {},
     }
+    if prompt_tokens is not None:
+        manifest["prompt_tokens"] = prompt_tokens
+    return manifest
+
+
+def call_fields(captures: list[Capture], record_tokens: int, ids_tokens: int, prompt: int | None) -> dict[str, dict]:
+    """``keys[k].tokens``/``phase`` as the runtime writes them when every record key kept a call
+    of ``record_tokens`` tokens and every ids key (and record_once key: the first write) one of
+    ``ids_tokens``: the phase is prefill when the count is the prompt length, decode otherwise,
+    None when the prompt length is unknown (the token gate off). Steps carry neither."""
+    fields = {}
+    for capture in captures:
+        if capture.kind == "step":
+            continue
+        tokens = record_tokens if capture.kind == "record" else ids_tokens
+        phase = None if prompt is None else ("prefill" if tokens == prompt else "decode")
+        fields[capture.key] = {"tokens": tokens, "phase": phase}
+    return fields
 
 
 def write_compiledump(directory: Path, captures: list[Capture], rank: int | str = 0, pid: int = 1000,

@@ -1,0 +1,136 @@
+"""Whether the two values of a key can be compared at all, and what the manifests say was never
+captured.
+
+A record key holds the value of one call: the last one that passed the token gate (the first for
+``record_once``). With the gate off (``COMPILEDUMP_TOKENS=0``) that call is the last decode step,
+whose last row is padding in a padded decode batch, while the ids keep the prefill's (their shape
+changed, so later calls were dropped). The manifest says which call a value comes from (optional
+fields ``keys[k].tokens``/``phase`` and ``prompt_tokens``, docs/format.md); values of different
+phases or token counts are never compared, because any difference between them would be reported
+as a divergence that is not one.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from ..format.keys import KeyInfo, order_key_infos
+from ..format.reader import Dump, preview
+
+RECORD_KINDS = ("record", "record_once")
+
+
+def tokens_text(count: int) -> str:
+    """``1 token``, ``7 tokens``."""
+    return f"{count} token{'' if count == 1 else 's'}"
+
+
+def _call(info: KeyInfo) -> str:
+    phase = info.written_phase or "a call"
+    return f"{phase} ({tokens_text(info.tokens)})" if info.tokens is not None else phase
+
+
+def not_comparable_reason(kind: str, ref: KeyInfo, run: KeyInfo) -> str | None:
+    """Why the REF and RUN values of a key cannot be compared, or None when they can (or when a
+    side does not say). Steps are never refused: each is one decode row by construction."""
+    if kind == "step":
+        return None
+    if ref.written_phase and run.written_phase and ref.written_phase != run.written_phase:
+        return f"REF value from the {_call(ref)}, RUN value from the {_call(run)}"
+    if ref.tokens is not None and run.tokens is not None and ref.tokens != run.tokens:
+        return f"REF value from a call of {tokens_text(ref.tokens)}, RUN value from a call of {tokens_text(run.tokens)}"
+    return None
+
+
+def prompt_length(*dumps: Dump) -> int | None:
+    """The prompt length a side's token gate used or learned (manifest ``prompt_tokens``), else
+    the token count of a value written in the prefill, else None."""
+    for dump in dumps:
+        value = (dump.manifest or {}).get("prompt_tokens")
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    for dump in dumps:
+        for info in dump.infos.values():
+            if info.written_phase == "prefill" and info.tokens:
+                return info.tokens
+    return None
+
+
+def fix_hint(prompt: int | None) -> str:
+    """How to make such values comparable."""
+    value = f"{prompt} (the prompt length)" if prompt else "<prompt length>"
+    return f"set COMPILEDUMP_TOKENS={value} or leave COMPILEDUMP_TOKENS at its default auto (not 0) on both sides"
+
+
+def mixed_phase_keys(dump: Dump) -> tuple[list[str], Counter, Counter]:
+    """Record keys of one side whose call's token count differs from that of the same layer's
+    ids keys (the side's prefill-labelled keys mix two phases), with the token counts involved:
+    (keys, Counter of record tokens, Counter of ids tokens)."""
+    ids_tokens: dict[int, set[int]] = {}
+    for info in dump.infos.values():
+        if info.kind == "ids" and info.layer is not None and info.tokens is not None:
+            ids_tokens.setdefault(info.layer, set()).add(info.tokens)
+    keys, record_counts, ids_counts = [], Counter(), Counter()
+    for info in order_key_infos(list(dump.infos.values())):
+        if info.kind in RECORD_KINDS and info.layer in ids_tokens and info.tokens is not None \
+                and info.tokens not in ids_tokens[info.layer]:
+            keys.append(info.key)
+            record_counts[info.tokens] += 1
+            ids_counts.update(ids_tokens[info.layer])
+    return keys, record_counts, ids_counts
+
+
+def mixed_phase_detail(side: str, keys: list[str], record_counts: Counter, ids_counts: Counter,
+                       prompt: int | None) -> str:
+    """The one-line description of a side's mixed-phase keys."""
+    return (f"{side}: {len(keys)} record keys hold a call of {_counts(record_counts)} while the ids of their "
+            f"layers hold a call of {_counts(ids_counts)} ({preview(keys, 4)}): this side's prefill keys mix two "
+            f"phases; {fix_hint(prompt)}")
+
+
+def _counts(counts: Counter) -> str:
+    values = sorted(counts)
+    return " or ".join(str(value) for value in values[:-1]) + (" or " if len(values) > 1 else "") + \
+        tokens_text(values[-1])
+
+
+def not_captured(dump: Dump) -> dict | None:
+    """What a side's manifest says it never captured: tags filtered on the host (by reason),
+    tags all of whose calls were dropped, and dropped calls by reason. None without a manifest."""
+    manifest = dump.manifest
+    if manifest is None:
+        return None
+    filtered = manifest.get("filtered_tags")
+    filtered = {str(tag): str(why) for tag, why in filtered.items()} if isinstance(filtered, dict) else {}
+    drops = manifest.get("drops")
+    drops = {str(why): count for why, count in drops.items() if isinstance(count, int) and count} \
+        if isinstance(drops, dict) else {}
+    tags = manifest.get("tags")
+    none_kept = sorted(name for name, entry in (tags.items() if isinstance(tags, dict) else ())
+                       if isinstance(entry, dict) and entry.get("kept") == 0)
+    return {"filtered_tags": dict(Counter(filtered.values())), "filtered": sorted(filtered),
+            "tags_none_kept": none_kept, "drops": drops}
+
+
+_FILTERS = {"moe_layers": "COMPILEDUMP_MOE_LAYERS"}
+
+
+def not_captured_note(facts: dict[str, dict | None]) -> str | None:
+    """One line over both sides: tags filtered, tags never kept, dropped calls, with counts."""
+    parts = []
+    for side, fact in facts.items():
+        if not fact:
+            continue
+        bits = []
+        if fact["filtered"]:
+            # The only host filter today is COMPILEDUMP_MOE_LAYERS (manifest reason "moe_layers").
+            reasons = ", ".join(f"{count} by {_FILTERS.get(why, why)}"
+                                for why, count in sorted(fact["filtered_tags"].items()))
+            bits.append(f"{len(fact['filtered'])} tags filtered ({reasons})")
+        if fact["tags_none_kept"]:
+            bits.append(f"{len(fact['tags_none_kept'])} tags with every call dropped")
+        if fact["drops"]:
+            bits.append("dropped calls " + " ".join(f"{why}={count}" for why, count in fact["drops"].items()))
+        if bits:
+            parts.append(f"{side} " + ", ".join(bits))
+    return "not captured: " + "; ".join(parts) if parts else None

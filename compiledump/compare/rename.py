@@ -1,0 +1,92 @@
+"""``--map PATTERN=REPLACEMENT``: the RUN side's keys renamed before pairing, for two
+implementations that tag the same tensors differently (``--map '^blk(\\d+)\\.out$=layer\\1'``)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+from ..format import spec
+from ..format.keys import KeyInfo
+from ..format.reader import Dump, KeyProblem, Member, Replica
+
+
+def split_map(text: str) -> tuple[str, str]:
+    """``PATTERN=REPLACEMENT`` split at the first ``=`` not preceded by a backslash: ``\\=`` in
+    the pattern is a literal ``=`` (which ``re`` reads as ``=``); the replacement may hold ``=``.
+    Raises ValueError without such an ``=`` or with an empty or invalid pattern."""
+    index = 0
+    while index < len(text):
+        if text[index] == "\\":
+            index += 2
+            continue
+        if text[index] == "=":
+            break
+        index += 1
+    else:
+        raise ValueError(f"expected PATTERN=REPLACEMENT, got {text!r}")
+    pattern, replacement = text[:index], text[index + 1:]
+    if not pattern:
+        raise ValueError(f"empty PATTERN in {text!r}")
+    try:
+        compiled = re.compile(pattern)
+        compiled.sub(replacement, "")  # checks group references such as \\3 against the pattern
+    except (re.error, IndexError) as exc:
+        raise ValueError(f"bad --map {text!r}: {exc}") from None
+    return pattern, replacement
+
+
+def rename(name: str, maps: list[tuple[str, str]]) -> str:
+    """``name`` with every (pattern, replacement) applied in order by ``re.sub``."""
+    for pattern, replacement in maps:
+        name = re.sub(pattern, replacement, name)
+    return name
+
+
+class RenamedDump(Dump):
+    """A RUN side seen through ``--map``: the same arrays under new key names. Record, ids and
+    once keys are renamed by name; a step key ``<tag>_<n>`` by its tag, keeping ``_<n>``."""
+
+    def __init__(self, inner: Dump, maps: list[tuple[str, str]]) -> None:
+        self.inner = inner
+        self.path, self.label = inner.path, inner.label
+        self.manifest, self.merged_ranks = inner.manifest, inner.merged_ranks
+        self.notes = list(inner.notes)
+        self.problems = list(inner.problems)
+        self._old: dict[str, str] = {}
+        self.members: dict[str, Member] = {}
+        self.infos: dict[str, KeyInfo] = {}
+        for old, info in inner.infos.items():
+            new_info = self._renamed(info, maps)
+            if new_info.key in self._old:
+                self.problems.append(KeyProblem("map_collision", new_info.key,
+                                                f"RUN keys {self._old[new_info.key]} and {old} both map to "
+                                                f"{new_info.key}; {old} is not compared"))
+                continue
+            self._old[new_info.key] = old
+            self.infos[new_info.key] = new_info
+            self.members[new_info.key] = inner.members[old]
+        self.bad_members = {rename(key, maps): why for key, why in inner.bad_members.items()}
+        self.excluded = {rename(key, maps) for key in inner.excluded}
+        changed = sum(1 for new, old in self._old.items() if new != old)
+        self.notes.append(f"--map renamed {changed} of {len(inner.infos)} keys")
+
+    @staticmethod
+    def _renamed(info: KeyInfo, maps: list[tuple[str, str]]) -> KeyInfo:
+        if info.kind == "step" and info.step is not None:
+            tag = rename(info.tag, maps)
+            key = spec.step_key(tag, info.step)
+        else:
+            key = rename(info.key, maps)
+            tag = rename(info.tag, maps) if info.tag != info.key else key
+        return replace(info, key=key, tag=tag, layer=spec.layer_of(tag))
+
+    def replicas(self, key: str) -> list[Replica]:
+        return self.inner.replicas(self._old[key])
+
+    def renamed(self) -> dict[str, str]:
+        """New key -> old key, for the keys whose name changed."""
+        return {new: old for new, old in self._old.items() if new != old}
+
+
+__all__ = ["RenamedDump", "rename", "split_map"]

@@ -1,0 +1,275 @@
+"""Whether an expert-id mismatch is a routing bug or a near tie that rounding flipped.
+
+A top-k router picks the experts with the largest router logits. When two experts' logits are
+nearly equal, the rounding of a low-precision engine can swap them: the ids differ, and nothing
+is wrong. The reference's router logits of the same layer (``layer<N>_router`` beside
+``layer<N>_topk``, as ``compiledump.instrument`` records them) tell the two apart for the rows
+they hold: the swap is a **near tie** when every expert the run chose instead scores within
+epsilon of every expert it displaced, in the reference's logits.
+
+The rule (docs/compare.md, "Expert ids and near ties"):
+
+* **fp32 class** (both sides' router logits, or else the pair's float keys, are float32/64): any
+  id mismatch is a divergence; rounding noise there is far below any plausible gap.
+* **low-precision classes** (bf16, fp16, fp8, and ``legacy``: a side without a manifest): an id
+  mismatch is a divergence when a differing row's reference logits show a gap above epsilon
+  (``far``). When every differing row is a near tie, or some rows have no reference logits to
+  judge them by (``not_judged``: one-row mode keeps the last row only), the mismatch is reported
+  but is not itself a divergence; any float key that diverges after it still names it as the
+  likely root cause.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .metrics import bf16_spacing
+
+STRICT_CLASSES = ("fp32",)
+# Most rows listed per routing record (JSON) and in a text line.
+MAX_LISTED_ROWS = 64
+
+
+def router_key_for(key: str) -> str | None:
+    """The router-logits key recorded beside an ids key: ``layer3_topk`` -> ``layer3_router``."""
+    if key.endswith("_topk"):
+        return key[: -len("topk")] + "router"
+    return None
+
+
+@dataclass
+class RoutingRow:
+    """One differing row of an ids key, judged against the reference's router logits.
+
+    ``gap`` (logit units) is the largest score by which a displaced expert beats an expert the
+    run chose instead (and, when the sets agree, by which the run's order contradicts the
+    reference scores); None when the row could not be judged (``reason`` says why)."""
+
+    row: int
+    overlap: int
+    k: int
+    gap: float | None = None
+    epsilon: float | None = None
+    reason: str | None = None  # why the row was not judged
+    after_near_tie: str | None = None  # an earlier ids key whose near tie already sent this token elsewhere
+
+    @property
+    def judged(self) -> bool:
+        return self.gap is not None
+
+    @property
+    def near_tie(self) -> bool | None:
+        return None if self.gap is None else self.gap <= self.epsilon
+
+    def to_json(self) -> dict:
+        return {"row": self.row, "overlap": self.overlap, "k": self.k, "gap": self.gap, "epsilon": self.epsilon,
+                "near_tie": self.near_tie, "reason": self.reason, "after_near_tie": self.after_near_tie}
+
+
+@dataclass
+class Routing:
+    """The judgement of one ids key whose ids differ.
+
+    ``verdict``: ``divergence`` (fp32 class, or a row far from a tie), ``near_tie`` (every
+    differing row a near tie) or ``not_judged`` (no row far from a tie, some rows without
+    reference logits)."""
+
+    klass: str  # the precision class the rule used
+    class_from: str  # "router" (the router key's source dtypes) | "pair" (the pair's float keys)
+    router_key: str | None  # the reference logits used, None when absent
+    router_rows: list[int]  # the ids rows the reference logits cover
+    rows: list[RoutingRow] = field(default_factory=list)
+    verdict: str = "divergence"
+
+    @property
+    def differing_rows(self) -> list[int]:
+        return [row.row for row in self.rows]
+
+    @property
+    def near_tie_rows(self) -> list[int]:
+        return [row.row for row in self.rows if row.near_tie is True and row.after_near_tie is None]
+
+    @property
+    def far_rows(self) -> list[int]:
+        return [row.row for row in self.rows if row.near_tie is False and row.after_near_tie is None]
+
+    @property
+    def not_judged_rows(self) -> list[int]:
+        return [row.row for row in self.rows if not row.judged and row.after_near_tie is None]
+
+    @property
+    def after_near_tie_rows(self) -> list[int]:
+        """Rows an earlier near tie had already routed elsewhere: their ids here are a consequence."""
+        return [row.row for row in self.rows if row.after_near_tie is not None]
+
+    def decide(self) -> None:
+        """Set ``verdict`` from the rows (the rule in the module docstring)."""
+        if self.klass in STRICT_CLASSES or self.far_rows:
+            self.verdict = "divergence"
+        elif self.not_judged_rows:
+            self.verdict = "not_judged"
+        else:
+            self.verdict = "near_tie"
+
+    def excuse(self, earlier: dict[int, str]) -> None:
+        """Rows that an earlier ids key's near tie had routed elsewhere ({row: that key}) are
+        not judged here (low-precision classes only); the verdict is decided again."""
+        if self.klass in STRICT_CLASSES:
+            return
+        for row in self.rows:
+            if row.row in earlier:
+                row.after_near_tie = earlier[row.row]
+        self.decide()
+
+    @property
+    def worst(self) -> RoutingRow | None:
+        """The judged row with the largest gap/epsilon."""
+        judged = [row for row in self.rows if row.judged]
+        return max(judged, key=lambda row: _ratio(row.gap, row.epsilon)) if judged else None
+
+    @property
+    def divergent(self) -> bool:
+        return self.verdict == "divergence"
+
+    def to_json(self) -> dict:
+        return {"verdict": self.verdict, "class": self.klass, "class_from": self.class_from,
+                "router_key": self.router_key, "router_rows": self.router_rows[:MAX_LISTED_ROWS],
+                "differing_rows": len(self.rows), "near_tie_rows": self.near_tie_rows[:MAX_LISTED_ROWS],
+                "far_rows": self.far_rows[:MAX_LISTED_ROWS], "not_judged_rows": self.not_judged_rows[:MAX_LISTED_ROWS],
+                "after_near_tie_rows": self.after_near_tie_rows[:MAX_LISTED_ROWS],
+                "rows": [row.to_json() for row in self.rows[:MAX_LISTED_ROWS]]}
+
+
+def _ratio(gap: float, epsilon: float) -> float:
+    return gap / epsilon if epsilon > 0 else (math.inf if gap > 0 else 0.0)
+
+
+def routing_epsilon(logits: np.ndarray, near_tie: float | None, near_tie_ulps: float) -> float:
+    """The near-tie epsilon of one row of router logits: ``near_tie`` when given (--near-tie),
+    else ``near_tie_ulps`` bf16 spacings of the row's largest absolute logit."""
+    if near_tie is not None:
+        return near_tie
+    finite = logits[np.isfinite(logits)]
+    scale = float(np.max(np.abs(finite))) if finite.size else 0.0
+    return near_tie_ulps * bf16_spacing(scale)
+
+
+def _rows(ids: np.ndarray) -> np.ndarray:
+    return ids.reshape(ids.shape[0], -1) if ids.ndim >= 2 else ids.reshape(1, -1)
+
+
+def router_rows(ids_rows: int, router: np.ndarray | None, all_rows: bool) -> dict[int, np.ndarray]:
+    """The reference logits of each ids row they cover: every row for a ``[rows, experts]``
+    array (all-rows mode), the last row for a 1-D ``[experts]`` one (one-row mode keeps the
+    last row of the call)."""
+    if router is None:
+        return {}
+    if router.ndim == 2 and router.shape[0] == ids_rows:
+        return {row: router[row] for row in range(ids_rows)}
+    if router.ndim == 1 and not all_rows:
+        return {ids_rows - 1: router}
+    return {}
+
+
+def row_gap(logits: np.ndarray, ref_row: np.ndarray, run_row: np.ndarray) -> tuple[float | None, str | None]:
+    """The tie gap of one differing row (see :class:`RoutingRow`), or (None, why) when the
+    logits cannot judge it: ids outside the logits, or reference ids that are not the top-k of
+    the logits (routing with a bias or grouped top-k, or logits of another row)."""
+    scores = np.asarray(logits, np.float64)
+    experts = scores.shape[0]
+    ref_ids, run_ids = [int(i) for i in ref_row], [int(i) for i in run_row]
+    if any(not 0 <= i < experts for i in ref_ids + run_ids):
+        return None, f"ids outside the {experts} router logits"
+    chosen = set(ref_ids)
+    others = [i for i in range(experts) if i not in chosen]
+    scale = float(np.max(np.abs(scores[np.isfinite(scores)]), initial=0.0))
+    slack = 1e-6 * scale  # float32 softmax/top-k may order logits this close either way
+    if others and min(scores[ref_ids]) < max(scores[others]) - slack:
+        return None, "the reference ids are not the top-k of its router logits"
+    displaced = [i for i in ref_ids if i not in set(run_ids)]
+    instead = [i for i in run_ids if i not in chosen]
+    gap = 0.0
+    if displaced and instead:
+        gap = float(max(scores[displaced]) - min(scores[instead]))
+    # The order of the ids, when the reference lists them by descending score: a run that lists
+    # a lower-scored expert first contradicts the scores by the difference.
+    ref_scores = scores[ref_ids]
+    if len(ref_ids) > 1 and np.all(ref_scores[:-1] >= ref_scores[1:] - slack):
+        run_scores = scores[run_ids]
+        for i in range(len(run_ids)):
+            later = run_scores[i + 1:]
+            if later.size:
+                gap = max(gap, float(np.max(later) - run_scores[i]))
+    return max(gap, 0.0), None
+
+
+def judge_routing(ref_ids: np.ndarray, run_ids: np.ndarray, router: np.ndarray | None, router_key: str | None,
+                  all_rows: bool, klass: str, class_from: str, near_tie: float | None, near_tie_ulps: float,
+                  unavailable: str | None = None) -> Routing:
+    """Judge the differing rows of an ids key (equal sizes on both sides) by the reference's
+    router logits ``router`` (None when absent; ``unavailable`` then says why) under the
+    precision class ``klass``."""
+    a = _rows(np.asarray(ref_ids))
+    b = np.asarray(run_ids).reshape(a.shape)
+    covered = router_rows(a.shape[0], None if router is None else np.asarray(router), all_rows)
+    if router is not None and not covered:
+        why = f"{router_key} has shape {list(np.shape(router))}, not one row or {a.shape[0]} rows of router logits"
+    elif router is None:
+        why = unavailable or (f"REF has no {router_key}" if router_key is not None
+                              else "no router logits recorded beside these ids (<prefix>_router for <prefix>_topk)")
+    else:
+        why = f"REF {router_key} holds row{'s' if len(covered) > 1 else ''} {_row_list(sorted(covered))} only"
+    routing = Routing(klass, class_from, router_key if router is not None else None, sorted(covered))
+    for row in np.flatnonzero(np.any(a != b, axis=1)).tolist():
+        ref_set, run_set = set(a[row].tolist()), set(b[row].tolist())
+        entry = RoutingRow(row, len(ref_set & run_set), len(ref_set))
+        if row in covered:
+            logits = np.asarray(covered[row], np.float64)
+            entry.gap, entry.reason = row_gap(logits, a[row], b[row])
+            if entry.gap is not None:
+                entry.epsilon = routing_epsilon(logits, near_tie, near_tie_ulps)
+        else:
+            entry.reason = why
+        routing.rows.append(entry)
+    routing.decide()
+    return routing
+
+
+def _row_list(rows: list[int], limit: int = 12) -> str:
+    shown = ", ".join(str(row) for row in rows[:limit])
+    return shown + (f", ... ({len(rows) - limit} more)" if len(rows) > limit else "")
+
+
+def describe_routing(routing: Routing) -> str:
+    """One phrase: why the mismatch is or is not a divergence."""
+    total = len(routing.rows)
+    if routing.klass in STRICT_CLASSES:
+        worst = routing.worst
+        text = f"a divergence in the {routing.klass} class, where ids must match"
+        if worst is not None:
+            text += f" (largest router logit gap {worst.gap:.3g} at row {worst.row}; near-tie epsilon {worst.epsilon:.3g})"
+        return text
+    if routing.far_rows:
+        far = [row for row in routing.rows if row.row in routing.far_rows]
+        top = max(far, key=lambda row: _ratio(row.gap, row.epsilon))
+        return (f"not a near tie: router logit gap {top.gap:.3g} > epsilon {top.epsilon:.3g} at row {top.row} "
+                f"({len(far)}/{total} differing rows far from a tie): a divergence in the {routing.klass} class")
+    parts = []
+    if routing.after_near_tie_rows:
+        rows = routing.after_near_tie_rows
+        earlier = sorted({row.after_near_tie for row in routing.rows if row.after_near_tie is not None})
+        parts.append(f"row{'s' if len(rows) > 1 else ''} {_row_list(rows)} already routed elsewhere by the near "
+                     f"tie at {', '.join(earlier)}")
+    if routing.near_tie_rows:
+        ties = [row for row in routing.rows if row.row in routing.near_tie_rows]
+        top = max(ties, key=lambda row: _ratio(row.gap, row.epsilon))
+        parts.append(f"near tie at row{'s' if len(ties) > 1 else ''} {_row_list(routing.near_tie_rows)} "
+                     f"(router logit gap {top.gap:.3g} <= epsilon {top.epsilon:.3g})")
+    if routing.not_judged_rows:
+        reasons = sorted({row.reason for row in routing.rows if not row.judged})
+        rows = routing.not_judged_rows
+        parts.append(f"row{'s' if len(rows) > 1 else ''} {_row_list(rows)} not judged ({'; '.join(reasons)})")
+    return "; ".join(parts) + f"; not a divergence in the {routing.klass} class"

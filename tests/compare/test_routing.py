@@ -1,0 +1,363 @@
+"""Expert-id mismatches judged by the reference's router logits (docs/compare.md, "Expert ids
+and near ties"): in the fp32 class any mismatch diverges; in a low-precision class a near tie
+(every expert the run chose instead scores within epsilon of every expert it displaced) is not
+a divergence, a row far from any tie is, and rows without reference logits are reported
+prominently without being the first divergence; a float divergence after any mismatch names it
+as the likely root cause.
+
+Dumps are built here (random data); every expected gap, epsilon and verdict is computed in this
+file from the definitions, independently of compiledump.compare.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import dumpfactory as factory
+from compiledump.cli import main
+from compiledump.compare import CompareOptions, compare, format_report
+
+EXPERTS, TOPK, TOKENS, DIM, LAYERS = 8, 2, 6, 32, 3
+
+
+def epsilon_of(logits: np.ndarray, ulps: float = 4.0) -> float:
+    """ulps bf16 spacings (8-bit significand) of the largest absolute logit."""
+    top = float(np.max(np.abs(logits)))
+    return ulps * 2.0 ** (math.floor(math.log2(top)) - 7)
+
+
+def top_k(logits: np.ndarray) -> np.ndarray:
+    """Experts by descending logit (first index on ties), as torch.topk returns them."""
+    return np.argsort(-logits, kind="stable")[:TOPK].astype(np.int32)
+
+
+def moe_captures(rng: np.random.Generator, all_rows: bool) -> list[factory.Capture]:
+    """A prefill of a 3-layer MoE as compiledump.instrument records it: per layer the router
+    logits (the last row, or every row), the top-k ids of every row (the top-k of the logits),
+    the MoE output and the layer output; then 3 decode steps of logits."""
+    captures = [factory.Capture("embed", rng.standard_normal(DIM).astype(np.float32), "record", "embed")]
+    for layer in range(LAYERS):
+        logits = rng.standard_normal((TOKENS, EXPERTS)).astype(np.float32)
+        ids = np.stack([top_k(row.astype(np.float64)) for row in logits])
+        router = logits if all_rows else logits[-1]
+        captures += [
+            factory.Capture(f"layer{layer}_router", router, "record", f"layer{layer}_router"),
+            factory.Capture(f"layer{layer}_topk", ids, "ids", f"layer{layer}_topk"),
+            factory.Capture(f"layer{layer}_mlp", rng.standard_normal(DIM).astype(np.float32), "record",
+                            f"layer{layer}_mlp"),
+            factory.Capture(f"layer{layer}", rng.standard_normal(DIM).astype(np.float32), "record", f"layer{layer}"),
+        ]
+    for step in range(3):
+        logits = rng.standard_normal(50).astype(np.float32)
+        logits[step] += 6.0
+        captures.append(factory.Capture(f"logits_{step}", logits, "step", "logits", step))
+    return captures
+
+
+def with_near_tie(captures: list, layer: int, row: int, gap: float, all_rows: bool) -> list:
+    """Make REF's top-1 and the best unchosen expert of ``row`` in ``layer`` differ by ``gap``
+    (the other logits unchanged), recomputing that row's ids."""
+    out = [factory.replace(c, array=c.array.copy()) for c in captures]
+    by_key = {c.key: c for c in out}
+    router, ids = by_key[f"layer{layer}_router"].array, by_key[f"layer{layer}_topk"].array
+    logits = router[row] if all_rows else router
+    order = np.argsort(-logits.astype(np.float64), kind="stable")
+    logits[order[TOPK]] = logits[order[TOPK - 1]] - np.float32(gap)
+    ids[row] = top_k(logits.astype(np.float64))
+    return out
+
+
+def run_side(ref: list, rng: np.random.Generator, ids_rows: dict, large_from_layer: int | None = None) -> list:
+    """RUN: floats with relative noise 1e-5 (large noise 0.3 in layers >= ``large_from_layer``),
+    ``ids_rows[(layer, row)] = new ids row``."""
+    out = []
+    for capture in ref:
+        array = capture.array.copy()
+        if capture.kind == "ids":
+            layer = int(capture.tag[5:].split("_")[0])
+            for (at_layer, row), new in ids_rows.items():
+                if at_layer == layer:
+                    array[row] = new
+        else:
+            layer = int(capture.tag[5:].split("_")[0]) if capture.tag.startswith("layer") else None
+            relative = 0.3 if large_from_layer is not None and layer is not None and layer >= large_from_layer \
+                else 1e-5
+            array = (array + rng.standard_normal(array.shape) * relative * np.abs(array).mean()).astype(np.float32)
+        out.append(factory.replace(capture, array=array))
+    return out
+
+
+def write_pair(tmp_path: Path, ref: list, run: list, dtype: str, all_rows: bool) -> tuple[Path, Path]:
+    fields = {f"layer{layer}_router": {"rows": "all"} for layer in range(LAYERS)} if all_rows else None
+    paths = []
+    for name, captures, source in (("ref", ref, "float32"), ("run", run, dtype)):
+        manifest = factory.manifest_for(captures, source_dtype=source, key_fields=fields)
+        paths.append(factory.write_compiledump(tmp_path / name, captures, manifest=manifest))
+    return paths[0], paths[1]
+
+
+def gap_of(logits: np.ndarray, ref_row: np.ndarray, run_row: np.ndarray) -> float:
+    """The largest logit by which an expert REF chose and RUN did not beats one RUN chose instead."""
+    displaced = [int(i) for i in ref_row if i not in set(run_row.tolist())]
+    instead = [int(i) for i in run_row if i not in set(ref_row.tolist())]
+    return float(max(logits[displaced].astype(np.float64)) - min(logits[instead].astype(np.float64)))
+
+
+def swap_runner_up(ref: list, layer: int, row: int, all_rows: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """REF's logits and ids of ``row``, and a RUN ids row with REF's k-th expert replaced by the
+    best unchosen one."""
+    by_key = {c.key: c for c in ref}
+    router = by_key[f"layer{layer}_router"].array
+    logits = (router[row] if all_rows else router).astype(np.float64)
+    ids = by_key[f"layer{layer}_topk"].array[row]
+    order = np.argsort(-logits, kind="stable")
+    new = ids.copy()
+    new[list(ids).index(order[TOPK - 1])] = order[TOPK]
+    return logits, ids, new
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_near_tie_in_a_low_precision_class_is_not_a_divergence(tmp_path, dtype, capsys):
+    rng = np.random.default_rng(1)
+    ref = moe_captures(rng, all_rows=False)
+    ref = with_near_tie(ref, layer=1, row=TOKENS - 1, gap=0.004, all_rows=False)
+    logits, ids, new = swap_runner_up(ref, 1, TOKENS - 1, all_rows=False)
+    run = run_side(ref, rng, {(1, TOKENS - 1): new})
+    ref_path, run_path = write_pair(tmp_path, ref, run, dtype, all_rows=False)
+    code = main(["compare", str(ref_path), str(run_path), "--json", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out.splitlines()
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert code == 0 and report["first_divergence"] is None, out[-1]
+    record = next(r for r in report["keys"] if r["key"] == "layer1_topk")
+    routing = record["routing"]
+    assert (record["status"], record["divergent"], routing["verdict"]) == ("near_tie", False, "near_tie")
+    assert routing["class"] == ("bf16" if dtype == "bfloat16" else "fp16") and routing["class_from"] == "router"
+    (row,) = routing["rows"]
+    assert row["row"] == TOKENS - 1 and row["near_tie"] is True
+    assert row["gap"] == pytest.approx(gap_of(logits, ids, new), abs=1e-6)
+    assert row["gap"] == pytest.approx(0.004, abs=1e-5)
+    assert row["epsilon"] == pytest.approx(epsilon_of(logits))
+    assert report["first_id_mismatch"]["key"] == "layer1_topk"
+    assert [item["key"] for item in report["id_mismatches"]] == ["layer1_topk"]
+    assert report["problems"] == []  # a near tie is a note, not a problem
+    assert any(note.startswith("layer1_topk: expert ids differ in 1/6 rows: near tie at row 5") for note in
+               report["notes"])
+    assert any(line.startswith("* layer1_topk") for line in out)
+    assert "expert ids differ without a divergence: layer1_topk (near tie)" in out[-1]
+
+
+def test_ids_far_from_a_tie_diverge_in_a_low_precision_class(tmp_path):
+    rng = np.random.default_rng(2)
+    ref = moe_captures(rng, all_rows=False)
+    by_key = {c.key: c for c in ref}
+    logits = by_key["layer1_router"].array.astype(np.float64)
+    ids = by_key["layer1_topk"].array[-1]
+    worst = int(np.argmin(logits))  # the lowest-scored expert replaces the top-1: a routing bug
+    new = ids.copy()
+    new[0] = worst
+    run = run_side(ref, rng, {(1, TOKENS - 1): new})
+    report = compare(*write_pair(tmp_path, ref, run, "bfloat16", all_rows=False))
+    first = report.first_divergence
+    assert report.exit_status == 1
+    assert (first.key, first.metric, first.routing_verdict) == ("layer1_topk", "ids", "divergence")
+    (row,) = first.routing.rows
+    assert row.gap == pytest.approx(gap_of(logits, ids, new), abs=1e-6)
+    assert row.gap > epsilon_of(logits) == pytest.approx(row.epsilon)
+    assert format_report(report)[-1].startswith("first divergence: layer1_topk (layer 1): integer ids differ")
+
+
+def test_any_ids_mismatch_diverges_in_the_fp32_class(tmp_path):
+    rng = np.random.default_rng(3)
+    ref = with_near_tie(moe_captures(rng, all_rows=False), layer=0, row=TOKENS - 1, gap=1e-4, all_rows=False)
+    _, _, new = swap_runner_up(ref, 0, TOKENS - 1, all_rows=False)
+    run = run_side(ref, rng, {(0, TOKENS - 1): new})
+    report = compare(*write_pair(tmp_path, ref, run, "float32", all_rows=False))
+    first = report.first_divergence
+    assert report.exit_status == 1 and (first.key, first.metric) == ("layer0_topk", "ids")
+    assert first.routing.klass == "fp32" and first.routing.verdict == "divergence"
+    assert first.routing.rows[0].near_tie is True  # a tie, and still a divergence: fp32 ids must match
+    # --threshold and friends do not change it
+    assert compare(*write_pair(tmp_path / "again", ref, run, "float32", all_rows=False),
+                   CompareOptions(threshold=1.0)).exit_status == 1
+
+
+def test_rows_without_reference_logits_are_reported_not_named(tmp_path, capsys):
+    rng = np.random.default_rng(4)
+    ref = moe_captures(rng, all_rows=False)  # one-row mode: the logits of the last row only
+    by_key = {c.key: c for c in ref}
+    ids = by_key["layer1_topk"].array
+    flipped = {(1, 0): np.array([ids[0][0], next(e for e in range(EXPERTS) if e not in ids[0])], np.int32),
+               (1, 2): ids[2][::-1].copy()}
+    run = run_side(ref, rng, flipped)
+    ref_path, run_path = write_pair(tmp_path, ref, run, "bfloat16", all_rows=False)
+    code = main(["compare", str(ref_path), str(run_path), "--json", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out.splitlines()
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert code == 0 and report["first_divergence"] is None
+    record = next(r for r in report["keys"] if r["key"] == "layer1_topk")
+    assert record["status"] == "not_judged" and record["routing"]["not_judged_rows"] == [0, 2]
+    assert record["routing"]["router_rows"] == [TOKENS - 1]
+    (problem,) = report["problems"]
+    assert problem["kind"] == "ids_not_judged" and problem["key"] == "layer1_topk"
+    assert "2/6 rows" in problem["detail"] and "rows 0, 2" in problem["detail"]
+    assert any(line.startswith("ids: layer1_topk (layer 1) differ (row 0, overlap 1/2): rows 0, 2 not judged")
+               for line in out)
+    assert "layer1_topk (not judged)" in out[-1]
+    # The same mismatch followed by a float divergence: the float key is the first divergence and
+    # the mismatch its likely root cause.
+    run = run_side(ref, rng, flipped, large_from_layer=2)
+    report = compare(*write_pair(tmp_path / "b", ref, run, "bfloat16", all_rows=False))
+    assert report.exit_status == 1 and report.first_divergence.key == "layer2_router"
+    assert report.root_cause.key == "layer1_topk" and report.root_cause.routing_verdict == "not_judged"
+    assert format_report(report)[-1].endswith("likely root cause: layer1_topk (layer 1) ids differ (not judged)")
+
+
+def test_all_rows_router_logits_judge_every_row(tmp_path):
+    rng = np.random.default_rng(5)
+    ref = with_near_tie(moe_captures(rng, all_rows=True), layer=2, row=1, gap=0.002, all_rows=True)
+    logits1, ids1, new1 = swap_runner_up(ref, 2, 1, all_rows=True)
+    # Row 3: the runner-up replaces a chosen expert; its distance is whatever the random logits give.
+    logits3, ids3, new3 = swap_runner_up(ref, 2, 3, all_rows=True)
+    run = run_side(ref, rng, {(2, 1): new1, (2, 3): new3})
+    report = compare(*write_pair(tmp_path, ref, run, "bfloat16", all_rows=True))
+    record = next(r for r in report.keys if r.key == "layer2_topk")
+    rows = {row.row: row for row in record.routing.rows}
+    assert sorted(rows) == [1, 3] and record.routing.router_rows == list(range(TOKENS))
+    for row, logits, ids, new in ((1, logits1, ids1, new1), (3, logits3, ids3, new3)):
+        gap, epsilon = gap_of(logits, ids, new), epsilon_of(logits)
+        assert rows[row].gap == pytest.approx(gap, abs=1e-6) and rows[row].epsilon == pytest.approx(epsilon)
+        assert rows[row].near_tie is (gap <= epsilon)
+    expected_tie = gap_of(logits3, ids3, new3) <= epsilon_of(logits3)
+    assert record.routing.verdict == ("near_tie" if expected_tie else "divergence")
+    assert report.exit_status == (0 if expected_tie else 1)
+    # A fixed --near-tie epsilon above both gaps makes both rows ties.
+    both = max(gap_of(logits1, ids1, new1), gap_of(logits3, ids3, new3)) + 1e-3
+    report = compare(*write_pair(tmp_path / "b", ref, run, "bfloat16", all_rows=True), CompareOptions(near_tie=both))
+    assert report.exit_status == 0
+    assert next(r for r in report.keys if r.key == "layer2_topk").routing.near_tie_rows == [1, 3]
+
+
+def test_a_swapped_order_is_judged_by_the_scores(tmp_path):
+    rng = np.random.default_rng(6)
+    ref = moe_captures(rng, all_rows=True)
+    by_key = {c.key: c for c in ref}
+    router = by_key["layer0_router"].array
+    ids = by_key["layer0_topk"].array
+    # Row 0: make the two chosen experts nearly equal, then swap them; row 4: swap two far apart.
+    first, second = ids[0]
+    router[0, second] = router[0, first] - np.float32(0.001)
+    gaps = {0: float(router[0, first]) - float(router[0, second]), 4: float(router[4, ids[4][0]] - router[4, ids[4][1]])}
+    run = run_side(ref, rng, {(0, 0): ids[0][::-1].copy(), (0, 4): ids[4][::-1].copy()})
+    report = compare(*write_pair(tmp_path, ref, run, "bfloat16", all_rows=True))
+    rows = {row.row: row for row in next(r for r in report.keys if r.key == "layer0_topk").routing.rows}
+    for row, gap in gaps.items():
+        assert rows[row].gap == pytest.approx(gap, abs=1e-6)
+        assert rows[row].near_tie is (gap <= epsilon_of(router[row].astype(np.float64)))
+    assert rows[0].near_tie is True
+
+
+def test_reference_ids_that_are_not_the_top_k_of_its_logits_are_not_judged(tmp_path):
+    """Routing with a bias or a grouped top-k: the logits alone do not explain the choice."""
+    rng = np.random.default_rng(7)
+    ref = moe_captures(rng, all_rows=False)
+    by_key = {c.key: c for c in ref}
+    ids = by_key["layer1_topk"].array
+    logits = by_key["layer1_router"].array.astype(np.float64)
+    ids[-1] = np.argsort(logits, kind="stable")[:TOPK]  # the two lowest: not the top-k
+    new = ids[-1].copy()
+    new[0] = next(e for e in range(EXPERTS) if e not in ids[-1])
+    run = run_side(ref, rng, {(1, TOKENS - 1): new})
+    report = compare(*write_pair(tmp_path, ref, run, "bfloat16", all_rows=False))
+    (row,) = next(r for r in report.keys if r.key == "layer1_topk").routing.rows
+    assert row.gap is None and "not the top-k" in row.reason
+    assert report.exit_status == 0 and report.problems[0].kind == "ids_not_judged"
+
+
+def test_without_router_keys_the_pair_class_decides(tmp_path):
+    """No ``<prefix>_router`` key: fp32 dumps diverge on any mismatch, bf16 ones report it."""
+    rng = np.random.default_rng(8)
+    ref = [c for c in moe_captures(rng, all_rows=False) if not c.key.endswith("_router")]
+    ids = next(c for c in ref if c.key == "layer0_topk").array
+    new = ids[3][::-1].copy()
+    run = run_side(ref, rng, {(0, 3): new})
+    strict = compare(*write_pair(tmp_path / "a", ref, run, "float32", all_rows=False))
+    assert strict.exit_status == 1 and strict.first_divergence.routing.class_from == "pair"
+    loose = compare(*write_pair(tmp_path / "b", ref, run, "bfloat16", all_rows=False))
+    assert loose.exit_status == 0 and loose.id_mismatches[0].routing.verdict == "not_judged"
+    assert "REF has no layer0_router" in loose.id_mismatches[0].routing.rows[0].reason
+
+
+def test_a_token_a_near_tie_routed_elsewhere_is_not_judged_again(tmp_path):
+    """All rows: layer 0's near tie sends token 2 to other experts; its hidden state then differs,
+    so layer 1's routing of token 2 may differ far from any tie in REF's logits: a consequence,
+    not judged. The same far mismatch in another token is a divergence."""
+    rng = np.random.default_rng(9)
+    ref = with_near_tie(moe_captures(rng, all_rows=True), layer=0, row=2, gap=0.002, all_rows=True)
+    _, _, tie = swap_runner_up(ref, 0, 2, all_rows=True)
+    by_key = {c.key: c for c in ref}
+    far = {}
+    for row in (2, 4):
+        logits = by_key["layer1_router"].array[row].astype(np.float64)
+        ids = by_key["layer1_topk"].array[row].copy()
+        ids[0] = int(np.argmin(logits))  # the lowest-scored expert: far from any tie
+        far[row] = ids
+        assert gap_of(logits, by_key["layer1_topk"].array[row], ids) > epsilon_of(logits)
+    report = compare(*write_pair(tmp_path / "a", ref, run_side(ref, rng, {(0, 2): tie, (1, 2): far[2]}),
+                                 "bfloat16", all_rows=True))
+    record = next(r for r in report.keys if r.key == "layer1_topk")
+    assert report.exit_status == 0 and record.status == "near_tie" and not record.divergent
+    assert record.routing.after_near_tie_rows == [2] and record.routing.far_rows == []
+    assert record.routing.rows[0].after_near_tie == "layer0_topk"
+    report = compare(*write_pair(tmp_path / "b", ref, run_side(ref, rng, {(0, 2): tie, (1, 4): far[4]}),
+                                 "bfloat16", all_rows=True))
+    assert report.exit_status == 1 and report.first_divergence.key == "layer1_topk"
+    assert report.first_divergence.routing.far_rows == [4]
+    # In the fp32 class nothing is excused.
+    report = compare(*write_pair(tmp_path / "c", ref, run_side(ref, rng, {(0, 2): tie}), "float32", all_rows=True))
+    assert report.exit_status == 1 and report.first_divergence.key == "layer0_topk"
+
+
+def test_float_keys_after_a_near_tie_are_not_judged_at_that_token_only(tmp_path):
+    """All rows: token 2's later values are not judged after its near tie; token 4's are."""
+    rng = np.random.default_rng(10)
+    ref = with_near_tie(moe_captures(rng, all_rows=True), layer=0, row=2, gap=0.002, all_rows=True)
+    ref = [factory.replace(c, array=np.tile(c.array, (TOKENS, 1)) * rng.uniform(0.5, 1.5, (TOKENS, 1)).astype(
+        np.float32)) if c.kind == "record" and not c.key.endswith("_router") and c.tag.startswith("layer") else c
+        for c in ref]
+    _, _, tie = swap_runner_up(ref, 0, 2, all_rows=True)
+
+    def off(rows):
+        run = run_side(ref, rng, {(0, 2): tie})
+        out = []
+        for capture in run:
+            array = capture.array.copy()
+            if capture.key in ("layer0_mlp", "layer1", "layer2"):
+                array[rows] *= 1.5
+            out.append(factory.replace(capture, array=array))
+        return out
+
+    def pair_all_rows(path, run):
+        keys = {c.key for c in ref if c.kind == "record" and c.tag.startswith("layer")}
+        fields = {key: {"rows": "all"} for key in keys}
+        paths = []
+        for name, captures, source in (("ref", ref, "float32"), ("run", run, "bfloat16")):
+            manifest = factory.manifest_for(captures, source_dtype=source, key_fields=fields)
+            paths.append(factory.write_compiledump(path / name, captures, manifest=manifest))
+        return paths
+
+    report = compare(*pair_all_rows(tmp_path / "a", off([2])))
+    by_key = {r.key: r for r in report.keys}
+    assert report.exit_status == 0
+    for key in ("layer0_mlp", "layer1", "layer2"):
+        assert (by_key[key].status, by_key[key].excused_rows, by_key[key].excused_by) == (
+            "after_near_tie", [2], ["layer0_topk"])
+    assert by_key["layer0"].excused_rows is None  # nothing crossed there
+    report = compare(*pair_all_rows(tmp_path / "b", off([2, 4])))
+    first = report.first_divergence
+    assert report.exit_status == 1 and (first.key, first.divergent_rows) == ("layer0_mlp", [4])
+    assert report.root_cause.key == "layer0_topk" and report.root_cause.routing_verdict == "near_tie"
