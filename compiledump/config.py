@@ -27,8 +27,13 @@ class EnvVar:
 ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("COMPILEDUMP_DIR", "", "dump directory; unset disables capture entirely (every capture call is a "
            "no-op that adds nothing to a compiled graph)", "dir"),
-    EnvVar("COMPILEDUMP_TOKENS", "0", "token gate: if > 0, `record` (without `once`) and `record_ids` keep only "
-           "tensors whose `shape[0]` equals it (the prompt length); others are counted as `token_gate`", "tokens"),
+    EnvVar("COMPILEDUMP_TOKENS", "auto", "token gate of `record` (without `once`) and `record_ids`: keep only "
+           "tensors whose `shape[0]` is the prompt length, others are counted as `token_gate`. `auto`: the prompt "
+           "length is the token count of the first capture outside `profiling()`; a number fixes it; `0` turns "
+           "the gate off (every call overwrites: debug_dump.py's behaviour)", "tokens"),
+    EnvVar("COMPILEDUMP_ROWS", "one", "which rows `record` keeps of a `[tokens, dim]` or `[tokens, hc_mult, dim]` "
+           "tensor: `one` (the last, or the one `set_gather_rows` names) or `all` (every token of the gated "
+           "prompt, stored as `[tokens, dim]`); `record(..., rows=...)` overrides it per call", "rows"),
     EnvVar("COMPILEDUMP_MOE_LAYERS", "2", "keep `layer<N>_<x>` tags only for N below this", "moe_layers"),
     EnvVar("COMPILEDUMP_MAX_ROWS", "1", "`record_step` is skipped (counted as `rows_gate`) while the last "
            "`set_rows` value exceeds this", "max_rows"),
@@ -57,6 +62,9 @@ _BY_NAME = {var.name: var for var in ENV_VARS}
 # CMake cache options (`cmake -D<NAME>=...`), documented in docs/export.md.
 CMAKE_OPTIONS = ("COMPILEDUMP_INSTALL_DIR", "COMPILEDUMP_BUILD_DRIVER")
 
+# COMPILEDUMP_TOKENS=auto: the prompt length is learned from the first capture outside profiling().
+TOKENS_AUTO = "auto"
+
 # Settings that size device allocations: fixed once the arena exists.
 CAPACITY_FIELDS = frozenset({"max_steps", "arena_mb", "max_tags"})
 
@@ -74,7 +82,9 @@ class Config:
     """compiledump settings (see `ENV_VARS` for each field's variable and meaning).
 
     dir: dump directory; None disables capture entirely.
-    tokens: if > 0, the token gate of `record` (without once) and `record_ids`.
+    tokens: the token gate of `record` (without once) and `record_ids`: "auto" (learn the prompt
+        length from the first capture outside profiling()), a prompt length, or 0 (off).
+    rows: which rows `record` keeps: "one" (the gathered row) or "all" (every prompt token).
     moe_layers: tags `layer<N>_<x>` are kept only for N < moe_layers.
     max_rows: `record_step` is skipped while the last `set_rows()` value exceeds it.
     max_steps: steps kept per `record_step` tag.
@@ -83,7 +93,8 @@ class Config:
     """
 
     dir: str | None = None
-    tokens: int = 0
+    tokens: int | str = TOKENS_AUTO
+    rows: str = "one"
     moe_layers: int = 2
     max_rows: int = 1
     max_steps: int = 256
@@ -91,7 +102,12 @@ class Config:
     max_tags: int = 1024
 
     def __post_init__(self):
-        for field in ("tokens", "moe_layers", "max_rows", "max_steps", "arena_mb", "max_tags"):
+        if self.tokens != TOKENS_AUTO and (not isinstance(self.tokens, int) or isinstance(self.tokens, bool)
+                                           or self.tokens < 0):
+            raise ValueError(f"compiledump: tokens must be 'auto' or a non-negative int, got {self.tokens!r}")
+        if self.rows not in ("one", "all"):
+            raise ValueError(f"compiledump: rows must be 'one' or 'all', got {self.rows!r}")
+        for field in ("moe_layers", "max_rows", "max_steps", "arena_mb", "max_tags"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"compiledump: {field} must be a non-negative int, got {value!r}")
@@ -102,6 +118,11 @@ class Config:
     @property
     def active(self) -> bool:
         return bool(self.dir)
+
+    @property
+    def fixed_tokens(self) -> int:
+        """The prompt length the token gate uses when it is fixed; 0 when off or "auto"."""
+        return 0 if self.tokens == TOKENS_AUTO else self.tokens
 
     @property
     def arena_words(self) -> int:
@@ -117,11 +138,16 @@ def from_env(environ=os.environ) -> Config:
         raw = env(var.name, environ)
         if var.field == "dir":
             values["dir"] = raw or None
+        elif var.field == "rows":
+            values["rows"] = raw.strip().lower()
+        elif var.field == "tokens" and raw.strip().lower() == TOKENS_AUTO:
+            values["tokens"] = TOKENS_AUTO
         else:
             try:
                 values[var.field] = int(raw)
             except ValueError:
-                raise ValueError(f"compiledump: {var.name} must be an integer, got {raw!r}") from None
+                hint = " or 'auto'" if var.field == "tokens" else ""
+                raise ValueError(f"compiledump: {var.name} must be an integer{hint}, got {raw!r}") from None
     return Config(**values)
 
 

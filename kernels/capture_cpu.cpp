@@ -64,13 +64,18 @@ void capture_kernel_cpu(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl
   if (counter != CNT_WRITTEN) return;
   if (kind == KIND_RECORD_ONCE && old != 0) return;
   if (kind == KIND_STEP && old >= capacity) return;
+  // The kept call's token count (0: a tensor stored whole has none).
+  if (is_record_kind(kind)) regs[base + SLOT_KEPT_TOKENS] = row_reg == ROW_FIXED_ZERO ? 0 : static_cast<int32_t>(T);
   const int64_t words = mean ? D : H * D;
+  const int64_t rows = row_reg == ROW_ALL ? T : 1;  // every row, or the one gathered
   const int64_t dest = offset + (kind == KIND_STEP ? old : 0) * words;
-  TORCH_CHECK(dest >= 0 && dest + words <= arena.numel(), "compiledump: arena region out of bounds");
+  TORCH_CHECK(dest >= 0 && dest + rows * words <= arena.numel(), "compiledump: arena region out of bounds");
   float* out = arena.data_ptr<float>();
   AT_DISPATCH_ALL_TYPES_AND3(at::kHalf, at::kBFloat16, at::kBool, x.scalar_type(), "capture_kernel_cpu", [&] {
-    const scalar_t* src = x.data_ptr<scalar_t>() + row * st;
-    store_row<scalar_t>(src, out, dest, H, D, sh, sd, mean, kind == KIND_IDS);
+    for (int64_t r = 0; r < rows; ++r) {
+      const scalar_t* src = x.data_ptr<scalar_t>() + (row + r) * st;
+      store_row<scalar_t>(src, out, dest + r * words, H, D, sh, sd, mean, kind == KIND_IDS);
+    }
   });
 }
 
@@ -79,6 +84,7 @@ void capture_kernel_cpu(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl
 std::vector<int64_t> payload_shape(at::IntArrayRef shape, int64_t kind) {
   if (kind == KIND_IDS) return shape.vec();
   if (kind == KIND_STEP) return shape.size() >= 2 ? shape.slice(1).vec() : shape.vec();
+  if (kind == KIND_RECORD_ROWS) return {shape.front(), shape.back()};
   if (shape.size() == 2 || shape.size() == 3) return {shape.back()};
   int64_t numel = 1;
   for (int64_t d : shape) numel *= d;
@@ -98,6 +104,7 @@ Geometry geometry(const at::Tensor& input, int64_t kind) {
     if (t.dim() == 2) return Geometry{t, t.size(0), 1, t.size(1), t.stride(0), 0, t.stride(1), row_reg, mean};
     return Geometry{t, t.size(0), t.size(1), t.size(2), t.stride(0), t.stride(1), t.stride(2), row_reg, mean};
   };
+  if (kind == KIND_RECORD_ROWS) return rows(x, ROW_ALL, dim == 3);
   if ((kind == KIND_RECORD || kind == KIND_RECORD_ONCE) && (dim == 2 || dim == 3))
     return rows(x, REG_RECORD_ROW, dim == 3);
   if (kind == KIND_STEP && dim >= 2) {
@@ -115,7 +122,8 @@ void capture_export(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl, in
                     int64_t reason, int64_t offset, at::IntArrayRef payload, int64_t capacity, int64_t tokens) {
   // The gates of ops.export_gates, decided from shapes (host metadata: no device access).
   if (reason == 0 && slot != 0) {
-    if (tokens && (kind == KIND_RECORD || kind == KIND_IDS) && x.dim() > 0 && x.size(0) != tokens)
+    if (tokens && (kind == KIND_RECORD || kind == KIND_RECORD_ROWS || kind == KIND_IDS) && x.dim() > 0 &&
+        x.size(0) != tokens)
       reason = CNT_TOKEN_GATE;
     else if (encode_payload(payload_shape(x.sizes(), kind)) != payload.vec())
       reason = CNT_SHAPE_CHANGED;

@@ -8,8 +8,8 @@
 // 1. thread 0 reads the header registers, picks exactly one counter of the slot and bumps it
 //    with one atomicAdd (the old written-counter is the step index, or says whether a
 //    record_once capture is the first), then broadcasts the decision through shared memory;
-// 2. the block gathers the row (strided, read in place), averages over H in fp32 or copies it,
-//    and stores it into the arena.
+// 2. the block gathers the row (strided, read in place; every row for an all-rows record),
+//    averages over H in fp32 or copies it, and stores it into the arena.
 //
 // The host never reads `ctrl` and never synchronises, so a capture is one graph-capturable
 // kernel node. The payload is one row, so a single block is enough; it also orders the counter
@@ -34,30 +34,9 @@ using namespace compiledump;
 constexpr int THREADS = 256;
 
 template <typename scalar_t>
-__global__ void capture_kernel(const scalar_t* __restrict__ x, float* __restrict__ arena,
-                               int32_t* __restrict__ ctrl, int64_t kind, int64_t base, int64_t offset,
-                               int64_t capacity, int64_t reason, int64_t T, int64_t H, int64_t D,
-                               int64_t st, int64_t sh, int64_t sd, int64_t row_reg, bool mean) {
-  __shared__ bool s_write;
-  __shared__ int64_t s_row, s_dest;
-  const int64_t words = mean ? D : H * D;
-
-  if (threadIdx.x == 0) {
-    // Same gates and precedence as the CPU kernel: exactly one counter per call.
-    const Gate gate = choose_counter(ctrl, kind, reason, T, row_reg);
-    const int64_t counter = gate.counter, row = gate.row;
-    // The one atomic: concurrent captures of a slot (other streams) each get their own step.
-    const int64_t old = atomicAdd(ctrl + base + counter, 1);
-    // record_once writes only on the first live call; a step only while the region has room.
-    s_write = counter == CNT_WRITTEN && !(kind == KIND_RECORD_ONCE && old != 0) &&
-              !(kind == KIND_STEP && old >= capacity);
-    s_row = row;
-    s_dest = offset + (kind == KIND_STEP ? old : 0) * words;
-  }
-  __syncthreads();
-  if (!s_write) return;  // uniform across the block: read after the barrier
-
-  const scalar_t* src = x + s_row * st;
+__device__ void store_row(const scalar_t* __restrict__ src, float* __restrict__ arena, int64_t s_dest,
+                          int64_t kind, int64_t H, int64_t D, int64_t sh, int64_t sd, bool mean, int64_t words) {
+  // One row: `src` is row r of x, `s_dest` its first word in the arena; every thread of the block.
   if (kind == KIND_IDS) {
     // ids keep their integer bits: stored as int32 in the float32 arena.
     int32_t* out = reinterpret_cast<int32_t*>(arena) + s_dest;
@@ -84,6 +63,40 @@ __global__ void capture_kernel(const scalar_t* __restrict__ x, float* __restrict
   }
 }
 
+template <typename scalar_t>
+__global__ void capture_kernel(const scalar_t* __restrict__ x, float* __restrict__ arena,
+                               int32_t* __restrict__ ctrl, int64_t kind, int64_t base, int64_t offset,
+                               int64_t capacity, int64_t reason, int64_t T, int64_t H, int64_t D,
+                               int64_t st, int64_t sh, int64_t sd, int64_t row_reg, bool mean) {
+  __shared__ bool s_write;
+  __shared__ int64_t s_row, s_dest;
+  const int64_t words = mean ? D : H * D;
+
+  if (threadIdx.x == 0) {
+    // Same gates and precedence as the CPU kernel: exactly one counter per call.
+    const Gate gate = choose_counter(ctrl, kind, reason, T, row_reg);
+    const int64_t counter = gate.counter, row = gate.row;
+    // The one atomic: concurrent captures of a slot (other streams) each get their own step.
+    const int64_t old = atomicAdd(ctrl + base + counter, 1);
+    // record_once writes only on the first live call; a step only while the region has room.
+    s_write = counter == CNT_WRITTEN && !(kind == KIND_RECORD_ONCE && old != 0) &&
+              !(kind == KIND_STEP && old >= capacity);
+    // The record kinds note the token count of the capture the dump now holds.
+    // (0: a tensor stored whole has no token count.)
+    if (s_write && is_record_kind(kind))
+      atomicExch(ctrl + base + SLOT_KEPT_TOKENS, row_reg == ROW_FIXED_ZERO ? 0 : static_cast<int32_t>(T));
+    s_row = row;
+    s_dest = offset + (kind == KIND_STEP ? old : 0) * words;
+  }
+  __syncthreads();
+  if (!s_write) return;  // uniform across the block: read after the barrier
+
+  // All-rows records store every row, one after the other; everything else one row.
+  const int64_t rows = row_reg == ROW_ALL ? T : 1;
+  for (int64_t r = 0; r < rows; ++r)
+    store_row(x + (s_row + r) * st, arena, s_dest + r * words, kind, H, D, sh, sd, mean, words);
+}
+
 void capture_kernel_cuda(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl, int64_t kind, int64_t base,
                          int64_t offset, int64_t capacity, int64_t reason, int64_t T, int64_t H, int64_t D,
                          int64_t st, int64_t sh, int64_t sd, int64_t row_reg, bool mean) {
@@ -96,10 +109,10 @@ void capture_kernel_cuda(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctr
   // checked, which is the same thing for the regions Python hands out. With a host-decided
   // reason the kernel never writes (offset is -1 then), so the region is not checked.
   TORCH_CHECK(ctrl.numel() >= HEADER_WORDS && row_reg < HEADER_WORDS && base >= 0 &&
-                  base + SLOT_WORDS <= ctrl.numel() && reason >= 0 && reason < SLOT_WORDS,
+                  base + SLOT_WORDS <= ctrl.numel() && reason >= 0 && reason < SLOT_COUNTERS,
               "compiledump: control block index out of bounds");
   const int64_t words = mean ? D : H * D;
-  const int64_t rows = kind == KIND_STEP ? std::max<int64_t>(capacity, 0) : 1;
+  const int64_t rows = kind == KIND_STEP ? std::max<int64_t>(capacity, 0) : row_reg == ROW_ALL ? T : 1;
   TORCH_CHECK(reason != 0 || (offset >= 0 && offset + rows * words <= arena.numel()),
               "compiledump: arena region out of bounds");
 

@@ -32,6 +32,7 @@ struct PlanSlot {
 struct Plan {
   std::string version;
   int64_t arena_words = 0, ctrl_words = 0, used_words = 0, max_rows = 1;
+  int64_t prompt_tokens = 0;  // the token gate's fixed prompt length when exported (0: none)
   std::string device_type = "cpu";
   std::map<int64_t, PlanSlot> slots;  // by slot index
   std::vector<std::pair<std::string, std::string>> filtered;  // tag, reason

@@ -46,11 +46,20 @@ const std::array<std::pair<int64_t, const char*>, 7> kDropReasons{{
 const char* kind_name(int64_t kind) {
   switch (kind) {
     case KIND_RECORD: return "record";
+    case KIND_RECORD_ROWS: return "record";
     case KIND_RECORD_ONCE: return "record_once";
     case KIND_STEP: return "step";
     case KIND_IDS: return "ids";
   }
   throw std::runtime_error("compiledump: unknown capture kind " + std::to_string(kind));
+}
+
+// The manifest's "tokens" of a token-gated key (capture/flush.py `_kept_tokens`): shape[0] of the
+// call whose value was kept; -1 (null) for the other kinds and shapes.
+int64_t kept_tokens(const PlanSlot& slot, int32_t kept_word) {
+  if (slot.kind == KIND_IDS) return slot.shape.empty() ? -1 : slot.shape[0];
+  if ((slot.kind == KIND_RECORD || slot.kind == KIND_RECORD_ROWS) && kept_word > 0) return kept_word;
+  return -1;  // none kept, or a tensor stored whole
 }
 
 std::string json_string(const std::string& s) {
@@ -236,6 +245,8 @@ Plan Plan::parse(const std::string& plan_text, const std::string& config_json) {
       f >> plan.used_words;
     } else if (what == "max_rows") {
       f >> plan.max_rows;
+    } else if (what == "prompt_tokens") {
+      f >> plan.prompt_tokens;
     } else if (what == "device_type") {
       f >> plan.device_type;
     }  // other header lines: added by later versions, ignored
@@ -336,7 +347,7 @@ std::string Dump::flush(const std::string& dir) const {
     if (slot->index == 0) continue;
     const int32_t* counts = counts_all + slot_base(slot->index);
     int64_t calls = 0;
-    for (int64_t c = 0; c < SLOT_WORDS; ++c) calls += counts[c];
+    for (int64_t c = 0; c < SLOT_COUNTERS; ++c) calls += counts[c];
     const int64_t written = counts[CNT_WRITTEN];
     std::vector<std::pair<std::string, int64_t>> drops;
     for (const auto& [counter, name] : kDropReasons)
@@ -350,6 +361,10 @@ std::string Dump::flush(const std::string& dir) const {
       const bool ids = slot->kind == KIND_IDS;
       const std::string source_shape =
           slot->source_shape == std::vector<int64_t>{-2} ? "null" : json_ints(slot->source_shape, true);
+      const int64_t tokens = kept_tokens(*slot, counts[SLOT_KEPT_TOKENS]);
+      const std::string phase = tokens < 0 || plan_.prompt_tokens <= 0 ? "null"
+                                : tokens == plan_.prompt_tokens        ? "\"prefill\""
+                                                                       : "\"decode\"";
       for (int64_t n = 0; n < kept; ++n) {
         const bool step = slot->kind == KIND_STEP;
         const std::string key = step ? slot->tag + "_" + std::to_string(n) : slot->tag;
@@ -360,7 +375,9 @@ std::string Dump::flush(const std::string& dir) const {
                 "\",\"step\":" + (step ? std::to_string(n) : "null") + ",\"order\":" + std::to_string(slot->order) +
                 ",\"source_dtype\":" + (slot->source_dtype.empty() ? "null" : json_string(slot->source_dtype)) +
                 ",\"source_shape\":" + source_shape + ",\"dtype\":\"" + (ids ? "int32" : "float32") +
-                "\",\"shape\":" + json_ints(slot->shape) + "}";
+                "\",\"shape\":" + json_ints(slot->shape) + ",\"tokens\":" +
+                (tokens < 0 ? "null" : std::to_string(tokens)) + ",\"phase\":" + phase +
+                (slot->kind == KIND_RECORD_ROWS ? ",\"rows\":\"all\"" : "") + "}";
       }
     }
     std::string drop_json;
@@ -410,7 +427,9 @@ std::string Dump::flush(const std::string& dir) const {
       ",\"world_size\":" + (world_is_number ? world : "null") + ",\"device\":" + json_string(arena_.device().str()) +
       ",\"config\":{\"dir\":" + json_string(dir) + (settings.empty() ? "" : "," + settings) + "},\"keys\":{" + keys +
       "},\"tags\":{" + tags + "},\"drops\":{" + drops_json + "},\"filtered_tags\":{" + filtered_json +
-      "},\"arena_words_used\":" + std::to_string(plan_.used_words) + ",\"parallel\":{},\"writer\":\"native\"}";
+      "},\"arena_words_used\":" + std::to_string(plan_.used_words) + ",\"prompt_tokens\":" +
+      (plan_.prompt_tokens > 0 ? std::to_string(plan_.prompt_tokens) : "null") +
+      ",\"parallel\":{},\"writer\":\"native\"}";
 
   const std::filesystem::path out(dir);
   std::filesystem::create_directories(out);

@@ -1,6 +1,8 @@
 // Layout of the control block and the capture kinds: the C++ copy of compiledump/ops/layout.py
 // (tests/export/test_aot.py checks that every constant here equals the Python one).
 #pragma once
+#include <c10/macros/Macros.h>
+
 #include <cstdint>
 
 namespace compiledump {
@@ -22,16 +24,25 @@ constexpr int64_t CNT_ROW_OUT_OF_RANGE = 4;
 constexpr int64_t CNT_SHAPE_CHANGED = 5;
 constexpr int64_t CNT_ARENA_FULL = 6;
 constexpr int64_t CNT_TAG_TABLE_FULL = 7;
-constexpr int64_t SLOT_WORDS = 8;
+constexpr int64_t SLOT_COUNTERS = 8;
+constexpr int64_t SLOT_KEPT_TOKENS = 8;
+constexpr int64_t SLOT_WORDS = 9;
 
 // Capture kinds.
 constexpr int64_t KIND_RECORD = 0;
 constexpr int64_t KIND_RECORD_ONCE = 1;
 constexpr int64_t KIND_STEP = 2;
 constexpr int64_t KIND_IDS = 3;
+constexpr int64_t KIND_RECORD_ROWS = 4;
 
 constexpr int64_t ROW_FIXED_ZERO = -1;
+constexpr int64_t ROW_ALL = -2;
 
 inline int64_t slot_base(int64_t slot) { return HEADER_WORDS + slot * SLOT_WORDS; }
+
+// The kinds whose kept captures set SLOT_KEPT_TOKENS (layout.RECORD_KINDS).
+C10_HOST_DEVICE inline bool is_record_kind(int64_t kind) {
+  return kind == KIND_RECORD || kind == KIND_RECORD_ONCE || kind == KIND_RECORD_ROWS;
+}
 
 }  // namespace compiledump

@@ -43,6 +43,7 @@ def plan_text(rt: Runtime) -> str:
         f"ctrl_words {rt.ctrl.numel()}",
         f"used_words {rt.used_words}",
         f"max_rows {rt.config.max_rows}",
+        f"prompt_tokens {rt.config.fixed_tokens}",
         f"device_type {rt.device.type}",
     ]
     for slot in sorted(rt.slots.values(), key=lambda s: s.order):

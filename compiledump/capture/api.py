@@ -28,12 +28,12 @@ from .. import config as _config
 from ..format import spec
 from ..ops import layout as L
 from ..ops import schemas
-from . import dispatch, signals
+from . import dispatch, layouts, signals
 from .arena import Runtime
 from .flush import dump_stem, flush, flush_at_exit, flush_on_signal
 from .state import STATE
 
-__all__ = ["configure", "dump_stem", "enabled", "flush", "get_config", "init", "profiling", "record",
+__all__ = ["clear", "configure", "dump_stem", "enabled", "flush", "get_config", "init", "profiling", "record",
            "record_ids", "record_step", "reset", "set_gather_rows", "set_rows"]
 
 _TAG_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
@@ -62,6 +62,8 @@ def configure(**settings) -> _config.Config:
                 f"compiledump.configure: {sorted(changed)} cannot change after the arena was created"
             )
         rt.config = new
+        if new.fixed_tokens:
+            rt.prompt_tokens = new.fixed_tokens
         if new.max_rows != STATE.config.max_rows:
             rt.set_register(L.REG_MAX_ROWS, new.max_rows)
     STATE.config = new
@@ -122,6 +124,17 @@ def reset() -> None:
     (tests, notebooks). Re-trace compiled functions after this (`torch._dynamo.reset()`): their
     graphs hold the old arena."""
     STATE.reset()
+
+
+def clear() -> None:
+    """Start a new dump in the same arena: forget what was captured (counters, kept values, the
+    learned prompt length) but keep the tags and their regions, so compiled code and captured
+    CUDA graphs stay valid. The next flush holds only what ran after this. Call it outside
+    graphs (between requests, say), with no capture running."""
+    rt = STATE.runtime
+    if rt is not None:
+        with STATE.lock:
+            rt.clear()
 
 
 def _register_atexit() -> None:
@@ -202,19 +215,27 @@ def set_gather_rows(*, record: int | None = None, step: int | None = None) -> No
 # Capture calls (traced by dynamo: keep them free of anything it cannot constant-fold)
 
 
-def record(tag: str, tensor: torch.Tensor, once: bool = False) -> None:
-    """Store the last row of `tensor` under `tag` as float32.
+def record(tag: str, tensor: torch.Tensor, once: bool = False, *, rows: str | None = None,
+           layout: str | None = None) -> None:
+    """Store one row of `tensor` (or every row, with `rows="all"`) under `tag` as float32.
 
-    A 3-D tensor is `[tokens, hc_mult, dim]` and is averaged over hc_mult (fp32 accumulation);
-    a 2-D tensor keeps one row; any other rank is stored whole, flattened. The row is the last
-    one unless `set_gather_rows(record=...)` says otherwise. Without `once` the last write wins
-    and, if `COMPILEDUMP_TOKENS` is set, tensors whose `shape[0]` differs are skipped (counted).
-    With `once=True` the first write wins and the token gate does not apply.
+    A 3-D tensor is read as `[tokens, hc_mult, dim]` and averaged over hc_mult (fp32
+    accumulation) unless `layout="batch_seq_dim"` says it is `[batch, seq, hidden]` (flattened to
+    `[batch * seq, hidden]` tokens); a 3-D tensor that does not look like hc_mult is warned about
+    once per tag (`layout="tokens_hc_dim"` confirms the reading). A 2-D tensor is `[tokens, dim]`;
+    any other rank is stored whole, flattened. `rows` (default `COMPILEDUMP_ROWS`, "one"): the
+    last row, or the one `set_gather_rows(record=...)` names; "all": every row, stored as
+    `[tokens, dim]`. Without `once` the last write wins and the token gate (COMPILEDUMP_TOKENS,
+    default auto: the prompt length) skips other token counts (counted); with `once=True` the
+    first write wins and the token gate does not apply.
     """
     if not STATE.config.active:
         return
     _check_tensor(tensor, "record")
-    _capture(tag, tensor, L.KIND_RECORD_ONCE if once else L.KIND_RECORD, True)
+    # COMPILEDUMP_ROWS=all applies to last-write records; an explicit rows="all" with once raises.
+    rows = rows or ("one" if once else STATE.config.rows)
+    tensor, kind, declared = layouts.record_kind(tag, tensor, once, rows, layout)
+    _capture(tag, tensor, kind, True, declared)
 
 
 def record_step(tag: str, tensor: torch.Tensor) -> None:
@@ -227,7 +248,7 @@ def record_step(tag: str, tensor: torch.Tensor) -> None:
     if not STATE.config.active:
         return
     _check_tensor(tensor, "record_step")
-    _capture(tag, tensor, L.KIND_STEP, False)
+    _capture(tag, tensor, L.KIND_STEP, False, False)
 
 
 def record_ids(tag: str, tensor: torch.Tensor) -> None:
@@ -240,7 +261,7 @@ def record_ids(tag: str, tensor: torch.Tensor) -> None:
     _check_tensor(tensor, "record_ids")
     if tensor.is_floating_point():
         raise TypeError(f"compiledump.record_ids({tag!r}): expected an integer tensor, got {tensor.dtype}")
-    _capture(tag, tensor, L.KIND_IDS, True)
+    _capture(tag, tensor, L.KIND_IDS, True, False)
 
 
 def _check_tensor(tensor, call: str) -> None:
@@ -252,8 +273,8 @@ def _check_tensor(tensor, call: str) -> None:
         raise ValueError(f"compiledump.{call}: empty tensor of shape {tuple(tensor.shape)}")
 
 
-def _capture(tag: str, tensor: torch.Tensor, kind: int, moe_filtered: bool) -> None:
-    slot, reason = _plan(tag, kind, moe_filtered, str(tensor.device))
+def _capture(tag: str, tensor: torch.Tensor, kind: int, moe_filtered: bool, layout_declared: bool) -> None:
+    slot, reason = _plan(tag, kind, moe_filtered, layout_declared, str(tensor.device))
     if slot < 0:
         return
     rt = STATE.runtime
@@ -266,7 +287,7 @@ def _capture(tag: str, tensor: torch.Tensor, kind: int, moe_filtered: bool) -> N
 
 
 @torch.compiler.assume_constant_result
-def _plan(tag: str, kind: int, moe_filtered: bool, device: str) -> tuple[int, int]:
+def _plan(tag: str, kind: int, moe_filtered: bool, layout_declared: bool, device: str) -> tuple[int, int]:
     """Host decisions for one capture site: (slot, drop reason decided on the host).
 
     Returns slot -1 when the tag is filtered out (MoE layer filter): no op is emitted at all.
@@ -275,7 +296,7 @@ def _plan(tag: str, kind: int, moe_filtered: bool, device: str) -> tuple[int, in
     not arguments: the token gate and the arena region are decided when the op runs, from the
     real tensor, so a dynamic token dim is never guarded or specialized.
     """
-    key = (tag, kind, moe_filtered, device)
+    key = (tag, kind, moe_filtered, layout_declared, device)
     plan = STATE.plans.get(key)
     if plan is None:
         with STATE.lock:
@@ -284,7 +305,7 @@ def _plan(tag: str, kind: int, moe_filtered: bool, device: str) -> tuple[int, in
     return plan
 
 
-def _make_plan(tag, kind, moe_filtered, device):
+def _make_plan(tag, kind, moe_filtered, layout_declared, device):
     if not isinstance(tag, str) or not _TAG_PATTERN.fullmatch(tag):
         raise ValueError(
             f"compiledump: invalid tag {tag!r}: use 1-200 characters from [A-Za-z0-9_.-] "
@@ -293,7 +314,10 @@ def _make_plan(tag, kind, moe_filtered, device):
     if moe_filtered and not _wants_moe(tag, STATE.config.moe_layers):
         STATE.filtered_tags[tag] = "moe_layers"
         return (-1, 0)
-    slot = _runtime_for(torch.device(device), tag).slot_for(tag, kind)
+    rt = _runtime_for(torch.device(device), tag)
+    slot = rt.slot_for(tag, kind)
+    if layout_declared:
+        rt.layout_declared.add(tag)
     if slot.index == 0:
         return (0, L.CNT_TAG_TABLE_FULL)
     return (slot.index, 0)

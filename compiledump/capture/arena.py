@@ -19,7 +19,8 @@ import torch
 from .. import config as _config
 from ..format import spec
 from ..ops import layout as L
-from ..ops.geometry import TOKEN_GATED_KINDS, payload_shape, token_gated
+from ..ops.geometry import TOKEN_GATED_KINDS, payload_shape
+from . import layouts
 
 ALIGN_WORDS = 4  # regions start 16-byte aligned: vector stores in the kernel
 
@@ -73,8 +74,12 @@ class Runtime:
         self.next_slot = 1  # slot 0 collects captures of tags that found the table full
         self.used_words = 0
         self.overflow_tags: list[str] = []
+        self.layout_declared: set[str] = set()  # tags whose call site said how to read a 3-D tensor
         self.host_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self.host_enabled = not profiling_depth  # the host's copy of REG_ENABLED
+        # The prompt length of the token gate: fixed by COMPILEDUMP_TOKENS, else learned from the
+        # first capture outside profiling() (also with the gate off: it labels the dump's phases).
+        self.prompt_tokens: int | None = cfg.fixed_tokens or None
 
     def set_register(self, index: int, value: int) -> None:
         """Host write of one register: a one-word fill kernel, never a copy or a sync."""
@@ -82,6 +87,13 @@ class Runtime:
             self.ctrl[index].fill_(value)
         if index == L.REG_ENABLED:
             self.host_enabled = bool(value)
+
+    def clear(self) -> None:
+        """Zero every slot's counters and kept-token word (a fill kernel, no sync) and forget a
+        learned prompt length; the tags, regions and registers stay, so graphs remain valid."""
+        with torch.inference_mode(False), torch.no_grad():
+            self.ctrl[L.HEADER_WORDS :].zero_()
+        self.prompt_tokens = self.config.fixed_tokens or None
 
     def slot_for(self, tag: str, kind: int) -> Slot:
         """The tag's slot, created on first sight; raises on a tag/kind conflict."""
@@ -135,7 +147,7 @@ class Runtime:
             )
         if reason or index == 0:
             return L.slot_base(index), -1, 0, reason
-        if token_gated(x.shape, kind, self.config.tokens):
+        if self.token_gated(x, kind, slot.tag):
             # Shape-derived, so fixed for a captured graph: decided here rather than while
             # tracing, where comparing a dynamic token dim would specialize the graph on it.
             return L.slot_base(index), -1, 0, L.CNT_TOKEN_GATE
@@ -153,20 +165,40 @@ class Runtime:
             return L.slot_base(index), -1, 0, L.CNT_SHAPE_CHANGED
         if slot.offset < 0:
             return L.slot_base(index), -1, 0, L.CNT_ARENA_FULL
+        if x.dim() == 3 and kind in (L.KIND_RECORD, L.KIND_RECORD_ONCE) and slot.tag not in self.layout_declared:
+            layouts.check_hc_reading(slot.tag, tuple(x.shape), self.prompt_tokens)
         return L.slot_base(index), slot.offset, slot.capacity, 0
+
+    def token_gated(self, x: torch.Tensor, kind: int, tag: str) -> bool:
+        """True when the token gate skips this capture: a gated kind whose `shape[0]` is not the
+        prompt length. With COMPILEDUMP_TOKENS=auto the first capture of a gated kind outside
+        profiling() (and outside CUDA graph capture, whose inputs are dummies) names the prompt
+        length, unless it is a 3-D record whose first dim may not be tokens (capture/layouts.py);
+        a graph captured before that records its captures ungated."""
+        if kind not in TOKEN_GATED_KINDS or x.dim() == 0:
+            return False
+        tokens = x.shape[0]
+        if self.prompt_tokens is None and self.host_enabled and not _stream_capturing(x) and not (
+                x.dim() == 3 and kind == L.KIND_RECORD and tag not in self.layout_declared
+                and layouts.doubtful_hc_reading(tuple(x.shape), None)):
+            self.prompt_tokens = tokens
+        if not self.config.tokens:  # 0: the gate is off
+            return False
+        return self.prompt_tokens is not None and tokens != self.prompt_tokens
 
     def place(self, index: int, kind: int, x: torch.Tensor) -> tuple[int, list, int]:
         """Claim the tag's region while a program is exported: (offset, payload shape, capacity).
 
         `x` is the traced tensor, whose dimensions may be symbolic. Unlike `resolve`, a capture
         that the token gate would skip claims the region too (the program has no later chance):
-        with COMPILEDUMP_TOKENS set, a gated kind's token dim is sized by it, the only size such a
-        capture keeps. Any other dynamic dimension of a stored payload is an error.
+        with COMPILEDUMP_TOKENS set to a number, a gated kind's token dim is sized by it, the only
+        size such a capture keeps (`auto` cannot learn a prompt length while exporting: exported
+        programs gate only on a number). Any other dynamic dimension of a stored payload is an error.
         """
         slot = self.by_index[index]
         shape = list(x.shape)
-        if self.config.tokens and kind in TOKEN_GATED_KINDS and shape:
-            shape[0] = self.config.tokens
+        if self.config.fixed_tokens and kind in TOKEN_GATED_KINDS and shape:
+            shape[0] = self.config.fixed_tokens
         payload = payload_shape(tuple(shape), kind)
         if not all(isinstance(d, int) for d in payload):
             raise ValueError(
@@ -221,6 +253,7 @@ class Runtime:
 _CALL_NAMES = {
     L.KIND_RECORD: "record()",
     L.KIND_RECORD_ONCE: "record(once=True)",
+    L.KIND_RECORD_ROWS: "record(rows='all')",
     L.KIND_STEP: "record_step()",
     L.KIND_IDS: "record_ids()",
 }

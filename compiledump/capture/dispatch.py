@@ -74,4 +74,4 @@ def emit_export(rt: Runtime, index: int, kind: int, reason: int, x: torch.Tensor
     if reason == 0 and index != 0:
         offset, payload, capacity = rt.place(index, kind, x)
     schemas.capture_export(x, arena, ctrl, index, kind, reason, offset, schemas.encode_payload(payload), capacity,
-                           rt.config.tokens)
+                           rt.config.fixed_tokens)

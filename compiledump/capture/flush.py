@@ -98,7 +98,7 @@ def _collect(rt: Runtime, arena: np.ndarray, ctrl: np.ndarray) -> tuple[dict, di
     totals: dict[str, int] = {}
     for slot in sorted(list(rt.slots.values()), key=lambda s: s.order):
         base = L.slot_base(slot.index)
-        counts = ctrl[base : base + L.SLOT_WORDS].astype(np.int64)
+        counts = ctrl[base : base + L.SLOT_COUNTERS].astype(np.int64)
         if slot.index == 0:
             continue  # shared overflow slot: reported once below
         written = int(counts[L.CNT_WRITTEN])
@@ -112,6 +112,7 @@ def _collect(rt: Runtime, arena: np.ndarray, ctrl: np.ndarray) -> tuple[dict, di
             region = arena[slot.offset : slot.offset + slot.words * kept]
             if slot.kind == L.KIND_IDS:
                 region = region.view(np.int32)
+            tokens = _kept_tokens(slot, int(ctrl[base + L.SLOT_KEPT_TOKENS]))
             meta = {
                 "tag": slot.tag,
                 "kind": L.KIND_NAMES[slot.kind],
@@ -121,7 +122,11 @@ def _collect(rt: Runtime, arena: np.ndarray, ctrl: np.ndarray) -> tuple[dict, di
                 "source_shape": slot.source_shape,
                 "dtype": str(region.dtype),
                 "shape": list(slot.payload_shape),
+                "tokens": tokens,
+                "phase": _phase(tokens, rt.prompt_tokens),
             }
+            if slot.kind == L.KIND_RECORD_ROWS:
+                meta["rows"] = "all"
             steps = region.reshape(kept, *slot.payload_shape)
             for n in range(kept):
                 is_step = slot.kind == L.KIND_STEP
@@ -142,7 +147,7 @@ def _collect(rt: Runtime, arena: np.ndarray, ctrl: np.ndarray) -> tuple[dict, di
     if rt.overflow_tags:
         # Tags past the table share slot 0: their calls are counted there, tag_table_full or,
         # inside profiling(), suspended; only the totals can report them.
-        shared = ctrl[L.slot_base(0) : L.slot_base(0) + L.SLOT_WORDS].astype(np.int64)
+        shared = ctrl[L.slot_base(0) : L.slot_base(0) + L.SLOT_COUNTERS].astype(np.int64)
         for counter, name in L.DROP_REASONS.items():
             if shared[counter]:
                 totals[name] = totals.get(name, 0) + int(shared[counter])
@@ -159,12 +164,31 @@ def _collect(rt: Runtime, arena: np.ndarray, ctrl: np.ndarray) -> tuple[dict, di
         config=_config.settings(rt.config),
         filtered_tags=dict(STATE.filtered_tags),
         arena_words_used=rt.used_words,
+        prompt_tokens=rt.prompt_tokens,
         parallel=parallel.manifest_fields(keys, _warn_once),
         keys=keys,
         tags=tags,
         drops=totals,
     )
     return arrays, manifest
+
+
+def _kept_tokens(slot, kept_word: int) -> int | None:
+    """The manifest's "tokens" of a token-gated key: `shape[0]` of the call whose value was kept
+    (the kernel's SLOT_KEPT_TOKENS for `[tokens, ...]` records; the stored shape for ids)."""
+    if slot.kind == L.KIND_IDS:
+        return slot.payload_shape[0] if slot.payload_shape else None
+    if slot.kind in (L.KIND_RECORD, L.KIND_RECORD_ROWS) and kept_word > 0:  # 0: none kept, or stored whole
+        return kept_word
+    return None
+
+
+def _phase(tokens: int | None, prompt_tokens: int | None) -> str | None:
+    """The manifest's "phase": prefill when the kept call had the prompt's token count, else
+    decode; None when either is unknown."""
+    if tokens is None or prompt_tokens is None:
+        return None
+    return "prefill" if tokens == prompt_tokens else "decode"
 
 
 def _warn_once(message: str) -> None:
@@ -198,11 +222,35 @@ def _warn_drops(manifest: dict) -> None:
 
 
 def flush_at_exit() -> None:
-    """The atexit hook: flush, and never turn interpreter exit into a traceback storm."""
+    """The atexit hook: flush, say on stderr when nothing (or not everything instrumented) was
+    captured, and never turn interpreter exit into a traceback storm."""
     try:
         flush()
+        note = silence_note()
+        if note is not None:
+            print(f"[compiledump] {note}", file=sys.stderr, flush=True)
     except Exception as error:  # noqa: BLE001
         print(f"[compiledump] flush at exit failed: {error!r}", flush=True)
+
+
+def silence_note() -> str | None:
+    """Why the dump is empty or lacks what `instrument()` asked for, with the likely cause; None
+    when capture is off or everything instrumented ran."""
+    st = STATE
+    if not st.config.active:
+        return None
+    unfired = [handle for handle in st.instruments if not handle.fired]
+    if unfired:
+        names = ", ".join(sorted({type(handle.model).__name__ for handle in unfired}))
+        return (f"instrument({names}): its capture hooks never ran with capture on: the model did not run after "
+                "instrument(), or it ran code compiled before instrument() (dynamo does not re-trace for new "
+                "hooks); call instrument() before torch.compile")
+    rt = st.runtime
+    if rt is not None and rt.slots:
+        return None
+    filtered = f"; {len(st.filtered_tags)} tag(s) were filtered by COMPILEDUMP_MOE_LAYERS" if st.filtered_tags else ""
+    return (f"COMPILEDUMP_DIR is {st.config.dir!r} but nothing was captured: no record/record_step/record_ids call "
+            f"ran with capture on{filtered} (compiledump.instrument(model) adds them to a model without editing it)")
 
 
 def flush_on_signal() -> None:

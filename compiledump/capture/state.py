@@ -38,6 +38,7 @@ class State:
     parallel_groups: dict[str, int] = field(default_factory=dict)  # set_parallel()
     shards: list = field(default_factory=list)  # declare_shard(): [(compiled regex, ShardSpec)]
     export_binding: tuple | None = None  # (arena, ctrl) inputs of a program being exported
+    instruments: list = field(default_factory=list)  # instrument() handles not removed
     dist_seen: dict = field(default_factory=lambda: {"rank": None, "world_size": None})  # kept
     atexit_registered: bool = False  # kept
     lock: threading.Lock = field(default_factory=threading.Lock)  # kept

@@ -14,7 +14,7 @@ import torch
 from . import layout as L
 
 # The kinds COMPILEDUMP_TOKENS gates (record_once and steps are never token-gated).
-TOKEN_GATED_KINDS = (L.KIND_RECORD, L.KIND_IDS)
+TOKEN_GATED_KINDS = (L.KIND_RECORD, L.KIND_RECORD_ROWS, L.KIND_IDS)
 
 
 def token_gated(x_shape, kind: int, tokens: int) -> bool:
@@ -28,6 +28,8 @@ def payload_shape(x_shape: tuple, kind: int) -> tuple:
         return x_shape
     if kind == L.KIND_STEP:
         return x_shape[1:] if len(x_shape) >= 2 else x_shape
+    if kind == L.KIND_RECORD_ROWS:
+        return (x_shape[0], x_shape[-1])
     if len(x_shape) in (2, 3):
         return x_shape[-1:]
     return (math.prod(x_shape),)
@@ -37,11 +39,13 @@ def geometry(x: torch.Tensor, kind: int) -> tuple[torch.Tensor, tuple]:
     """View `x` as `[T, H, D]` for the kernel: returns (tensor to read, geometry tuple).
 
     The geometry is (T, H, D, stride_t, stride_h, stride_d, row_reg, mean). `record` of a 3-D
-    tensor averages H; a step of a >=2-D tensor copies row `x[r]` whole (H x D words); anything
-    stored whole is one row. Strides are passed through, so non-contiguous inputs are read in
+    tensor averages H; all-rows records (2-D or 3-D only) take every row (row_reg ROW_ALL); a
+    step of a >=2-D tensor copies row `x[r]` whole (H x D words); anything stored whole is one row. Strides are passed through, so non-contiguous inputs are read in
     place; only tensors of 4 or more dims that cannot be viewed are copied first.
     """
     dim = x.dim()
+    if kind == L.KIND_RECORD_ROWS:
+        return _rows(x, L.ROW_ALL, mean=dim == 3)
     if kind in (L.KIND_RECORD, L.KIND_RECORD_ONCE) and dim in (2, 3):
         return _rows(x, L.REG_RECORD_ROW, mean=dim == 3)
     if kind == L.KIND_STEP and dim >= 2:

@@ -20,13 +20,18 @@ HEADER_WORDS = 8
 # each capture call that reaches the device, so their sum is the number of calls.
 CNT_WRITTEN = 0  # calls that passed every gate (for steps: the step number handed out)
 CNT_SUSPENDED = 1  # inside profiling()
-CNT_TOKEN_GATE = 2  # shape[0] != COMPILEDUMP_TOKENS (decided on the host from the shape)
+CNT_TOKEN_GATE = 2  # shape[0] is not the prompt length (decided on the host from the shape)
 CNT_ROWS_GATE = 3  # set_rows value above COMPILEDUMP_MAX_ROWS
 CNT_ROW_OUT_OF_RANGE = 4  # the gather row does not exist in this batch
 CNT_SHAPE_CHANGED = 5  # payload shape differs from the tag's first capture
 CNT_ARENA_FULL = 6  # no arena space was left when the tag was first seen
 CNT_TAG_TABLE_FULL = 7  # more tags than COMPILEDUMP_MAX_TAGS (all share slot 0)
-SLOT_WORDS = 8
+SLOT_COUNTERS = 8  # words 0..7 of a slot are the counters above
+# Written by the kernel with each kept capture of the record kinds: the token count T of the call
+# whose value the dump holds (the manifest's "tokens"; 0 until one is kept, or when the kept
+# tensor was stored whole and has no token count).
+SLOT_KEPT_TOKENS = 8
+SLOT_WORDS = 9
 
 # Drop reasons as the manifest names them (format/spec.py DROP_REASONS), by counter.
 DROP_REASONS = {
@@ -44,11 +49,16 @@ KIND_RECORD = 0  # last write wins, row from REG_RECORD_ROW, hc mean for 3-D inp
 KIND_RECORD_ONCE = 1  # first write wins, otherwise as KIND_RECORD
 KIND_STEP = 2  # appended at the tag's next step index, row from REG_STEP_ROW, rows-gated
 KIND_IDS = 3  # whole tensor, stored as int32, last write wins
-# As the manifest names them (format/spec.py KINDS).
-KIND_NAMES = {KIND_RECORD: "record", KIND_RECORD_ONCE: "record_once", KIND_STEP: "step", KIND_IDS: "ids"}
+KIND_RECORD_ROWS = 4  # as KIND_RECORD, but every row (`[tokens, dim]`, hc mean per row)
+# As the manifest names them (format/spec.py KINDS); all-rows keys are "record" with "rows": "all".
+KIND_NAMES = {KIND_RECORD: "record", KIND_RECORD_ONCE: "record_once", KIND_STEP: "step", KIND_IDS: "ids",
+              KIND_RECORD_ROWS: "record"}
+# The kinds whose kept captures set SLOT_KEPT_TOKENS.
+RECORD_KINDS = (KIND_RECORD, KIND_RECORD_ONCE, KIND_RECORD_ROWS)
 
 # Geometry modes: how the op views its input as [T, H, D] and which row it takes.
 ROW_FIXED_ZERO = -1  # whole tensor viewed as one row
+ROW_ALL = -2  # every row (KIND_RECORD_ROWS)
 # otherwise the row comes from register REG_RECORD_ROW or REG_STEP_ROW
 
 

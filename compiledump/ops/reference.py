@@ -17,8 +17,10 @@ from .geometry import geometry
 
 def capture_reference(x, arena, ctrl, kind, base, offset, capacity, reason) -> None:
     """Run one capture: pick and bump exactly one counter of the slot at `base`, then (if the
-    capture is kept) write its payload at arena word `offset` (+ step x payload for steps)."""
+    capture is kept) write its payload at arena word `offset` (+ step x payload for steps) and,
+    for the record kinds, its token count T into the slot's SLOT_KEPT_TOKENS word."""
     src, (T, H, D, st, sh, sd, row_reg, mean) = geometry(x, kind)
+    all_rows = row_reg == L.ROW_ALL
     regs = ctrl.numpy()
     enabled = regs[L.REG_ENABLED] != 0
     rows_ok = kind != L.KIND_STEP or regs[L.REG_ROWS] <= regs[L.REG_MAX_ROWS]
@@ -46,17 +48,20 @@ def capture_reference(x, arena, ctrl, kind, base, offset, capacity, reason) -> N
         return
     if kind == L.KIND_STEP and old >= capacity:
         return
+    if kind in L.RECORD_KINDS:  # the kept call's token count; 0: a tensor stored whole has none
+        regs[base + L.SLOT_KEPT_TOKENS] = T if row_reg != L.ROW_FIXED_ZERO else 0
     step = old if kind == L.KIND_STEP else 0
+    rows = T if all_rows else 1
     words = D if mean else H * D
     dest = offset + step * words
-    # The row as [H, D] with the caller's strides (no copy).
-    row_view = src.as_strided((H, D), (sh, sd), src.storage_offset() + row * st)
+    # The row(s) as [rows, H, D] with the caller's strides (no copy).
+    view = src.as_strided((rows, H, D), (st, sh, sd), src.storage_offset() + (0 if all_rows else row) * st)
     if kind == L.KIND_IDS:
-        arena.view(torch.int32)[dest : dest + words].view(H, D).copy_(row_view)
+        arena.view(torch.int32)[dest : dest + words].view(H, D).copy_(view[0])
     elif mean:
         # As the kernel: an fp32 sum over h, then one IEEE division, in one op. torch's CPU
         # mean sums an outer dim in h order for hc_mult <= 4 (bit-identical to the kernel);
         # for larger H its vectorized order can differ by 1 ulp (tests hold 1e-6).
-        torch.mean(row_view, 0, dtype=torch.float32, out=arena[dest : dest + words])
+        torch.mean(view, 1, dtype=torch.float32, out=arena[dest : dest + rows * words].view(rows, words))
     else:
-        arena[dest : dest + words].view(H, D).copy_(row_view)
+        arena[dest : dest + rows * words].view(rows, H, D).copy_(view)

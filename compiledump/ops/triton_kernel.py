@@ -42,7 +42,7 @@ def capture_kernel(
     capacity,  # steps the region holds (1 unless KIND == STEP)
     kind,  # layout.KIND_*
     reason,  # host-decided drop counter (0: none)
-    row_reg,  # header register holding the row to gather (-1: row 0, whole tensor)
+    row_reg,  # header register holding the row to gather (ROW_FIXED_ZERO: row 0; ROW_ALL: every row)
     MEAN: tl.constexpr,  # average over H (else copy H x D)
     IS_INT: tl.constexpr,  # record_ids: store int32 (any other kind converts to float32)
     BLOCK: tl.constexpr,
@@ -66,36 +66,42 @@ def capture_kernel(
     # keep-first writes only on the first live call; append only while the region has room.
     write = live & ((kind != L.KIND_RECORD_ONCE) | (old == 0))
     write = write & ((kind != L.KIND_STEP) | (old < capacity))
+    # The record kinds note the token count of the capture the dump now holds.
+    is_record = (kind == L.KIND_RECORD) | (kind == L.KIND_RECORD_ONCE) | (kind == L.KIND_RECORD_ROWS)
+    kept_tokens = tl.where(row_reg == L.ROW_FIXED_ZERO, 0, T)  # a tensor stored whole has no token count
+    tl.atomic_xchg(ctrl_ptr + base + L.SLOT_KEPT_TOKENS, kept_tokens.to(tl.int32), mask=write & is_record)
     step = tl.where(kind == L.KIND_STEP, old, 0)
     row_words = D if MEAN else H * D
-    dest = offset + step * row_words
-    src = x_ptr + row * stride_t
+    rows = tl.where(row_reg == L.ROW_ALL, T, 1)  # rows stored: all of them, or the one gathered
 
     if IS_INT:
         out_ptr = arena_ptr.to(tl.pointer_type(tl.int32))
     else:
         out_ptr = arena_ptr
-    # A skipped call reads and writes nothing: the loop bound is zero. (Also sidesteps the
+    # A skipped call reads and writes nothing: the loop bounds are zero. (Also sidesteps the
     # interpreter's dislike of scalar booleans broadcast into a mask.)
     limit = tl.where(write, D, 0)
-    for d0 in range(0, limit, BLOCK):
-        cols = d0 + tl.arange(0, BLOCK)
-        mask = cols < limit
-        if MEAN:
-            acc = tl.zeros([BLOCK], dtype=tl.float32)
-            for h in range(0, H):
-                acc += tl.load(src + h * stride_h + cols * stride_d, mask=mask, other=0).to(tl.float32)
-            # div_rn: IEEE division, the same rounding as torch's CPU division.
-            val = tl.math.div_rn(acc, tl.full([BLOCK], H, tl.float32))
-            tl.store(out_ptr + dest + cols, val, mask=mask)
-        else:
-            for h in range(0, H):
-                v = tl.load(src + h * stride_h + cols * stride_d, mask=mask, other=0)
-                if IS_INT:
-                    v = v.to(tl.int32)
-                else:
-                    v = v.to(tl.float32)
-                tl.store(out_ptr + dest + h * D + cols, v, mask=mask)
+    for r in range(0, tl.where(write, rows, 0)):
+        src = x_ptr + (row + r) * stride_t
+        dest = offset + (step + r) * row_words
+        for d0 in range(0, limit, BLOCK):
+            cols = d0 + tl.arange(0, BLOCK)
+            mask = cols < limit
+            if MEAN:
+                acc = tl.zeros([BLOCK], dtype=tl.float32)
+                for h in range(0, H):
+                    acc += tl.load(src + h * stride_h + cols * stride_d, mask=mask, other=0).to(tl.float32)
+                # div_rn: IEEE division, the same rounding as torch's CPU division.
+                val = tl.math.div_rn(acc, tl.full([BLOCK], H, tl.float32))
+                tl.store(out_ptr + dest + cols, val, mask=mask)
+            else:
+                for h in range(0, H):
+                    v = tl.load(src + h * stride_h + cols * stride_d, mask=mask, other=0)
+                    if IS_INT:
+                        v = v.to(tl.int32)
+                    else:
+                        v = v.to(tl.float32)
+                    tl.store(out_ptr + dest + h * D + cols, v, mask=mask)
 
 
 def launch(x, arena, ctrl, geometry, base, offset, capacity, kind, reason):

@@ -94,10 +94,13 @@ def test_file_names_and_manifest(dump_dir, monkeypatch):
     assert manifest["config"]["dir"] == str(dump_dir)
     assert manifest["keys"]["layer0"] == {
         "tag": "layer0", "kind": "record", "step": None, "order": 0, "source_dtype": "bfloat16",
-        "source_shape": [5, 4, 6], "dtype": "float32", "shape": [6],
+        "source_shape": [5, 4, 6], "dtype": "float32", "shape": [6], "tokens": 5, "phase": "prefill",
     }
+    assert manifest["prompt_tokens"] == 5  # COMPILEDUMP_TOKENS=auto: the first capture's token count
     assert manifest["keys"]["logits_0"]["kind"] == "step" and manifest["keys"]["logits_0"]["step"] == 0
+    assert manifest["keys"]["logits_0"]["tokens"] is None and manifest["keys"]["logits_0"]["phase"] is None
     assert manifest["keys"]["layer0_topk"]["dtype"] == "int32"
+    assert (manifest["keys"]["layer0_topk"]["tokens"], manifest["keys"]["layer0_topk"]["phase"]) == (5, "prefill")
     assert [manifest["keys"][k]["order"] for k in ("layer0", "logits_0", "layer0_topk")] == [0, 1, 2]
     # Readable with numpy alone, no pickles.
     with np.load(path, allow_pickle=False) as data:

@@ -73,7 +73,7 @@ def test_shape_change(dump_dir):
     compiledump.record("h", first)
     compiledump.record("h", torch.randn(4, 9))
     compiledump.record_ids("ids", torch.randint(0, 9, (4, 2)))
-    compiledump.record_ids("ids", torch.randint(0, 9, (1, 2)))
+    compiledump.record_ids("ids", torch.randint(0, 9, (4, 3)))  # same token count, other shape
     arrays, manifest, messages = _flush()
     np.testing.assert_array_equal(arrays["h"], first[-1].numpy())  # the kept shape's last write
     assert manifest["tags"]["h"]["drops"] == {"shape_changed": 1}

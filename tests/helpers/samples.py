@@ -52,7 +52,7 @@ REGISTERS = [  # (enabled, rows, record_row, step_row)
 
 def run_kernel(kernel, x, kind, registers, calls, reason=0):
     enabled, rows, record_row, step_row = registers
-    arena_t = torch.full((4096,), float("nan"))
+    arena_t = torch.full((8192,), float("nan"))  # room for every row of the widest sample
     ctrl = torch.zeros(L.control_words(4), dtype=torch.int32)
     ctrl[L.REG_ENABLED], ctrl[L.REG_ROWS], ctrl[L.REG_MAX_ROWS] = enabled, rows, 1
     ctrl[L.REG_RECORD_ROW], ctrl[L.REG_STEP_ROW] = record_row, step_row

@@ -55,6 +55,7 @@ class MSlot:
     capacity: int = 1
     counts: dict = dataclasses.field(default_factory=dict)
     written: int = 0
+    kept_tokens: int | None = None  # shape[0] of the last kept [tokens, ...] record
     data: list = dataclasses.field(default_factory=list)  # kept payloads, in step order
 
 
@@ -70,6 +71,11 @@ class Model:
         self.filtered: dict[str, str] = {}
         self.used = 0
         self.table = 0  # slots handed out (max_tags of them)
+        # The token gate's prompt length: fixed by a number (read when the arena is created, or
+        # set later), else the first gated capture's token count outside profiling() (learned
+        # with the gate off too, for the phase labels).
+        self.prompt = None
+        self.arena = False  # created by the first capture that gets a slot
         self.overflow_calls = {}  # drop reason -> count for tags past the table
 
     # -- host-side rules -----------------------------------------------------------------------
@@ -99,12 +105,24 @@ class Model:
             raise ValueError("collides with the step keys")
         if not is_step and (self._step_prefix(tag), True) in self.slots:
             raise ValueError("collides with the step keys")
+        if not self.arena:
+            self.arena = True
+            self.prompt = self.cfg["tokens"] if self.cfg["tokens"] not in (0, "auto") else None
         overflow = self.table >= self.cfg["max_tags"]
         if not overflow:
             self.table += 1
         slot = MSlot(tag, call, len(self.slots), overflow)
         self.slots[(tag, is_step)] = slot
         return slot
+
+    def _token_gated(self, shape: tuple, call: str) -> bool:
+        tokens = shape[0]
+        # A 3-D record that does not look like [tokens, hc_mult, dim] (middle dim > 16, or one
+        # token with several middle rows) teaches no prompt length (docs/api.md, layouts).
+        doubtful = call == "record" and len(shape) == 3 and (shape[1] > 16 or shape[0] == 1 < shape[1])
+        if self.prompt is None and not self.profiling and not doubtful:
+            self.prompt = tokens
+        return self.cfg["tokens"] != 0 and self.prompt is not None and tokens != self.prompt
 
     @staticmethod
     def _payload_shape(shape: tuple, call: str) -> tuple:
@@ -134,7 +152,7 @@ class Model:
         reason = None
         if slot.overflow:
             reason = "tag_table_full"
-        elif self.cfg["tokens"] and call in ("record", "ids") and x.ndim > 0 and x.shape[0] != self.cfg["tokens"]:
+        elif call in ("record", "ids") and x.ndim > 0 and self._token_gated(x.shape, call):
             reason = "token_gate"
         else:
             payload = self._payload_shape(x.shape, call)
@@ -173,6 +191,8 @@ class Model:
                 slot.counts[reason] = slot.counts.get(reason, 0) + 1
             return
         slot.written += 1
+        if call == "record":  # a tensor stored whole has no token count
+            slot.kept_tokens = x.shape[0] if x.ndim in (2, 3) else None
         value = self._value(call, x, row)
         if call == "step":
             if slot.written <= slot.capacity:
@@ -215,16 +235,22 @@ class Model:
             for n in range(kept):
                 key = f"{slot.tag}_{n}" if slot.call == "step" else slot.tag
                 arrays[key] = np.asarray(slot.data[n]).reshape(slot.shape)
+                tokens = slot.shape[0] if slot.call == "ids" and slot.shape else (
+                    slot.kept_tokens if slot.call == "record" else None)
+                phase = None if tokens is None or self.prompt is None else (
+                    "prefill" if tokens == self.prompt else "decode")
                 keys[key] = {"tag": slot.tag, "kind": slot.call, "step": n if slot.call == "step" else None,
                              "order": slot.order, "source_dtype": slot.source[0], "source_shape": slot.source[1],
-                             "dtype": "int32" if slot.call == "ids" else "float32", "shape": list(slot.shape)}
+                             "dtype": "int32" if slot.call == "ids" else "float32", "shape": list(slot.shape),
+                             "tokens": tokens, "phase": phase}
             name = f"{slot.tag}_<n>" if slot.call == "step" else slot.tag
             tags[name] = {"calls": slot.written + sum(slot.counts.values()), "kept": kept, "drops": drops}
             for reason, count in drops.items():
                 totals[reason] = totals.get(reason, 0) + count
         for reason, count in self.overflow_calls.items():
             totals[reason] = totals.get(reason, 0) + count
-        return arrays, {"keys": keys, "tags": tags, "drops": totals, "filtered_tags": dict(self.filtered)}
+        return arrays, {"keys": keys, "tags": tags, "drops": totals, "filtered_tags": dict(self.filtered),
+                        "prompt_tokens": self.prompt}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -307,7 +333,7 @@ def call_sequences(record_dtypes=FLOATS + ["int64", "bool"]):
         if kind == "gather":
             return ("gather", draw(st.one_of(st.none(), st.integers(-4, 4))), draw(st.one_of(st.none(), st.integers(-4, 4))))
         if kind == "configure":
-            return ("configure", draw(st.sampled_from([0, 2, 3])), draw(st.integers(0, 2)))
+            return ("configure", draw(st.sampled_from([0, 2, 3, "auto"])), draw(st.integers(0, 2)))
         return (kind,)
 
     return operation()
@@ -316,7 +342,7 @@ def call_sequences(record_dtypes=FLOATS + ["int64", "bool"]):
 ops = call_sequences()
 
 configs = st.fixed_dictionaries({
-    "tokens": st.sampled_from([0, 0, 2, 3]),
+    "tokens": st.sampled_from([0, 0, 2, 3, "auto", "auto"]),
     "moe_layers": st.integers(0, 3),
     "max_rows": st.integers(0, 2),
     "max_steps": st.sampled_from([1, 2, 3, 256, 65536]),
@@ -347,7 +373,7 @@ def fresh_runtime(cfg: dict, kernel: str = "reference"):
                 os.environ["COMPILEDUMP_CPU_KERNEL"] = old_kernel
 
 
-EMPTY = ({}, {"keys": {}, "tags": {}, "drops": {}, "filtered_tags": {}})
+EMPTY = ({}, {"keys": {}, "tags": {}, "drops": {}, "filtered_tags": {}, "prompt_tokens": None})
 
 
 def read_flush(path: str | None) -> tuple[dict, dict]:
@@ -418,6 +444,8 @@ def run_sequence(sequence, usual: dict, model: Model | None) -> list[tuple[tuple
             compiledump.configure(tokens=op[1], max_rows=op[2])
             if model is not None:
                 model.cfg = dict(model.cfg, tokens=op[1], max_rows=op[2])
+                if op[1] not in (0, "auto") and model.arena:
+                    model.prompt = op[1]
         elif name == "flush":
             flush()
     flush()
@@ -440,6 +468,7 @@ def assert_same_dump(got: tuple[dict, dict], want: tuple[dict, dict]) -> None:
         assert {field: manifest["tags"][name][field] for field in entry} == entry, name
     assert manifest["drops"] == want_manifest["drops"]
     assert manifest["filtered_tags"] == want_manifest["filtered_tags"]
+    assert manifest["prompt_tokens"] == want_manifest["prompt_tokens"]
 
 
 SCALE = int(os.environ.get("COMPILEDUMP_FUZZ_SCALE", "1"))

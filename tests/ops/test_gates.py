@@ -24,6 +24,8 @@ CASES = [
     ("rows gate beats a bad row", L.KIND_STEP, 1, 0, 9, 40, L.CNT_ROWS_GATE),
     ("rows gate is for steps only", L.KIND_RECORD, 1, 0, 9, -1, L.CNT_WRITTEN),
     ("bad row alone", L.KIND_STEP, 1, 0, 1, -7, L.CNT_ROW_OUT_OF_RANGE),
+    ("a kept step", L.KIND_STEP, 1, 0, 1, 2, L.CNT_WRITTEN),
+    ("a kept all-rows record", L.KIND_RECORD_ROWS, 1, 0, 9, 40, L.CNT_WRITTEN),  # no row to be out of range
     ("negative rows count from the end", L.KIND_RECORD, 1, 0, 1, -5, L.CNT_WRITTEN),
     ("one past the end", L.KIND_RECORD, 1, 0, 1, 5, L.CNT_ROW_OUT_OF_RANGE),
 ]
@@ -34,14 +36,19 @@ CASES = [
 def test_gate_precedence(kernel, case, kind, enabled, reason, rows, row, expected):
     g = torch.Generator().manual_seed(11)
     x = torch.randn(5, 3, generator=g)
-    arena = torch.full((64,), float("nan"))
+    arena = torch.full((64,), float("nan"))  # room for all 5 x 3 rows
     ctrl = torch.zeros(L.control_words(4), dtype=torch.int32)
     ctrl[L.REG_ENABLED], ctrl[L.REG_ROWS], ctrl[L.REG_MAX_ROWS] = enabled, rows, 1
     ctrl[L.REG_RECORD_ROW] = ctrl[L.REG_STEP_ROW] = row
     KERNELS[kernel](x, arena, ctrl, kind, L.slot_base(1), 8, 4, reason)
-    counters = ctrl[L.slot_base(1) : L.slot_base(1) + L.SLOT_WORDS].tolist()
-    assert counters == [int(c == expected) for c in range(L.SLOT_WORDS)], case
+    counters = ctrl[L.slot_base(1) : L.slot_base(1) + L.SLOT_COUNTERS].tolist()
+    assert counters == [int(c == expected) for c in range(L.SLOT_COUNTERS)], case
+    kept_tokens = int(ctrl[L.slot_base(1) + L.SLOT_KEPT_TOKENS])
     if expected == L.CNT_WRITTEN:
-        torch.testing.assert_close(arena[8:11], x[row], rtol=0, atol=0)
+        want = x.reshape(-1) if kind == L.KIND_RECORD_ROWS else x[row]
+        torch.testing.assert_close(arena[8 : 8 + want.numel()], want, rtol=0, atol=0)
+        # A kept record notes the token count of the call it came from; a step does not.
+        assert kept_tokens == (5 if kind in L.RECORD_KINDS else 0)
     else:
         assert torch.isnan(arena).all(), "a gated capture wrote"
+        assert kept_tokens == 0

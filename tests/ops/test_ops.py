@@ -20,7 +20,7 @@ from helpers.samples import DTYPES, GEOMETRIES, REGISTERS, float_samples, int_sa
 
 
 def _slot(tag, kind):
-    slot, reason = api._plan(tag, kind, False, "cpu")
+    slot, reason = api._plan(tag, kind, False, True, "cpu")
     assert reason == 0
     return slot
 
@@ -62,8 +62,10 @@ def test_opcheck_set_register(small_arena):
 
 @pytest.mark.parametrize("geometry", list(GEOMETRIES))
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", [L.KIND_RECORD, L.KIND_RECORD_ONCE, L.KIND_STEP])
+@pytest.mark.parametrize("kind", [L.KIND_RECORD, L.KIND_RECORD_ONCE, L.KIND_STEP, L.KIND_RECORD_ROWS])
 def test_triton_matches_cpu_reference(geometry, dtype, kind):
+    if kind == L.KIND_RECORD_ROWS and geometry == "1d":
+        pytest.skip("all-rows records are 2-D or 3-D (record() stores a 1-D tensor whole)")
     g = torch.Generator().manual_seed(hash((geometry, str(dtype), kind)) % 2**31)
     x = GEOMETRIES[geometry](g, dtype)
     for registers in REGISTERS:
@@ -99,6 +101,8 @@ def test_host_decided_drop_only_counts(reason):
 
 def _expected_row(x, kind, record_row, step_row):
     """Independent statement of what one capture stores (the seed's semantics + row registers)."""
+    if kind == L.KIND_RECORD_ROWS:  # every row, hc-averaged
+        return (x.float().mean(1) if x.dim() == 3 else x.float()).reshape(-1)
     if kind in (L.KIND_RECORD, L.KIND_RECORD_ONCE):
         if x.dim() == 3:
             return x.float().mean(1)[record_row]
@@ -113,8 +117,10 @@ def _expected_row(x, kind, record_row, step_row):
 @pytest.mark.parametrize("geometry", list(GEOMETRIES))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kernel", ["reference", "triton"])
-@pytest.mark.parametrize("kind", [L.KIND_RECORD, L.KIND_STEP])
+@pytest.mark.parametrize("kind", [L.KIND_RECORD, L.KIND_STEP, L.KIND_RECORD_ROWS])
 def test_kernel_values_match_plain_torch(geometry, dtype, kernel, kind):
+    if kind == L.KIND_RECORD_ROWS and geometry == "1d":
+        pytest.skip("all-rows records are 2-D or 3-D (record() stores a 1-D tensor whole)")
     g = torch.Generator().manual_seed(7)
     x = GEOMETRIES[geometry](g, dtype)
     fn = reference.capture_reference if kernel == "reference" else register.capture_triton

@@ -1,0 +1,224 @@
+"""`compiledump.instrument(model)`: capture points on a model's modules, without editing its code.
+
+Forward hooks call the capture API (capture/api.py), so they behave like hand-written calls:
+traced into `torch.compile(fullgraph=True)` graphs with no break or recompile, recorded into
+CUDA graphs, and no-ops that add nothing to a graph while capture is off. Dynamo does not see
+hooks added after it traced a module (it skips hook guards), so `instrument` refuses a module
+once it is compiled, clears dynamo's caches so that the next call re-traces the module with the
+hooks, and the flush at exit says so when instrumented modules never ran (e.g. a function
+compiled before `instrument`).
+
+Default taps follow the names Hugging Face (and vLLM/SGLang) give a decoder-only causal LM:
+`<...>.layers.<i>` with `post_attention_layernorm`, `mlp` (or `block_sparse_moe`) and its
+router `gate`, then the final `norm` and `lm_head`. Hidden states `[batch, seq, hidden]` keep
+batch row `batch_row` (the request of a padded batch), so each position is a token row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import warnings
+from typing import Callable
+
+import torch
+
+from . import api
+from .state import STATE
+
+# Default tags per decoder layer i (docs/api.md, "instrument").
+LAYER_TAPS = {
+    "attn": "residual stream after attention (input of post_attention_layernorm)",
+    "router": "router logits (MoE layers)",
+    "topk": "top-k expert ids (MoE layers)",
+    "mlp": "MLP / MoE output",
+    "": "layer output (the tag is layer<i>)",
+}
+_PATH_SIDE = re.compile(r"^(?P<path>[^:]*)(?::(?P<side>input|output))?$")
+
+
+@dataclasses.dataclass
+class _Shape:
+    """Batch and sequence length of the hidden states the current decoder layer received (set by
+    its pre-hook, read by the router hook, whose input is already flattened)."""
+
+    batch: int | None = None
+    seq: int | None = None
+
+
+class Instrumented:
+    """What `instrument` attached: `taps` ({tag: "module.path[:input]"}), `fired` (a hook ran
+    with capture on), and `remove()` to detach every hook."""
+
+    def __init__(self, model: torch.nn.Module, batch_row: int):
+        self.model = model
+        self.batch_row = batch_row
+        self.taps: dict[str, str] = {}
+        self.fired = False
+        self._handles: list = []
+        self._shape = _Shape()
+
+    def remove(self) -> None:
+        """Detach every hook (compiled code traced with them keeps them until re-traced)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self in STATE.instruments:
+            STATE.instruments.remove(self)
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def _rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`[batch, seq, ...]` -> the `[seq, ...]` rows of the request; a flattened
+        `[batch * seq, ...]` (router) likewise; anything else as it is."""
+        if tensor.dim() == 3:
+            return tensor[self.batch_row]
+        shape = self._shape
+        if tensor.dim() == 2 and shape.batch is not None:
+            return tensor.reshape(shape.batch, shape.seq, tensor.shape[-1])[self.batch_row]
+        return tensor
+
+    def _capture(self, tag: str, value) -> None:
+        tensor = value[0] if isinstance(value, (tuple, list)) else value
+        if not isinstance(tensor, torch.Tensor):
+            return
+        self.fired = True
+        if tensor.is_floating_point():
+            api.record(tag, self._rows(tensor))
+        else:
+            api.record_ids(tag, self._rows(tensor))
+
+    def _add(self, module: torch.nn.Module, tag: str, path: str, side: str, capture: Callable | None = None):
+        capture = capture or (lambda value: self._capture(tag, value))
+        if side == "input":
+            def pre_hook(_module, args, kwargs):
+                if STATE.config.active:  # off: nothing at all reaches the graph
+                    capture(args[0] if args else next(iter(kwargs.values()), None))
+            self._handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        else:
+            def hook(_module, _args, output):
+                if STATE.config.active:
+                    capture(output)
+            self._handles.append(module.register_forward_hook(hook))
+        self.taps[tag] = f"{path}:input" if side == "input" else path
+
+    def _track_shape(self, layer: torch.nn.Module) -> None:
+        def pre_hook(_module, args, kwargs):
+            if STATE.config.active:
+                hidden = args[0] if args else kwargs.get("hidden_states")
+                three_d = isinstance(hidden, torch.Tensor) and hidden.dim() == 3
+                self._shape.batch, self._shape.seq = (hidden.shape[0], hidden.shape[1]) if three_d else (None, None)
+        self._handles.append(layer.register_forward_pre_hook(pre_hook, with_kwargs=True))
+
+    def _router(self, i: int, block: torch.nn.Module):
+        top_k = next((getattr(m, name) for m in (block, block.gate) for name in ("top_k", "num_experts_per_tok")
+                      if isinstance(getattr(m, name, None), int)), None)
+
+        def capture(output) -> None:
+            # Hugging Face 5.x routers return (logits, scores, top-k ids); older ones bare logits.
+            logits = output[0] if isinstance(output, (tuple, list)) else output
+            ids = output[2] if isinstance(output, (tuple, list)) and len(output) >= 3 else None
+            self.fired = True
+            api.record(f"layer{i}_router", self._rows(logits))
+            if ids is None and top_k is not None:
+                ids = torch.topk(logits, top_k, dim=-1).indices
+            if ids is not None:
+                api.record_ids(f"layer{i}_topk", self._rows(ids))
+
+        return capture
+
+
+def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, defaults: bool = True,
+               batch_row: int = 0) -> Instrumented:
+    """Attach capture points to `model`'s modules; returns a handle with `.remove()`.
+
+    With `defaults`, a decoder-only causal LM gets, per layer i, `layer<i>_attn` (the residual
+    stream after attention), `layer<i>_router` and `layer<i>_topk` (MoE layers), `layer<i>_mlp`
+    and `layer<i>`; then `final_norm`, and the logits of the last position as steps (`logits_<n>`:
+    one per forward, prefill included). `taps` adds more: `{"layer{i}_q":
+    "model.layers.{i}.self_attn.q_proj"}` (a `{i}` in both expands over the layers; paths are
+    relative to `model`; append `:input` for the module's first input instead of its output).
+    Integer tensors are captured with `record_ids`, others with `record`. Hidden states
+    `[batch, seq, hidden]` keep batch row `batch_row` (default 0, the first request of a padded
+    batch): every position is a token row, and the token gate compares `seq` with the prompt.
+
+    Call it before `torch.compile`; on a compiled model it clears dynamo's caches (a warning
+    says so) so that the hooks take effect.
+    """
+    inner = _uncompiled(model)
+    handle = Instrumented(inner, batch_row)
+    modules = dict(inner.named_modules())
+    layers_path, layers = _find_layers(inner)
+    if defaults:
+        if layers is None:
+            raise ValueError("compiledump.instrument: no decoder layers found (a ModuleList named 'layers' "
+                             "whose modules have 'self_attn'); pass defaults=False and taps={...}")
+        _default_taps(handle, layers_path, layers, modules)
+    for tag_pattern, path_pattern in (taps or {}).items():
+        match = _PATH_SIDE.match(path_pattern)
+        path, side = match.group("path"), match.group("side") or "output"
+        indices = range(len(layers) if layers is not None else 0) if "{i}" in path else [None]
+        found = False
+        for i in indices:
+            name = path.format(i=i) if i is not None else path
+            tag = tag_pattern.format(i=i) if i is not None else tag_pattern
+            if name in modules:
+                handle._add(modules[name], tag, name, side)
+                found = True
+        if not found:
+            raise ValueError(f"compiledump.instrument: tap {tag_pattern!r}: no module at {path_pattern!r} "
+                             f"(module paths are relative to the model, e.g. {next(iter(modules), '')!r})")
+    STATE.instruments.append(handle)
+    return handle
+
+
+def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict) -> None:
+    for i, layer in enumerate(layers):
+        prefix = f"{layers_path}.{i}"
+        handle._track_shape(layer)
+        norm = getattr(layer, "post_attention_layernorm", None)
+        if norm is not None:
+            handle._add(norm, f"layer{i}_attn", f"{prefix}.post_attention_layernorm", "input")
+        block_name = next((name for name in ("mlp", "block_sparse_moe") if hasattr(layer, name)), None)
+        if block_name is not None:
+            block = getattr(layer, block_name)
+            if isinstance(getattr(block, "gate", None), torch.nn.Module):
+                handle._add(block.gate, f"layer{i}_router", f"{prefix}.{block_name}.gate", "output",
+                            capture=handle._router(i, block))
+                handle.taps[f"layer{i}_topk"] = f"{prefix}.{block_name}.gate"
+            handle._add(block, f"layer{i}_mlp", f"{prefix}.{block_name}", "output")
+        handle._add(layer, f"layer{i}", prefix, "output")
+    parent = layers_path.rpartition(".")[0]
+    norm_path = f"{parent}.norm" if parent else "norm"
+    if norm_path in modules:
+        handle._add(modules[norm_path], "final_norm", norm_path, "output")
+    if "lm_head" in modules:
+        def logits(output) -> None:
+            handle.fired = True
+            # [batch, seq, vocab]: the request's last position; flat [tokens, vocab] (vLLM-style):
+            # the row set_gather_rows(step=...) names.
+            api.record_step("logits", output[handle.batch_row, -1] if output.dim() == 3 else output)
+        handle._add(modules["lm_head"], "logits", "lm_head", "output", capture=logits)
+
+
+def _find_layers(model: torch.nn.Module):
+    for name, module in model.named_modules():
+        if (isinstance(module, torch.nn.ModuleList) and (name == "layers" or name.endswith(".layers"))
+                and len(module) and all(hasattr(layer, "self_attn") for layer in module)):
+            return name, module
+    return None, None
+
+
+def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module to hook: `torch.compile(model)`'s original module. Code dynamo already traced
+    for a compiled model would never see the new hooks (dynamo skips hook guards), so its caches
+    are cleared: the next call re-traces with them."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"compiledump.instrument: expected a torch.nn.Module, got {type(model).__name__}")
+    inner = getattr(model, "_orig_mod", model)
+    if inner is not model or getattr(model, "_compiled_call_impl", None) is not None:
+        warnings.warn("compiledump.instrument: the model is compiled; cleared dynamo's caches "
+                      "(torch._dynamo.reset()) so that its next call is traced with the capture hooks. "
+                      "Call instrument() before torch.compile to avoid the re-trace.", RuntimeWarning, stacklevel=3)
+        torch._dynamo.reset()
+    return inner

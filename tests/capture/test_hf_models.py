@@ -1,0 +1,215 @@
+"""Real models, instrumented with `compiledump.instrument(model)` and nothing else: a Hugging Face
+model built from config as an eager float32 reference (batch of one, DynamicCache) against the
+same model compiled as an engine (`torch.compile(fullgraph=True)`, StaticCache, batch of one or
+a padded batch of four), compared with default settings (examples/hf_reference_vs_compiled.py
+is the same flow as a script).
+
+Each engine compiles once; its injected bugs scale weights in place between sessions, so they
+reuse the compiled graphs. Every compile costs tens of seconds on a 2-core CPU, so the engines
+are module-scoped fixtures, shared by the checks of issue 12 (taps, compile, layouts, all rows)
+and issue 13 (verdicts with default thresholds).
+"""
+
+import copy
+import importlib.util
+import logging
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor.graph import GraphLowering
+
+import compiledump
+from compiledump.compare import CompareOptions, compare
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("hf_example", REPO / "examples" / "hf_reference_vs_compiled.py")
+ex = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ex)
+
+STEPS = 3
+LAYERS = 3  # bugs go into layer 1: its internals pass the default MoE filter (layers 0 and 1), layer 2 follows
+
+
+class RecompileLog(logging.Handler):
+    """The lines TORCH_LOGS=recompiles prints, collected."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+    def __enter__(self):
+        torch._logging.set_logs(recompiles=True)
+        self.logger = logging.getLogger("torch._dynamo.guards.__recompiles")
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *_):
+        self.logger.removeHandler(self)
+        torch._logging.set_logs()
+
+
+def _model(name):
+    ex.SIZES["num_hidden_layers"] = LAYERS
+    try:
+        return ex.build_model(name)
+    finally:
+        ex.SIZES["num_hidden_layers"] = 4
+
+
+class Pair:
+    """A model, its reference dump, and the sessions of one compiled engine: clean, then with each
+    bug of `bugs` ((name, layer, scale) scaled in place between sessions). Everything runs here,
+    at fixture setup: another fixture's engine resets the capture state its graphs were traced
+    against, so no engine is used after the next one exists."""
+
+    def __init__(self, name, batch, tmp, dtype=torch.float32, rows="one", bugs=()):
+        self.model = _model(name)
+        self.inputs = ex.Inputs(self.model.config.vocab_size, STEPS, batch)
+        self.expert = ex.pick_expert(self.model, self.inputs, 1) if hasattr(self.model.model.layers[1].mlp, "gate") \
+            else None
+        self.reference = ex.run_reference(self.model, self.inputs, tmp / "reference", rows)
+        counters.clear()
+        with RecompileLog() as log:
+            engine = ex.Engine(copy.deepcopy(self.model), self.inputs, dtype, rows)
+            self.clean = engine.run(tmp / "engine")
+        self.recompile_lines = [line for line in log.lines if "Recompiling" in line]
+        self.graphs, self.breaks = engine.graphs, sum(counters["graph_break"].values())
+        self.bugs = {}
+        for bug, layer, scale in bugs:
+            undo = ex.inject(engine.model, bug, layer, scale, self.expert)
+            try:
+                self.bugs[bug, layer, scale] = engine.run(tmp / f"{bug}{layer}_{scale}")
+            finally:
+                undo()
+        # no recompile after the first decode step, bugs included
+        self.graphs_after_bugs = engine.graphs
+
+    def verdict(self, run):
+        return compare(self.reference, run, CompareOptions())
+
+
+def _pair(name, batch, tmp_path_factory, **kwargs):
+    torch._dynamo.reset()
+    compiledump.reset()
+    previous = compiledump.get_config()
+    try:
+        return Pair(name, batch, tmp_path_factory.mktemp(f"{name}_b{batch}"), **kwargs)
+    finally:
+        compiledump.reset()
+        compiledump.configure(dir=previous.dir, rows=previous.rows)
+
+
+ONE_PERCENT = [("norm", 1, 1.01), ("experts", 1, 1.01)]
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "llama"])
+def batch4(request, tmp_path_factory):
+    bugs = ONE_PERCENT + ([("expert", 1, 1.01)] if request.param != "llama" else [])
+    return _pair(request.param, 4, tmp_path_factory, bugs=bugs)
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "llama"])
+def batch1(request, tmp_path_factory):
+    return _pair(request.param, 1, tmp_path_factory)
+
+
+def _first(report):
+    first = report.first_divergence
+    return (first.key, first.layer) if first is not None else None
+
+
+def test_padded_batch_engine_matches_the_reference(batch4):
+    report = batch4.verdict(batch4.clean)
+    assert report.exit_status == 0, _first(report)
+    # prefill + decode: two graphs, no break, and none added by the bug sessions
+    assert (batch4.graphs, batch4.breaks, batch4.graphs_after_bugs) == (2, 0, 2)
+    keys = {record.key for record in report.keys}
+    assert {"layer0", "layer1_attn", "layer1_mlp", "final_norm", "logits_3"} <= keys
+
+
+def test_batch_of_one_engine_matches_the_reference(batch1):
+    report = batch1.verdict(batch1.clean)
+    assert report.exit_status == 0, _first(report)
+    assert (batch1.graphs, batch1.breaks) == (2, 0)
+
+
+@pytest.mark.parametrize("bug", ONE_PERCENT, ids=[bug[0] for bug in ONE_PERCENT])
+def test_a_one_percent_bug_is_named_at_its_layer(batch4, bug):
+    report = batch4.verdict(batch4.bugs[bug])
+    assert report.exit_status == 1
+    assert report.first_divergence.layer == 1, _first(report)
+
+
+def test_recompiles_are_the_uninstrumented_models(tmp_path):
+    """The recompile log of the instrumented engine equals an uninstrumented one's, and with
+    capture off the instrumented engine compiles to the uninstrumented model's code."""
+    model = _model("llama")
+    inputs = ex.Inputs(model.config.vocab_size, STEPS, 4)
+
+    def session(instrumented, capture):
+        torch._dynamo.reset()
+        compiledump.reset()
+        previous = compiledump.get_config()
+        compiledump.configure(dir=str(tmp_path / "d") if capture else None)
+        engine_model = copy.deepcopy(model)
+        handle = compiledump.instrument(engine_model) if instrumented else None
+        forward = torch.compile(engine_model.forward, fullgraph=True)
+        cache = ex.StaticCache(config=model.config, max_cache_len=ex.PROMPT_LEN + STEPS + 1)
+        codes = []
+        # Inductor's generated code of each graph, without run_and_get_code (it resets dynamo on
+        # every call, so there would be no recompile to log).
+        with RecompileLog() as log, torch.no_grad(), mock.patch.object(GraphLowering, "save_output_code",
+                                                                        staticmethod(codes.append)):
+            forward(input_ids=inputs.prefill(), past_key_values=cache, use_cache=True,
+                    cache_position=torch.arange(ex.PROMPT_LEN))
+            for n in range(STEPS):
+                forward(input_ids=inputs.step(n), past_key_values=cache, use_cache=True,
+                        cache_position=torch.tensor([ex.PROMPT_LEN + n]))
+        if handle is not None:
+            handle.remove()
+        compiledump.configure(dir=previous.dir)
+        return [line for line in log.lines if "Recompiling" in line], codes
+
+    plain_log, plain_code = session(False, False)
+    off_log, off_code = session(True, False)
+    on_log, _ = session(True, True)
+    assert len(plain_code) == 2 and off_code == plain_code  # byte for byte: nothing added while capture is off
+    assert len(plain_log) == 1, (plain_log, off_log, on_log)
+    assert on_log == plain_log == off_log  # the prefill -> decode recompile only
+
+
+@pytest.fixture(scope="module")
+def all_rows(tmp_path_factory):
+    return _pair("qwen3_moe", 4, tmp_path_factory, rows="all", bugs=[("expert", 1, 1.01)])
+
+
+def test_one_expert_bug_needs_all_rows(all_rows, batch4):
+    """One expert's down projection x 1.01, an expert the prompt uses but its last token does not."""
+    if batch4.model.config.model_type != "qwen3_moe":
+        pytest.skip("one comparison of the two modes, on Qwen3-MoE")
+    assert all_rows.verdict(all_rows.clean).exit_status == 0
+    report = all_rows.verdict(all_rows.bugs["expert", 1, 1.01])
+    assert report.exit_status == 1 and report.first_divergence.layer == 1, _first(report)
+    assert report.first_divergence.divergent_rows, "the token positions that diverge are named"
+    # One row per record: the last token never sees that expert, so layer 1 looks clean.
+    one_row = batch4.verdict(batch4.bugs["expert", 1, 1.01])
+    assert one_row.first_divergence is None or one_row.first_divergence.layer != 1
+
+
+@pytest.fixture(scope="module")
+def bf16(tmp_path_factory):
+    return _pair("qwen3_moe", 4, tmp_path_factory, dtype=torch.bfloat16, bugs=[("experts", 1, 1.05)])
+
+
+def test_bf16_engine_against_fp32_reference(bf16):
+    """A x 1.05 scale of every expert of layer 1, in a bfloat16 engine against the float32 reference."""
+    clean = bf16.verdict(bf16.clean)
+    assert clean.exit_status == 0, "\n".join(compiledump.compare.format_report(clean, table="divergent"))
+    report = bf16.verdict(bf16.bugs["experts", 1, 1.05])
+    assert report.exit_status == 1 and report.first_divergence.layer == 1, _first(report)

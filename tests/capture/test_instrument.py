@@ -1,0 +1,215 @@
+"""`compiledump.instrument(model)` on Hugging Face models built from config (random weights, nothing
+downloaded), eagerly: which taps it attaches, that each dumped value equals what the model
+computes (read from the model's own outputs and router, an independent path), batch rows, explicit
+taps, `remove()`, bad input, compiled models, and the note at exit when nothing ran.
+Compiled engines against references: tests/capture/test_hf_models.py."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import compiledump
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("hf_example", REPO / "examples" / "hf_reference_vs_compiled.py")
+ex = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ex)
+
+
+def _load(path):
+    manifest = json.loads(Path(path).with_suffix(".json").read_text())
+    with np.load(path) as data:
+        return {key: data[key] for key in data.files}, manifest
+
+
+def _forward(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, output_hidden_states=True)
+
+
+def _router_ids(model, layer, ids):
+    got = []
+    hook = model.model.layers[layer].mlp.gate.register_forward_hook(lambda _m, _a, out: got.append(out))
+    with torch.no_grad():
+        model(input_ids=ids)
+    hook.remove()
+    return got[0]
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "llama"])
+def test_default_taps_capture_what_the_model_computes(dump_dir, name):
+    compiledump.configure(moe_layers=4)
+    model = ex.build_model(name)
+    ids = torch.randint(0, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(2))
+    handle = compiledump.instrument(model)
+    out = _forward(model, ids)
+    arrays, manifest = _load(compiledump.flush())
+    handle.remove()
+    moe = name != "llama"
+    expected_tags = {f"layer{i}{suffix}" for i in range(4) for suffix in
+                     ("", "_attn", "_mlp") + (("_router", "_topk") if moe else ())}
+    assert set(handle.taps) == expected_tags | {"final_norm", "logits"}
+    assert set(arrays) == expected_tags | {"final_norm", "logits_0"}
+    for i in range(3):  # hidden_states[i + 1] is layer i's output, last position (the last one is normed)
+        np.testing.assert_allclose(arrays[f"layer{i}"], out.hidden_states[i + 1][0, -1].numpy(), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(arrays["final_norm"], out.hidden_states[4][0, -1].numpy(), rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        normed = model.model.norm(torch.from_numpy(arrays["layer3"]))
+    np.testing.assert_allclose(normed.detach().numpy(), arrays["final_norm"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(arrays["logits_0"], out.logits[0, -1].numpy(), rtol=1e-5, atol=1e-5)
+    # The residual stream after attention: what post_attention_layernorm normalises.
+    layer = model.model.layers[1]
+    with torch.no_grad():
+        normed = layer.post_attention_layernorm(torch.from_numpy(arrays["layer1_attn"]))
+        rebuilt = torch.from_numpy(arrays["layer1_attn"]) + layer.mlp(normed[None, None])[0, 0]
+    np.testing.assert_allclose(rebuilt.numpy(), arrays["layer1"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(arrays["layer1_mlp"], (rebuilt - torch.from_numpy(arrays["layer1_attn"])).numpy(),
+                               rtol=1e-4, atol=1e-5)
+    if moe:
+        logits, _, top = _router_ids(model, 2, ids)
+        np.testing.assert_array_equal(arrays["layer2_topk"], top.numpy())  # every prompt token: ids are whole
+        np.testing.assert_allclose(arrays["layer2_router"], logits[-1].numpy(), rtol=1e-6, atol=1e-6)
+    assert manifest["keys"]["layer0"]["tokens"] == 7 and manifest["prompt_tokens"] == 7
+
+
+def test_padded_batch_keeps_the_request_row(dump_dir):
+    model = ex.build_model("qwen3_moe")
+    g = torch.Generator().manual_seed(3)
+    request = torch.randint(0, model.config.vocab_size, (1, 7), generator=g)
+    batch = torch.cat([request, torch.randint(0, model.config.vocab_size, (3, 7), generator=g)])
+    compiledump.instrument(model)
+    out = _forward(model, batch)
+    arrays, manifest = _load(compiledump.flush())
+    alone = _forward(model, request)
+    np.testing.assert_allclose(arrays["layer1"], out.hidden_states[2][0, -1].numpy(), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(arrays["layer1"], alone.hidden_states[2][0, -1].numpy(), rtol=1e-4, atol=1e-5)
+    _, _, top = _router_ids(model, 1, request)
+    np.testing.assert_array_equal(arrays["layer1_topk"], top.numpy())  # the request's 7 tokens, not 28
+    assert manifest["keys"]["layer1_topk"]["tokens"] == 7
+
+
+def test_all_rows_keep_every_prompt_position(dump_dir):
+    compiledump.configure(rows="all")
+    model = ex.build_model("llama")
+    ids = torch.randint(0, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(4))
+    compiledump.instrument(model)
+    out = _forward(model, ids)
+    arrays, manifest = _load(compiledump.flush())
+    np.testing.assert_allclose(arrays["layer1"], out.hidden_states[2][0].numpy(), rtol=1e-6, atol=1e-6)
+    assert arrays["layer1"].shape == (7, model.config.hidden_size)
+    assert manifest["keys"]["layer1"]["rows"] == "all" and manifest["keys"]["layer1"]["tokens"] == 7
+
+
+def test_decode_steps_are_token_gated_and_logits_are_steps(dump_dir):
+    model = ex.build_model("llama")
+    inputs = ex.Inputs(model.config.vocab_size, steps=3, batch=1)
+    compiledump.instrument(model)
+    cache = ex.DynamicCache(config=model.config)
+    with torch.no_grad():
+        prefill = model(input_ids=inputs.prompt, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        for n in range(3):
+            model(input_ids=inputs.step(n)[:1], past_key_values=cache, use_cache=True)
+    arrays, manifest = _load(compiledump.flush())
+    np.testing.assert_allclose(arrays["layer0"], prefill.hidden_states[1][0, -1].numpy(), rtol=1e-6, atol=1e-6)
+    assert sorted(k for k in arrays if k.startswith("logits")) == ["logits_0", "logits_1", "logits_2", "logits_3"]
+    assert manifest["tags"]["layer0"]["drops"] == {"token_gate": 3}
+    assert manifest["keys"]["layer0"]["phase"] == "prefill"
+
+
+def test_explicit_taps_inputs_and_remove(dump_dir):
+    model = ex.build_model("llama")
+    ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(5))
+    seen = {}
+    hook = model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda _m, a, o: seen.update(x=a[0], y=o))
+    handle = compiledump.instrument(model, {"layer{i}_q": "model.layers.{i}.self_attn.q_proj",
+                                            "layer0_qin": "model.layers.0.self_attn.q_proj:input"}, defaults=False)
+    _forward(model, ids)
+    hook.remove()
+    assert set(handle.taps) == {"layer0_q", "layer1_q", "layer2_q", "layer3_q", "layer0_qin"}
+    arrays, _ = _load(compiledump.flush())
+    np.testing.assert_allclose(arrays["layer0_q"], seen["y"][0, -1].numpy(), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(arrays["layer0_qin"], seen["x"][0, -1].numpy(), rtol=1e-6, atol=1e-6)
+    handle.remove()
+    compiledump.reset()
+    _forward(model, ids)
+    assert compiledump.flush() is None  # nothing hooked any more
+
+
+def test_bad_arguments_are_clear_errors(dump_dir):
+    model = ex.build_model("llama")
+    with pytest.raises(ValueError, match="no module at 'model.layers.{i}.nope'"):
+        compiledump.instrument(model, {"x{i}": "model.layers.{i}.nope"}, defaults=False)
+    with pytest.raises(ValueError, match="no decoder layers found"):
+        compiledump.instrument(torch.nn.Linear(3, 3))
+    with pytest.raises(TypeError, match="expected a torch.nn.Module"):
+        compiledump.instrument(lambda x: x)
+
+
+def test_a_compiled_model_is_retraced_with_the_hooks(dump_dir):
+    class Toy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(6, 6)])
+            self.layers[0].self_attn = torch.nn.Identity()
+
+        def forward(self, x):
+            return self.layers[0](x)
+
+    toy = Toy()
+    compiled = torch.compile(toy, fullgraph=True)
+    x = torch.randn(1, 3, 6, generator=torch.Generator().manual_seed(6))
+    compiled(x)  # traced without hooks
+    with pytest.warns(RuntimeWarning, match="cleared dynamo's caches"):
+        compiledump.instrument(compiled)
+    expected = compiled(x)
+    arrays, _ = _load(compiledump.flush())
+    np.testing.assert_allclose(arrays["layer0"], expected[0, -1].detach().numpy(), rtol=1e-6)
+
+
+def test_record_says_how_it_reads_an_ambiguous_3d_tensor(dump_dir):
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(1, 7, 64, generator=g)  # [batch, seq, hidden], passed as is
+    with pytest.warns(RuntimeWarning, match=r"\[1, 7, 64\] tensor is read as \[tokens, hc_mult, dim\]") as caught:
+        compiledump.record("h", hidden)
+        compiledump.record("h", hidden)
+    assert sum("read as" in str(w.message) for w in caught) == 1  # once per tag
+    compiledump.record("flat", hidden, layout="batch_seq_dim")
+    compiledump.record("hc", torch.randn(7, 4, 64, generator=g))  # a plausible hc_mult: no warning
+    compiledump.record("confirmed", hidden, layout="tokens_hc_dim")
+    arrays, _ = _load(compiledump.flush())
+    np.testing.assert_allclose(arrays["h"], hidden[0].mean(0).numpy(), rtol=1e-6)  # what the warning said
+    np.testing.assert_allclose(arrays["flat"], hidden[0, -1].numpy(), rtol=1e-6)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        compiledump.record("x", hidden, layout="bsd")
+    with pytest.raises(ValueError, match="needs a 3-D tensor"):
+        compiledump.record("x", hidden[0], layout="batch_seq_dim")
+    with pytest.raises(ValueError, match="does not combine with once=True"):
+        compiledump.record("x", hidden[0], once=True, rows="all")
+
+
+@pytest.mark.parametrize("case, script, expected", [
+    ("nothing captured", "compiledump.configure(dir=DIR)", "nothing was captured"),
+    ("hooks after compile",
+     """
+     model = torch.nn.Module()
+     model.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+     model.layers[0].self_attn = torch.nn.Identity()
+     forward = torch.compile(lambda x: model.layers[0](x))
+     forward(torch.randn(2, 4))
+     compiledump.configure(dir=DIR)
+     compiledump.instrument(model)
+     forward(torch.randn(2, 4))  # code traced before instrument(): the hooks never run
+     """, "its capture hooks never ran"),
+])
+def test_silence_is_reported_at_exit(tmp_path, case, script, expected):
+    code = "import torch, compiledump\nDIR = " + repr(str(tmp_path)) + "\n" + textwrap.dedent(script)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert expected in out.stderr, out.stderr[-2000:]
