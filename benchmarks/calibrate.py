@@ -372,7 +372,7 @@ def summarise(pairs: list[Pair]) -> dict:
             noise[f"{klass} {phase}"] = entry
     flagged = []
     for pair in honest:
-        if pair.exit_status == 0:
+        if pair.exit_status != 1:  # 0, or 3: ids that no reference router logits could judge
             continue
         first = pair.first or {}
         value = next((v for v in pair.values if v.key == first.get("key")), None)
@@ -413,7 +413,8 @@ def summarise(pairs: list[Pair]) -> dict:
         if not named:
             entry["misses"].append({"pair": pair.label, "first": pair.first, "root_cause": pair.root_cause,
                                     "excused": pair.excused})
-    return {"noise": noise, "flagged": flagged, "ties": ties, "routing": routing, "bugs": bugs,
+    return {"noise": noise, "flagged": flagged, "honest": len(honest),
+            "unjudged": sum(1 for pair in honest if pair.exit_status == 3), "ties": ties, "routing": routing, "bugs": bugs,
             "honest_pairs": len(honest), "honest_by_class": {k: sum(1 for p in honest if p.klass == k)
                                                              for k in ("fp32", "fp16", "bf16", "fp8")}}
 
@@ -449,7 +450,8 @@ def print_summary(summary: dict, graphs: dict, elapsed: float, args) -> None:
         print(f"  {klass}: {entry['pairs']} logged pairs, {entry['with_prefill_flip']} with a prefill flip, "
               f"{entry['with_decode_flip']} with a decode flip; {entry['excused_keys']} keys excused")
     print()
-    print(f"honest pairs the defaults flag (exit 1): {len(summary['flagged'])}")
+    print(f"honest pairs the defaults flag (exit 1): {len(summary['flagged'])}; that cannot judge every differing "
+          f"expert-id row (exit 3): {summary['unjudged']} of {summary['honest']}")
     for item in summary["flagged"]:
         first = item["first"] or {}
         print(f"  {item['pair']}: {first.get('key')} {first.get('metric')} {first.get('value')!s:.9} -- {item['why']}")

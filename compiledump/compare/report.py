@@ -414,10 +414,12 @@ class Report:
     @property
     def exit_status(self) -> int:
         """The CLI's exit status: 1 when something diverged; else 3 when some keys were not
-        comparable (different phases or token counts); else 0."""
+        comparable (different phases or token counts) or expert ids differ where no reference
+        router logits could judge them (docs/compare.md); else 0."""
         if self.first_divergence is not None:
             return 1
-        return 3 if self.not_comparable else 0
+        unjudged = any(item.routing_verdict == "not_judged" for item in self.id_mismatches)
+        return 3 if self.not_comparable or unjudged else 0
 
     def to_json(self) -> dict:
         """The report as strict-JSON-ready data (docs/compare.md, "Output")."""

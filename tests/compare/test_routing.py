@@ -198,7 +198,7 @@ def test_rows_without_reference_logits_are_reported_not_named(tmp_path, capsys):
     code = main(["compare", str(ref_path), str(run_path), "--json", str(tmp_path / "r.json")])
     out = capsys.readouterr().out.splitlines()
     report = json.loads((tmp_path / "r.json").read_text())
-    assert code == 0 and report["first_divergence"] is None
+    assert code == 3 and report["first_divergence"] is None and report["exit_status"] == 3
     record = next(r for r in report["keys"] if r["key"] == "layer1_topk")
     assert record["status"] == "not_judged" and record["routing"]["not_judged_rows"] == [0, 2]
     assert record["routing"]["router_rows"] == [TOKENS - 1]
@@ -275,11 +275,12 @@ def test_reference_ids_that_are_not_the_top_k_of_its_logits_are_not_judged(tmp_p
     report = compare(*write_pair(tmp_path, ref, run, "bfloat16", all_rows=False))
     (row,) = next(r for r in report.keys if r.key == "layer1_topk").routing.rows
     assert row.gap is None and "not the top-k" in row.reason
-    assert report.exit_status == 0 and report.problems[0].kind == "ids_not_judged"
+    assert report.exit_status == 3 and report.problems[0].kind == "ids_not_judged"
 
 
 def test_without_router_keys_the_pair_class_decides(tmp_path):
-    """No ``<prefix>_router`` key: fp32 dumps diverge on any mismatch, bf16 ones report it."""
+    """No ``<prefix>_router`` key: fp32 dumps diverge on any mismatch, bf16 ones report it (exit 3:
+    the comparison could not tell)."""
     rng = np.random.default_rng(8)
     ref = [c for c in moe_captures(rng, all_rows=False) if not c.key.endswith("_router")]
     ids = next(c for c in ref if c.key == "layer0_topk").array
@@ -288,7 +289,7 @@ def test_without_router_keys_the_pair_class_decides(tmp_path):
     strict = compare(*write_pair(tmp_path / "a", ref, run, "float32", all_rows=False))
     assert strict.exit_status == 1 and strict.first_divergence.routing.class_from == "pair"
     loose = compare(*write_pair(tmp_path / "b", ref, run, "bfloat16", all_rows=False))
-    assert loose.exit_status == 0 and loose.id_mismatches[0].routing.verdict == "not_judged"
+    assert loose.exit_status == 3 and loose.id_mismatches[0].routing.verdict == "not_judged"
     assert "REF has no layer0_router" in loose.id_mismatches[0].routing.rows[0].reason
 
 
