@@ -13,8 +13,8 @@ from .version import __version__
 # Public name -> the module that defines it (imported when the name is first used).
 _LAZY = {
     **{name: "capture.api" for name in (
-        "clear", "configure", "dump_stem", "enabled", "flush", "get_config", "init", "profiling", "record",
-        "record_ids", "record_step", "reset", "set_gather_rows", "set_rows")},
+        "clear", "configure", "dump_stem", "enabled", "flush", "get_config", "init", "prepare_kernels", "profiling",
+        "record", "record_ids", "record_step", "reset", "set_gather_rows", "set_rows")},
     **{name: "capture.parallel" for name in ("declare_shard", "get_parallel", "set_parallel")},
     "instrument": "capture.instrument",
     "native_available": "ops.native",

@@ -104,6 +104,24 @@ def init(device: str | torch.device | None = None) -> torch.device | None:
     return device
 
 
+def prepare_kernels(device: str | torch.device | None = None, dtypes=(torch.bfloat16, torch.float16, torch.float32,
+                                                                  torch.int64)) -> None:
+    """Compile and load the CUDA capture kernels for tensors of `dtypes` on `device` now.
+
+    Not needed when the captured code runs once outside any CUDA graph before it is captured
+    (an engine's warm-up under `profiling()` does): the first launch of each dtype and layout
+    prepares them. Call it before capturing code whose captures never ran outside a graph; a
+    capture that needs an unprepared kernel raises `VariantNotPrepared` instead of failing
+    inside CUDA. A no-op without a CUDA device, except in the tests' Triton-on-CPU mode.
+    """
+    device = _normalize_device(torch.device(device if device is not None else init() or "cpu"))
+    if device.type != "cuda" and _config.env("COMPILEDUMP_CPU_KERNEL") != "triton":
+        return
+    from ..ops.triton_kernel import prepare
+
+    prepare(device, dtypes)
+
+
 def _normalize_device(device: torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())

@@ -57,6 +57,9 @@ def geometry(x: torch.Tensor, kind: int) -> tuple[torch.Tensor, tuple]:
         return x, (1, 1, 1, 0, 0, 0, L.ROW_FIXED_ZERO, False)
     if dim == 1:
         return x, (1, 1, x.shape[0], 0, 0, x.stride(0), L.ROW_FIXED_ZERO, False)
+    if x.is_contiguous():
+        # One flat row: the kernels copy it as one long contiguous run (no walk row by row).
+        return x, (1, 1, x.numel(), 0, 0, 1, L.ROW_FIXED_ZERO, False)
     if dim > 2:
         x = x.reshape(x.shape[0], -1)
     return x, (1, x.shape[0], x.shape[1], 0, x.stride(0), x.stride(1), L.ROW_FIXED_ZERO, False)

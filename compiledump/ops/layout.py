@@ -62,6 +62,11 @@ ROW_ALL = -2  # every row (KIND_RECORD_ROWS)
 # otherwise the row comes from register REG_RECORD_ROW or REG_STEP_ROW
 
 
+# Arena regions start on a multiple of this many words (16 bytes): the Triton kernel may then
+# use vector stores for rows whose width is a multiple of 4 words.
+REGION_ALIGN_WORDS = 4
+
+
 def slot_base(slot: int) -> int:
     """Word index of slot `slot`'s first counter in the control block."""
     return HEADER_WORDS + slot * SLOT_WORDS

@@ -8,8 +8,17 @@ point and every decision that may change between replays is read from device mem
    written-counter is the step index (append) or tells whether this is the first write (keep-first);
 3. gather the row, average over the hc axis in fp32 (or copy it), cast, and store into the arena.
 
-The payload is one row (hc_mult x dim at most), so a single program that walks the row in blocks
-is enough; it also makes the counter update and the write trivially ordered.
+Compiled variants (see ops/variants.py, which decides them on the host): every integer argument
+is a 64-bit runtime value that Triton never specializes (an int equal to 1, or divisible by 16,
+would otherwise select another compiled kernel, and a CUDA graph capture must not compile one),
+so a variant depends only on the input dtype, the layout class (MEAN, IS_INT, VEC) and the
+input's 16-byte alignment. All offset math is 64-bit: rows of a `[74900, 4, 7168]` tensor or
+arenas past 8 GiB are addressed exactly.
+
+Speed: one program of NUM_WARPS warps walks the row in blocks; on the contiguous fast path
+(VEC > 1) the hints below let Triton emit 16-byte vector loads, and the hc rows of a block are
+loaded as one [HC_BLOCK, BLOCK] tile, so they are in flight together instead of one memory round
+trip each.
 
 Under `TRITON_INTERPRET=1` the same kernel runs on CPU tensors, which is how the tests check it
 against the CPU implementation without a GPU.
@@ -17,40 +26,49 @@ against the CPU implementation without a GPU.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from . import layout as L
+from .variants import ALIGN_WORDS, BLOCK, NUM_WARPS, Variant, ensure_prepared, programs_for, variant_for
 
-BLOCK = 1024
-NUM_WARPS = 4
+HC_BLOCK = tl.constexpr(4)  # hc rows loaded together (hc_mult is 4 in the models this targets); unrolled below
+INT_ARGS = ["T", "H", "D", "stride_t", "stride_h", "stride_d", "base", "offset", "capacity", "kind", "reason",
+            "row_reg"]
 
 
-@triton.jit(do_not_specialize=["T", "H", "D", "stride_t", "stride_h", "stride_d", "base", "offset", "capacity"])
+@triton.jit(do_not_specialize=INT_ARGS)
 def capture_kernel(
     x_ptr,
     arena_ptr,
     ctrl_ptr,
-    T,
-    H,
-    D,
-    stride_t,
-    stride_h,
-    stride_d,
-    base,  # word index of the slot's counters in the control block
-    offset,  # word offset of the slot's region in the arena (-1: no region)
-    capacity,  # steps the region holds (1 unless KIND == STEP)
-    kind,  # layout.KIND_*
-    reason,  # host-decided drop counter (0: none)
-    row_reg,  # header register holding the row to gather (ROW_FIXED_ZERO: row 0; ROW_ALL: every row)
+    T: tl.int64,
+    H: tl.int64,
+    D: tl.int64,
+    stride_t: tl.int64,
+    stride_h: tl.int64,
+    stride_d: tl.int64,
+    base: tl.int64,  # word index of the slot's counters in the control block
+    offset: tl.int64,  # word offset of the slot's region in the arena (-1: no region)
+    capacity: tl.int64,  # steps the region holds (1 unless kind == STEP)
+    kind: tl.int64,  # layout.KIND_*
+    reason: tl.int64,  # host-decided drop counter (0: none)
+    row_reg: tl.int64,  # header register holding the row to gather (ROW_FIXED_ZERO: row 0; ROW_ALL: every row)
     MEAN: tl.constexpr,  # average over H (else copy H x D)
     IS_INT: tl.constexpr,  # record_ids: store int32 (any other kind converts to float32)
+    VEC: tl.constexpr,  # > 1: stride_d == 1; D, stride_t, stride_h multiples of VEC; x 16-byte aligned
+    STORE_VEC: tl.constexpr,  # what the arena offset of a row is known to be a multiple of
     BLOCK: tl.constexpr,
 ):
+    # Program 0 claims the counter; the other programs (only launched for the kinds whose write
+    # does not depend on the claimed value: record, all-rows record, ids) copy their share.
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
     enabled = tl.load(ctrl_ptr + L.REG_ENABLED) != 0
     rows_ok = tl.load(ctrl_ptr + L.REG_ROWS) <= tl.load(ctrl_ptr + L.REG_MAX_ROWS)
     rows_ok = rows_ok | (kind != L.KIND_STEP)
-    row = tl.load(ctrl_ptr + tl.maximum(row_reg, 0))
+    row = tl.load(ctrl_ptr + tl.maximum(row_reg, 0)).to(tl.int64)
     row = tl.where(row_reg < 0, 0, row)
     row = tl.where(row < 0, row + T, row)
     row_ok = (row >= 0) & (row < T)
@@ -60,7 +78,10 @@ def capture_kernel(
     counter = tl.where(rows_ok, counter, L.CNT_ROWS_GATE)
     counter = tl.where(reason != 0, reason, counter)
     counter = tl.where(enabled, counter, L.CNT_SUSPENDED)
-    old = tl.atomic_add(ctrl_ptr + base + counter, 1)
+    # Relaxed: the counter only has to be claimed atomically; nothing reads the payload before
+    # the kernel has finished (flush synchronizes the device first).
+    old = tl.atomic_add(ctrl_ptr + base + counter, 1, mask=pid == 0, sem="relaxed").to(tl.int64)
+    old = tl.where(pid == 0, old, 0)
 
     live = counter == L.CNT_WRITTEN
     # keep-first writes only on the first live call; append only while the region has room.
@@ -69,7 +90,8 @@ def capture_kernel(
     # The record kinds note the token count of the capture the dump now holds.
     is_record = (kind == L.KIND_RECORD) | (kind == L.KIND_RECORD_ONCE) | (kind == L.KIND_RECORD_ROWS)
     kept_tokens = tl.where(row_reg == L.ROW_FIXED_ZERO, 0, T)  # a tensor stored whole has no token count
-    tl.atomic_xchg(ctrl_ptr + base + L.SLOT_KEPT_TOKENS, kept_tokens.to(tl.int32), mask=write & is_record)
+    tl.atomic_xchg(ctrl_ptr + base + L.SLOT_KEPT_TOKENS, kept_tokens.to(tl.int32),
+                   mask=write & is_record & (pid == 0), sem="relaxed")
     step = tl.where(kind == L.KIND_STEP, old, 0)
     row_words = D if MEAN else H * D
     rows = tl.where(row_reg == L.ROW_ALL, T, 1)  # rows stored: all of them, or the one gathered
@@ -78,36 +100,101 @@ def capture_kernel(
         out_ptr = arena_ptr.to(tl.pointer_type(tl.int32))
     else:
         out_ptr = arena_ptr
-    # A skipped call reads and writes nothing: the loop bounds are zero. (Also sidesteps the
+    # A skipped call reads and writes nothing: it has no tiles. (Also sidesteps the
     # interpreter's dislike of scalar booleans broadcast into a mask.)
     limit = tl.where(write, D, 0)
-    for r in range(0, tl.where(write, rows, 0)):
-        src = x_ptr + (row + r) * stride_t
+    col_blocks = tl.cdiv(limit, BLOCK)
+    tiles = tl.where(write, rows, 0) * col_blocks
+    for tile in range(pid, tiles, programs):
+        r = tile // col_blocks
+        cols = (tile - r * col_blocks) * BLOCK + tl.arange(0, BLOCK)
+        src_off = (row + r) * stride_t
         dest = offset + (step + r) * row_words
-        for d0 in range(0, limit, BLOCK):
-            cols = d0 + tl.arange(0, BLOCK)
-            mask = cols < limit
-            if MEAN:
-                acc = tl.zeros([BLOCK], dtype=tl.float32)
-                for h in range(0, H):
-                    acc += tl.load(src + h * stride_h + cols * stride_d, mask=mask, other=0).to(tl.float32)
-                # div_rn: IEEE division, the same rounding as torch's CPU division.
-                val = tl.math.div_rn(acc, tl.full([BLOCK], H, tl.float32))
-                tl.store(out_ptr + dest + cols, val, mask=mask)
-            else:
-                for h in range(0, H):
-                    v = tl.load(src + h * stride_h + cols * stride_d, mask=mask, other=0)
-                    if IS_INT:
-                        v = v.to(tl.int32)
-                    else:
-                        v = v.to(tl.float32)
-                    tl.store(out_ptr + dest + h * D + cols, v, mask=mask)
+        if VEC > 1:
+            src_off = tl.multiple_of(src_off, VEC)
+            dest = tl.multiple_of(dest, STORE_VEC)
+            col_off = cols  # stride_d == 1: contiguous, so Triton can vectorize
+            mask_cols = cols < tl.multiple_of(limit, VEC)
+        else:
+            col_off = cols * stride_d
+            mask_cols = cols < limit
+        if MEAN:
+            # HC_BLOCK hc rows are loaded before any is added, so their loads are in flight
+            # together; they are then added one by one, in the reference kernel's order.
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for h0 in range(0, H, HC_BLOCK):
+                v0 = _hc_row(x_ptr + src_off, h0, H, stride_h, col_off, cols, limit, VEC)
+                v1 = _hc_row(x_ptr + src_off, h0 + 1, H, stride_h, col_off, cols, limit, VEC)
+                v2 = _hc_row(x_ptr + src_off, h0 + 2, H, stride_h, col_off, cols, limit, VEC)
+                v3 = _hc_row(x_ptr + src_off, h0 + 3, H, stride_h, col_off, cols, limit, VEC)
+                # A row past H loaded as 0.0, and acc + 0.0 == acc (acc is never -0.0).
+                acc += v0
+                acc += v1
+                acc += v2
+                acc += v3
+            # div_rn: IEEE division, the same rounding as torch's CPU division.
+            val = tl.math.div_rn(acc, tl.full([BLOCK], H, tl.float32))
+            tl.store(out_ptr + dest + cols, val, mask=mask_cols)
+        else:
+            for h in range(0, H):
+                h_off = h * stride_h
+                h_dest = h * D
+                if VEC > 1:
+                    h_off = tl.multiple_of(h_off, VEC)
+                    h_dest = tl.multiple_of(h_dest, STORE_VEC)
+                v = tl.load(x_ptr + src_off + h_off + col_off, mask=mask_cols, other=0)
+                if IS_INT:
+                    v = v.to(tl.int32)
+                else:
+                    v = v.to(tl.float32)
+                tl.store(out_ptr + dest + h_dest + cols, v, mask=mask_cols)
+
+
+@triton.jit
+def _hc_row(src, h, H, stride_h, col_off, cols, limit, VEC: tl.constexpr):
+    """Row h of the hc axis as fp32 (0.0 where h >= H or past the row's end)."""
+    h_off = h * stride_h
+    row_limit = tl.where(h < H, limit, 0)
+    if VEC > 1:
+        h_off = tl.multiple_of(h_off, VEC)
+        row_limit = tl.multiple_of(row_limit, VEC)
+    return tl.load(src + h_off + col_off, mask=cols < row_limit, other=0).to(tl.float32)
 
 
 def launch(x, arena, ctrl, geometry, base, offset, capacity, kind, reason):
-    """Launch the capture kernel for one call (grid of one program)."""
+    """Launch the capture kernel for one call, in the variant and grid ops/variants.py chose
+    (compiled before any CUDA graph capture needs it)."""
     T, H, D, st, sh, sd, row_reg, mean = geometry
-    capture_kernel[(1,)](
-        x, arena, ctrl, T, H, D, st, sh, sd, base, offset, capacity, kind, reason, row_reg,
-        MEAN=mean, IS_INT=kind == L.KIND_IDS, BLOCK=BLOCK, num_warps=NUM_WARPS,
+    v = variant_for(x, geometry, kind)
+    ensure_prepared(x, v, _launch_scratch)
+    _launch(v, programs_for(geometry, kind), x, arena, ctrl, T, H, D, st, sh, sd, base, offset, capacity, kind,
+            reason, row_reg)
+
+
+def _launch(v, programs, *args):
+    capture_kernel[(programs,)](
+        *args, MEAN=v.mean, IS_INT=v.is_int, VEC=v.vec, STORE_VEC=min(v.vec, ALIGN_WORDS), BLOCK=BLOCK,
+        num_warps=NUM_WARPS,
     )
+
+
+def _launch_scratch(device, v) -> None:
+    """Compile and load variant `v` on `device` by launching it once on scratch buffers with the
+    device flag off (it counts one suspended call in a scratch control block, writes nothing)."""
+    H, D = (4 if v.mean else 1), 16  # D and the strides are multiples of every vector width
+    buf = torch.zeros(H * D + 16, dtype=v.dtype, device=device)
+    x = (buf[: H * D] if v.aligned else buf[1 : 1 + H * D]).view(1, H, D)
+    arena = torch.zeros(H * D, dtype=torch.float32, device=device)
+    ctrl = torch.zeros(L.control_words(1), dtype=torch.int32, device=device)
+    kind = L.KIND_IDS if v.is_int else L.KIND_RECORD
+    _launch(v, 1, x, arena, ctrl, 1, H, D, H * D, D, 1, L.slot_base(1), 0, 1, kind, 0, L.REG_RECORD_ROW)
+
+
+def prepare(device: torch.device, dtypes) -> None:
+    """Compile and load, on `device`, every variant that captures of tensors of `dtypes` can use."""
+    for dtype in dtypes:
+        # Floats: records with and without an hc mean, steps; integers: record_ids.
+        layouts = [(True, False), (False, False)] if dtype.is_floating_point else [(False, True)]
+        for mean, is_int in layouts:
+            probe = Variant(dtype, mean, is_int, 1, True)
+            ensure_prepared(torch.empty(0, dtype=dtype, device=device), probe, _launch_scratch)

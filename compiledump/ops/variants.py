@@ -1,0 +1,127 @@
+"""Which compiled variant of the Triton capture kernel a launch uses, and making sure it exists
+before a CUDA graph capture needs it.
+
+Triton compiles one kernel per distinct specialization of its arguments. The kernel
+(ops/triton_kernel.py) declares every integer argument as an unspecialized 64-bit value, so
+what still selects a variant is decided here, on the host, from facts a model keeps fixed:
+
+- the input dtype (a pointer's element type);
+- the layout class: hc mean or copy, int or float store;
+- VEC: the contiguous fast path (16-byte vector loads), when the input is 16-byte aligned,
+  has unit column stride and row/hc strides and width that are multiples of a vector;
+- the input's 16-byte alignment, which Triton specializes pointers on by itself.
+
+A CUDA graph capture must not compile or load a kernel ("operation not permitted when stream
+is capturing"). So the first launch of a (device, dtype, layout class) family outside a capture
+compiles all the variants of that family at once (fast path, aligned, unaligned), by launching
+each on scratch buffers with the device flag off, which also loads the module on the device. A
+capture that meets a family no eager call has prepared fails here, on the host, with an error
+that says what to do, instead of inside CUDA.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, replace
+
+import torch
+
+from . import layout as L
+
+BLOCK = 2048  # columns per tile (8 per thread with NUM_WARPS warps)
+NUM_WARPS = 8
+ALIGN_WORDS = L.REGION_ALIGN_WORDS
+MAX_PROGRAMS = 1024  # tiles beyond this are looped over by the programs
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What selects a compiled kernel (besides the fixed BLOCK and NUM_WARPS)."""
+
+    dtype: torch.dtype
+    mean: bool
+    is_int: bool
+    vec: int  # elements per 16-byte vector on the fast path, else 1
+    aligned: bool  # input pointer 16-byte aligned
+
+    def family(self) -> "Variant":
+        """The fast-path member of this variant's family (same dtype and layout class)."""
+        return replace(self, vec=_vector_width(self.dtype), aligned=True)
+
+    def siblings(self) -> tuple["Variant", ...]:
+        """Every variant of this family: what one eager launch prepares for later captures."""
+        fast = self.family()
+        return (fast, replace(fast, vec=1), replace(fast, vec=1, aligned=False))
+
+
+def _vector_width(dtype: torch.dtype) -> int:
+    return max(1, 16 // dtype.itemsize)
+
+
+def variant_for(x: torch.Tensor, geometry: tuple, kind: int) -> Variant:
+    """The variant that launches for `x` viewed as `geometry` (ops/geometry.py)."""
+    T, H, D, stride_t, stride_h, stride_d, _row_reg, mean = geometry
+    aligned = x.data_ptr() % 16 == 0
+    width = _vector_width(x.dtype)
+    fast = (aligned and width > 1 and stride_d == 1 and D % width == 0 and stride_t % width == 0
+            and (H == 1 or stride_h % width == 0))
+    return Variant(x.dtype, bool(mean), kind == L.KIND_IDS, width if fast else 1, aligned)
+
+
+def programs_for(geometry: tuple, kind: int) -> int:
+    """Grid size: one program per (row, column block) tile, up to MAX_PROGRAMS. Steps and
+    keep-first records use one program, because whether and where they write depends on the
+    counter value that program claims."""
+    if kind in (L.KIND_STEP, L.KIND_RECORD_ONCE):
+        return 1
+    T, _H, D, *_rest, row_reg, _mean = geometry
+    rows = T if row_reg == L.ROW_ALL else 1
+    return max(1, min(MAX_PROGRAMS, rows * -(-D // BLOCK)))
+
+
+class VariantNotPrepared(RuntimeError):
+    """A CUDA graph capture needs a kernel variant that no call outside a capture compiled."""
+
+
+_ready: set[tuple] = set()  # (device, Variant) whose kernel is compiled and loaded
+_lock = threading.Lock()
+
+
+def stream_capturing(x: torch.Tensor) -> bool:
+    """True while the current CUDA stream of `x`'s device is being captured into a graph."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def ensure_prepared(x: torch.Tensor, variant: Variant, launch_scratch) -> None:
+    """Make sure `variant` is compiled and loaded on `x`'s device before it launches.
+
+    `launch_scratch(device, variant)` launches one variant on scratch buffers (ops/triton_kernel.py).
+    Outside a capture, the first launch of a family prepares all its siblings; during a capture an
+    unprepared variant raises VariantNotPrepared before anything reaches CUDA.
+    """
+    key = (x.device, variant)
+    if key in _ready:
+        return
+    if stream_capturing(x):
+        raise VariantNotPrepared(
+            f"compiledump: a capture of a {x.dtype} tensor ({'hc mean' if variant.mean else 'copy'}) reached a CUDA "
+            "graph capture before any call outside the capture compiled its kernel (compiling inside a capture "
+            "fails in CUDA). Run the captured function once outside the graph first, as engines do with their "
+            "warm-up under compiledump.profiling(), or call compiledump.prepare_kernels(device, dtypes) "
+            "before capturing."
+        )
+    with _lock:
+        for sibling in variant.siblings():
+            if (x.device, sibling) not in _ready:
+                launch_scratch(x.device, sibling)
+                _ready.add((x.device, sibling))
+
+
+def prepared() -> frozenset:
+    """The (device, Variant) pairs prepared so far (for tests and diagnostics)."""
+    return frozenset(_ready)
+
+
+def forget() -> None:
+    """Forget what was prepared (tests)."""
+    _ready.clear()

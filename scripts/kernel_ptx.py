@@ -1,0 +1,104 @@
+"""Compile the Triton capture kernel for sm_90 without a GPU and report what the PTX/SASS says.
+
+    python scripts/kernel_ptx.py            # table: loads, stores, 32-bit multiplies, atomics, registers
+    python scripts/kernel_ptx.py --check    # exit 1 unless the fast paths use 16-byte vector loads
+                                            # and stores and no offset is multiplied in 32 bits
+
+Run it without TRITON_INTERPRET (the test suite does, in a subprocess). Triton's bundled ptxas
+assembles the PTX; registers and SASS memory instructions come from its bundled cuobjdump.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+if os.environ.get("TRITON_INTERPRET"):
+    sys.exit("kernel_ptx.py: unset TRITON_INTERPRET (the interpreter compiles nothing)")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from compiledump.ops import triton_kernel as K  # noqa: E402
+from compiledump.ops.variants import ALIGN_WORDS, BLOCK, NUM_WARPS  # noqa: E402
+
+# (input type, MEAN, IS_INT, VEC, input 16-byte aligned): the fast paths, then a slow path.
+VARIANTS = [
+    ("bf16", True, False, 8, True),  # record of [T, hc, dim] bf16: hc mean
+    ("fp32", False, False, 4, True),  # record/step of [T, dim] fp32: copy
+    ("i64", False, True, 2, True),  # record_ids
+    ("bf16", True, False, 1, False),  # unaligned input: scalar loads
+]
+
+
+def compile_variant(xty: str, mean: bool, is_int: bool, vec: int, aligned: bool):
+    signature = {"x_ptr": "*" + xty, "arena_ptr": "*fp32", "ctrl_ptr": "*i32"}
+    signature.update({name: "i64" for name in K.INT_ARGS})
+    constexprs = {"MEAN": mean, "IS_INT": is_int, "VEC": vec, "STORE_VEC": min(vec, ALIGN_WORDS), "BLOCK": BLOCK}
+    signature.update({name: "constexpr" for name in constexprs})
+    # The arena and control block are always 16-byte aligned; the input as the variant says.
+    aligned_args = [(0,)] * aligned + [(1,), (2,)]
+    attrs = {arg: [["tt.divisibility", 16]] for arg in aligned_args}
+    source = ASTSource(fn=K.capture_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
+
+
+def _sass(cubin: bytes) -> dict:
+    """Registers and the memory instructions of the SASS, from Triton's bundled cuobjdump."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not cubin or not os.path.exists(tool):
+        return {"sass": "no cuobjdump"}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        usage = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\d+)", usage)
+    ops = re.findall(r"\b((?:LDG|STG|ATOMG|RED|MEMBAR)[A-Z0-9._]*)", sass)
+    return {"registers": int(regs.group(1)) if regs else None, "sass": {op: ops.count(op) for op in sorted(set(ops))}}
+
+
+def describe(kernel) -> dict:
+    ptx = kernel.asm["ptx"]
+    return {
+        "loads": sorted(set(re.findall(r"ld\.global(?:\.[a-z0-9]+)*", ptx))),
+        "stores": sorted(set(re.findall(r"st\.global(?:\.[a-z0-9]+)*", ptx))),
+        "mul.lo.s32": ptx.count("mul.lo.s32"),
+        "mul.lo.s64": ptx.count("mul.lo.s64"),
+        "atomics": sorted(set(re.findall(r"atom(?:\.[a-z0-9]+)*", ptx))),
+        **_sass(kernel.asm.get("cubin", b"")),
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 unless the fast paths vectorize")
+    args = parser.parse_args(argv)
+    ok = True
+    print(f"triton {triton.__version__}, sm_90, BLOCK {BLOCK}, {NUM_WARPS} warps")
+    for variant in VARIANTS:
+        info = describe(compile_variant(*variant))
+        print(f"{variant}: {info}")
+        fast = variant[3] > 1
+        if fast and not any(".v4" in s or ".v2.b64" in s for s in info["loads"]):
+            ok = False
+            print(f"  NOT VECTORIZED: {variant} loads {info['loads']}")
+        if fast and not any(".v4" in s or ".v2" in s for s in info["stores"]):
+            ok = False
+            print(f"  NOT VECTORIZED: {variant} stores {info['stores']}")
+        if info["mul.lo.s32"]:
+            ok = False
+            print(f"  32-BIT OFFSET MATH: {variant}")
+    if ok:
+        print("fast paths vectorized, offsets 64-bit")
+    return 0 if ok or not args.check else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

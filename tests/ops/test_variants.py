@@ -1,0 +1,292 @@
+"""The Triton kernel's compiled variants: what a CUDA graph capture may launch.
+
+CUDA refuses to compile or load a kernel while a stream is being captured. Triton compiles one
+kernel per distinct specialization of its arguments, so the flows below (the README's engine
+flow, the demo's `--device cuda` flow and examples/cuda_graph_runner.py) are replayed on CPU
+with a stand-in for `torch.cuda`'s streams and graphs, and every launch is keyed by Triton's own
+binder (the function Triton runs on each launch to choose the compiled kernel). A capture must
+only need keys that launches outside the capture already created, and the host-side guard
+(ops/variants.py) must agree.
+
+Also: every layout class of the kernel equals the reference kernel (fast path, unaligned,
+strided, wide rows split over programs, all rows, hc chunks, flat whole-tensor copies).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import compiledump
+from compiledump.capture import arena as arena_module
+from compiledump.ops import layout as L
+from compiledump.ops import register, variants
+from compiledump.ops.reference import capture_reference
+
+K = pytest.importorskip("compiledump.ops.triton_kernel")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class FakeCuda:
+    """`torch.cuda`'s streams and graphs for a CPU run: a graph capture only sets `capturing`."""
+
+    capturing = False
+    replays = 0
+
+    class Stream:
+        def wait_stream(self, other):
+            return None
+
+    @staticmethod
+    @contextlib.contextmanager
+    def stream(_stream):
+        yield
+
+    @staticmethod
+    def current_stream():
+        return FakeCuda.Stream()
+
+    class CUDAGraph:
+        def replay(self):
+            FakeCuda.replays += 1  # a replay re-issues recorded launches: it compiles nothing
+
+    @staticmethod
+    @contextlib.contextmanager
+    def graph(_graph):
+        FakeCuda.capturing = True
+        try:
+            yield
+        finally:
+            FakeCuda.capturing = False
+
+
+class TritonKeys:
+    """Wraps the kernel: keys every launch with Triton's binder, tagged with the capture phase."""
+
+    def __init__(self, kernel):
+        from triton.backends.compiler import BaseBackend
+        from triton.runtime.jit import JITFunction, create_function_from_signature
+
+        self.kernel = kernel
+        jit = JITFunction(kernel.fn, do_not_specialize=K.INT_ARGS)
+        self.binder = create_function_from_signature(jit.signature, jit.params, BaseBackend)
+        self.outside, self.during = set(), set()
+        self.first_needed_during = set()  # keys a capture launched before any launch outside one did
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            _, specialization, options = self.binder(*args, **kwargs)
+            key = str(specialization) + str(sorted(options.items()))
+            if FakeCuda.capturing:
+                self.during.add(key)
+                if key not in self.outside:
+                    self.first_needed_during.add(key)
+            else:
+                self.outside.add(key)
+            return self.kernel[grid](*args, **kwargs)
+
+        return run
+
+
+@pytest.fixture
+def simulated_cuda(monkeypatch, dump_dir):
+    monkeypatch.setenv("COMPILEDUMP_CPU_KERNEL", "triton")
+    for name in ("Stream", "stream", "current_stream", "CUDAGraph", "graph"):
+        monkeypatch.setattr(torch.cuda, name, getattr(FakeCuda, name))
+    monkeypatch.setattr(arena_module, "_stream_capturing", lambda x: FakeCuda.capturing)
+    monkeypatch.setattr(variants, "stream_capturing", lambda x: FakeCuda.capturing)
+    keys = TritonKeys(K.capture_kernel)
+    monkeypatch.setattr(K, "capture_kernel", keys)
+    variants.forget()
+    FakeCuda.capturing, FakeCuda.replays = False, 0
+    compiledump.reset()
+    torch._dynamo.reset()
+    yield keys
+    variants.forget()
+    compiledump.reset()
+
+
+def _assert_capture_compiles_nothing(keys):
+    assert keys.during, "the flow captured nothing"
+    assert not keys.first_needed_during, f"variants first needed during a capture: {keys.first_needed_during}"
+
+
+class EngineModel(torch.nn.Module):
+    """The capture calls of the README engine flow: hc mean, 2-D record, keep-first, step, ids."""
+
+    def __init__(self, dtype, dim=40):
+        super().__init__()
+        self.proj = torch.nn.Linear(dim, 4 * dim).to(dtype)
+        self.head = torch.nn.Linear(dim, 96).to(dtype)
+        self.dim = dim
+
+    def forward(self, h):
+        streams = self.proj(h).view(h.shape[0], 4, self.dim)  # [tokens, hc_mult, dim]
+        compiledump.record("layer0", streams)
+        compiledump.record("layer0_out", streams.mean(1))
+        compiledump.record("embed", h, once=True)
+        logits = self.head(streams.sum(1))
+        compiledump.record_ids("layer0_topk", logits.topk(2, -1).indices)
+        compiledump.record_step("logits", logits.float())
+        for extra in range(3):  # past max_tags: the host decides tag_table_full
+            compiledump.record(f"extra{extra}", logits)
+        return logits
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_engine_flow_capture_needs_no_new_variant(simulated_cuda, dtype):
+    """vLLM order: profile run and warm-up under profiling() (suspended, no region yet), then the
+    capture claims regions (reason 0, real offsets), replays, then a real prefill (token gate)."""
+    compiledump.configure(tokens=7, max_tags=5)
+    compiledump.init(torch.device("cpu"))
+    torch.manual_seed(0)
+    model = EngineModel(dtype)
+    with torch.no_grad():
+        with compiledump.profiling():
+            model(torch.randn(16, 40, dtype=dtype))  # profile run: max tokens
+        static = torch.randn(4, 40, dtype=dtype)
+        with torch.cuda.stream(torch.cuda.Stream()), compiledump.profiling():
+            for _ in range(2):
+                model(static)
+        graph = torch.cuda.CUDAGraph()
+        with compiledump.profiling(), torch.cuda.graph(graph):
+            model(static)
+        for _ in range(3):
+            compiledump.set_rows(1)
+            graph.replay()
+        model(torch.randn(7, 40, dtype=dtype))  # prefill: 7 tokens pass the gate
+    _assert_capture_compiles_nothing(simulated_cuda)
+    manifest_path = compiledump.flush()
+    assert manifest_path is not None
+
+
+def test_cuda_graph_runner_example_needs_no_new_variant(simulated_cuda):
+    spec = importlib.util.spec_from_file_location("runner", ROOT / "examples" / "cuda_graph_runner.py")
+    runner_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner_module)
+    compiledump.init(torch.device("cpu"))
+    torch.manual_seed(0)
+    model = torch.compile(runner_module.TinyDecoder(), fullgraph=True)
+    with torch.no_grad():
+        runner = runner_module.DecodeRunner(model, 4, 32, torch.device("cpu"))
+        runner._capture()  # what the runner does on a CUDA device
+        for _ in range(3):
+            runner.step(torch.randint(0, 64, (4,)), torch.zeros(4, 32), real_rows=1)
+    assert FakeCuda.replays == 3
+    _assert_capture_compiles_nothing(simulated_cuda)
+
+
+def test_demo_cuda_graph_flow_needs_no_new_variant(simulated_cuda):
+    """The demo's `--device cuda` engine: bf16, compiled, decode step in a CUDA graph."""
+    from compiledump.demo.model import ModelConfig, TinyMoE, make_session, run_session_cuda_graph
+
+    compiledump.configure(tokens=7)
+    compiledump.init(torch.device("cpu"))
+    cfg = ModelConfig(layers=2, captures_per_layer=3)
+    session = make_session(cfg, prompt_len=7, steps=3, pad_rows=3)
+    engine = TinyMoE(cfg, dump=compiledump).to(torch.bfloat16)
+    forward = torch.compile(engine, fullgraph=True, dynamic=True)
+    run_session_cuda_graph(forward, compiledump, session)
+    assert FakeCuda.replays >= 3
+    _assert_capture_compiles_nothing(simulated_cuda)
+
+
+def test_capture_of_an_unprepared_variant_fails_on_the_host(simulated_cuda):
+    compiledump.init(torch.device("cpu"))
+    ctrl_before = compiledump.capture.state.STATE.runtime.ctrl.clone()
+    with pytest.raises(variants.VariantNotPrepared, match="outside the graph first"):
+        with compiledump.profiling(), torch.cuda.graph(torch.cuda.CUDAGraph()):
+            compiledump.record("h", torch.randn(3, 4, 16, dtype=torch.float16))
+    assert torch.equal(compiledump.capture.state.STATE.runtime.ctrl, ctrl_before)  # nothing launched
+    assert not simulated_cuda.during
+    # prepare_kernels() outside the capture makes the same capture work.
+    compiledump.prepare_kernels(torch.device("cpu"), [torch.float16])
+    with compiledump.profiling(), torch.cuda.graph(torch.cuda.CUDAGraph()):
+        compiledump.record("h", torch.randn(3, 4, 16, dtype=torch.float16))
+    _assert_capture_compiles_nothing(simulated_cuda)
+
+
+# --- every layout class equals the reference kernel -------------------------------------------
+
+def _case(name):
+    g = torch.Generator().manual_seed(hash(name) % 1000)
+
+    def rnd(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    return {
+        "fast_path_bf16_hc": (L.KIND_RECORD, rnd(5, 4, 64, dtype=torch.bfloat16)),
+        "unaligned_fp16_hc": (L.KIND_RECORD, rnd(5 * 4 * 64 + 1, dtype=torch.float16)[1:].view(5, 4, 64)),
+        "strided_fp32_hc": (L.KIND_RECORD, rnd(5, 64, 4).transpose(1, 2)),
+        "odd_width_bf16": (L.KIND_RECORD, rnd(7, 4, 67, dtype=torch.bfloat16)),
+        "wide_multi_program_fp16": (L.KIND_RECORD, rnd(3, 4, 4100, dtype=torch.float16)),
+        "hc6_two_chunks_fp32": (L.KIND_RECORD, rnd(3, 6, 72)),
+        "all_rows_bf16": (L.KIND_RECORD_ROWS, rnd(9, 4, 2100, dtype=torch.bfloat16)),
+        "all_rows_2d_fp32": (L.KIND_RECORD_ROWS, rnd(11, 33)),
+        "once_wide_fp32": (L.KIND_RECORD_ONCE, rnd(3, 4500)),
+        "step_wide_fp32": (L.KIND_STEP, rnd(3, 4500)),
+        "step_3d_bf16": (L.KIND_STEP, rnd(4, 3, 40, dtype=torch.bfloat16)),
+        "ids_flat": (L.KIND_IDS, torch.randint(-50, 1000, (33, 8), generator=g)),
+        "ids_strided": (L.KIND_IDS, torch.randint(0, 1000, (8, 33), generator=g).t()),
+        "whole_3d_fp16": (L.KIND_RECORD, rnd(2, 3, 5, 7, dtype=torch.float16)),
+    }[name]
+
+
+CASES = ["fast_path_bf16_hc", "unaligned_fp16_hc", "strided_fp32_hc", "odd_width_bf16", "wide_multi_program_fp16",
+         "hc6_two_chunks_fp32", "all_rows_bf16", "all_rows_2d_fp32", "once_wide_fp32", "step_wide_fp32",
+         "step_3d_bf16", "ids_flat", "ids_strided", "whole_3d_fp16"]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_layout_class_equals_reference(name):
+    kind, x = _case(name)
+    g = torch.Generator().manual_seed(7)
+    ctrl = torch.zeros(L.control_words(2), dtype=torch.int32)
+    ctrl[L.REG_ENABLED], ctrl[L.REG_ROWS], ctrl[L.REG_MAX_ROWS] = 1, 1, 4
+    ctrl[L.REG_RECORD_ROW], ctrl[L.REG_STEP_ROW] = -2, 1
+    arena = torch.randn(3 * x.numel() + 64, generator=g)  # untouched words must stay as they are
+    want_arena, want_ctrl = arena.clone(), ctrl.clone()
+    for _ in range(2):  # steps append, keep-first keeps the first
+        register.capture_triton(x, arena, ctrl, kind, L.slot_base(1), 8, 3, 0)
+        capture_reference(x, want_arena, want_ctrl, kind, L.slot_base(1), 8, 3, 0)
+    assert torch.equal(ctrl, want_ctrl)
+    if x.dim() == 3 and x.shape[1] > 4 and kind != L.KIND_STEP:
+        # torch's CPU mean (the reference) sums more than 4 hc rows in its own order: 1 ulp.
+        torch.testing.assert_close(arena, want_arena, rtol=1e-6, atol=1e-7)
+    else:
+        assert torch.equal(arena.view(torch.int32), want_arena.view(torch.int32))
+    assert int(ctrl[L.slot_base(1) + L.CNT_WRITTEN]) == 2
+
+
+def test_variant_choice():
+    aligned = torch.randn(5, 4, 64).to(torch.bfloat16)
+    geo = (5, 4, 64, 256, 64, 1, L.REG_RECORD_ROW, True)
+    assert variants.variant_for(aligned, geo, L.KIND_RECORD).vec == 8
+    unaligned = torch.randn(5 * 4 * 64 + 1).to(torch.bfloat16)[1:]
+    assert variants.variant_for(unaligned, geo, L.KIND_RECORD) == variants.Variant(torch.bfloat16, True, False, 1, False)
+    assert variants.variant_for(aligned, (5, 4, 63, 252, 63, 1, L.REG_RECORD_ROW, True), L.KIND_RECORD).vec == 1
+    assert variants.programs_for((3, 4, 4100, 0, 0, 1, L.REG_RECORD_ROW, True), L.KIND_RECORD) == 3
+    assert variants.programs_for((9, 4, 2100, 0, 0, 1, L.ROW_ALL, True), L.KIND_RECORD_ROWS) == 18
+    assert variants.programs_for((3, 1, 4500, 0, 0, 1, L.REG_STEP_ROW, False), L.KIND_STEP) == 1
+
+
+# --- what Triton emits for sm_90 ----------------------------------------------------------
+
+PTX_SCRIPT = ROOT / "scripts" / "kernel_ptx.py"
+
+
+def test_sm90_ptx_has_vector_loads_and_64_bit_offsets():
+    """Compiled for sm_90 without a GPU (a fresh process: the suite interprets Triton)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(PTX_SCRIPT), "--check"], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "fast paths vectorized, offsets 64-bit" in out.stdout
+
