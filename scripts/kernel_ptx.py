@@ -20,12 +20,12 @@ import tempfile
 if os.environ.get("TRITON_INTERPRET"):
     sys.exit("kernel_ptx.py: unset TRITON_INTERPRET (the interpreter compiles nothing)")
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-from compiledump.ops import triton_kernel as K  # noqa: E402
-from compiledump.ops.variants import ALIGN_WORDS, BLOCK, NUM_WARPS  # noqa: E402
+from compiledump.ops import triton_kernel as K
+from compiledump.ops.variants import ALIGN_WORDS, BLOCK, NUM_WARPS
 
 # (input type, MEAN, IS_INT, VEC, input 16-byte aligned): the fast paths, then a slow path.
 VARIANTS = [

@@ -31,7 +31,15 @@ import triton
 import triton.language as tl
 
 from . import layout as L
-from .variants import ALIGN_WORDS, BLOCK, NUM_WARPS, Variant, ensure_prepared, programs_for, variant_for
+from .variants import (
+    ALIGN_WORDS,
+    BLOCK,
+    NUM_WARPS,
+    Variant,
+    ensure_prepared,
+    programs_for,
+    variant_for,
+)
 
 HC_BLOCK = tl.constexpr(4)  # hc rows loaded together (hc_mult is 4 in the models this targets); unrolled below
 INT_ARGS = ["T", "H", "D", "stride_t", "stride_h", "stride_d", "base", "offset", "capacity", "kind", "reason",
@@ -136,7 +144,7 @@ def capture_kernel(
             val = tl.math.div_rn(acc, tl.full([BLOCK], H, tl.float32))
             tl.store(out_ptr + dest + cols, val, mask=mask_cols)
         else:
-            for h in range(0, H):
+            for h in range(H):
                 h_off = h * stride_h
                 h_dest = h * D
                 if VEC > 1:
@@ -164,7 +172,7 @@ def _hc_row(src, h, H, stride_h, col_off, cols, limit, VEC: tl.constexpr):
 def launch(x, arena, ctrl, geometry, base, offset, capacity, kind, reason):
     """Launch the capture kernel for one call, in the variant and grid ops/variants.py chose
     (compiled before any CUDA graph capture needs it)."""
-    T, H, D, st, sh, sd, row_reg, mean = geometry
+    T, H, D, st, sh, sd, row_reg, _mean = geometry
     v = variant_for(x, geometry, kind)
     ensure_prepared(x, v, _launch_scratch)
     _launch(v, programs_for(geometry, kind), x, arena, ctrl, T, H, D, st, sh, sd, base, offset, capacity, kind,

@@ -44,11 +44,11 @@ class Variant:
     vec: int  # elements per 16-byte vector on the fast path, else 1
     aligned: bool  # input pointer 16-byte aligned
 
-    def family(self) -> "Variant":
+    def family(self) -> Variant:
         """The fast-path member of this variant's family (same dtype and layout class)."""
         return replace(self, vec=_vector_width(self.dtype), aligned=True)
 
-    def siblings(self) -> tuple["Variant", ...]:
+    def siblings(self) -> tuple[Variant, ...]:
         """Every variant of this family: what one eager launch prepares for later captures."""
         fast = self.family()
         return (fast, replace(fast, vec=1), replace(fast, vec=1, aligned=False))
@@ -60,7 +60,7 @@ def _vector_width(dtype: torch.dtype) -> int:
 
 def variant_for(x: torch.Tensor, geometry: tuple, kind: int) -> Variant:
     """The variant that launches for `x` viewed as `geometry` (ops/geometry.py)."""
-    T, H, D, stride_t, stride_h, stride_d, _row_reg, mean = geometry
+    _T, H, D, stride_t, stride_h, stride_d, _row_reg, mean = geometry
     aligned = x.data_ptr() % 16 == 0
     width = _vector_width(x.dtype)
     fast = (aligned and width > 1 and stride_d == 1 and D % width == 0 and stride_t % width == 0

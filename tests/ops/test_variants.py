@@ -185,7 +185,12 @@ def test_cuda_graph_runner_example_needs_no_new_variant(simulated_cuda):
 
 def test_demo_cuda_graph_flow_needs_no_new_variant(simulated_cuda):
     """The demo's `--device cuda` engine: bf16, compiled, decode step in a CUDA graph."""
-    from compiledump.demo.model import ModelConfig, TinyMoE, make_session, run_session_cuda_graph
+    from compiledump.demo.model import (
+        ModelConfig,
+        TinyMoE,
+        make_session,
+        run_session_cuda_graph,
+    )
 
     compiledump.configure(tokens=7)
     compiledump.init(torch.device("cpu"))
