@@ -1,25 +1,40 @@
-"""GPU performance script (issue: performance): one prepared run, a summary table last.
+"""GPU performance script (issue: performance): one prepared run, one summary table last.
 
-    python benchmarks/gpu_bench.py --out gpu_bench.json          # on a GPU, under 10 minutes
-    python benchmarks/gpu_bench.py --device cpu --quick          # the CPU-checkable parts
+    python benchmarks/gpu_bench.py --device cuda --out gpu_bench.json   # on a GPU (scripts/gpu_run.sh)
+    python benchmarks/gpu_bench.py --device cuda --dry-run              # the plan; CUDA not initialized
+    python benchmarks/gpu_bench.py --device cpu --quick                 # the CPU-checkable parts
+    python benchmarks/gpu_bench.py --device cpu --quick --emulate       # every phase, eager stand-ins
 
-Measurements (CUDA events, medians over repeats; graphs are warmed up before capture):
-  graph_capture_cost  200 captures of [64, 4, 7168] bf16 inside one CUDA graph, replayed, vs the
-                      same graph without them: added microseconds per capture (goal <= 1 us);
-  decode_overhead     the bench model scaled to dim 7168, 40 layers x 5 captures + logits, decode
-                      batch 64, decode step in a CUDA graph with vs without captures (goal <= 2%);
-  kernel_bandwidth    time per capture vs payload (hc_mult x dim of one row): achieved bytes/s,
-                      and the floor (a 1-element capture: graph-node/launch overhead);
-  flush_throughput    flush()'s device-to-host copy vs a plain pinned copy of the same size
-                      measured in the same run (goal >= 80%);
-  eager_vs_seed       eager cost per capture call, compiledump vs the seed (which copies to the
-                      host, and so synchronizes, on every call).
-Full numbers go to --out (JSON).
+The engine flow throughout (README, docs/compiling.md): the arena first (`init`), warm-up on a side
+stream and graph capture under `compiledump.profiling()`, then replays with capture on. The token
+gate is off (`tokens=0`), so every capture in a replay writes. Times are CUDA events around many
+replays, rounds interleaved, medians.
+
+Measurements, in run order:
+  graph_capture_cost  N `record`s of a [64, 4, 7168] bf16 tensor inside one CUDA graph, replayed,
+                      vs the same graph without them: added device microseconds per capture (goal <= 1);
+  decode_overhead     the built-in model at dim 7168, 40 layers x 5 taps + logits, decode batch 64,
+                      eager kernels in a CUDA graph: replay with captures vs the same model without
+                      capture points (goal ratio <= 1.02);
+  flush_throughput    flush()'s device-to-host part (the runtime's snapshot) vs a plain
+                      `pinned.copy_(arena, non_blocking=True)` + sync of the same bytes (goal >= 80%);
+  graph_equals_eager  the decode model's dump from graph replays equals its eager dump, and the
+                      replays run clean under torch.cuda.set_sync_debug_mode("error");
+  kernel_bandwidth    time per capture vs payload (hc_mult x dim of one row): bytes/s, and the floor
+                      (a 1-element capture: graph-node overhead);
+  eager_vs_seed       eager cost per capture call, compiledump vs debug_dump.py (which copies to the
+                      host, and so synchronizes, on every call); skipped where that file is absent;
+  decode_overhead_compiled  decode_overhead with torch.compile(fullgraph=True) inside the graphs
+                      (last: its compiles take minutes; --time-limit skips it when time is short).
+Each phase is wrapped: a failure is recorded (error, the traceback's last line) and the next phase
+runs; the JSON (--out) is rewritten after every phase. Exit status: 0, 1 if a phase failed, 2 for
+bad options or a CUDA device asked for where there is none.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -29,48 +44,83 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import interleaved, load_debug_dump, machine  # noqa: E402
+_HERE = Path(__file__).resolve().parent
+for _path in (str(_HERE.parent / "scripts"), str(_HERE), str(_HERE.parent)):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+import compiledump  # noqa: E402
+import gpu_common  # noqa: E402
+from harness import DEBUG_DUMP, interleaved, load_debug_dump, machine  # noqa: E402
 
 
-def _events_ms(fn, repeats: int) -> float:
-    """Median milliseconds of `fn` timed with CUDA events."""
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+class _Eager:
+    """--emulate on CPU: eager calls stand in for a captured graph's replays (the numbers mean nothing)."""
+
+    def __init__(self, fn):
+        self.replay = fn
 
 
-def _graph(fn):
-    """Warm `fn` up on a side stream (Triton compiles there), capture it, return the graph."""
+def _graph(fn, device):
+    """Warm `fn` up on a side stream and capture it, both under profiling() (engine flow)."""
+    if device.type != "cuda":
+        with compiledump.profiling():
+            fn()
+        return _Eager(fn)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
+    with torch.cuda.stream(side), compiledump.profiling():
+        for _ in range(2):  # Triton compiles here, never during capture
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with compiledump.profiling(), torch.cuda.graph(graph):
         fn()
     return graph
 
 
-def _fresh(directory, **settings):
-    import compiledump
+def _ms_per_replay(graph, replays, device) -> float:
+    if device.type != "cuda":
+        begun = time.perf_counter()
+        for _ in range(replays):
+            graph.replay()
+        return (time.perf_counter() - begun) * 1e3 / replays
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
 
+
+def _rounds(graphs: dict, device, rounds: int, replays: int, before=None) -> dict[str, list[float]]:
+    """ms per replay of each graph, per round; rounds interleaved in a rotating order."""
+    names = list(graphs)
+    for name in names:  # untimed first replays
+        graphs[name].replay()
+    per_round = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            if before is not None:
+                before()
+            per_round[name].append(_ms_per_replay(graphs[name], replays, device))
+    return per_round
+
+
+def _fresh(directory, **settings):
     torch._dynamo.reset()
     compiledump.reset()
-    compiledump.configure(dir=str(directory), **settings)
+    compiledump.configure(dir=str(directory), **{"tokens": 0, **settings})
+
+
+def _passed(npz_path) -> int:
+    """Captures that passed every gate, summed over the tags of a flushed dump (its manifest)."""
+    manifest = json.loads(Path(npz_path).with_suffix(".json").read_text())
+    return sum(tag.get("passed") or 0 for tag in manifest["tags"].values())
 
 
 def graph_capture_cost(device, quick, tmp):
-    import compiledump
-
     _fresh(tmp / "g", max_steps=4)
     compiledump.init(device)
     n, shape = (20, (8, 4, 256)) if quick else (200, (64, 4, 7168))
@@ -86,43 +136,141 @@ def graph_capture_cost(device, quick, tmp):
             y.copy_(x)
             compiledump.record(f"t{i}", y)
 
-    without, with_ = _graph(work), _graph(work_and_capture)
-    reps = 5 if quick else 50
-    base = _events_ms(without.replay, reps)
-    added = _events_ms(with_.replay, reps)
-    return {"captures": n, "shape": list(shape), "graph_ms_without": base, "graph_ms_with": added,
-            "us_per_capture": (added - base) * 1e3 / n, "goal_us": 1.0}
+    graphs = {"without": _graph(work, device), "with": _graph(work_and_capture, device)}
+    replays = 3 if quick else 20
+    times = _rounds(graphs, device, rounds=3 if quick else 15, replays=replays)
+    base, added = (statistics.median(times[k]) for k in ("without", "with"))
+    compiledump.clear()
+    graphs["with"].replay()  # one replay after clear(): each of the n captures must have written
+    passed = _passed(compiledump.flush())
+    return {"ok": passed == n, "captures": n, "shape": list(shape), "dtype": "bfloat16",
+            "replays_per_round": replays, "graph_ms_without": base, "graph_ms_with": added,
+            "us_per_capture": (added - base) * 1e3 / n, "captures_passed_per_replay": passed, "goal_us": 1.0}
 
 
-def decode_overhead(device, quick, tmp):
-    import compiledump
-    from compiledump.demo.model import NO_DUMP, ModelConfig, TinyMoE
+@functools.lru_cache(maxsize=1)
+def _decode_model(device, quick):
+    from compiledump.demo.model import ModelConfig, TinyMoE
 
-    _fresh(tmp / "d", moe_layers=1000)
     if quick:
         cfg, batch = ModelConfig(layers=4, dim=256, vocab=4096, ffn=256, captures_per_layer=5), 8
     else:
         cfg, batch = ModelConfig(layers=40, dim=7168, vocab=32000, ffn=512, captures_per_layer=5), 64
-    dtype = torch.bfloat16
-    plain = torch.compile(TinyMoE(cfg, dump=NO_DUMP, device=device, dtype=dtype), fullgraph=True)
-    instr = torch.compile(TinyMoE(cfg, dump=compiledump, device=device, dtype=dtype), fullgraph=True)
+    model = TinyMoE(cfg, device=device, dtype=torch.bfloat16)
+    return model, cfg, batch
+
+
+def _decode_overhead(device, quick, tmp, compiled):
+    from compiledump.demo.model import NO_DUMP
+
+    _fresh(tmp / "d", moe_layers=1000, max_steps=256)  # every layer's taps; clear() keeps steps < 256
+    compiledump.init(device)
+    model, cfg, batch = _decode_model(device, quick)
+    step = torch.compile(model, fullgraph=True) if compiled else model
     tokens = torch.randint(0, cfg.vocab, (batch,), device=device)
-    state = torch.randn(cfg.layers, batch, cfg.dim, device=device, dtype=dtype)
+    state = torch.randn(cfg.layers, batch, cfg.dim, device=device, dtype=torch.bfloat16)
     compiledump.set_rows(1)
+    graphs = {}
     with torch.no_grad():
-        g_plain = _graph(lambda: plain(tokens, state))
-        g_instr = _graph(lambda: instr(tokens, state))
-        reps = 5 if quick else 30
-        rounds = [(_events_ms(g_plain.replay, reps), _events_ms(g_instr.replay, reps)) for _ in range(5)]
-    ratio = statistics.median(b / a for a, b in rounds)
-    return {"layers": cfg.layers, "dim": cfg.dim, "batch": batch, "captures_per_step": cfg.layers * 5 + 1,
-            "step_ms_plain": statistics.median(a for a, _ in rounds),
-            "step_ms_instrumented": statistics.median(b for _, b in rounds), "ratio": ratio, "goal_ratio": 1.02}
+        for name, dump in (("plain", NO_DUMP), ("captures", compiledump)):
+            model.dump = dump  # captured graphs keep their kernels; dynamo re-traces on the swap
+            graphs[name] = _graph(lambda: step(tokens, state), device)
+        model.dump = NO_DUMP
+        replays = 3 if quick else 50
+        times = _rounds(graphs, device, rounds=3 if quick else 10, replays=replays, before=compiledump.clear)
+    ratio = statistics.median(b / a for a, b in zip(times["plain"], times["captures"]))
+    plain, with_ = (statistics.median(times[k]) for k in ("plain", "captures"))
+    captures = cfg.layers * cfg.captures_per_layer + 1
+    return {"compiled": compiled, "layers": cfg.layers, "taps_per_layer": cfg.captures_per_layer, "dim": cfg.dim,
+            "batch": batch, "captures_per_step": captures, "step_ms_plain": plain, "step_ms_instrumented": with_,
+            "ratio": ratio, "us_per_capture": (with_ - plain) * 1e3 / captures, "goal_ratio": 1.02}
+
+
+def decode_overhead(device, quick, tmp):
+    return _decode_overhead(device, quick, tmp, compiled=False)
+
+
+def decode_overhead_compiled(device, quick, tmp):
+    return _decode_overhead(device, quick, tmp, compiled=True)
+
+
+def flush_throughput(device, quick, tmp):
+    from compiledump.capture.state import STATE
+
+    steps, width = (8, 32000) if quick else (256, 129280)  # full: 132 MB of logits steps
+    _fresh(tmp / "f", max_steps=steps)
+    compiledump.set_rows(1)
+    logits = torch.randn(8, width, device=device)
+    for _ in range(steps):
+        compiledump.record_step("logits", logits)
+    rt = STATE.runtime
+    used = rt.arena[: rt.used_words]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    pinned = torch.empty(used.numel(), dtype=torch.float32, pin_memory=device.type == "cuda")
+    rt.snapshot()  # allocates its pinned buffers once
+
+    def snapshot():
+        rt.snapshot()
+
+    def plain():
+        pinned.copy_(used, non_blocking=True)
+        sync()
+
+    sync()
+    per_round = interleaved({"snapshot": snapshot, "plain": plain}, rounds=3 if quick else 10, calls=1, warmup=1)
+    snap_s, plain_s = (statistics.median(per_round[k]) for k in ("snapshot", "plain"))
+    begun = time.perf_counter()
+    compiledump.flush()
+    nbytes = used.numel() * 4
+    return {"bytes": nbytes, "snapshot_GB_per_s": nbytes / snap_s / 1e9, "pinned_copy_GB_per_s": nbytes / plain_s / 1e9,
+            "efficiency": plain_s / snap_s, "goal_efficiency": 0.8, "whole_flush_s": time.perf_counter() - begun}
+
+
+def graph_equals_eager(device, quick, tmp):
+    from compiledump.demo.model import NO_DUMP
+
+    model, cfg, batch = _decode_model(device, quick)
+    steps = 4
+    g = torch.Generator(device=device).manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab, (steps, batch), generator=g, device=device)
+    states = torch.randn(steps, cfg.layers, batch, cfg.dim, generator=g, device=device).bfloat16()
+    _fresh(tmp / "eq", moe_layers=1000)
+    compiledump.init(device)
+    compiledump.set_rows(1)
+    model.dump = compiledump
+    try:
+        with torch.no_grad():
+            for s in range(steps):
+                model(tokens[s], states[s])
+            eager = gpu_common.load_npz(compiledump.flush())
+            static_tokens, static_state = tokens[0].clone(), states[0].clone()
+            graph = _graph(lambda: model(static_tokens, static_state), device)
+            sync_error = None
+            for attempt in ("error", 0):
+                compiledump.clear()
+                if device.type == "cuda":
+                    torch.cuda.set_sync_debug_mode(attempt)
+                try:
+                    for s in range(steps):  # an engine's step: inputs into the buffers, rows, replay
+                        static_tokens.copy_(tokens[s])
+                        static_state.copy_(states[s])
+                        compiledump.set_rows(1)
+                        graph.replay()
+                    break
+                except RuntimeError as error:  # a host sync during replays: record it, compare anyway
+                    sync_error = f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
+                finally:
+                    if device.type == "cuda":
+                        torch.cuda.set_sync_debug_mode(0)
+            replayed = gpu_common.load_npz(compiledump.flush())
+    finally:
+        model.dump = NO_DUMP
+    verdict = gpu_common.compare_dumps(eager, replayed, rtol=1e-6)
+    return {**verdict, "ok": verdict["ok"] and sync_error is None, "replays": steps,
+            "sync_debug": "not checked (no CUDA)" if device.type != "cuda" else sync_error or "clean"}
 
 
 def kernel_bandwidth(device, quick, tmp):
-    import compiledump
-
     _fresh(tmp / "k")
     compiledump.init(device)
     rows = []
@@ -130,8 +278,9 @@ def kernel_bandwidth(device, quick, tmp):
     n = 10 if quick else 100
     for hc, dim in sizes:
         xs = [torch.randn(64, hc, dim, device=device, dtype=torch.bfloat16) for _ in range(n)]
-        graph = _graph(lambda: [compiledump.record(f"bw{hc}x{dim}_{i}", x) for i, x in enumerate(xs)])
-        ms = _events_ms(graph.replay, 5 if quick else 50)
+        graph = _graph(lambda: [compiledump.record(f"bw{hc}x{dim}_{i}", x) for i, x in enumerate(xs)], device)
+        graph.replay()
+        ms = statistics.median(_ms_per_replay(graph, 3 if quick else 20, device) for _ in range(5))
         per = ms * 1e3 / n
         read, written = hc * dim * 2, dim * 4  # one bf16 row in, one fp32 row out
         rows.append({"hc": hc, "dim": dim, "us_per_capture": per, "bytes": read + written,
@@ -139,44 +288,9 @@ def kernel_bandwidth(device, quick, tmp):
     return {"rows": rows, "floor_us": rows[0]["us_per_capture"]}
 
 
-def flush_throughput(device, quick, tmp):
-    import compiledump
-    from compiledump.capture.state import STATE
-
-    _fresh(tmp / "f", max_steps=64 if not quick else 8)
-    steps, width = (8, 32000) if quick else (64, 129280)
-    logits = torch.randn(8, width, device=device)
-    for _ in range(steps):
-        compiledump.record_step("logits", logits)
-    rt = STATE.runtime
-    nbytes = rt.used_words * 4
-    rt.snapshot()  # allocates the pinned buffers once
-    snap = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        rt.snapshot()
-        snap.append(time.perf_counter() - start)
-    pinned = torch.empty(rt.used_words, dtype=torch.float32, pin_memory=True)
-    plain = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        pinned.copy_(rt.arena[: rt.used_words], non_blocking=True)
-        torch.cuda.synchronize()
-        plain.append(time.perf_counter() - start)
-    start = time.perf_counter()
-    compiledump.flush()
-    flush_s = time.perf_counter() - start
-    snap_s, plain_s = statistics.median(snap), statistics.median(plain)
-    return {"bytes": nbytes, "snapshot_GB_per_s": nbytes / snap_s / 1e9, "pinned_copy_GB_per_s": nbytes / plain_s / 1e9,
-            "efficiency": plain_s / snap_s, "goal_efficiency": 0.8, "whole_flush_s": flush_s}
-
-
 def eager_vs_seed(device, quick, tmp):
-    import compiledump
-
-
+    if not DEBUG_DUMP.exists():
+        raise gpu_common.SkipPhase(f"{DEBUG_DUMP} is absent")
     _fresh(tmp / "e", max_steps=1 << 20)
     seed = load_debug_dump(tmp / "seed", moe_layers=8)
     x = torch.randn(8, 4, 1024 if quick else 7168, device=device, dtype=torch.bfloat16)
@@ -195,66 +309,68 @@ def eager_vs_seed(device, quick, tmp):
     return {"compiledump_us": cd_us, "seed_us": seed_us, "speedup": seed_us / cd_us}
 
 
+# name -> (function, needs CUDA unless --emulate, rough seconds on one H200: the --time-limit estimate)
 PHASES = {
-    "graph_capture_cost": (graph_capture_cost, True),
-    "decode_overhead": (decode_overhead, True),
-    "kernel_bandwidth": (kernel_bandwidth, True),
-    "flush_throughput": (flush_throughput, True),
-    "eager_vs_seed": (eager_vs_seed, False),
+    "graph_capture_cost": (graph_capture_cost, True, 20),
+    "decode_overhead": (decode_overhead, True, 40),
+    "flush_throughput": (flush_throughput, True, 15),
+    "graph_equals_eager": (graph_equals_eager, True, 20),
+    "kernel_bandwidth": (kernel_bandwidth, True, 30),
+    "eager_vs_seed": (eager_vs_seed, False, 20),
+    "decode_overhead_compiled": (decode_overhead_compiled, True, 180),
 }
 
 
-def _summary(name, r):
-    if "error" in r or "skipped" in r:
-        return r.get("error") or r["skipped"]
+def _key_number(name, r):
     if name == "graph_capture_cost":
-        return f"{r['us_per_capture']:.2f} us/capture added in a replayed graph (goal <= {r['goal_us']})"
-    if name == "decode_overhead":
-        return (f"step {r['step_ms_plain']:.3f} -> {r['step_ms_instrumented']:.3f} ms, ratio {r['ratio']:.4f} "
-                f"(goal <= {r['goal_ratio']}), {r['captures_per_step']} captures")
+        return (f"{r['us_per_capture']:.3f} us/capture added ({r['captures']} x {r['shape']} bf16 per graph; "
+                f"goal <= {r['goal_us']}); {r['captures_passed_per_replay']} passed per replay")
+    if name.startswith("decode_overhead"):
+        return (f"ratio {r['ratio']:.4f} (goal <= {r['goal_ratio']}): {r['step_ms_plain']:.3f} -> "
+                f"{r['step_ms_instrumented']:.3f} ms/step, {r['captures_per_step']} captures")
+    if name == "flush_throughput":
+        return (f"{100 * r['efficiency']:.0f}% of the pinned copy (goal >= 80%): {r['snapshot_GB_per_s']:.1f} vs "
+                f"{r['pinned_copy_GB_per_s']:.1f} GB/s, {r['bytes'] / 2**20:.0f} MiB")
+    if name == "graph_equals_eager":
+        return (f"{'equal' if r['ok'] else 'DIFFERENT'}: max_rel_err {r['max_rel_err']:.1e} over {r['keys']} keys "
+                f"(mismatched {r['mismatched'][:3]}, missing {r['missing'][:3]}); sync debug: {r['sync_debug']}")
     if name == "kernel_bandwidth":
         best = max(r["rows"], key=lambda x: x["GB_per_s"])
         return f"floor {r['floor_us']:.2f} us/capture; best {best['GB_per_s']:.1f} GB/s at {best['hc']}x{best['dim']}"
-    if name == "flush_throughput":
-        return (f"{r['snapshot_GB_per_s']:.1f} vs {r['pinned_copy_GB_per_s']:.1f} GB/s plain pinned copy: "
-                f"{100 * r['efficiency']:.0f}% (goal >= 80%)")
-    return f"compiledump {r['compiledump_us']:.1f} us vs seed {r['seed_us']:.1f} us per call ({r['speedup']:.1f}x)"
+    return f"compiledump {r['compiledump_us']:.1f} us vs debug_dump.py {r['seed_us']:.1f} us per call ({r['speedup']:.1f}x)"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    gpu_common.add_arguments(parser, default_out="gpu_bench.json")
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
-    parser.add_argument("--out", default="gpu_bench.json")
     parser.add_argument("--only", nargs="*", choices=list(PHASES), help="run only these measurements")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
+    parser.add_argument("--emulate", action="store_true",
+                        help="on CPU, run the graph phases with eager calls standing in for replays (tests)")
+    started = gpu_common.start(parser, argv, "gpu_bench")
+    if isinstance(started, int):
+        return started
+    args, device, note = started
+    selected = [name for name in PHASES if not args.only or name in args.only]
+    emulate = args.emulate and device.type == "cpu"
+    if args.dry_run:
+        plan = [(name, PHASES[name][1] and not emulate, PHASES[name][2]) for name in selected]
+        gpu_common.print_plan("gpu_bench", device, args.device, note, args.out, plan, args.time_limit)
+        return 0
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    results = {"machine": machine(), "device": str(device), "quick": args.quick}
-    if device.type == "cuda":
-        results["gpu"] = torch.cuda.get_device_name(device)
+    results = {**gpu_common.metadata(device), "machine": machine(), "quick": args.quick, "emulated": emulate,
+               "phases": {}}
+    runner = gpu_common.Runner("gpu_bench", device, args.out, args.time_limit, results)
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (fn, needs_cuda) in PHASES.items():
-            if args.only and name not in args.only:
-                continue
-            if needs_cuda and device.type != "cuda":
-                results[name] = {"skipped": "needs a CUDA device"}
-                continue
-            started = time.perf_counter()
-            try:
-                results[name] = fn(device, args.quick, Path(tmp))
-            except Exception as error:  # noqa: BLE001 - report every phase
-                results[name] = {"error": f"{type(error).__name__}: {error}"}
-            results[name]["seconds"] = time.perf_counter() - started
-            print(f"[gpu_bench] {name}: {time.perf_counter() - started:.1f} s", flush=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
-    print(f"\n{results['machine']}" + (f"; {results.get('gpu')}" if "gpu" in results else ""))
-    print(f"{'measurement':<22}summary")
-    for name in PHASES:
-        if name in results:
-            print(f"{name:<22}{_summary(name, results[name])}")
-    return 1 if any("error" in r for r in results.values() if isinstance(r, dict)) else 0
+        for name in selected:
+            fn, needs_cuda, estimate = PHASES[name]
+            runner.run(name, functools.partial(fn, device, args.quick, Path(tmp)),
+                       needs_cuda=needs_cuda and not emulate, estimate_s=2 if args.quick else estimate)
+    _decode_model.cache_clear()
+    if emulate:
+        print("emulated: eager calls stood in for CUDA graph replays; the numbers below mean nothing")
+    return runner.summary(_key_number)
 
 
 if __name__ == "__main__":

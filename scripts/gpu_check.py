@@ -1,40 +1,49 @@
 """GPU check of the capture runtime: CUDA graphs, reduce-overhead, no syncs, same dump as eager.
 
-Run on a machine with a GPU:
+Run on a machine with a GPU (scripts/gpu_run.sh runs it with the benchmark, under time limits):
 
-    python scripts/gpu_check.py --out gpu_check.json
+    python scripts/gpu_check.py --device cuda --out gpu_check.json
+    python scripts/gpu_check.py --device cuda --dry-run      # the plan only; CUDA is not initialized
 
-Phases (each writes its own dump and is compared with the eager one):
+Phases, in run order (each writes its own dump and is compared with the eager one):
   eager          the built-in model, eager, the engine-like session (reference);
   cuda_graph     decode step captured once with torch.cuda.graph (warm-up and capture under
                  profiling(), as engines capture with dummy data) and replayed for every step;
+  native_cuda_kernel  if the native library was built against this CUDA torch (CMakeLists.txt),
+                 its CUDA capture kernel against the Triton kernel on random samples;
+  compiled_default torch.compile(fullgraph=True), default mode;
   reduce_overhead torch.compile(mode="reduce-overhead", fullgraph=True): Inductor's CUDA graph
                  trees; the run must report zero cudagraph skips;
   aoti           prefill and decode exported with compiledump.aot (dynamic prompt length and
                  batch), packaged with AOTInductor and run from Python (tests/export/test_aot.py covers
                  the CPU run and the C++-only driver);
-  native_cuda_kernel  if the native library was built against this CUDA torch (CMakeLists.txt),
-                 its CUDA capture kernel against the Triton kernel on random samples;
 and the decode loops of cuda_graph, reduce_overhead and aoti run under
 torch.cuda.set_sync_debug_mode("error"). `--device cpu` runs the phases that need no GPU (eager
-and a default-mode compile), so the script itself is tested without one.
+and a default-mode compile), so the script itself is tested without one. A failing phase is
+recorded (error, the traceback's last line) and the next one runs; the JSON is rewritten after
+every phase; one summary table (phase | status | key number) ends the output. Exit status: 0,
+1 if a phase failed, 2 for bad options or a CUDA device asked for where there is none.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
-import compiledump
-from compiledump.demo.model import (ModelConfig, TinyMoE, export_session, make_session, run_session,
-                               run_session_cuda_graph, session_forward)
+REPO = Path(__file__).resolve().parents[1]
+for _path in (str(Path(__file__).resolve().parent), str(REPO)):  # gpu_common; compiledump uninstalled
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+import compiledump  # noqa: E402
+import gpu_common  # noqa: E402
+from compiledump.demo.model import (ModelConfig, TinyMoE, export_session, make_session, run_session,  # noqa: E402
+                                    run_session_cuda_graph, session_forward)
 
 PROMPT = 7
 
@@ -45,28 +54,8 @@ def _fresh_dump(directory: Path) -> None:
     compiledump.configure(dir=str(directory), tokens=PROMPT)
 
 
-def _load(path: str) -> dict:
-    with np.load(path) as data:
-        return {k: data[k] for k in data.files}
-
-
-def compare_dumps(reference: dict, other: dict, rtol: float) -> dict:
-    """Key set equality and the worst relative error over float keys (ids must be equal)."""
-    worst = 0.0
-    mismatched = []
-    for key, want in reference.items():
-        have = other.get(key)
-        if have is None or have.shape != want.shape or have.dtype != want.dtype:
-            mismatched.append(key)
-            continue
-        if want.dtype.kind == "f":
-            scale = max(float(np.abs(want).max()), 1e-30)
-            worst = max(worst, float(np.abs(have.astype(np.float64) - want).max() / scale))
-        elif not np.array_equal(have, want):
-            mismatched.append(key)
-    missing = sorted(set(other) ^ set(reference))
-    ok = not mismatched and not missing and worst <= rtol
-    return {"ok": ok, "keys": len(reference), "max_rel_err": worst, "mismatched": mismatched, "missing": missing}
+_load = gpu_common.load_npz
+compare_dumps = gpu_common.compare_dumps
 
 
 def phase_eager(cfg, session, device, out_dir):
@@ -146,7 +135,7 @@ def check_native_cuda_kernel(device) -> dict:
     from compiledump.ops import native, register, schemas
 
     if native.kernel_owner(schemas.KERNEL, "CUDA") != "native":
-        return {"ok": None, "skipped": "the native library is not loaded or was built without CUDA"}
+        raise gpu_common.SkipPhase("the native library is not loaded or was built without CUDA")
     g = torch.Generator(device=device).manual_seed(0)
     samples = {
         "record_3d_bf16": (torch.randn(7, 4, 1031, generator=g, device=device).bfloat16(), L.KIND_RECORD),
@@ -171,64 +160,82 @@ def check_native_cuda_kernel(device) -> dict:
     return {"ok": not mismatched, "keys": len(samples), "mismatched": mismatched}
 
 
+# (phase, needs CUDA, rough seconds on one H200 with warm caches: the --time-limit estimate)
+PHASES = [("eager", False, 10), ("cuda_graph", True, 15), ("native_cuda_kernel", True, 10),
+          ("compiled_default", False, 40), ("reduce_overhead", True, 40), ("aoti", True, 90)]
+RTOL = {"cuda_graph": 1e-6, "compiled_default": 1e-4, "reduce_overhead": 1e-4, "aoti": 1e-4}
+
+
+def _key_number(phase, r):
+    if phase == "eager":
+        return f"{r['keys']} keys, {r['seconds']:.1f} s"
+    if phase == "native_cuda_kernel":
+        return f"{len(r['mismatched'])} of {r['keys']} samples differ from the Triton kernel"
+    text = f"max_rel_err {r['max_rel_err']:.1e} (rtol {r['rtol']:.0e}), {r['keys']} keys"
+    if r["mismatched"] or r["missing"]:
+        text += f"; mismatched {r['mismatched'][:3]}, missing {r['missing'][:3]}"
+    if "cudagraph_skips" in r:
+        text += f", {r['unique_graphs']} graphs, {r['cudagraph_skips']} cudagraph skips"
+    return text
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--out", default="gpu_check.json", help="full results (JSON)")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    cfg = ModelConfig(layers=args.layers, captures_per_layer=4)
-    session = make_session(cfg, prompt_len=PROMPT, steps=args.steps).to(device)
-    results = {"device": str(device), "torch": torch.__version__, "phases": {}}
+    gpu_common.add_arguments(parser, default_out="gpu_check.json")
+    parser.add_argument("--steps", type=int, default=32, help="decode steps of the session")
+    parser.add_argument("--layers", type=int, default=6, help="layers of the built-in model")
+    started = gpu_common.start(parser, argv, "gpu_check")
+    if isinstance(started, int):
+        return started
+    args, device, note = started
+    if args.dry_run:
+        gpu_common.print_plan("gpu_check", device, args.device, note, args.out, PHASES, args.time_limit)
+        return 0
     if device.type == "cuda":
-        results["gpu"] = torch.cuda.get_device_name(device)
         torch.cuda.set_device(device)
+    try:
+        native = compiledump.native_available()
+    except Exception as error:  # noqa: BLE001 - a library built for another torch: the phases say more
+        native = f"failed to load: {type(error).__name__}: {error}"
+    results = {**gpu_common.metadata(device), "steps": args.steps, "layers": args.layers,
+               "native_library": native, "phases": {}}
+    runner = gpu_common.Runner("gpu_check", device, args.out, args.time_limit, results)
+    cfg = ModelConfig(layers=args.layers, captures_per_layer=4)
+    ctx = {}
 
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = Path(tmp)
-        reference_path, info = phase_eager(cfg, session, device, out_dir)
-        reference = _load(reference_path)
-        results["phases"]["eager"] = {**info, "ok": True, "keys": len(reference)}
-        phases = [("compiled_default", lambda: phase_compiled(cfg, session, device, out_dir, "default"), 1e-4)]
-        if device.type == "cuda":
-            phases += [
-                ("cuda_graph", lambda: phase_cuda_graph(cfg, session, device, out_dir), 1e-6),
-                ("reduce_overhead", lambda: phase_compiled(cfg, session, device, out_dir, "reduce-overhead"), 1e-4),
-                ("aoti", lambda: phase_aoti(cfg, session, device, out_dir), 1e-4),
-            ]
-        else:
-            for name in ("cuda_graph", "reduce_overhead", "aoti", "native_cuda_kernel"):
-                results["phases"][name] = {"ok": None, "skipped": "needs a CUDA device"}
-        for name, run, rtol in phases:
-            try:
-                path, info = run()
-                verdict = compare_dumps(reference, _load(path), rtol)
+
+        def eager():
+            ctx["session"] = make_session(cfg, prompt_len=PROMPT, steps=args.steps).to(device)
+            path, info = phase_eager(cfg, ctx["session"], device, out_dir)
+            ctx["reference"] = _load(path)
+            return {**info, "keys": len(ctx["reference"])}
+
+        def compared(name, run):
+            def phase():
+                if "reference" not in ctx:
+                    raise gpu_common.SkipPhase("no eager reference (the eager phase failed)")
+                path, info = run(ctx["session"])
+                verdict = compare_dumps(ctx["reference"], _load(path), RTOL[name])
                 if info.get("cudagraph_skips"):
                     verdict["ok"] = False
-                results["phases"][name] = {**info, **verdict, "rtol": rtol}
-            except Exception as error:  # noqa: BLE001 - report every phase, then fail
-                torch.cuda.set_sync_debug_mode(0) if device.type == "cuda" else None
-                results["phases"][name] = {"ok": False, "error": f"{type(error).__name__}: {error}"}
-        if device.type == "cuda":
-            try:
-                results["phases"]["native_cuda_kernel"] = check_native_cuda_kernel(device)
-            except Exception as error:  # noqa: BLE001
-                results["phases"]["native_cuda_kernel"] = {"ok": False, "error": f"{type(error).__name__}: {error}"}
+                return {**info, **verdict, "rtol": RTOL[name]}
+            return phase
 
-    Path(args.out).write_text(json.dumps(results, indent=1))
-    print(f"{'phase':<18}{'ok':<6}{'keys':>6}{'max_rel_err':>13}{'graphs':>8}{'cg_skips':>10}{'seconds':>9}  note")
-    for name, r in results["phases"].items():
-        print(
-            f"{name:<18}{str(r.get('ok')):<6}{r.get('keys', ''):>6}"
-            f"{r.get('max_rel_err', float('nan')):>13.2e}{r.get('unique_graphs', ''):>8}"
-            f"{r.get('cudagraph_skips', ''):>10}{r.get('seconds', float('nan')):>9.3f}  "
-            f"{r.get('error', r.get('skipped', ''))}"
-        )
-    failed = [n for n, r in results["phases"].items() if r.get("ok") is False]
-    print("FAILED: " + ", ".join(failed) if failed else "all phases ok")
-    return 1 if failed else 0
+        runs = {
+            "eager": eager,
+            "cuda_graph": compared("cuda_graph", lambda s: phase_cuda_graph(cfg, s, device, out_dir)),
+            "native_cuda_kernel": lambda: check_native_cuda_kernel(device),
+            "compiled_default": compared("compiled_default",
+                                         lambda s: phase_compiled(cfg, s, device, out_dir, "default")),
+            "reduce_overhead": compared("reduce_overhead",
+                                        lambda s: phase_compiled(cfg, s, device, out_dir, "reduce-overhead")),
+            "aoti": compared("aoti", lambda s: phase_aoti(cfg, s, device, out_dir)),
+        }
+        for name, needs_cuda, estimate in PHASES:
+            runner.run(name, runs[name], needs_cuda=needs_cuda, estimate_s=estimate)
+    return runner.summary(_key_number)
 
 
 if __name__ == "__main__":

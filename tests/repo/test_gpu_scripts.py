@@ -1,16 +1,26 @@
-"""The GPU check script (acceptance 8) runs its CPU-checkable phases here, so it cannot rot."""
+"""The GPU scripts (scripts/gpu_check.py, benchmarks/gpu_bench.py, scripts/gpu_run.sh) run what
+they can without a GPU here, so they cannot rot: their CPU phases, the benchmark's phases with
+eager calls standing in for graph replays (--emulate), option parsing and device selection
+(--device cuda|cuda:N|cpu, --dry-run never initializing CUDA), the phase runner (a failing phase
+is recorded and the next one runs) and the one-command wrapper's no-CUDA path."""
 
 import importlib.util
 import json
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
+import pytest
+import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = {"gpu_check": REPO / "scripts" / "gpu_check.py", "gpu_bench": REPO / "benchmarks" / "gpu_bench.py"}
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+def _load(name="gpu_check"):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS[name])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -20,17 +30,17 @@ def test_cpu_phases_pass(tmp_path, dump_dir):
     out = tmp_path / "result.json"
     assert _load().main(["--device", "cpu", "--steps", "3", "--layers", "2", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["phases"]["eager"]["ok"] is True
+    assert result["device"] == "cpu" and result["torch"] == torch.__version__
+    assert result["phases"]["eager"]["status"] == "ok" and result["phases"]["eager"]["ok"] is True
     assert result["phases"]["compiled_default"]["ok"] is True
     assert result["phases"]["compiled_default"]["max_rel_err"] < 1e-4
     for phase in ("cuda_graph", "reduce_overhead", "aoti", "native_cuda_kernel"):
+        assert result["phases"][phase]["status"] == "skip"
         assert result["phases"][phase]["skipped"] == "needs a CUDA device"
 
 
 def test_aoti_phase_on_cpu(tmp_path, dump_dir):
     """The script's AOTInductor phase (CUDA-only in the script) run on CPU: same dump as eager."""
-    import torch
-
     script = _load()
     cfg = script.ModelConfig(layers=2, captures_per_layer=4)
     session = script.make_session(cfg, prompt_len=script.PROMPT, steps=3)
@@ -52,13 +62,160 @@ def test_compare_dumps_detects_differences():
     assert compare(ref, {**ref, "ids": ref["ids"][::-1].copy()}, 1e-6)["mismatched"] == ["ids"]
 
 
-def test_gpu_bench_cpu_parts(tmp_path, dump_dir):
-    """benchmarks/gpu_bench.py imports and runs what needs no GPU; the rest reports skipped."""
-    spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT.parents[1] / "benchmarks" / "gpu_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def test_gpu_bench_cpu_parts(tmp_path, dump_dir, capsys):
+    """benchmarks/gpu_bench.py runs what needs no GPU; the rest reports skipped; one table last."""
     out = tmp_path / "bench.json"
-    assert module.main(["--device", "cpu", "--quick", "--out", str(out)]) == 0
+    assert _load("gpu_bench").main(["--device", "cpu", "--quick", "--out", str(out)]) == 0
+    phases = json.loads(out.read_text())["phases"]
+    assert phases["eager_vs_seed"]["compiledump_us"] > 0 and phases["eager_vs_seed"]["seed_us"] > 0
+    for name in ("graph_capture_cost", "decode_overhead", "flush_throughput", "graph_equals_eager",
+                 "kernel_bandwidth", "decode_overhead_compiled"):
+        assert phases[name]["status"] == "skip" and phases[name]["skipped"] == "needs a CUDA device"
+    printed = capsys.readouterr().out
+    assert printed.count("| status | key number") == 1
+    assert printed.rstrip().splitlines()[-1] == "no phase failed"
+
+
+def test_gpu_bench_graph_phases_emulated(tmp_path, dump_dir):
+    """Every GPU measurement's code path, on CPU with eager calls standing in for graph replays
+    (the compiled decode variant, which only adds torch.compile, is left out: a long compile)."""
+    out = tmp_path / "bench.json"
+    phases = ["graph_capture_cost", "decode_overhead", "flush_throughput", "graph_equals_eager", "kernel_bandwidth"]
+    assert _load("gpu_bench").main(["--device", "cpu", "--quick", "--emulate", "--out", str(out), "--only", *phases]) == 0
     result = json.loads(out.read_text())
-    assert result["eager_vs_seed"]["compiledump_us"] > 0 and result["eager_vs_seed"]["seed_us"] > 0
-    assert result["graph_capture_cost"] == {"skipped": "needs a CUDA device"}
+    assert result["emulated"] is True and list(result["phases"]) == phases
+    r = result["phases"]
+    assert r["graph_capture_cost"]["captures_passed_per_replay"] == r["graph_capture_cost"]["captures"] == 20
+    assert r["decode_overhead"]["captures_per_step"] == 4 * 5 + 1 and r["decode_overhead"]["ratio"] > 0
+    assert r["flush_throughput"]["bytes"] >= 8 * 32000 * 4 and r["flush_throughput"]["efficiency"] > 0
+    assert r["graph_equals_eager"]["max_rel_err"] == 0.0 and r["graph_equals_eager"]["keys"] == 4 * 5 + 4
+    assert r["kernel_bandwidth"]["floor_us"] > 0
+
+
+# Device selection and --dry-run ---------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda reporting two devices, failing the test if anything would initialize CUDA."""
+    def initializes(*_args, **_kwargs):
+        raise AssertionError("the dry run initialized CUDA")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    for name in ("current_device", "set_device", "get_device_name", "get_device_properties", "init", "synchronize"):
+        monkeypatch.setattr(torch.cuda, name, initializes)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("spec, resolved", [("cuda", "cuda:0"), ("cuda:1", "cuda:1"), ("cpu", "cpu")])
+def test_dry_run_resolves_the_device_without_initializing_cuda(script, spec, resolved, fake_cuda, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert _load(script).main(["--device", spec, "--dry-run", "--out", str(out), "--time-limit", "200"]) == 0
+    printed = capsys.readouterr().out
+    assert f"device: {resolved}" in printed and f"output: {out}" in printed and "time limit: 200 s" in printed
+    assert ("skip (needs a CUDA device)" in printed) == (spec == "cpu")
+    first_phase = "eager" if script == "gpu_check" else "graph_capture_cost"
+    assert first_phase in printed
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_dry_run_on_a_cpu_box_prints_the_plan(script, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "plan.json"
+    assert _load(script).main(["--device", "cuda", "--dry-run", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "device: cuda" in printed and "CUDA is not available" in printed and "run (~" in printed
+    assert not out.exists() and not torch.cuda.is_initialized()
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_cuda_asked_for_where_there_is_none_is_one_clear_error(script, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "result.json"
+    assert _load(script).main(["--device", "cuda:0", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == captured.err.strip().splitlines()[0]  # one line
+    assert captured.err.startswith(f"{script}: error: --device cuda:0: CUDA is not available")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_device_index_that_does_not_exist_is_rejected(script, fake_cuda, capsys):
+    assert _load(script).main(["--device", "cuda:2", "--dry-run"]) == 2
+    assert "there is no such device (2 CUDA device(s) visible)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["gpu", "cuda:", "cuda:x", "cuda:-1", "cpu:0", "mps", "cuda:0:1", ""])
+def test_bad_device_strings_are_rejected(text, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _load("gpu_bench").main(["--device", text, "--dry-run"])
+    assert exit_info.value.code == 2
+    assert f"invalid device {text!r}: use cpu, cuda or cuda:N" in capsys.readouterr().err
+
+
+def test_parse_device_normalizes():
+    common = _load().gpu_common
+    assert [common.parse_device(t) for t in ("cpu", "CUDA", " cuda:3 ")] == ["cpu", "cuda", "cuda:3"]
+
+
+# The phase runner ------------------------------------------------------------------------------
+
+
+def test_a_failing_phase_is_recorded_and_the_next_one_runs(tmp_path, capsys):
+    common = _load().gpu_common
+    out = tmp_path / "r.json"
+    runner = common.Runner("t", torch.device("cpu"), str(out), time_limit=0, results={"phases": {}})
+    seen = {}
+
+    def crashes():
+        seen["during"] = json.loads(out.read_text())["phases"]["crashes"]  # what a kill would leave
+        raise ValueError("boom\nhint: the last line")
+
+    def skips():
+        raise common.SkipPhase("no library")
+
+    runner.run("crashes", crashes)
+    runner.run("fails_check", lambda: {"ok": False, "value": 3})
+    runner.run("needs_gpu", lambda: {"value": 1}, needs_cuda=True)
+    runner.run("skips", skips)
+    runner.run("works", lambda: {"value": 2})
+    assert seen["during"]["status"] == "fail" and "did not finish" in seen["during"]["error"]
+    phases = json.loads(out.read_text())["phases"]
+    assert {name: p["status"] for name, p in phases.items()} == {
+        "crashes": "fail", "fails_check": "fail", "needs_gpu": "skip", "skips": "skip", "works": "ok"}
+    assert phases["crashes"]["error"] == "ValueError: boom"
+    assert phases["crashes"]["last_line"] == "hint: the last line"
+    assert "Traceback" in phases["crashes"]["traceback"]
+    assert phases["works"]["value"] == 2 and phases["works"]["wall_s"] >= 0 and phases["skips"]["skipped"] == "no library"
+    assert runner.summary(lambda name, r: f"value {r['value']}") == 1
+    table = capsys.readouterr().out.split("| status | key number")[1]
+    assert "crashes" in table and "ValueError: boom" in table and "value 2" in table and "value 3" in table
+    assert table.rstrip().endswith("FAILED: crashes, fails_check")
+
+
+def test_the_time_limit_skips_phases_that_would_not_fit(tmp_path):
+    common = _load().gpu_common
+    runner = common.Runner("t", torch.device("cpu"), str(tmp_path / "r.json"), time_limit=30, results={})
+    assert runner.run("short", lambda: {}, estimate_s=1)["status"] == "ok"
+    skipped = runner.run("long", lambda: {}, estimate_s=60)
+    assert skipped["status"] == "skip" and skipped["skipped"].startswith("time limit:")
+
+
+# The one command ---------------------------------------------------------------------------------
+
+
+def test_gpu_run_sh_without_cuda_prints_the_plans_and_exits_0(tmp_path):
+    if shutil.which("bash") is None:
+        pytest.skip("needs bash")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: gpu_run.sh would run the real thing")
+    env = {**os.environ, "OUT": str(tmp_path)}
+    run = subprocess.run(["bash", str(REPO / "scripts" / "gpu_run.sh")], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "no usable CUDA device here" in run.stdout and run.stdout.count("dry run (nothing is run") == 2
+    (log,) = tmp_path.glob("gpu_run_*_torch*_triton*.log")
+    assert "== done: nothing measured (no CUDA)" in log.read_text()

@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# The whole GPU run as one command, under 8 minutes on one GPU, with no package index:
+#
+#   bash scripts/gpu_run.sh                     # writes into $OUT (default: benchmarks/gpu/)
+#
+# 1. prints the versions (python, torch, CUDA, triton, GPU, nvcc, cmake);
+# 2. if cmake and nvcc are here (and torch has CUDA), builds the native library (CMakeLists.txt)
+#    in a temporary directory, under a time limit, and installs it into compiledump/; a failed
+#    or skipped build is recorded and the run goes on without it;
+# 3. python scripts/gpu_check.py --device cuda, then python benchmarks/gpu_bench.py --device cuda,
+#    each under `timeout` and with --time-limit a little below it (each script skips the phases
+#    that would not fit, and rewrites its JSON after every phase, so a kill keeps what it had).
+# Files, named with the UTC date and the torch and triton versions:
+#   $OUT/gpu_check_<date>_torch<v>_triton<v>.json, $OUT/gpu_bench_<...>.json, $OUT/gpu_run_<...>.log
+# Without a usable CUDA device it prints both scripts' plans (--dry-run) and exits 0.
+# Settings (environment): OUT; GPU_RUN_BUDGET (seconds for everything, default 450);
+# GPU_RUN_BUILD_S (the build's limit, default 150); GPU_RUN_DEVICE (default cuda; cpu runs both
+# scripts on the CPU, gpu_bench with --quick); PYTHON (default python, else python3).
+# Exit status: 0 when both scripts ran and no phase failed, 1 otherwise (0 without CUDA).
+set -u
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+REPO=$PWD
+BUDGET=${GPU_RUN_BUDGET:-450}
+BUILD_S=${GPU_RUN_BUILD_S:-150}
+DEVICE=${GPU_RUN_DEVICE:-cuda}
+PY=${PYTHON:-$(command -v python || command -v python3)}
+OUT=${OUT:-$REPO/benchmarks/gpu}
+mkdir -p "$OUT" || exit 1
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"  # the checkout's compiledump, installed or not
+
+versions=$("$PY" -c 'import torch, triton; print(torch.__version__.replace("+", "-"), triton.__version__)' 2>/dev/null)
+read -r TORCH_V TRITON_V <<<"${versions:-unknown unknown}"
+STEM="$(date -u +%F)_torch${TORCH_V}_triton${TRITON_V}"
+LOG="$OUT/gpu_run_$STEM.log"
+exec > >(tee -a "$LOG") 2>&1
+TEE_PID=$!
+finish() { exec 1>&- 2>&-; wait "$TEE_PID" 2>/dev/null; }  # the log is complete when we exit
+trap finish EXIT
+echo "== gpu_run $(date -u +%FT%TZ) in $REPO; output: $OUT; budget ${BUDGET} s"
+
+echo "== versions"
+"$PY" - <<'EOF'
+import platform, torch
+print(f"python {platform.python_version()}; torch {torch.__version__} (CUDA {torch.version.cuda})")
+try:
+    import triton
+    print(f"triton {triton.__version__}")
+except Exception as error:
+    print(f"triton: not importable ({error})")
+try:
+    import compiledump
+    print(f"compiledump {compiledump.__version__} from {compiledump.__file__}")
+except Exception as error:
+    print(f"compiledump: not importable ({error})")
+available = torch.cuda.is_available()
+print(f"CUDA available: {available}; devices: {torch.cuda.device_count() if available else 0}")
+EOF
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+command -v git >/dev/null && git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /'
+NVCC=$(command -v nvcc || { [ -x /usr/local/cuda/bin/nvcc ] && echo /usr/local/cuda/bin/nvcc; })
+[ -n "$NVCC" ] && "$NVCC" --version | tail -n 2
+command -v cmake >/dev/null && cmake --version | head -n 1
+
+if [ "$DEVICE" != cpu ] && ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    echo "== no usable CUDA device here (torch $TORCH_V): the GPU phases cannot run; the plans:"
+    "$PY" scripts/gpu_check.py --device "$DEVICE" --dry-run --out "$OUT/gpu_check_$STEM.json"
+    "$PY" benchmarks/gpu_bench.py --device "$DEVICE" --dry-run --out "$OUT/gpu_bench_$STEM.json"
+    echo "== done: nothing measured (no CUDA); log: $LOG"
+    exit 0
+fi
+
+echo "== native library (limit ${BUILD_S} s)"
+NATIVE="skipped"
+if [ "$DEVICE" = cpu ]; then
+    NATIVE="skipped (GPU_RUN_DEVICE=cpu)"
+elif ! command -v cmake >/dev/null; then
+    NATIVE="skipped (no cmake)"
+elif [ -z "$NVCC" ]; then
+    NATIVE="skipped (no nvcc)"
+else
+    BUILD_DIR=$(mktemp -d "${TMPDIR:-/tmp}/compiledump-build.XXXXXX")
+    PREFIX=$("$PY" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
+    ARCH=$("$PY" -c 'import torch; m, n = torch.cuda.get_device_capability(); print(f"{m}.{n}")')
+    started=$SECONDS
+    # TORCH_CUDA_ARCH_LIST: torch's CMake config then does not probe the GPU; no C++ driver (unused here).
+    if PATH="$(dirname "$NVCC"):$PATH" CUDACXX=$NVCC TORCH_CUDA_ARCH_LIST=$ARCH timeout -k 5 "$BUILD_S" bash -c '
+        cmake -S . -B "$1" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$2" -DCMAKE_CUDA_COMPILER="$3" \
+              -DCMAKE_CUDA_ARCHITECTURES="${4/./}" -DCOMPILEDUMP_BUILD_DRIVER=OFF \
+        && cmake --build "$1" -j "$(nproc)" && cmake --install "$1"' _ "$BUILD_DIR" "$PREFIX" "$NVCC" "$ARCH"; then
+        NATIVE="built and installed ($((SECONDS - started)) s, sm_${ARCH/./})"
+    else
+        rc=$?
+        [ "$rc" -eq 124 ] && why="timed out after ${BUILD_S} s" || why="failed (exit $rc)"
+        NATIVE="build $why; running without it"
+    fi
+    rm -rf "$BUILD_DIR"
+fi
+# A library that does not load (a failed or stale build) would fail every phase: run without it.
+if ! "$PY" -c 'import compiledump; print("native library loaded:", compiledump.native_available())'; then
+    export COMPILEDUMP_NATIVE=0
+    NATIVE="$NATIVE; compiledump/libcompiledump_native.so does not load: COMPILEDUMP_NATIVE=0"
+fi
+echo "native: $NATIVE"
+
+# gpu_check gets 55% of what is left, gpu_bench the rest (and whatever gpu_check did not use).
+export COMPILEDUMP_SIGNALS=0  # a timeout's SIGTERM ends the script at once (no flush of a scratch dump)
+QUICK=""
+[ "$DEVICE" = cpu ] && QUICK="--quick"
+status=0
+for job in "gpu_check scripts/gpu_check.py 55" "gpu_bench benchmarks/gpu_bench.py 100 $QUICK"; do
+    read -r name script share extra <<<"$job"
+    limit=$(( (BUDGET - SECONDS - 5) * share / 100 ))
+    if [ "$limit" -lt 40 ]; then
+        echo "== $name: skipped (only ${limit} s of the budget left)"
+        status=1
+        continue
+    fi
+    echo "== $name (timeout ${limit} s)"
+    timeout -k 10 "$limit" "$PY" "$script" --device "$DEVICE" --time-limit $((limit - 25)) \
+        --out "$OUT/${name}_$STEM.json" $extra
+    rc=$?
+    case $rc in
+        0) ;;
+        124|137) echo "== $name: killed by the timeout (${limit} s); its JSON holds the phases it finished"; status=1 ;;
+        *) echo "== $name: exit $rc"; status=1 ;;
+    esac
+done
+
+echo "== done in ${SECONDS} s; native: $NATIVE"
+ls -l "$OUT"/*"$STEM"* 2>/dev/null
+exit $status
