@@ -22,8 +22,6 @@ from ..ops import layout as L
 from ..ops.geometry import TOKEN_GATED_KINDS, payload_shape
 from . import layouts
 
-ALIGN_WORDS = 4  # regions start 16-byte aligned: vector stores in the kernel
-
 
 @dataclass
 class Slot:
@@ -216,7 +214,7 @@ class Runtime:
     def _allocate(self, slot: Slot, payload: tuple, x: torch.Tensor, source_shape: list | None = None) -> None:
         capacity = self.config.max_steps if slot.kind == L.KIND_STEP else 1
         words = math.prod(payload) * capacity
-        start = -(-self.used_words // ALIGN_WORDS) * ALIGN_WORDS
+        start = -(-self.used_words // L.REGION_ALIGN_WORDS) * L.REGION_ALIGN_WORDS
         slot.source_dtype = str(x.dtype).removeprefix("torch.")
         slot.source_shape = list(x.shape) if source_shape is None else source_shape
         slot.capacity = capacity
@@ -226,28 +224,53 @@ class Runtime:
         # Set last: another thread may read payload_shape without the lock.
         slot.payload_shape = payload
 
-    def snapshot(self) -> tuple[np.ndarray, np.ndarray]:
-        """One device-to-host copy each of the used arena and the control block."""
+    def snapshot(self, private: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """One device-to-host copy each of the control block and the used arena: (arena, ctrl).
+
+        Everything issued before the flush has finished (the device is synchronized first). For
+        replays another thread issues meanwhile, the control block is copied first, then the
+        arena: a capture counted in the copied control block claimed its counter before that
+        copy and writes its payload right after, so it has almost always landed when the arena
+        copy starts; copying the arena first would count every capture claimed between the two
+        copies without its payload. (Flush with no replay running for an exact dump.)
+
+        CPU: the two clones are the snapshot. CUDA: everything runs on the arena's device (its
+        stream, its event), whatever the calling thread's current device is, into pinned host
+        buffers kept by the runtime; the arrays returned are numpy views of those buffers, with
+        no further host copy, valid until the next snapshot: the caller must hold the flush lock
+        (STATE.flush_lock) until it is done with them. `private=True` copies into fresh buffers
+        instead, for a flush that cannot own the shared ones (a signal handler's flush nested in
+        an interrupted flush, or one that could not take the flush lock).
+        """
         arena = self.arena[: self.used_words]
         ctrl = self.ctrl
         if self.device.type != "cuda":
-            return arena.clone().numpy(), ctrl.clone().numpy()
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("compiledump.flush() cannot run during CUDA graph capture")
-        if self.host_buffers is None or self.host_buffers[0].numel() < arena.numel():
-            self.host_buffers = (
-                torch.empty(self.arena.numel(), dtype=torch.float32, pin_memory=True),
-                torch.empty(ctrl.numel(), dtype=torch.int32, pin_memory=True),
-            )
-        host_arena, host_ctrl = self.host_buffers
-        # Captures may have been issued on any stream: wait for all of them first.
-        torch.cuda.synchronize(self.device)
-        host_arena[: arena.numel()].copy_(arena, non_blocking=True)
-        host_ctrl.copy_(ctrl, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()
-        return host_arena[: arena.numel()].numpy().copy(), host_ctrl.numpy().copy()
+            host_ctrl = ctrl.clone()
+            return arena.clone().numpy(), host_ctrl.numpy()
+        with torch.cuda.device(self.device):
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("compiledump.flush() cannot run during CUDA graph capture")
+            if private:
+                host_arena = torch.empty(arena.numel(), dtype=torch.float32, pin_memory=True)
+                host_ctrl = torch.empty(ctrl.numel(), dtype=torch.int32, pin_memory=True)
+            else:
+                if self.host_buffers is None or self.host_buffers[0].numel() < arena.numel():
+                    self.host_buffers = (
+                        torch.empty(self.arena.numel(), dtype=torch.float32, pin_memory=True),
+                        torch.empty(ctrl.numel(), dtype=torch.int32, pin_memory=True),
+                    )
+                host_arena, host_ctrl = self.host_buffers
+                host_arena = host_arena[: arena.numel()]
+            # Captures may have been issued on any stream of the device: wait for all of them.
+            torch.cuda.synchronize(self.device)
+            stream = torch.cuda.current_stream(self.device)
+            with torch.cuda.stream(stream):
+                host_ctrl.copy_(ctrl, non_blocking=True)
+                host_arena.copy_(arena, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+            done.synchronize()
+        return host_arena.numpy(), host_ctrl.numpy()
 
 
 _CALL_NAMES = {

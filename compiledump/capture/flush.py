@@ -23,6 +23,9 @@ from . import parallel
 from .arena import Runtime
 from .state import STATE
 
+_flush_depth = 0  # flushes in progress that hold STATE.flush_lock (changed only by its owner)
+
+
 def _rank() -> str:
     """`RANK`, else the torch.distributed rank (remembered once seen, so that a flush at exit
     after `destroy_process_group()` keeps the file name), else `x`."""
@@ -64,7 +67,15 @@ def _flush(wait_for_captures: bool) -> str | None:
     # (a capture planning a new tag) or the flush lock of a flush in another thread that waits
     # for STATE.lock: never block on either. The registry is then read from copies of its dicts,
     # which the GIL makes atomic; a tag being registered at that moment has captured nothing yet.
+    global _flush_depth
     got_flush_lock = STATE.flush_lock.acquire(timeout=-1 if wait_for_captures else 5.0)
+    # The snapshot's shared host buffers belong to the outermost flush holding the flush lock
+    # (which keeps it until the writer is done with their views). A flush nested in it (a signal
+    # handler on the same thread: the lock is reentrant) or one without the lock copies into
+    # buffers of its own, so as not to overwrite what the other flush is slicing or writing.
+    private = not got_flush_lock or _flush_depth > 0
+    if got_flush_lock:
+        _flush_depth += 1
     try:
         st = STATE
         rt = STATE.runtime
@@ -76,7 +87,9 @@ def _flush(wait_for_captures: bool) -> str | None:
         cpu_lock = KERNEL_LOCK if rt.device.type == "cpu" else None
         cpu_locked = cpu_lock is not None and cpu_lock.acquire(blocking=wait_for_captures)
         try:
-            arena, ctrl = rt.snapshot()
+            # Views of host buffers (capture/arena.py Runtime.snapshot): used only below, and
+            # by the writer, before the flush lock is released.
+            arena, ctrl = rt.snapshot(private=private)
             arrays, manifest = _collect(rt, arena, ctrl)
         finally:
             if cpu_locked:
@@ -88,6 +101,7 @@ def _flush(wait_for_captures: bool) -> str | None:
         return str(path)
     finally:
         if got_flush_lock:
+            _flush_depth -= 1
             STATE.flush_lock.release()
 
 
@@ -108,7 +122,7 @@ def _collect(rt: Runtime, arena: np.ndarray, ctrl: np.ndarray) -> tuple[dict, di
             kept = min(written, slot.capacity)
             if slot.kind == L.KIND_STEP and written > slot.capacity:
                 drops["step_capacity"] = written - slot.capacity
-            # Views of the snapshot, which is this flush's private host copy: no per-key copies.
+            # Views of the snapshot (valid while this flush holds the flush lock): no per-key copies.
             region = arena[slot.offset : slot.offset + slot.words * kept]
             if slot.kind == L.KIND_IDS:
                 region = region.view(np.int32)
