@@ -11,6 +11,7 @@
 //   and the geometry of ops.export_gates / ops.geometry, then the kernel above.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/Dispatch_v2.h>
 #include <torch/library.h>
 
 #include <mutex>
@@ -71,12 +72,15 @@ void capture_kernel_cpu(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl
   const int64_t dest = offset + (kind == KIND_STEP ? old : 0) * words;
   TORCH_CHECK(dest >= 0 && dest + rows * words <= arena.numel(), "compiledump: arena region out of bounds");
   float* out = arena.data_ptr<float>();
-  AT_DISPATCH_ALL_TYPES_AND3(at::kHalf, at::kBFloat16, at::kBool, x.scalar_type(), "capture_kernel_cpu", [&] {
+  // The dtypes of the Triton and CUDA kernels: the usual floats and ints, bool, uint8..uint64 and
+  // the four fp8 formats (untyped pointer: data_ptr<T> is not instantiated for all of them).
+  AT_DISPATCH_V2(x.scalar_type(), "capture_kernel_cpu", AT_WRAP([&] {
     for (int64_t r = 0; r < rows; ++r) {
-      const scalar_t* src = x.data_ptr<scalar_t>() + (row + r) * st;
+      const scalar_t* src = static_cast<const scalar_t*>(x.const_data_ptr()) + (row + r) * st;
       store_row<scalar_t>(src, out, dest + r * words, H, D, sh, sd, mean, kind == KIND_IDS);
     }
-  });
+  }), AT_EXPAND(AT_ALL_TYPES), at::kHalf, at::kBFloat16, at::kBool, AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES),
+      at::kFloat8_e4m3fn, at::kFloat8_e4m3fnuz, at::kFloat8_e5m2, at::kFloat8_e5m2fnuz);
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/Dispatch_v2.h>
 // c10's stream and guard headers rather than ATen/cuda/CUDAContext.h: the latter pulls in
 // cuBLAS/cuSPARSE/cuSOLVER headers this file does not need. at::cuda::getCurrentCUDAStream
 // is this same c10::cuda function.
@@ -118,13 +119,18 @@ void capture_kernel_cuda(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctr
 
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_ALL_TYPES_AND3(at::kHalf, at::kBFloat16, at::kBool, x.scalar_type(), "capture_kernel_cuda", [&] {
+  // The dtypes the Triton kernel takes (every real dtype Triton has a pointer type for): the
+  // usual floats and ints, bool, uint8..uint64 and the four fp8 formats. Converted to fp32 by
+  // c10's (host and device) conversions. The pointer is taken untyped: data_ptr<T> is not
+  // instantiated for every one of these types.
+  AT_DISPATCH_V2(x.scalar_type(), "capture_kernel_cuda", AT_WRAP([&] {
     // One block, always launched: even a dropped call bumps its counter on the device.
     capture_kernel<scalar_t><<<1, THREADS, 0, stream>>>(
-        x.data_ptr<scalar_t>(), arena.data_ptr<float>(), ctrl.data_ptr<int32_t>(), kind, base, offset,
-        capacity, reason, T, H, D, st, sh, sd, row_reg, mean);
+        static_cast<const scalar_t*>(x.const_data_ptr()), arena.data_ptr<float>(), ctrl.data_ptr<int32_t>(),
+        kind, base, offset, capacity, reason, T, H, D, st, sh, sd, row_reg, mean);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  }), AT_EXPAND(AT_ALL_TYPES), at::kHalf, at::kBFloat16, at::kBool, AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES),
+      at::kFloat8_e4m3fn, at::kFloat8_e4m3fnuz, at::kFloat8_e5m2, at::kFloat8_e5m2fnuz);
 }
 
 }  // namespace

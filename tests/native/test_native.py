@@ -124,3 +124,25 @@ def test_native_available_is_public():
 
     assert compiledump.native_available is native.native_available
     assert compiledump.native_available() == (native._loaded is not None)
+
+
+EXTRA_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64, torch.uint8]
+
+
+@pytest.mark.parametrize("dtype", EXTRA_DTYPES, ids=str)
+@pytest.mark.parametrize("kind", [L.KIND_RECORD, L.KIND_STEP, L.KIND_IDS])
+def test_fp8_and_unsigned_inputs_match_reference(native_library, dtype, kind):
+    """The native CPU kernel takes the dtypes the Triton and CUDA kernels take (fp8, unsigned)."""
+    if kind == L.KIND_IDS and dtype.is_floating_point:
+        pytest.skip("record_ids takes integer tensors")
+    g = torch.Generator().manual_seed(5)
+    if dtype.is_floating_point:
+        x = (torch.randn(6, 4, 37, generator=g) * 3).to(dtype)
+    else:
+        x = torch.randint(0, 200, (6, 4, 37), generator=g).to(dtype)
+    x = x[:, :, 1:]  # not contiguous
+    for registers in REGISTERS[:3]:
+        want_arena, want_ctrl = run_kernel(reference.capture_reference, x, kind, registers, calls=2)
+        got_arena, got_ctrl = run_kernel(_native_kernel, x, kind, registers, calls=2)
+        assert torch.equal(got_ctrl, want_ctrl)
+        assert torch.equal(got_arena.view(torch.int32), want_arena.view(torch.int32))
