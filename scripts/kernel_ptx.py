@@ -3,6 +3,7 @@
     python scripts/kernel_ptx.py            # table: loads, stores, 32-bit multiplies, atomics, registers
     python scripts/kernel_ptx.py --check    # exit 1 unless the fast paths use 16-byte vector loads
                                             # and stores and no offset is multiplied in 32 bits
+    python scripts/kernel_ptx.py --all      # also compile every input type and layout class
 
 Run it without TRITON_INTERPRET (the test suite does, in a subprocess). Triton's bundled ptxas
 assembles the PTX; registers and SASS memory instructions come from its bundled cuobjdump.
@@ -34,6 +35,9 @@ VARIANTS = [
     ("i64", False, True, 2, True),  # record_ids
     ("bf16", True, False, 1, False),  # unaligned input: scalar loads
 ]
+# Every other input type the kernel takes, in every layout class (--all).
+ALL_TYPES = ["fp32", "fp16", "bf16", "fp64", "fp8e4nv", "fp8e5", "i1", "i8", "i16", "i32", "i64", "u8", "u16",
+             "u32", "u64"]
 
 
 def compile_variant(xty: str, mean: bool, is_int: bool, vec: int, aligned: bool):
@@ -79,8 +83,24 @@ def describe(kernel) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 unless the fast paths vectorize")
+    parser.add_argument("--all", action="store_true", help="also compile every input type in every layout class")
     args = parser.parse_args(argv)
     ok = True
+    if args.all:
+        failed = []
+        for xty in ALL_TYPES:
+            width = 16 // max(1, {"fp64": 8, "i64": 8, "u64": 8, "fp32": 4, "i32": 4, "u32": 4, "fp16": 2, "bf16": 2,
+                                  "i16": 2, "u16": 2}.get(xty, 1))
+            layouts = [(False, True)] if xty[0] in "iu" else []
+            layouts += [(True, False), (False, False)]
+            for mean, is_int in layouts:
+                for vec, aligned in ((width, True), (1, True), (1, False)):
+                    try:
+                        compile_variant(xty, mean, is_int, vec, aligned)
+                    except Exception as error:  # noqa: BLE001 - reported, the others still compile
+                        failed.append(f"{xty} mean={mean} int={is_int} vec={vec}: {str(error).splitlines()[-1]}")
+        print(f"--all: {len(failed)} variant(s) failed to compile" + "".join(f"\n  {f}" for f in failed))
+        ok = not failed
     print(f"triton {triton.__version__}, sm_90, BLOCK {BLOCK}, {NUM_WARPS} warps")
     for variant in VARIANTS:
         info = describe(compile_variant(*variant))

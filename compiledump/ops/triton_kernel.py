@@ -150,7 +150,7 @@ def capture_kernel(
                 if VEC > 1:
                     h_off = tl.multiple_of(h_off, VEC)
                     h_dest = tl.multiple_of(h_dest, STORE_VEC)
-                v = tl.load(x_ptr + src_off + h_off + col_off, mask=mask_cols, other=0)
+                v = tl.load(x_ptr + src_off + h_off + col_off, mask=mask_cols, other=0.0)
                 if IS_INT:
                     v = v.to(tl.int32)
                 else:
@@ -166,7 +166,7 @@ def _hc_row(src, h, H, stride_h, col_off, cols, limit, VEC: tl.constexpr):
     if VEC > 1:
         h_off = tl.multiple_of(h_off, VEC)
         row_limit = tl.multiple_of(row_limit, VEC)
-    return tl.load(src + h_off + col_off, mask=cols < row_limit, other=0).to(tl.float32)
+    return tl.load(src + h_off + col_off, mask=cols < row_limit, other=0.0).to(tl.float32)
 
 
 def launch(x, arena, ctrl, geometry, base, offset, capacity, kind, reason):
@@ -200,6 +200,14 @@ def _launch_scratch(device, v) -> None:
 
 def prepare(device: torch.device, dtypes) -> None:
     """Compile and load, on `device`, every variant that captures of tensors of `dtypes` can use."""
+    if device.type == "cuda":
+        with torch.cuda.device(device):  # Triton compiles and loads for the current device
+            _prepare(device, dtypes)
+    else:
+        _prepare(device, dtypes)
+
+
+def _prepare(device: torch.device, dtypes) -> None:
     for dtype in dtypes:
         # Floats: records with and without an hc mean, steps; integers: record_ids.
         layouts = [(True, False), (False, False)] if dtype.is_floating_point else [(False, True)]

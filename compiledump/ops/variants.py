@@ -83,6 +83,8 @@ class VariantNotPrepared(RuntimeError):
     """A CUDA graph capture needs a kernel variant that no call outside a capture compiled."""
 
 
+# AMD's fp8 formats: Triton compiles them for ROCm only.
+_NOT_ON_NVIDIA = frozenset(getattr(torch, name) for name in ("float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, name))
 _ready: set[tuple] = set()  # (device, Variant) whose kernel is compiled and loaded
 _lock = threading.Lock()
 
@@ -102,6 +104,9 @@ def ensure_prepared(x: torch.Tensor, variant: Variant, launch_scratch) -> None:
     key = (x.device, variant)
     if key in _ready:
         return
+    if x.is_cuda and variant.dtype in _NOT_ON_NVIDIA:
+        raise TypeError(f"compiledump: {variant.dtype} cannot be captured on CUDA (Triton has no NVIDIA type for "
+                        "it); record a float8_e4m3fn/float8_e5m2 or float32 view of it instead")
     if stream_capturing(x):
         raise VariantNotPrepared(
             f"compiledump: a capture of a {x.dtype} tensor ({'hc mean' if variant.mean else 'copy'}) reached a CUDA "
