@@ -77,6 +77,10 @@ elif ! command -v cmake >/dev/null; then
     NATIVE="skipped (no cmake)"
 elif [ -z "$NVCC" ]; then
     NATIVE="skipped (no nvcc)"
+elif [ "$("$NVCC" --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')" != \
+       "$("$PY" -c 'import torch; print((torch.version.cuda or "").split(".")[0])')" ]; then
+    # A library built by another CUDA major than torch's would not load, or fail at launch.
+    NATIVE="skipped (nvcc's CUDA major differs from torch's CUDA $("$PY" -c 'import torch; print(torch.version.cuda)'))"
 else
     BUILD_DIR=$(mktemp -d "${TMPDIR:-/tmp}/compiledump-build.XXXXXX")
     PREFIX=$("$PY" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')

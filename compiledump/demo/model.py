@@ -182,16 +182,17 @@ def make_session(cfg: ModelConfig, prompt_len: int = 7, steps: int = 32, pad_row
     )
 
 
-def run_session(forward, dump, session: Session, device="cpu", on_step=None, engine: bool = True):
+def run_session(forward, dump, session: Session, device=None, on_step=None, engine: bool = True):
     """Drive `forward` (the model or its compiled form) the way an engine does.
 
     1. prefill of the prompt; 2. (engine only) the profile run under `dump.profiling()`;
     3. (engine only) one warm-up decode of `warmup_rows` rows, reported through `set_rows` (so
     `record_step` must skip it); 4. the decode steps: row 0 is the real request, the rest
     padding (none for a reference session), and the sampler reports one real row.
+    `device`: where the inputs go (default: where the session's tensors are).
     Returns the real request's logits per decode step.
     """
-    dev = torch.device(device)
+    dev = torch.device(device) if device is not None else session.prompt.device
     with torch.no_grad():
         dump.set_rows(1)
         _, state = forward(session.prompt.to(dev))
