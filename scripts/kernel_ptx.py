@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     ok = True
     if args.all:
-        failed = []
+        failed, compiled = [], 0
         for xty in ALL_TYPES:
             width = 16 // max(1, {"fp64": 8, "i64": 8, "u64": 8, "fp32": 4, "i32": 4, "u32": 4, "fp16": 2, "bf16": 2,
                                   "i16": 2, "u16": 2}.get(xty, 1))
@@ -95,11 +95,12 @@ def main(argv=None) -> int:
             layouts += [(True, False), (False, False)]
             for mean, is_int in layouts:
                 for vec, aligned in ((width, True), (1, True), (1, False)):
+                    compiled += 1
                     try:
                         compile_variant(xty, mean, is_int, vec, aligned)
                     except Exception as error:  # noqa: BLE001 - reported, the others still compile
                         failed.append(f"{xty} mean={mean} int={is_int} vec={vec}: {str(error).splitlines()[-1]}")
-        print(f"--all: {len(failed)} variant(s) failed to compile" + "".join(f"\n  {f}" for f in failed))
+        print(f"--all: {len(failed)} variant(s) failed to compile, of {compiled}" + "".join(f"\n  {f}" for f in failed))
         ok = not failed
     print(f"triton {triton.__version__}, sm_90, BLOCK {BLOCK}, {NUM_WARPS} warps")
     for variant in VARIANTS:
