@@ -1,4 +1,4 @@
-"""The capture kernel: one Triton program per capture call.
+"""The capture kernel: one Triton launch per capture call.
 
 One launch fuses everything a capture needs, so a CUDA graph holds exactly one node per capture
 point and every decision that may change between replays is read from device memory:
@@ -15,10 +15,13 @@ so a variant depends only on the input dtype, the layout class (MEAN, IS_INT, VE
 input's 16-byte alignment. All offset math is 64-bit: rows of a `[74900, 4, 7168]` tensor or
 arenas past 8 GiB are addressed exactly.
 
-Speed: one program of NUM_WARPS warps walks the row in blocks; on the contiguous fast path
-(VEC > 1) the hints below let Triton emit 16-byte vector loads, and the hc rows of a block are
-loaded as one [HC_BLOCK, BLOCK] tile, so they are in flight together instead of one memory round
-trip each.
+Speed: the row is cut into tiles of BLOCK columns (one row per tile, every row for all-rows
+records), spread over several programs of NUM_WARPS warps when the write does not depend on the
+claimed counter (record, all-rows record, ids; steps and keep-first records use one program).
+Program 0 alone claims the counter. On the contiguous fast path (VEC > 1) the hints below let
+Triton emit 16-byte vector loads and stores, and the HC_BLOCK hc rows of a tile are all loaded
+before any is added, so they are in flight together instead of one memory round trip each.
+SASS and PTX: scripts/kernel_ptx.py, benchmarks/RESULTS.md.
 
 Under `TRITON_INTERPRET=1` the same kernel runs on CPU tensors, which is how the tests check it
 against the CPU implementation without a GPU.
