@@ -122,6 +122,13 @@ def test_record_hc_mean_of_a_row_past_2_31_elements(kernel, rss, layout):
     assert ctrl[BASE + L.CNT_WRITTEN] == 1 and ctrl[BASE + L.SLOT_KEPT_TOKENS] == T
 
 
+def _steps(kernel, x, arena, ctrl, offset, rows):
+    """record_step() once per row of `rows` into a 3-step region at `offset`."""
+    for row in rows:
+        ctrl[L.REG_STEP_ROW] = row
+        kernel(x, arena, ctrl, L.KIND_STEP, BASE, offset, 3, 0)
+
+
 def test_record_step_of_rows_on_both_sides_of_2_31_elements(kernel, rss):
     """record_step() of a 2-D [T, D] fp16 tensor with a huge row stride: three steps gather rows
     4095 (just under 2^31 elements), 4096 (just past it) and -1 (row 4499)."""
@@ -134,9 +141,7 @@ def test_record_step_of_rows_on_both_sides_of_2_31_elements(kernel, rss):
     arena = torch.full((5 * D,), SENTINEL)
     ctrl = _ctrl()
 
-    for row in rows:
-        ctrl[L.REG_STEP_ROW] = row
-        kernel(x, arena, ctrl, L.KIND_STEP, BASE, D, 3, 0)
+    _steps(kernel, x, arena, ctrl, D, rows)
 
     for step, row in enumerate(rows):
         start = D + step * D
@@ -176,9 +181,7 @@ def test_steps_whose_words_cross_2_31(kernel, rss):
     ctrl = _ctrl()
 
     rows = [2, 0, 3]
-    for row in rows:
-        ctrl[L.REG_STEP_ROW] = row
-        kernel(x, arena, ctrl, L.KIND_STEP, BASE, offset, 3, 0)
+    _steps(kernel, x, arena, ctrl, offset, rows)
 
     for step, row in enumerate(rows):
         start = offset + step * D
