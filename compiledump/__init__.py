@@ -18,6 +18,7 @@ _LAZY = {
     **{name: "capture.parallel" for name in ("declare_shard", "get_parallel", "set_parallel")},
     "instrument": "capture.instrument",
     "native_available": "ops.native",
+    "VariantNotPrepared": "ops.variants",
     "Config": "config",
 }
 __all__ = ["__version__", *_LAZY]

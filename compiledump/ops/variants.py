@@ -84,7 +84,8 @@ class VariantNotPrepared(RuntimeError):
 
 
 # AMD's fp8 formats: Triton compiles them for ROCm only.
-_NOT_ON_NVIDIA = frozenset(getattr(torch, name) for name in ("float8_e4m3fnuz", "float8_e5m2fnuz") if hasattr(torch, name))
+_NOT_ON_NVIDIA = frozenset(getattr(torch, name) for name in ("float8_e4m3fnuz", "float8_e5m2fnuz")
+                           if hasattr(torch, name))
 _ready: set[tuple] = set()  # (device, Variant) whose kernel is compiled and loaded
 _lock = threading.Lock()
 

@@ -206,7 +206,7 @@ def test_demo_cuda_graph_flow_needs_no_new_variant(simulated_cuda):
 def test_capture_of_an_unprepared_variant_fails_on_the_host(simulated_cuda):
     compiledump.init(torch.device("cpu"))
     ctrl_before = compiledump.capture.state.STATE.runtime.ctrl.clone()
-    with pytest.raises(variants.VariantNotPrepared, match="outside the graph first"):
+    with pytest.raises(compiledump.VariantNotPrepared, match="outside the graph first"):
         with compiledump.profiling(), torch.cuda.graph(torch.cuda.CUDAGraph()):
             compiledump.record("h", torch.randn(3, 4, 16, dtype=torch.float16))
     assert torch.equal(compiledump.capture.state.STATE.runtime.ctrl, ctrl_before)  # nothing launched
