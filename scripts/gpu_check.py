@@ -48,10 +48,12 @@ from compiledump.demo.model import (ModelConfig, TinyMoE, export_session, make_s
 PROMPT = 7
 
 
-def _fresh_dump(directory: Path) -> None:
+def _fresh_dump(directory: Path, device: torch.device) -> None:
     torch._dynamo.reset()
     compiledump.reset()
     compiledump.configure(dir=str(directory), tokens=PROMPT)
+    compiledump.init(device)
+    gpu_common.poison_arena()  # a fresh arena may reuse the last phase's memory
 
 
 _load = gpu_common.load_npz
@@ -59,7 +61,7 @@ compare_dumps = gpu_common.compare_dumps
 
 
 def phase_eager(cfg, session, device, out_dir):
-    _fresh_dump(out_dir / "eager")
+    _fresh_dump(out_dir / "eager", device)
     model = TinyMoE(cfg, dump=compiledump).to(device)
     start = time.perf_counter()
     run_session(model, compiledump, session, device=device)
@@ -69,7 +71,7 @@ def phase_eager(cfg, session, device, out_dir):
 def phase_compiled(cfg, session, device, out_dir, mode):
     from torch._dynamo.utils import counters
 
-    _fresh_dump(out_dir / f"compiled_{mode}")
+    _fresh_dump(out_dir / f"compiled_{mode}", device)
     model = TinyMoE(cfg, dump=compiledump).to(device)
     compiled = torch.compile(model, fullgraph=True, mode=None if mode == "default" else mode)
 
@@ -100,7 +102,7 @@ def _sync_debug_after_first(step):
 
 
 def phase_cuda_graph(cfg, session, device, out_dir):
-    _fresh_dump(out_dir / "cuda_graph")
+    _fresh_dump(out_dir / "cuda_graph", device)
     model = TinyMoE(cfg, dump=compiledump).to(device)
     start = time.perf_counter()
     run_session_cuda_graph(model, compiledump, session, on_step=_sync_debug_after_first)
@@ -113,12 +115,12 @@ def phase_aoti(cfg, session, device, out_dir):
     from compiledump import aot
     from compiledump.ops import native, schemas
 
-    _fresh_dump(out_dir / "aoti_export")
+    _fresh_dump(out_dir / "aoti_export", device)
     start = time.perf_counter()
     prefill, decode = export_session(TinyMoE(cfg, dump=compiledump).to(device), session)
     paths = aot.package(prefill, out_dir / "prefill.pt2"), aot.package(decode, out_dir / "decode.pt2")
     compile_seconds = time.perf_counter() - start
-    _fresh_dump(out_dir / "aoti")
+    _fresh_dump(out_dir / "aoti", device)
     forward = session_forward(*(aot.load(path) for path in paths))
     start = time.perf_counter()
     on_cuda = device.type == "cuda"
@@ -188,6 +190,8 @@ def main(argv=None) -> int:
     gpu_common.add_arguments(parser, default_out="gpu_check.json")
     parser.add_argument("--steps", type=int, default=32, help="decode steps of the session")
     parser.add_argument("--layers", type=int, default=6, help="layers of the built-in model")
+    parser.add_argument("--only", nargs="+", choices=[name for name, *_ in PHASES], metavar="PHASE",
+                        help="run only these phases")
     started = gpu_common.start(parser, argv, "gpu_check")
     if isinstance(started, int):
         return started
@@ -238,7 +242,8 @@ def main(argv=None) -> int:
             "aoti": compared("aoti", lambda s: phase_aoti(cfg, s, device, out_dir)),
         }
         for name, needs_cuda, estimate in PHASES:
-            runner.run(name, runs[name], needs_cuda=needs_cuda, estimate_s=estimate)
+            if args.only is None or name in args.only:
+                runner.run(name, runs[name], needs_cuda=needs_cuda, estimate_s=estimate)
     return runner.summary(_key_number)
 
 

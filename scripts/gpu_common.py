@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import re
 import sys
@@ -123,6 +124,31 @@ def metadata(device: torch.device) -> dict:
     return meta
 
 
+def _process_start() -> float:
+    """time.monotonic() at this process's start (Linux: from /proc), else now."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        age = uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+        return time.monotonic() - max(0.0, age)
+    except (OSError, ValueError, IndexError):
+        return time.monotonic()
+
+
+_PROCESS_START = _process_start()
+
+
+def poison_arena() -> None:
+    """Fill the arena with NaN (a device fill, no sync), so that a capture that should have
+    written and did not shows up as a mismatch instead of the previous run's values."""
+    from compiledump.capture.state import STATE
+
+    if STATE.runtime is not None:
+        STATE.runtime.arena.fill_(float("nan"))
+
+
 def load_npz(path) -> dict:
     with np.load(path) as data:
         return {k: data[k] for k in data.files}
@@ -138,8 +164,14 @@ def compare_dumps(reference: dict, other: dict, rtol: float) -> dict:
             mismatched.append(key)
             continue
         if want.dtype.kind == "f":
-            scale = max(float(np.abs(want).max()), 1e-30)
-            worst = max(worst, float(np.abs(have.astype(np.float64) - want).max() / scale))
+            if not np.array_equal(np.isfinite(have), np.isfinite(want)):
+                mismatched.append(key)  # a NaN or Inf on one side only (max() would skip a NaN)
+                continue
+            finite = np.isfinite(want)
+            if not finite.any():
+                continue
+            scale = max(float(np.abs(want[finite]).max()), 1e-30)
+            worst = max(worst, float(np.abs(have[finite].astype(np.float64) - want[finite]).max() / scale))
         elif not np.array_equal(have, want):
             mismatched.append(key)
     missing = sorted(set(other) ^ set(reference))
@@ -150,10 +182,14 @@ def compare_dumps(reference: dict, other: dict, rtol: float) -> dict:
 class Runner:
     """Runs phases in order, each wrapped; writes results["phases"] and the JSON after each one."""
 
-    def __init__(self, name: str, device: torch.device, out: str, time_limit: float, results: dict):
+    def __init__(self, name: str, device: torch.device, out: str, time_limit: float, results: dict,
+                 since: float | None = None):
         self.name, self.device, self.out = name, device, Path(out)
         self.started = time.monotonic()
-        self.deadline = self.started + time_limit if time_limit > 0 else None
+        # The limit counts from `since` (default: process start, torch import and CUDA init
+        # included, as the timeout that wraps the script counts).
+        origin = _PROCESS_START if since is None else since
+        self.deadline = origin + time_limit if time_limit > 0 else None
         self.results = results
         results.setdefault("phases", {})
         self.out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,26 +4,30 @@
 #   bash scripts/gpu_run.sh                     # writes into $OUT (default: benchmarks/gpu/)
 #
 # 1. prints the versions (python, torch, CUDA, triton, GPU, nvcc, cmake);
-# 2. if cmake and nvcc are here (and torch has CUDA), builds the native library (CMakeLists.txt)
-#    in a temporary directory, under a time limit, and installs it into compiledump/; a failed
-#    or skipped build is recorded and the run goes on without it;
-# 3. python scripts/gpu_check.py --device cuda, then python benchmarks/gpu_bench.py --device cuda,
-#    each under `timeout` and with --time-limit a little below it (each script skips the phases
-#    that would not fit, and rewrites its JSON after every phase, so a kill keeps what it had).
-# Files, named with the UTC date and the torch and triton versions:
-#   $OUT/gpu_check_<date>_torch<v>_triton<v>.json, $OUT/gpu_bench_<...>.json, $OUT/gpu_run_<...>.log
+# 2. python scripts/gpu_check.py --device cuda, then python benchmarks/gpu_bench.py --device cuda,
+#    on the Python/Triton path, each under `timeout` and with --time-limit a little below it (each
+#    script skips the phases that would not fit, and rewrites its JSON after every phase, so a
+#    kill keeps what it had);
+# 3. last (never-run native code cannot spoil the measurements), if cmake and nvcc are here and
+#    nvcc's CUDA major is torch's: builds the native library (CMakeLists.txt) in a temporary
+#    directory, within what is left, installs it into compiledump/ and checks its CUDA kernel
+#    against the Triton kernel (gpu_check.py --only native_cuda_kernel).
+# Files, named with the UTC date and the torch and triton versions: $OUT/gpu_check_<date>_torch<v>_
+# triton<v>.json, $OUT/gpu_bench_<...>.json, $OUT/gpu_native_<...>.json, $OUT/gpu_run_<...>.log.
 # Without a usable CUDA device it prints both scripts' plans (--dry-run) and exits 0.
 # Settings (environment): OUT; GPU_RUN_BUDGET (seconds for everything, default 450);
-# GPU_RUN_BUILD_S (the build's limit, default 150); GPU_RUN_DEVICE (default cuda; cpu runs both
-# scripts on the CPU, gpu_bench with --quick); PYTHON (default python, else python3).
+# GPU_RUN_RESERVE_S (kept for the native build and check, default 120); GPU_RUN_BUILD_S (the
+# build's limit, default 150); GPU_RUN_DEVICE (default cuda; cpu runs both scripts on the CPU,
+# gpu_bench with --quick); PYTHON (default python3, else python).
 # Exit status: 0 when both scripts ran and no phase failed, 1 otherwise (0 without CUDA).
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 REPO=$PWD
 BUDGET=${GPU_RUN_BUDGET:-450}
 BUILD_S=${GPU_RUN_BUILD_S:-150}
+RESERVE_S=${GPU_RUN_RESERVE_S:-120}  # kept for the native build and its check, at the end
 DEVICE=${GPU_RUN_DEVICE:-cuda}
-PY=${PYTHON:-$(command -v python || command -v python3)}
+PY=${PYTHON:-$(command -v python3 || command -v python)}
 OUT=${OUT:-$REPO/benchmarks/gpu}
 mkdir -p "$OUT" || exit 1
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"  # the checkout's compiledump, installed or not
@@ -69,10 +73,45 @@ if [ "$DEVICE" != cpu ] && ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cu
     exit 0
 fi
 
+# The measurements first, on the Python/Triton path (the one users get without a compiler):
+# gpu_check gets half of what is left, gpu_bench what it leaves minus RESERVE_S for the native
+# library's build and check at the end (a fault in never-run native code cannot spoil them).
+export COMPILEDUMP_SIGNALS=0  # a timeout's SIGTERM ends the script at once (no flush of a scratch dump)
+export PYTHONUNBUFFERED=1     # the log keeps the order of what the scripts print
+export COMPILEDUMP_NATIVE=0   # not built yet; the last step checks it
+QUICK=""
+[ "$DEVICE" = cpu ] && QUICK="--quick"
+status=0
+run_script() {  # name script share-of-what-is-left-in-% [extra args...]
+    local name=$1 script=$2 share=$3
+    shift 3
+    local limit=$(( (BUDGET - RESERVE_S - SECONDS - 5) * share / 100 ))
+    if [ "$limit" -lt 40 ]; then
+        echo "== $name: skipped (only ${limit} s of the budget left)"
+        status=1
+        return
+    fi
+    echo "== $name (timeout ${limit} s)"
+    # --time-limit counts from the script's start (imports and CUDA init included).
+    timeout -k 10 "$limit" "$PY" "$script" --device "$DEVICE" --time-limit $((limit - 20)) \
+        --out "$OUT/${name}_$STEM.json" "$@"
+    local rc=$?
+    case $rc in
+        0) ;;
+        124|137) echo "== $name: killed by the timeout (${limit} s); its JSON holds the phases it finished"; status=1 ;;
+        *) echo "== $name: exit $rc"; status=1 ;;
+    esac
+}
+run_script gpu_check scripts/gpu_check.py 50
+run_script gpu_bench benchmarks/gpu_bench.py 100 $QUICK
+
+BUILD_S=$(( BUDGET - SECONDS - 40 < BUILD_S ? BUDGET - SECONDS - 40 : BUILD_S ))
 echo "== native library (limit ${BUILD_S} s)"
 NATIVE="skipped"
 if [ "$DEVICE" = cpu ]; then
     NATIVE="skipped (GPU_RUN_DEVICE=cpu)"
+elif [ "$BUILD_S" -lt 30 ]; then
+    NATIVE="skipped (only ${BUILD_S} s of the budget left)"
 elif ! command -v cmake >/dev/null; then
     NATIVE="skipped (no cmake)"
 elif [ -z "$NVCC" ]; then
@@ -99,37 +138,17 @@ else
     fi
     rm -rf "$BUILD_DIR"
 fi
-# A library that does not load (a failed or stale build) would fail every phase: run without it.
-if ! "$PY" -c 'import compiledump; print("native library loaded:", compiledump.native_available())'; then
-    export COMPILEDUMP_NATIVE=0
-    NATIVE="$NATIVE; compiledump/libcompiledump_native.so does not load: COMPILEDUMP_NATIVE=0"
+if [ -f compiledump/libcompiledump_native.so ] && [ "$DEVICE" != cpu ]; then
+    if COMPILEDUMP_NATIVE=1 "$PY" -c 'import compiledump, sys; sys.exit(0 if compiledump.native_available() else 1)'; then
+        echo "== native check: its CUDA kernel against the Triton kernel"
+        COMPILEDUMP_NATIVE=1 timeout -k 10 60 "$PY" scripts/gpu_check.py --device "$DEVICE" --only native_cuda_kernel \
+            --out "$OUT/gpu_native_$STEM.json" || status=1
+    else
+        NATIVE="$NATIVE; compiledump/libcompiledump_native.so does not load"
+        status=1
+    fi
 fi
 echo "native: $NATIVE"
-
-# gpu_check gets 55% of what is left, gpu_bench the rest (and whatever gpu_check did not use).
-export COMPILEDUMP_SIGNALS=0  # a timeout's SIGTERM ends the script at once (no flush of a scratch dump)
-QUICK=""
-[ "$DEVICE" = cpu ] && QUICK="--quick"
-status=0
-for job in "gpu_check scripts/gpu_check.py 55" "gpu_bench benchmarks/gpu_bench.py 100 $QUICK"; do
-    read -r name script share extra <<<"$job"
-    limit=$(( (BUDGET - SECONDS - 5) * share / 100 ))
-    if [ "$limit" -lt 40 ]; then
-        echo "== $name: skipped (only ${limit} s of the budget left)"
-        status=1
-        continue
-    fi
-    echo "== $name (timeout ${limit} s)"
-    timeout -k 10 "$limit" "$PY" "$script" --device "$DEVICE" --time-limit $((limit - 25)) \
-        --out "$OUT/${name}_$STEM.json" $extra
-    rc=$?
-    case $rc in
-        0) ;;
-        124|137) echo "== $name: killed by the timeout (${limit} s); its JSON holds the phases it finished"; status=1 ;;
-        *) echo "== $name: exit $rc"; status=1 ;;
-    esac
-done
-
 echo "== done in ${SECONDS} s; native: $NATIVE"
 ls -l "$OUT"/*"$STEM"* 2>/dev/null
 exit $status

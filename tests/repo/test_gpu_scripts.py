@@ -6,6 +6,7 @@ is recorded and the next one runs) and the one-command wrapper's no-CUDA path.""
 
 import importlib.util
 import json
+import time
 import os
 import shutil
 import subprocess
@@ -60,6 +61,11 @@ def test_compare_dumps_detects_differences():
     assert not compare(ref, {**ref, "a": ref["a"] * 1.01}, 1e-4)["ok"]
     assert compare(ref, {"a": ref["a"]}, 1e-6)["missing"] == ["ids"]
     assert compare(ref, {**ref, "ids": ref["ids"][::-1].copy()}, 1e-6)["mismatched"] == ["ids"]
+    with_nan = ref["a"].copy()
+    with_nan[2] = np.nan  # a write that never happened into a NaN-poisoned arena
+    assert compare(ref, {**ref, "a": with_nan}, 1e-6)["mismatched"] == ["a"]
+    both = {**ref, "a": with_nan}
+    assert compare(both, dict(both), 1e-6)["ok"]  # NaN where the reference has NaN too
 
 
 def test_gpu_bench_cpu_parts(tmp_path, dump_dir, capsys):
@@ -198,7 +204,8 @@ def test_a_failing_phase_is_recorded_and_the_next_one_runs(tmp_path, capsys):
 
 def test_the_time_limit_skips_phases_that_would_not_fit(tmp_path):
     common = _load().gpu_common
-    runner = common.Runner("t", torch.device("cpu"), str(tmp_path / "r.json"), time_limit=30, results={})
+    runner = common.Runner("t", torch.device("cpu"), str(tmp_path / "r.json"), time_limit=30, results={},
+                           since=time.monotonic())
     assert runner.run("short", lambda: {}, estimate_s=1)["status"] == "ok"
     skipped = runner.run("long", lambda: {}, estimate_s=60)
     assert skipped["status"] == "skip" and skipped["skipped"].startswith("time limit:")
