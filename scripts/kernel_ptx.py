@@ -21,12 +21,13 @@ import tempfile
 if os.environ.get("TRITON_INTERPRET"):
     sys.exit("kernel_ptx.py: unset TRITON_INTERPRET (the interpreter compiles nothing)")
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from compiledump.ops import triton_kernel as K
-from compiledump.ops.variants import ALIGN_WORDS, BLOCK, NUM_WARPS
+from compiledump.ops.variants import ALIGN_WORDS, BLOCK, NUM_WARPS, vector_width
 
 # (input type, MEAN, IS_INT, VEC, input 16-byte aligned): the fast paths, then a slow path.
 VARIANTS = [
@@ -35,9 +36,11 @@ VARIANTS = [
     ("i64", False, True, 2, True),  # record_ids
     ("bf16", True, False, 1, False),  # unaligned input: scalar loads
 ]
-# Every input type the kernel takes, in every layout class (--all).
-ALL_TYPES = ["fp32", "fp16", "bf16", "fp64", "fp8e4nv", "fp8e5", "i1", "i8", "i16", "i32", "i64", "u8", "u16",
-             "u32", "u64"]
+# Every input type the kernel takes (Triton's name: torch's dtype), in every layout class (--all).
+ALL_TYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64,
+             "fp8e4nv": torch.float8_e4m3fn, "fp8e5": torch.float8_e5m2, "i1": torch.bool, "i8": torch.int8,
+             "i16": torch.int16, "i32": torch.int32, "i64": torch.int64, "u8": torch.uint8, "u16": torch.uint16,
+             "u32": torch.uint32, "u64": torch.uint64}
 
 
 def compile_variant(xty: str, mean: bool, is_int: bool, vec: int, aligned: bool):
@@ -89,10 +92,9 @@ def main(argv=None) -> int:
     ok = True
     if args.all:
         failed, compiled = [], 0
-        for xty in ALL_TYPES:
-            width = 16 // max(1, {"fp64": 8, "i64": 8, "u64": 8, "fp32": 4, "i32": 4, "u32": 4, "fp16": 2, "bf16": 2,
-                                  "i16": 2, "u16": 2}.get(xty, 1))
-            layouts = [(False, True)] if xty[0] in "iu" else []
+        for xty, dtype in ALL_TYPES.items():
+            width = vector_width(dtype)
+            layouts = [(False, True)] if not dtype.is_floating_point else []
             layouts += [(True, False), (False, False)]
             for mean, is_int in layouts:
                 # The fast path: the other two variants of a family differ only in hints.

@@ -19,6 +19,7 @@ import torch
 from .. import config as _config
 from ..format import spec
 from ..ops import layout as L
+from ..ops import variants
 from ..ops.geometry import TOKEN_GATED_KINDS, payload_shape
 from . import layouts
 
@@ -46,7 +47,7 @@ class Runtime:
     """The device state of one process: arena, control block and the tag registry."""
 
     def __init__(self, device: torch.device, cfg: _config.Config, profiling_depth: int, lock: threading.Lock):
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if variants.stream_capturing(device):
             raise RuntimeError(
                 "compiledump: the arena cannot be created during CUDA graph capture; call "
                 "compiledump.init(device) (or run one eager step) before capturing"
@@ -151,7 +152,7 @@ class Runtime:
             return L.slot_base(index), -1, 0, L.CNT_TOKEN_GATE
         payload = payload_shape(tuple(x.shape), kind)
         if slot.payload_shape is None:
-            if not self.host_enabled and not _stream_capturing(x):
+            if not self.host_enabled and not variants.stream_capturing(x.device):
                 # Suspended (an engine's profile run): don't let its dummy shapes claim the
                 # region; the kernel counts the call as suspended. During graph capture the
                 # region must be claimed now: the replays that follow cannot change it.
@@ -176,7 +177,7 @@ class Runtime:
         if kind not in TOKEN_GATED_KINDS or x.dim() == 0:
             return False
         tokens = x.shape[0]
-        if self.prompt_tokens is None and self.host_enabled and not _stream_capturing(x) and not (
+        if self.prompt_tokens is None and self.host_enabled and not variants.stream_capturing(x.device) and not (
                 x.dim() == 3 and kind == L.KIND_RECORD and tag not in self.layout_declared
                 and layouts.doubtful_hc_reading(tuple(x.shape), None)):
             self.prompt_tokens = tokens
@@ -248,7 +249,7 @@ class Runtime:
             host_ctrl = ctrl.clone()
             return arena.clone().numpy(), host_ctrl.numpy()
         with torch.cuda.device(self.device):
-            if torch.cuda.is_current_stream_capturing():
+            if variants.stream_capturing(self.device):
                 raise RuntimeError("compiledump.flush() cannot run during CUDA graph capture")
             if private:
                 host_arena = torch.empty(arena.numel(), dtype=torch.float32, pin_memory=True)
@@ -286,6 +287,3 @@ def _step_prefix(tag: str) -> str | None:
     parts = spec.split_step_key(tag)
     return parts[0] if parts else None
 
-
-def _stream_capturing(x: torch.Tensor) -> bool:
-    return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()

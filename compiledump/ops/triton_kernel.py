@@ -29,6 +29,8 @@ against the CPU implementation without a GPU.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -177,7 +179,7 @@ def launch(x, arena, ctrl, geometry, base, offset, capacity, kind, reason):
     (compiled before any CUDA graph capture needs it)."""
     T, H, D, st, sh, sd, row_reg, _mean = geometry
     v = variant_for(x, geometry, kind)
-    ensure_prepared(x, v, _launch_scratch)
+    ensure_prepared(x.device, v, _launch_scratch)
     _launch(v, programs_for(geometry, kind), x, arena, ctrl, T, H, D, st, sh, sd, base, offset, capacity, kind,
             reason, row_reg)
 
@@ -203,17 +205,10 @@ def _launch_scratch(device, v) -> None:
 
 def prepare(device: torch.device, dtypes) -> None:
     """Compile and load, on `device`, every variant that captures of tensors of `dtypes` can use."""
-    if device.type == "cuda":
-        with torch.cuda.device(device):  # Triton compiles and loads for the current device
-            _prepare(device, dtypes)
-    else:
-        _prepare(device, dtypes)
-
-
-def _prepare(device: torch.device, dtypes) -> None:
-    for dtype in dtypes:
-        # Floats: records with and without an hc mean, steps; integers: record_ids.
-        layouts = [(True, False), (False, False)] if dtype.is_floating_point else [(False, True)]
-        for mean, is_int in layouts:
-            probe = Variant(dtype, mean, is_int, 1, True)
-            ensure_prepared(torch.empty(0, dtype=dtype, device=device), probe, _launch_scratch)
+    # Triton compiles and loads for the current CUDA device.
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        for dtype in dtypes:
+            # Floats: records with and without an hc mean, steps; integers: record_ids.
+            layouts = [(True, False), (False, False)] if dtype.is_floating_point else [(False, True)]
+            for mean, is_int in layouts:
+                ensure_prepared(device, Variant(dtype, mean, is_int, 1, True), _launch_scratch)

@@ -46,7 +46,7 @@ class Variant:
 
     def family(self) -> Variant:
         """The fast-path member of this variant's family (same dtype and layout class)."""
-        return replace(self, vec=_vector_width(self.dtype), aligned=True)
+        return replace(self, vec=vector_width(self.dtype), aligned=True)
 
     def siblings(self) -> tuple[Variant, ...]:
         """Every variant of this family: what one eager launch prepares for later captures."""
@@ -54,7 +54,8 @@ class Variant:
         return (fast, replace(fast, vec=1), replace(fast, vec=1, aligned=False))
 
 
-def _vector_width(dtype: torch.dtype) -> int:
+def vector_width(dtype: torch.dtype) -> int:
+    """Elements of `dtype` in one 16-byte vector (the fast path's load width)."""
     return max(1, 16 // dtype.itemsize)
 
 
@@ -62,7 +63,7 @@ def variant_for(x: torch.Tensor, geometry: tuple, kind: int) -> Variant:
     """The variant that launches for `x` viewed as `geometry` (ops/geometry.py)."""
     _T, H, D, stride_t, stride_h, stride_d, _row_reg, mean = geometry
     aligned = x.data_ptr() % 16 == 0
-    width = _vector_width(x.dtype)
+    width = vector_width(x.dtype)
     fast = (aligned and width > 1 and stride_d == 1 and D % width == 0 and stride_t % width == 0
             and (H == 1 or stride_h % width == 0))
     return Variant(x.dtype, bool(mean), kind == L.KIND_IDS, width if fast else 1, aligned)
@@ -90,37 +91,37 @@ _ready: set[tuple] = set()  # (device, Variant) whose kernel is compiled and loa
 _lock = threading.Lock()
 
 
-def stream_capturing(x: torch.Tensor) -> bool:
-    """True while the current CUDA stream of `x`'s device is being captured into a graph."""
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+def stream_capturing(device: torch.device) -> bool:
+    """True while the current CUDA stream of `device` is being captured into a graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def ensure_prepared(x: torch.Tensor, variant: Variant, launch_scratch) -> None:
-    """Make sure `variant` is compiled and loaded on `x`'s device before it launches.
+def ensure_prepared(device: torch.device, variant: Variant, launch_scratch) -> None:
+    """Make sure `variant` is compiled and loaded on `device` before it launches there.
 
     `launch_scratch(device, variant)` launches one variant on scratch buffers (ops/triton_kernel.py).
     Outside a capture, the first launch of a family prepares all its siblings; during a capture an
     unprepared variant raises VariantNotPrepared before anything reaches CUDA.
     """
-    key = (x.device, variant)
+    key = (device, variant)
     if key in _ready:
         return
-    if x.is_cuda and variant.dtype in _NOT_ON_NVIDIA:
+    if device.type == "cuda" and variant.dtype in _NOT_ON_NVIDIA:
         raise TypeError(f"compiledump: {variant.dtype} cannot be captured on CUDA (Triton has no NVIDIA type for "
                         "it); record a float8_e4m3fn/float8_e5m2 or float32 view of it instead")
-    if stream_capturing(x):
+    if stream_capturing(device):
         raise VariantNotPrepared(
-            f"compiledump: a capture of a {x.dtype} tensor ({'hc mean' if variant.mean else 'copy'}) reached a CUDA "
-            "graph capture before any call outside the capture compiled its kernel (compiling inside a capture "
+            f"compiledump: a capture of a {variant.dtype} tensor ({'hc mean' if variant.mean else 'copy'}) reached a "
+            "CUDA graph capture before any call outside the capture compiled its kernel (compiling inside a capture "
             "fails in CUDA). Run the captured function once outside the graph first, as engines do with their "
             "warm-up under compiledump.profiling(), or call compiledump.prepare_kernels(device, dtypes) "
             "before capturing."
         )
     with _lock:
         for sibling in variant.siblings():
-            if (x.device, sibling) not in _ready:
-                launch_scratch(x.device, sibling)
-                _ready.add((x.device, sibling))
+            if (device, sibling) not in _ready:
+                launch_scratch(device, sibling)
+                _ready.add((device, sibling))
 
 
 def prepared() -> frozenset:

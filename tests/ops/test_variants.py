@@ -25,7 +25,6 @@ import pytest
 import torch
 
 import compiledump
-from compiledump.capture import arena as arena_module
 from compiledump.ops import layout as L
 from compiledump.ops import register, variants
 from compiledump.ops.reference import capture_reference
@@ -100,8 +99,7 @@ def simulated_cuda(monkeypatch, dump_dir):
     monkeypatch.setenv("COMPILEDUMP_CPU_KERNEL", "triton")
     for name in ("Stream", "stream", "current_stream", "CUDAGraph", "graph"):
         monkeypatch.setattr(torch.cuda, name, getattr(FakeCuda, name))
-    monkeypatch.setattr(arena_module, "_stream_capturing", lambda x: FakeCuda.capturing)
-    monkeypatch.setattr(variants, "stream_capturing", lambda x: FakeCuda.capturing)
+    monkeypatch.setattr(variants, "stream_capturing", lambda device: FakeCuda.capturing)
     keys = TritonKeys(K.capture_kernel)
     monkeypatch.setattr(K, "capture_kernel", keys)
     variants.forget()
@@ -291,8 +289,8 @@ def test_sm90_ptx_has_vector_loads_and_64_bit_offsets():
     """Compiled for sm_90 without a GPU (a fresh process: the suite interprets Triton); every
     input type in every layout class compiles (the interpreter accepts what the compiler may not)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, str(PTX_SCRIPT), "--check", "--all"], env=env, capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run([sys.executable, str(PTX_SCRIPT), "--check", "--all"], env=env, capture_output=True,
+                         text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "fast paths vectorized, offsets 64-bit" in out.stdout
     assert "--all: 0 variant(s) failed to compile, of " in out.stdout  # every input type and layout class
@@ -302,13 +300,9 @@ def test_sm90_ptx_has_vector_loads_and_64_bit_offsets():
 def test_amd_fp8_is_refused_on_cuda_before_triton_compiles():
     """Triton has no NVIDIA type for the fnuz fp8 formats: a clear error instead of a compile error."""
 
-    class CudaTensor:  # what ensure_prepared reads of a CUDA tensor
-        is_cuda = True
-        device = torch.device("cuda", 0)
-
     def launched(*_):
         raise AssertionError("nothing may be launched")
 
     variant = variants.Variant(torch.float8_e4m3fnuz, True, False, 1, True)
     with pytest.raises(TypeError, match="cannot be captured on CUDA"):
-        variants.ensure_prepared(CudaTensor(), variant, launched)
+        variants.ensure_prepared(torch.device("cuda", 0), variant, launched)
