@@ -28,8 +28,10 @@ BENCH = dict(layers=8, dim=1024, hc_mult=4, experts=8, top_k=2, vocab=32000, ffn
 BATCH = 8
 
 
-def _child(mode: str, rounds: int, steps: int) -> dict:
+def _child(mode: str, rounds: int, steps: int, threads: int) -> dict:
     import torch
+
+    torch.set_num_threads(threads)  # the per-capture cost, not OpenMP wake-ups
     from torch._inductor.utils import run_and_get_code
 
     import compiledump
@@ -65,16 +67,19 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=10, help="decode steps per case per round")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--child", choices=("enabled", "disabled"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print("RESULT " + json.dumps(_child(args.child, args.rounds, args.steps)))
+        print("RESULT " + json.dumps(_child(args.child, args.rounds, args.steps, args.threads)))
         return
     results = {}
     for mode in ("enabled", "disabled"):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("COMPILEDUMP_")}
+        # COMPILEDUMP_NATIVE passes through: `=0` times the pure-Python path.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("COMPILEDUMP_") or k == "COMPILEDUMP_NATIVE"}
         out = subprocess.run(
-            [sys.executable, __file__, "--child", mode, "--rounds", str(args.rounds), "--steps", str(args.steps)],
+            [sys.executable, __file__, "--child", mode, "--rounds", str(args.rounds), "--steps", str(args.steps),
+             "--threads", str(args.threads)],
             env=env, capture_output=True, text=True, check=True,
         )
         line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")][-1]

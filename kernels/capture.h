@@ -23,6 +23,11 @@ std::vector<int64_t> payload_shape(at::IntArrayRef shape, int64_t kind);
 // capture_export_v1's `payload` argument: [ndim, *dims] (never empty; ops.encode_payload).
 std::vector<int64_t> encode_payload(const std::vector<int64_t>& shape);
 
+// `compiledump::capture_kernel_v1` (through the dispatcher: the CPU or CUDA kernel) for a capture
+// whose region and drop reason are decided.
+void capture_kernel_call(const Geometry& g, at::Tensor& arena, at::Tensor& ctrl, int64_t kind, int64_t base,
+                         int64_t offset, int64_t capacity, int64_t reason);
+
 // `compiledump::capture_export_v1`.
 void capture_export(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl, int64_t slot, int64_t kind,
                     int64_t reason, int64_t offset, at::IntArrayRef payload, int64_t capacity, int64_t tokens);

@@ -118,8 +118,29 @@ Geometry geometry(const at::Tensor& input, int64_t kind) {
   // Stored whole: one row of H x D words.
   if (dim == 0) return Geometry{x, 1, 1, 1, 0, 0, 0, ROW_FIXED_ZERO, false};
   if (dim == 1) return Geometry{x, 1, 1, x.size(0), 0, 0, x.stride(0), ROW_FIXED_ZERO, false};
+  // One flat row: copied as one contiguous run.
+  if (x.is_contiguous()) return Geometry{x, 1, 1, x.numel(), 0, 0, 1, ROW_FIXED_ZERO, false};
   if (dim > 2) x = x.reshape({x.size(0), -1});
   return Geometry{x, 1, x.size(0), x.size(1), 0, x.stride(0), x.stride(1), ROW_FIXED_ZERO, false};
+}
+
+void capture_kernel_call(const Geometry& g, at::Tensor& arena, at::Tensor& ctrl, int64_t kind, int64_t base,
+                         int64_t offset, int64_t capacity, int64_t reason) {
+  static auto kernel = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("compiledump::capture_kernel_v1", "")
+                           .typed<void(const at::Tensor&, at::Tensor&, at::Tensor&, int64_t, int64_t, int64_t,
+                                       int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                       int64_t, bool)>();
+  // Through the dispatcher: the CPU kernel above, or the CUDA one (capture_cuda.cu).
+  kernel.call(g.x, arena, ctrl, kind, base, offset, capacity, reason, g.T, g.H, g.D, g.stride_t, g.stride_h,
+              g.stride_d, g.row_reg, g.mean);
+}
+
+std::tuple<at::Tensor, at::Tensor> snapshot_cpu(const at::Tensor& arena, const at::Tensor& ctrl, int64_t words) {
+  TORCH_CHECK(words >= 0 && words <= arena.numel(), "compiledump: snapshot past the arena's end");
+  std::lock_guard<std::mutex> guard(capture_mutex());
+  at::Tensor ctrl_copy = ctrl.clone();
+  return {arena.narrow(0, 0, words).clone(), ctrl_copy};
 }
 
 void capture_export(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl, int64_t slot, int64_t kind,
@@ -138,15 +159,7 @@ void capture_export(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl, in
     offset = -1;
     capacity = 0;
   }
-  const Geometry g = geometry(x, kind);
-  static auto kernel = c10::Dispatcher::singleton()
-                           .findSchemaOrThrow("compiledump::capture_kernel_v1", "")
-                           .typed<void(const at::Tensor&, at::Tensor&, at::Tensor&, int64_t, int64_t, int64_t,
-                                       int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                       int64_t, bool)>();
-  // Through the dispatcher: the CPU kernel above, or the CUDA one (capture_cuda.cu).
-  kernel.call(g.x, arena, ctrl, kind, slot_base(slot), offset, capacity, reason, g.T, g.H, g.D, g.stride_t,
-              g.stride_h, g.stride_d, g.row_reg, g.mean);
+  capture_kernel_call(geometry(x, kind), arena, ctrl, kind, slot_base(slot), offset, capacity, reason);
 }
 
 }  // namespace compiledump
@@ -154,6 +167,7 @@ void capture_export(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl, in
 TORCH_LIBRARY_IMPL(compiledump, CPU, m) {
   m.impl("capture_kernel_v1", &compiledump::capture_kernel_cpu);
   m.impl("capture_export_v1", &compiledump::capture_export);
+  m.impl("snapshot_v1", &compiledump::snapshot_cpu);
 }
 
 #ifdef COMPILEDUMP_WITH_CUDA

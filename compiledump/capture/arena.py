@@ -19,7 +19,7 @@ import torch
 from .. import config as _config
 from ..format import spec
 from ..ops import layout as L
-from ..ops import variants
+from ..ops import register, schemas, variants
 from ..ops.geometry import TOKEN_GATED_KINDS, payload_shape
 from . import layouts
 
@@ -57,7 +57,9 @@ class Runtime:
         # Plain (non-inference) tensors even if the first capture runs under inference_mode:
         # the host must be able to update them later outside it.
         with torch.inference_mode(False), torch.no_grad():
-            self.arena = torch.empty(cfg.arena_words, dtype=torch.float32, device=device)
+            # CPU: zeroed, so every page is touched once here and never faults inside a step.
+            alloc = torch.zeros if device.type == "cpu" else torch.empty
+            self.arena = alloc(cfg.arena_words, dtype=torch.float32, device=device)
             self.ctrl = torch.zeros(L.control_words(cfg.max_tags), dtype=torch.int32, device=device)
             # fill_ with a host scalar is a kernel argument, not a host-to-device copy.
             self.ctrl[L.REG_ENABLED].fill_(0 if profiling_depth else 1)
@@ -76,9 +78,49 @@ class Runtime:
         self.layout_declared: set[str] = set()  # tags whose call site said how to read a 3-D tensor
         self.host_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self.host_enabled = not profiling_depth  # the host's copy of REG_ENABLED
+        # The native library's region table serves CPU captures when it owns `capture_v1`
+        # (kernels/capture_table.cpp); every decision it needs is pushed to it from here.
+        owned = device.type == "cpu" and register.native_owns_capture()
+        if owned:
+            # Bind the table to this arena, dropping the last one's regions; it stays empty (every
+            # call decided by Python) when tests run the Triton kernel on CPU.
+            schemas.table_gate(self.ctrl, -1, False, True)
+        self.native_table = owned and _config.env("COMPILEDUMP_CPU_KERNEL") != "triton"
         # The prompt length of the token gate: fixed by COMPILEDUMP_TOKENS, else learned from the
         # first capture outside profiling() (also with the gate off: it labels the dump's phases).
         self.prompt_tokens: int | None = cfg.fixed_tokens or None
+
+    # The token gate's inputs (`config.tokens`, `prompt_tokens`) are properties so that every
+    # change reaches the native table.
+    @property
+    def config(self) -> _config.Config:
+        return self._config
+
+    @config.setter
+    def config(self, cfg: _config.Config) -> None:
+        self._config = cfg
+        self._push_gate()
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        return self._prompt_tokens
+
+    @prompt_tokens.setter
+    def prompt_tokens(self, tokens: int | None) -> None:
+        self._prompt_tokens = tokens
+        self._push_gate()
+
+    def _push_gate(self) -> None:
+        if getattr(self, "native_table", False) and hasattr(self, "_prompt_tokens"):
+            prompt = -1 if self._prompt_tokens is None else self._prompt_tokens
+            schemas.table_gate(self.ctrl, prompt, bool(self._config.tokens), False)
+
+    def _push_region(self, slot: Slot) -> None:
+        # A 3-D record that may still need its layout warning stays with Python for doubtful shapes.
+        check_layout = (slot.kind in (L.KIND_RECORD, L.KIND_RECORD_ONCE) and slot.tag not in self.layout_declared
+                        and not layouts.warned(slot.tag))
+        schemas.table_region(self.ctrl, slot.index, slot.kind, slot.offset, slot.capacity,
+                             list(slot.payload_shape), check_layout)
 
     def set_register(self, index: int, value: int) -> None:
         """Host write of one register: a one-word fill kernel, never a copy or a sync."""
@@ -160,12 +202,15 @@ class Runtime:
             with self.lock:
                 if slot.payload_shape is None:
                     self._allocate(slot, payload, x)
+        if x.dim() == 3 and kind in (L.KIND_RECORD, L.KIND_RECORD_ONCE) and slot.tag not in self.layout_declared \
+                and slot.payload_shape == payload and slot.offset >= 0:
+            layouts.check_hc_reading(slot.tag, tuple(x.shape), self.prompt_tokens)
+        if self.native_table:
+            self._push_region(slot)  # later calls of this tag are decided in C++
         if slot.payload_shape != payload:
             return L.slot_base(index), -1, 0, L.CNT_SHAPE_CHANGED
         if slot.offset < 0:
             return L.slot_base(index), -1, 0, L.CNT_ARENA_FULL
-        if x.dim() == 3 and kind in (L.KIND_RECORD, L.KIND_RECORD_ONCE) and slot.tag not in self.layout_declared:
-            layouts.check_hc_reading(slot.tag, tuple(x.shape), self.prompt_tokens)
         return L.slot_base(index), slot.offset, slot.capacity, 0
 
     def token_gated(self, x: torch.Tensor, kind: int, tag: str) -> bool:
@@ -246,6 +291,10 @@ class Runtime:
         arena = self.arena[: self.used_words]
         ctrl = self.ctrl
         if self.device.type != "cuda":
+            if self.native_table:
+                # The native kernel's own lock: its captures never hold the Python kernel lock.
+                host_arena, host_ctrl = schemas.snapshot(self.arena, ctrl, arena.numel())
+                return host_arena.numpy(), host_ctrl.numpy()
             host_ctrl = ctrl.clone()
             return arena.clone().numpy(), host_ctrl.numpy()
         with torch.cuda.device(self.device):

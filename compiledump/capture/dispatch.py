@@ -42,7 +42,12 @@ def _capture_cuda(x, arena, ctrl, slot, kind, reason):
     register.run_cuda_kernel(x, arena, ctrl, kind, _runtime_for(x, arena, ctrl).resolve(slot, kind, x, reason))
 
 
-schemas.LIB.impl(schemas.CAPTURE, _capture_cpu, "CPU")
+# `capture_resolve_v1` is the Python implementation the native `capture_v1` falls back to for a
+# call its region table cannot decide (kernels/capture_table.cpp); without the native library
+# Python serves `capture_v1` itself.
+schemas.LIB.impl(schemas.RESOLVE, _capture_cpu, "CPU")
+if not register.native_owns_capture():
+    schemas.LIB.impl(schemas.CAPTURE, _capture_cpu, "CPU")
 schemas.LIB.impl(schemas.CAPTURE, _capture_cuda, "CUDA")
 
 
@@ -52,14 +57,20 @@ def capture_eager(x, arena, ctrl, slot, kind, reason) -> None:
     Outside torch.compile the dispatcher adds nothing to what the op does (no autograd, no
     functionalization) but a few microseconds per call, so eager capture calls come straight
     here; traced code always emits the op. The input is detached so autograd never sees the
-    arena writes.
+    arena writes. With the native library, a CPU call is one dispatcher call into C++, whose
+    region table decides it (kernels/capture_table.cpp).
     """
     if x.requires_grad:
         x = x.detach()
     if x.device.type == "cuda":
         _capture_cuda(x, arena, ctrl, slot, kind, reason)
+    elif _NATIVE:
+        schemas.capture(x, arena, ctrl, slot, kind, reason)  # one call into C++ (its region table)
     else:
         _capture_cpu(x, arena, ctrl, slot, kind, reason)
+
+
+_NATIVE = register.native_owns_capture()
 
 
 def emit_export(rt: Runtime, index: int, kind: int, reason: int, x: torch.Tensor) -> None:

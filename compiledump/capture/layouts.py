@@ -56,6 +56,11 @@ def doubtful_hc_reading(shape: tuple, prompt_tokens: int | None) -> bool:
             or (prompt_tokens is not None and tokens != prompt_tokens == middle))
 
 
+def warned(tag: str) -> bool:
+    """True once `check_hc_reading` has warned about `tag`."""
+    return (tag, "layout") in STATE.warned
+
+
 def check_hc_reading(tag: str, shape: tuple, prompt_tokens: int | None) -> None:
     """Warn once per tag when a 3-D tensor about to be stored as `[tokens, hc_mult, dim]` (the
     mean over its middle dim) does not look like one (`doubtful_hc_reading`)."""

@@ -120,7 +120,15 @@ def _set_register(ctrl, index, value):
     ctrl[index].fill_(value)
 
 
+def native_owns_capture() -> bool:
+    """True when the native library serves `capture_v1` on CPU from its region table
+    (kernels/capture_table.cpp); the tag registry then pushes its decisions there."""
+    return _NATIVE_CAPTURE
+
+
 native.load()
+# Decided before capture/dispatch.py registers Python's kernel for the keys left free.
+_NATIVE_CAPTURE = schemas.has_kernel(schemas.CAPTURE, "CPU")
 for _key in ("CPU", "CUDA"):
     schemas.LIB.impl(schemas.SET_REGISTER, _set_register, _key)
 for _key, _impl in (("CPU", _capture_export_cpu), ("CUDA", _capture_export_cuda)):

@@ -28,6 +28,10 @@ CAPTURE = "capture_v1"
 SET_REGISTER = "set_register_v1"
 KERNEL = "capture_kernel_v1"
 EXPORT = "capture_export_v1"
+RESOLVE = "capture_resolve_v1"
+TABLE_GATE = "table_gate_v1"
+TABLE_REGION = "table_region_v1"
+SNAPSHOT = "snapshot_v1"
 
 SCHEMAS = {
     # The capture op of eager and torch.compile code: the arena region is looked up from the
@@ -46,6 +50,16 @@ SCHEMAS = {
     # which AOTInductor's proxy executor hands to the op as None.
     EXPORT: f"{EXPORT}(Tensor x, Tensor(a!) arena, Tensor(b!) ctrl, int slot, int kind, int reason,"
     " int offset, int[] payload, int capacity, int tokens) -> ()",
+    # The native library's region table (kernels/capture_table.cpp), with which it serves
+    # `capture_v1` itself: Python's registry binds a new arena's control block (`bind`), then
+    # pushes the prompt length of the token gate and each claimed region; a call the table cannot decide goes to `capture_resolve_v1` (the Python
+    # implementation, same arguments as `capture_v1`). Called at run time only, never traced.
+    RESOLVE: f"{RESOLVE}(Tensor x, Tensor(a!) arena, Tensor(b!) ctrl, int slot, int kind, int reason) -> ()",
+    TABLE_GATE: f"{TABLE_GATE}(Tensor ctrl, int prompt_tokens, bool gate_on, bool bind) -> ()",
+    TABLE_REGION: f"{TABLE_REGION}(Tensor ctrl, int slot, int kind, int offset, int capacity, int[] payload,"
+    " bool check_layout) -> ()",
+    # A copy of the used arena and of the control block, taken under the native CPU kernel's lock.
+    SNAPSHOT: f"{SNAPSHOT}(Tensor arena, Tensor ctrl, int words) -> (Tensor, Tensor)",
 }
 
 LIB = torch.library.Library(NAMESPACE, "DEF")
@@ -58,13 +72,22 @@ def _no_output(*_args) -> None:
     return None
 
 
+def _fake_snapshot(arena, ctrl, words):
+    return arena.new_empty(words), ctrl.new_empty(ctrl.shape)
+
+
 for _name in SCHEMAS:
-    torch.library.register_fake(f"{NAMESPACE}::{_name}", _no_output, lib=LIB)
+    torch.library.register_fake(f"{NAMESPACE}::{_name}", _fake_snapshot if _name == SNAPSHOT else _no_output,
+                                lib=LIB)
 
 capture = getattr(torch.ops.compiledump, CAPTURE).default
 set_register = getattr(torch.ops.compiledump, SET_REGISTER).default
 capture_kernel = getattr(torch.ops.compiledump, KERNEL).default
 capture_export = getattr(torch.ops.compiledump, EXPORT).default
+capture_resolve = getattr(torch.ops.compiledump, RESOLVE).default
+table_gate = getattr(torch.ops.compiledump, TABLE_GATE).default
+table_region = getattr(torch.ops.compiledump, TABLE_REGION).default
+snapshot = getattr(torch.ops.compiledump, SNAPSHOT).default
 
 
 def encode_payload(shape) -> list[int]:

@@ -19,6 +19,7 @@ from compiledump import config as cd_config
 from compiledump.capture import flush as flush_mod
 from compiledump.capture.arena import Runtime
 from compiledump.ops import layout as L
+from compiledump.ops import register
 
 
 class _CopyLog(TorchFunctionMode):
@@ -53,12 +54,25 @@ def _names(rt, sources):
 
 def test_cpu_snapshot_copies_the_control_block_first():
     rt = _runtime()
+    rt.native_table = False  # the Python copy (the native one copies under the kernel's lock)
     with _CopyLog() as log:
         arena, ctrl = rt.snapshot()
     assert _names(rt, log.sources) == ["ctrl", "arena"]
     np.testing.assert_array_equal(arena, np.arange(8.0, dtype=np.float32))
     assert ctrl[L.slot_base(1) + L.CNT_WRITTEN] == 3
     # On CPU the clones are the snapshot: later captures do not change it.
+    rt.arena[0] = 99.0
+    rt.ctrl[L.slot_base(1) + L.CNT_WRITTEN] = 4
+    assert arena[0] == 0.0 and ctrl[L.slot_base(1) + L.CNT_WRITTEN] == 3
+
+
+@pytest.mark.skipif(not register.native_owns_capture(), reason="the native library does not serve capture_v1")
+def test_native_cpu_snapshot_is_a_private_copy():
+    rt = _runtime()
+    assert rt.native_table
+    arena, ctrl = rt.snapshot()
+    np.testing.assert_array_equal(arena, np.arange(8.0, dtype=np.float32))
+    np.testing.assert_array_equal(ctrl, rt.ctrl.numpy())
     rt.arena[0] = 99.0
     rt.ctrl[L.slot_base(1) + L.CNT_WRITTEN] = 4
     assert arena[0] == 0.0 and ctrl[L.slot_base(1) + L.CNT_WRITTEN] == 3
