@@ -1,7 +1,8 @@
 """Cost of capture points in an AOTInductor package: one decode step with and without them.
 
     python benchmarks/bench_aoti.py                      # capture_export_v1 served by the native
-    COMPILEDUMP_NATIVE=0 python benchmarks/bench_aoti.py # library if built, else by Python
+    COMPILEDUMP_NATIVE=0 python benchmarks/bench_aoti.py # library if built (called through its C
+                                                         # shim), else by Python (proxy executor)
 
 Exports the built-in model's decode step twice, with its capture points (compiledump.aot, the
 arena as inputs) and uninstrumented (plain torch.export of the same weights), packages both
@@ -66,23 +67,27 @@ def main(argv=None) -> None:
     names = list(cases)
     print(f"ratio with / without capture points: {ratio(per_round, names[1], names[0]):.3f}")
     for name, path in packages.items():
-        kernels, extern_calls = generated_code_counts(path)
-        print(f"{name} package: {kernels} generated kernels, {extern_calls} extern op calls")
+        kernels, extern_calls, shim_calls = generated_code_counts(path)
+        print(f"{name} package: {kernels} generated kernels, {extern_calls} proxy-executor op calls, "
+              f"{shim_calls} native C-shim calls")
 
 
-def generated_code_counts(package: Path) -> tuple[int, int]:
-    """(generated CPU kernels, custom-op calls through the proxy executor) in an AOTI package."""
+def generated_code_counts(package: Path) -> tuple[int, int, int]:
+    """(generated CPU kernels, custom-op calls through the proxy executor, calls of the native C
+    shims) in an AOTI package."""
     import zipfile
 
-    kernels = calls = 0
+    kernels = calls = shims = 0
     with zipfile.ZipFile(package) as archive:
         for name in archive.namelist():
             text = archive.read(name).decode(errors="replace") if name.endswith(".cpp") else ""
             if name.endswith(".kernel.cpp"):
                 kernels += text.count('extern "C"')
             elif name.endswith(".wrapper.cpp"):
-                calls += text.count("proxy_executor_call_function")
-    return kernels, calls
+                calls += text.count("proxy_executor_call_function(")
+                shim = "aoti_torch_cpu_capture_export_v1("
+                shims += text.count(shim) - text.count(f"extern AOTITorchError {shim}")
+    return kernels, calls, shims
 
 
 if __name__ == "__main__":

@@ -24,6 +24,9 @@ Measurements, in run order:
                       (a 1-element capture: graph-node overhead);
   eager_vs_seed       eager cost per capture call, compiledump vs debug_dump.py (which copies to the
                       host, and so synchronizes, on every call); skipped where that file is absent;
+  compiled_host_cost  N captures in a function compiled without CUDA graphs (how engines run large
+                      prefills) vs the same function without them: host microseconds per capture
+                      call (goal <= 5);
   decode_overhead_compiled  decode_overhead with torch.compile(fullgraph=True) inside the graphs
                       (last: its compiles take minutes; --time-limit skips it when time is short).
 Each phase is wrapped: a failure is recorded (error, the traceback's last line) and the next phase
@@ -147,6 +150,46 @@ def graph_capture_cost(device, quick, tmp):
             "replays_per_round": replays, "graph_ms_without": base, "graph_ms_with": added,
             "us_per_capture": (added - base) * 1e3 / n, "captures_passed_per_replay": passed, "goal_us": 1.0,
             "meets_goal": (added - base) * 1e3 / n <= 1.0}
+
+
+def compiled_host_cost(device, quick, tmp):
+    """N captures inside one compiled function run without CUDA graphs (as engines run large
+    prefills), against the same function without them: host microseconds per capture call."""
+    _fresh(tmp / "h", max_steps=4, moe_layers=10**6)
+    compiledump.init(device)
+    n, dim = (6, 64) if quick else (64, 7168)
+    x = torch.randn(8, 4, dim, device=device, dtype=torch.bfloat16)
+
+    def body(x, dump):
+        h = x * 2
+        for i in range(n):
+            if dump is not None and i % 2 == 0:
+                dump.record(f"c{i}", h)
+            elif dump is not None:
+                dump.record_step(f"c{i}", h[:, 0])
+        return h
+
+    plain = torch.compile(lambda x: body(x, None), fullgraph=True)
+    instrumented = torch.compile(lambda x: body(x, compiledump), fullgraph=True)
+    calls = {"plain": lambda: plain(x), "instrumented": lambda: instrumented(x)}
+    for fn in calls.values():
+        fn()  # compile
+    rounds, per_round = (3 if quick else 15), (5 if quick else 200)
+    times = {name: [] for name in calls}
+    for r in range(rounds):
+        for name in list(calls)[r % 2:] + list(calls)[: r % 2]:
+            begun = time.perf_counter()
+            for _ in range(per_round):
+                calls[name]()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[name].append((time.perf_counter() - begun) * 1e6 / per_round)
+    plain_us, instr_us = (statistics.median(times[k]) for k in ("plain", "instrumented"))
+    from compiledump.capture.state import STATE
+
+    us = (instr_us - plain_us) / n
+    return {"captures": n, "dim": dim, "capture_path": STATE.runtime.capture_path, "call_us_plain": plain_us,
+            "call_us_instrumented": instr_us, "host_us_per_capture": us, "goal_us": 5.0, "meets_goal": us <= 5.0}
 
 
 @functools.lru_cache(maxsize=1)
@@ -321,6 +364,7 @@ PHASES = {
     "graph_equals_eager": (graph_equals_eager, True, 20),
     "kernel_bandwidth": (kernel_bandwidth, True, 30),
     "eager_vs_seed": (eager_vs_seed, False, 20),
+    "compiled_host_cost": (compiled_host_cost, True, 40),
     "decode_overhead_compiled": (decode_overhead_compiled, True, 180),
 }
 
@@ -338,6 +382,9 @@ def _key_number(name, r):
     if name == "graph_equals_eager":
         return (f"{'equal' if r['ok'] else 'DIFFERENT'}: max_rel_err {r['max_rel_err']:.1e} over {r['keys']} keys "
                 f"(mismatched {r['mismatched'][:3]}, missing {r['missing'][:3]}); sync debug: {r['sync_debug']}")
+    if name == "compiled_host_cost":
+        return (f"{r['host_us_per_capture']:.2f} host us/capture (goal <= {r['goal_us']}), "
+                f"{r['captures']} captures, {r['capture_path']} path")
     if name == "kernel_bandwidth":
         best = max(r["rows"], key=lambda x: x["GB_per_s"])
         return f"floor {r['floor_us']:.2f} us/capture; best {best['GB_per_s']:.1f} GB/s at {best['hc']}x{best['dim']}"

@@ -11,7 +11,23 @@ from .. import config as _config
 from ..capture import api
 from ..capture.arena import Runtime
 from ..capture.state import STATE
+from ..ops import native
 from .plan import CONFIG_KEY, PLAN_KEY, plan_header, plan_metadata, restore_plan
+
+SHIMS_KEY = "compiledump.native_shims"  # package metadata: "1" when its captures call the C shims
+
+
+def _package_uses_shims(path) -> bool:
+    """True when the package's metadata says its generated code calls the native C shims (read
+    from the archive before loading: loading it without the library fails on the symbols)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith(".json") and SHIMS_KEY.encode() in archive.read(name)
+                       for name in archive.namelist() if "metadata" in name or name.endswith("json"))
+    except (OSError, zipfile.BadZipFile):
+        return False
 
 
 class _WithArena(torch.nn.Module):
@@ -70,6 +86,13 @@ def package(ep: torch.export.ExportedProgram, path: str | os.PathLike,
     configs = dict(inductor_configs or {})
     metadata = dict(configs.pop("aot_inductor.metadata", {}) or {})
     metadata.update(plan_metadata())
+    # With the native library loaded, the generated code calls its C shim for each capture
+    # (kernels/aoti_shim.cpp) instead of the proxy executor; loading the package then needs the
+    # library (`load` checks, the C++ driver links it).
+    shims = native.c_shims(STATE.runtime.device.type if STATE.runtime is not None else "cpu")
+    if shims and "aot_inductor.custom_ops_to_c_shims" not in configs:
+        configs["aot_inductor.custom_ops_to_c_shims"] = shims
+        metadata[SHIMS_KEY] = "1"
     configs["aot_inductor.metadata"] = metadata
     return torch._inductor.aoti_compile_and_package(ep, package_path=os.fspath(path), inductor_configs=configs)
 
@@ -94,6 +117,10 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None) -> L
     if not api.get_config().active:
         raise RuntimeError("compiledump.aot.load: set COMPILEDUMP_DIR or call compiledump.configure(dir=...) "
                            "first: the package writes into a compiledump arena")
+    if _package_uses_shims(path) and not native.native_available():
+        raise RuntimeError(f"compiledump.aot.load: {path} calls the native library's C shims (it was packaged "
+                           "with the library loaded); load the library (COMPILEDUMP_NATIVE) or re-package "
+                           "it in a process without it")
     runner = torch._inductor.aoti_load_package(os.fspath(path))
     metadata = runner.get_metadata()
     if PLAN_KEY not in metadata:

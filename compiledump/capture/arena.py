@@ -90,6 +90,18 @@ class Runtime:
         # first capture outside profiling() (also with the gate off: it labels the dump's phases).
         self.prompt_tokens: int | None = cfg.fixed_tokens or None
 
+    @property
+    def capture_path(self) -> str:
+        """What ran this arena's captures (the manifest's `capture_path`): "native" (the native
+        library's region table and kernel: no Python per call), "python" (Python's registry,
+        then the reference kernel or the native kernel) or "triton" (CUDA, or CPU tensors under
+        COMPILEDUMP_CPU_KERNEL=triton)."""
+        if self.native_table:
+            return "native"
+        if self.device.type == "cuda" or _config.env("COMPILEDUMP_CPU_KERNEL") == "triton":
+            return "triton"
+        return "python"
+
     # The token gate's inputs (`config.tokens`, `prompt_tokens`) are properties so that every
     # change reaches the native table.
     @property

@@ -175,6 +175,7 @@ def _collect(rt: Runtime, arena: np.ndarray, ctrl: np.ndarray) -> tuple[dict, di
         pid=os.getpid(),
         world_size=_world_size(),
         device=str(rt.device),
+        capture_path=rt.capture_path,
         config=_config.settings(rt.config),
         filtered_tags=dict(STATE.filtered_tags),
         arena_words_used=rt.used_words,

@@ -68,7 +68,7 @@ def inspect_dump(dump: DumpFile) -> dict:
                                "unreadable": [{"key": key, "detail": why} for key, why in dump.bad_members.items()]}
     if manifest is not None:
         for name in ("format_version", "compiledump_version", "torch_version", "rank", "pid", "world_size",
-                     "parallel", "device", "created_unix", "config", "drops", "filtered_tags"):
+                     "parallel", "device", "capture_path", "created_unix", "config", "drops", "filtered_tags"):
             summary[name] = manifest.get(name)
         summary["tag_drops"] = {tag: entry.get("drops") for tag, entry in (manifest.get("tags") or {}).items()
                                 if isinstance(entry, dict) and entry.get("drops")}
@@ -89,6 +89,7 @@ def format_inspection(summary: dict) -> list[str]:
             f"manifest: format_version {summary.get('format_version')}, compiledump "
             f"{summary.get('compiledump_version')}, torch {summary.get('torch_version')}, rank {summary.get('rank')}, "
             f"pid {summary.get('pid')}, world_size {summary.get('world_size')}, device {summary.get('device')}"
+            + (f", capture path {summary['capture_path']}" if summary.get("capture_path") else "")
         )
         parallel = summary.get("parallel") or {}
         if parallel:

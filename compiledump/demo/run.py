@@ -58,6 +58,13 @@ def _progress(log, label: str, steps: int):
     return on_step
 
 
+def _capture_path() -> str:
+    # What ran the captures (native or python on CPU): the manifest's capture_path.
+    from ..capture.state import STATE
+
+    return STATE.runtime.capture_path if STATE.runtime is not None else "none"
+
+
 def run_demo(
     layers: int = 6,
     steps: int = 16,
@@ -149,6 +156,7 @@ def run_demo(
         run_session_cuda_graph(forward, compiledump, engine_session, on_step=engine_step)
     else:
         run_session(forward, compiledump, engine_session, device=dev, on_step=engine_step)
+    path = _capture_path()
     engine_path = _quiet_flush()
     compiled_graphs = counters["stats"]["unique_graphs"]
     breaks = sum(counters["graph_break"].values())
@@ -156,7 +164,7 @@ def run_demo(
         f"[demo] engine: {compiled_graphs} compiled graph(s), {breaks} graph break(s), "
         f"{compiled_graphs - graphs_at_first_step[0]} recompile(s) after the first decode step"
         + (f", {counters['inductor']['cudagraph_skips']} cudagraph skip(s)" if mode else "")
-        + f" ({time.perf_counter() - started:.1f} s)"
+        + f" ({time.perf_counter() - started:.1f} s); capture path: {path}"
     )
 
     log(f"[demo] compiledump compare {reference_path} {engine_path}")

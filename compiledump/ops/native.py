@@ -11,6 +11,7 @@ package, `0` = never, `1` = required (an error if it cannot be loaded), or a pat
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -45,9 +46,35 @@ def load(path: str | os.PathLike | None = None) -> bool:
         if required:
             raise RuntimeError(f"compiledump: native library not found at {target}; build it with CMakeLists.txt")
         return False
+    # RTLD_GLOBAL first: AOTInductor packages that call the library's C shims (kernels/aoti_shim.cpp)
+    # resolve them from the global scope when they are loaded.
+    ctypes.CDLL(str(target), mode=ctypes.RTLD_GLOBAL)
     torch.ops.load_library(str(target))
     _loaded = str(target)
     return True
+
+
+# The C shims the library exports for AOTInductor (kernels/aoti_shim.cpp), by op: the declarations
+# Inductor's generated code calls instead of going through its proxy executor.
+C_SHIMS = {
+    schemas.EXPORT: [
+        "AOTITorchError aoti_torch_{device}_capture_export_v1(AtenTensorHandle x, AtenTensorHandle arena, "
+        "AtenTensorHandle ctrl, int64_t slot, int64_t kind, int64_t reason, int64_t offset, "
+        "const int64_t* payload, int64_t payload_len_, int64_t capacity, int64_t tokens, ...)",
+    ],
+}
+
+
+def c_shims(device_type: str) -> dict:
+    """`aot_inductor.custom_ops_to_c_shims` for programs on `device_type` (cpu or cuda) when the
+    loaded library exports the shims, else {} (the proxy executor serves the ops)."""
+    if _loaded is None or device_type not in ("cpu", "cuda"):
+        return {}
+    library = ctypes.CDLL(_loaded, mode=ctypes.RTLD_GLOBAL)
+    if not hasattr(library, f"aoti_torch_{device_type}_capture_export_v1"):
+        return {}  # a library built before the shims, or without CUDA
+    return {getattr(torch.ops.compiledump, op).default: [d.format(device=device_type) for d in decls]
+            for op, decls in C_SHIMS.items()}
 
 
 def loaded_path() -> str | None:

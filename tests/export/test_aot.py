@@ -21,7 +21,7 @@ import torch
 
 import compiledump
 from compiledump import aot
-from compiledump.ops import schemas
+from compiledump.ops import native, schemas
 from compiledump.capture.state import STATE
 from compiledump.ops import layout as L
 from compiledump.demo.model import ModelConfig, TinyMoE, export_session, run_session, session_forward
@@ -205,6 +205,23 @@ def test_aoti_package_from_cpp_driver(packages, native_build, tmp_path):
     diff = subprocess.run([*cli, "compare", buggy, cpp], capture_output=True, text=True)
     assert diff.returncode == 1 and "first divergence: layer1" in diff.stdout, diff.stdout + diff.stderr
     compiledump.reset()
+
+
+def test_native_packages_call_the_c_shim(packages, monkeypatch):
+    """Packaged with the native library loaded, the generated code calls its C shim for every
+    capture (no proxy executor), and loading such a package without the library is refused."""
+    if not native.native_available():
+        pytest.skip("the native library is not loaded: packages use the proxy executor")
+    import zipfile
+
+    out, eager, prefill, decode = packages
+    with zipfile.ZipFile(prefill) as archive:
+        wrapper = "".join(archive.read(n).decode() for n in archive.namelist() if n.endswith(".wrapper.cpp"))
+    assert wrapper.count("aoti_torch_cpu_capture_export_v1(") > 10
+    assert "proxy_executor_call_function(" not in wrapper
+    monkeypatch.setattr(native, "native_available", lambda: False)
+    with pytest.raises(RuntimeError, match="C shims"):
+        aot.load(prefill)
 
 
 def test_driver_usage_and_bad_package(native_build, tmp_path):

@@ -2,6 +2,7 @@
 matches the Python reference kernel on every sample (skipped where no compiler/cmake exists)."""
 
 import importlib
+
 import pytest
 import torch
 

@@ -86,7 +86,8 @@ def test_gpu_bench_graph_phases_emulated(tmp_path, dump_dir):
     """Every GPU measurement's code path, on CPU with eager calls standing in for graph replays
     (the compiled decode variant, which only adds torch.compile, is left out: a long compile)."""
     out = tmp_path / "bench.json"
-    phases = ["graph_capture_cost", "decode_overhead", "flush_throughput", "graph_equals_eager", "kernel_bandwidth"]
+    phases = ["graph_capture_cost", "decode_overhead", "flush_throughput", "graph_equals_eager", "kernel_bandwidth",
+              "compiled_host_cost"]
     assert _load("gpu_bench").main(["--device", "cpu", "--quick", "--emulate", "--out", str(out), "--only", *phases]) == 0
     result = json.loads(out.read_text())
     assert result["emulated"] is True and list(result["phases"]) == phases
@@ -96,6 +97,7 @@ def test_gpu_bench_graph_phases_emulated(tmp_path, dump_dir):
     assert r["flush_throughput"]["bytes"] >= 8 * 32000 * 4 and r["flush_throughput"]["efficiency"] > 0
     assert r["graph_equals_eager"]["max_rel_err"] == 0.0 and r["graph_equals_eager"]["keys"] == 4 * 5 + 4
     assert r["kernel_bandwidth"]["floor_us"] > 0
+    assert r["compiled_host_cost"]["captures"] == 6 and r["compiled_host_cost"]["call_us_instrumented"] > 0
 
 
 # Device selection and --dry-run ---------------------------------------------------------------
