@@ -17,11 +17,9 @@ struct Geometry {
 
 Geometry geometry(const at::Tensor& x, int64_t kind);
 
-// Shape of what one capture of a tensor of shape `shape` stores (arena.payload_shape).
-std::vector<int64_t> payload_shape(at::IntArrayRef shape, int64_t kind);
-
-// capture_export_v1's `payload` argument: [ndim, *dims] (never empty; ops.encode_payload).
-std::vector<int64_t> encode_payload(const std::vector<int64_t>& shape);
+// Whether `payload` is the shape one capture of a tensor of shape `shape` stores
+// (ops/geometry.py payload_shape; capture_export_v1's `payload` argument without its length).
+bool payload_matches(at::IntArrayRef shape, int64_t kind, at::IntArrayRef payload);
 
 // `compiledump::capture_kernel_v1` (through the dispatcher: the CPU or CUDA kernel) for a capture
 // whose region and drop reason are decided.

@@ -85,20 +85,20 @@ void capture_kernel_cpu(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl
 
 }  // namespace
 
-std::vector<int64_t> payload_shape(at::IntArrayRef shape, int64_t kind) {
-  if (kind == KIND_IDS) return shape.vec();
-  if (kind == KIND_STEP) return shape.size() >= 2 ? shape.slice(1).vec() : shape.vec();
-  if (kind == KIND_RECORD_ROWS) return {shape.front(), shape.back()};
-  if (shape.size() == 2 || shape.size() == 3) return {shape.back()};
+bool payload_matches(at::IntArrayRef shape, int64_t kind, at::IntArrayRef payload) {
+  // Whether `payload` is the shape one capture of a tensor of shape `shape` stores
+  // (ops/geometry.py payload_shape), without building it (a per-capture check).
+  const size_t n = shape.size();
   int64_t numel = 1;
-  for (int64_t d : shape) numel *= d;
-  return {numel};
-}
-
-std::vector<int64_t> encode_payload(const std::vector<int64_t>& shape) {
-  std::vector<int64_t> encoded{static_cast<int64_t>(shape.size())};
-  encoded.insert(encoded.end(), shape.begin(), shape.end());
-  return encoded;
+  switch (kind) {
+    case KIND_IDS: return shape.equals(payload);
+    case KIND_STEP: return n >= 2 ? shape.slice(1).equals(payload) : shape.equals(payload);
+    case KIND_RECORD_ROWS: return payload.size() == 2 && payload[0] == shape.front() && payload[1] == shape.back();
+    default:
+      if (n == 2 || n == 3) return payload.size() == 1 && payload[0] == shape.back();
+      for (int64_t d : shape) numel *= d;
+      return payload.size() == 1 && payload[0] == numel;
+  }
 }
 
 Geometry geometry(const at::Tensor& input, int64_t kind) {
@@ -126,12 +126,17 @@ Geometry geometry(const at::Tensor& input, int64_t kind) {
 
 void capture_kernel_call(const Geometry& g, at::Tensor& arena, at::Tensor& ctrl, int64_t kind, int64_t base,
                          int64_t offset, int64_t capacity, int64_t reason) {
+  if (arena.is_cpu()) {  // the kernel above, without a dispatcher hop
+    capture_kernel_cpu(g.x, arena, ctrl, kind, base, offset, capacity, reason, g.T, g.H, g.D, g.stride_t,
+                       g.stride_h, g.stride_d, g.row_reg, g.mean);
+    return;
+  }
   static auto kernel = c10::Dispatcher::singleton()
                            .findSchemaOrThrow("compiledump::capture_kernel_v1", "")
                            .typed<void(const at::Tensor&, at::Tensor&, at::Tensor&, int64_t, int64_t, int64_t,
                                        int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                                        int64_t, bool)>();
-  // Through the dispatcher: the CPU kernel above, or the CUDA one (capture_cuda.cu).
+  // Through the dispatcher: the CUDA kernel (capture_cuda.cu).
   kernel.call(g.x, arena, ctrl, kind, base, offset, capacity, reason, g.T, g.H, g.D, g.stride_t, g.stride_h,
               g.stride_d, g.row_reg, g.mean);
 }
@@ -150,7 +155,8 @@ void capture_export(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl, in
     if (tokens && (kind == KIND_RECORD || kind == KIND_RECORD_ROWS || kind == KIND_IDS) && x.dim() > 0 &&
         x.size(0) != tokens)
       reason = CNT_TOKEN_GATE;
-    else if (encode_payload(payload_shape(x.sizes(), kind)) != payload.vec())
+    else if (payload.empty() || payload[0] + 1 != static_cast<int64_t>(payload.size()) ||
+             !payload_matches(x.sizes(), kind, payload.slice(1)))
       reason = CNT_SHAPE_CHANGED;
     else if (offset < 0)
       reason = CNT_ARENA_FULL;

@@ -81,7 +81,7 @@ bool decide(const at::Tensor& x, const at::Tensor& arena, const at::Tensor& ctrl
       return true;
     }
   }
-  if (payload_shape(x.sizes(), kind) != region.payload) {
+  if (!payload_matches(x.sizes(), kind, region.payload)) {
     out.reason = CNT_SHAPE_CHANGED;
     return true;
   }

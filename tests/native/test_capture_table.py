@@ -181,11 +181,9 @@ def test_native_decisions_equal_pythons(dump_dir, tmp_path, seed, tokens):
     assert native_manifest == python_manifest
 
 
-def test_inductor_cpp_wrapper_calls_the_native_op(dump_dir, monkeypatch, resolve_calls):
+def test_inductor_cpp_wrapper_calls_the_native_op(dump_dir, resolve_calls):
     """Inductor's C++ wrapper (no Python between the compiled graph's kernels) runs the captures."""
     import torch._inductor.config as inductor_config
-
-    monkeypatch.setattr(inductor_config, "cpp_wrapper", True)
 
     def step(x):
         y = x * 2
@@ -195,8 +193,9 @@ def test_inductor_cpp_wrapper_calls_the_native_op(dump_dir, monkeypatch, resolve
 
     compiled = torch.compile(step, fullgraph=True)
     xs = [torch.randn(5, 4, 16) for _ in range(3)]
-    for x in xs:
-        torch.testing.assert_close(compiled(x), x * 2 + 1)
+    with inductor_config.patch(cpp_wrapper=True):
+        for x in xs:
+            torch.testing.assert_close(compiled(x), x * 2 + 1)
     assert len(resolve_calls) == 2
     with np.load(compiledump.flush()) as data:
         np.testing.assert_array_equal(data["a"], (xs[-1] * 2)[-1].mean(0).numpy())

@@ -113,7 +113,7 @@ def test_readme_is_short_and_starts_with_the_ci_commands():
     readme = (REPO / "README.md").read_text()
     assert len(readme.splitlines()) <= 250
     commands = [line for line in readme.splitlines()[:20] if line.startswith("python3 -m venv")]
-    assert len(commands) == 2 and commands[0].endswith("compiledump demo") and commands[1].endswith("python -m pytest")
+    assert len(commands) == 2 and commands[0].endswith("compiledump demo") and commands[1].endswith("python -m pytest -n auto")
     assert commands[1] in (REPO / ".ci" / "run").read_text()
 
 
