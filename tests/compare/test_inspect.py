@@ -32,6 +32,7 @@ def test_inspect_lists_keys_in_order_with_statistics(tmp_path, capsys):
     manifest = factory.manifest_for(captures, drops={"token_gate": 38, "suspended": 1},
                                     filtered_tags={"layer7_topk": "moe_layers"})
     manifest["tags"]["layer0"]["drops"] = {"token_gate": 38}
+    manifest["capture_path"] = "native"
     path = factory.write_compiledump(tmp_path, captures, shuffle_with=rng, manifest=manifest)
     code, out, err = run_cli(capsys, "inspect", path, "--json", tmp_path / "i.json")
     assert code == 0 and not err
@@ -44,6 +45,8 @@ def test_inspect_lists_keys_in_order_with_statistics(tmp_path, capsys):
     assert first["mean"] == pytest.approx(finite.mean(), rel=1e-9)
     assert listing["drops"] == {"token_gate": 38, "suspended": 1}
     assert listing["config"]["max_steps"] == 256
+    assert listing["capture_path"] == "native"
+    assert any(line.startswith("manifest:") and line.endswith(", capture path native") for line in out)
     assert any(line.startswith("drops: token_gate=38, suspended=1") for line in out)
     assert any(line.strip() == "layer0: token_gate=38" for line in out)
     assert any("filtered tags: layer7_topk (moe_layers)" in line for line in out)

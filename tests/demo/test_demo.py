@@ -3,10 +3,13 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import compiledump
 from compiledump import cli
+from compiledump.ops import native
 
 
 def _demo(capsys, *args):
@@ -38,6 +41,10 @@ def test_default_demo_command(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert out.stdout.splitlines()[-1].startswith("no divergence")
+    # It says which capture path ran: native where the library was built into the package.
+    built = (Path(compiledump.__file__).parent / native.LIBRARY_NAME).exists()
+    engine = [line for line in out.stdout.splitlines() if "compiled graph(s)" in line]
+    assert engine and engine[0].endswith(f"capture path: {'native' if built else 'python'}"), engine
 
 
 def test_bad_options_exit_2(capsys):
