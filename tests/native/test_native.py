@@ -124,6 +124,32 @@ def test_native_capture_export_matches_python(native_library, case):
         assert torch.equal(got_arena.view(torch.int32), want_arena.view(torch.int32))
 
 
+_PAYLOAD_SHAPES = [(), (5,), (4, 6), (4, 3, 6), (2, 3, 1, 5)]
+_PAYLOAD_KINDS = [L.KIND_RECORD, L.KIND_RECORD_ONCE, L.KIND_STEP, L.KIND_IDS, L.KIND_RECORD_ROWS]
+
+
+@pytest.mark.parametrize("shape", _PAYLOAD_SHAPES, ids=str)
+@pytest.mark.parametrize("kind", _PAYLOAD_KINDS)
+def test_native_payload_check_matches_python(native_library, shape, kind):
+    """The C++ payload-shape check (it allocates nothing) against Python's `payload_shape`: the
+    region's own payload passes, every near miss is counted `shape_changed`, on both paths."""
+    if kind == L.KIND_RECORD_ROWS and len(shape) not in (2, 3):
+        pytest.skip("all-rows records take 2-D and 3-D tensors only")
+    x = torch.randint(0, 9, shape) if kind == L.KIND_IDS else torch.randn(shape)
+    right = list(geometry.payload_shape(tuple(shape), kind))
+    candidates = [right, right + [1], right[:-1], [d + 1 for d in right], [1, *right]]
+    for payload in candidates:
+        counters = []
+        for impl in (_python_capture_export, schemas.capture_export):
+            arena = torch.zeros(1024)
+            ctrl = torch.zeros(L.control_words(4), dtype=torch.int32)
+            ctrl[L.REG_ENABLED], ctrl[L.REG_MAX_ROWS], ctrl[L.REG_RECORD_ROW] = 1, 1, -1
+            impl(x, arena, ctrl, 2, kind, 0, 16, schemas.encode_payload(payload), 4, 0)
+            counters.append(ctrl[L.slot_base(2) : L.slot_base(2) + L.SLOT_COUNTERS].tolist())
+        assert counters[0] == counters[1], payload
+        assert counters[0][L.CNT_SHAPE_CHANGED] == (payload != right), payload
+
+
 def test_native_available_is_public():
     import compiledump
 
