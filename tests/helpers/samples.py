@@ -35,6 +35,8 @@ def int_samples():
 
 GEOMETRIES = {
     "3d": lambda g, dt: torch.randn(6, 4, 37, generator=g).to(dt),
+    "3d_hc3": lambda g, dt: torch.randn(5, 3, 29, generator=g).to(dt),  # a mean whose division is inexact
+    "3d_hc8": lambda g, dt: torch.randn(4, 8, 21, generator=g).to(dt),
     "3d_noncontig": lambda g, dt: torch.randn(6, 37, 4, generator=g).to(dt).transpose(1, 2),
     "2d": lambda g, dt: torch.randn(5, 1031, generator=g).to(dt),  # > one BLOCK
     "2d_sliced": lambda g, dt: torch.randn(5, 23, generator=g).to(dt)[1:, ::3],
@@ -59,3 +61,13 @@ def run_kernel(kernel, x, kind, registers, calls, reason=0):
     for _ in range(calls):
         kernel(x, arena_t, ctrl, kind, L.slot_base(2), 8, 2, reason)
     return arena_t, ctrl
+
+
+def assert_same_arena(got, want, dtype) -> None:
+    """Kernel outputs compared bit for bit: every kernel sums the hc rows in h order in fp32 and
+    divides once. The reference's bfloat16 path (torch.mean: no numpy view of bf16) may differ
+    by an ulp for hc_mult above 4, so that dtype is held to 1e-6 relative."""
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0, equal_nan=True)
+    else:
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))

@@ -15,7 +15,7 @@ from compiledump.capture.state import STATE
 from compiledump.ops import reference, register, schemas
 from compiledump.ops import layout as L
 
-from helpers.samples import DTYPES, GEOMETRIES, REGISTERS, float_samples, int_samples, run_kernel
+from helpers.samples import DTYPES, GEOMETRIES, REGISTERS, assert_same_arena, float_samples, int_samples, run_kernel
 
 
 
@@ -72,8 +72,7 @@ def test_triton_matches_cpu_reference(geometry, dtype, kind):
         want_arena, want_ctrl = run_kernel(reference.capture_reference, x, kind, registers, calls=3)
         got_arena, got_ctrl = run_kernel(register.capture_triton, x, kind, registers, calls=3)
         torch.testing.assert_close(got_ctrl, want_ctrl, rtol=0, atol=0)
-        # Same accumulation order: equal to within 1e-6 relative (in practice bit-identical).
-        torch.testing.assert_close(got_arena, want_arena, rtol=1e-6, atol=0, equal_nan=True)
+        assert_same_arena(got_arena, want_arena, dtype)
 
 
 @pytest.mark.parametrize("name", list(int_samples()))
