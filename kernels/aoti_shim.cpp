@@ -3,7 +3,7 @@
 // boxed argument stack per call (about 1.8 us per capture at dim 64; benchmarks/RESULTS.md).
 //
 // compiledump.aot.package declares them to Inductor (`aot_inductor.custom_ops_to_c_shims`, with
-// the declarations of compiledump/aot/shims.py); the symbols are resolved when the package is
+// the declarations in compiledump/ops/native.py C_SHIMS); the symbols are resolved when the package is
 // loaded, from this library (loaded with RTLD_GLOBAL by compiledump/ops/native.py, or linked
 // into a C++ driver). The argument lists follow Inductor's C-shim convention: tensors as
 // handles, an int[] as a pointer and a length, then one pointer per output. An op returning

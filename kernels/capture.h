@@ -21,8 +21,8 @@ Geometry geometry(const at::Tensor& x, int64_t kind);
 // (ops/geometry.py payload_shape; capture_export_v1's `payload` argument without its length).
 bool payload_matches(at::IntArrayRef shape, int64_t kind, at::IntArrayRef payload);
 
-// `compiledump::capture_kernel_v1` (through the dispatcher: the CPU or CUDA kernel) for a capture
-// whose region and drop reason are decided.
+// `compiledump::capture_kernel_v1` for a capture whose region and drop reason are decided: the CPU
+// kernel directly, the CUDA one through the dispatcher.
 void capture_kernel_call(const Geometry& g, at::Tensor& arena, at::Tensor& ctrl, int64_t kind, int64_t base,
                          int64_t offset, int64_t capacity, int64_t reason);
 

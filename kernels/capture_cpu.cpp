@@ -143,17 +143,15 @@ void capture_kernel_call(const Geometry& g, at::Tensor& arena, at::Tensor& ctrl,
 
 std::tuple<at::Tensor, at::Tensor> snapshot_cpu(const at::Tensor& arena, const at::Tensor& ctrl, int64_t words) {
   TORCH_CHECK(words >= 0 && words <= arena.numel(), "compiledump: snapshot past the arena's end");
-  std::lock_guard<std::mutex> guard(capture_mutex());
-  at::Tensor ctrl_copy = ctrl.clone();
-  return {arena.narrow(0, 0, words).clone(), ctrl_copy};
+  std::lock_guard<std::mutex> guard(capture_mutex());  // no capture between the two copies
+  return {arena.narrow(0, 0, words).clone(), ctrl.clone()};
 }
 
 void capture_export(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl, int64_t slot, int64_t kind,
                     int64_t reason, int64_t offset, at::IntArrayRef payload, int64_t capacity, int64_t tokens) {
   // The gates of ops.export_gates, decided from shapes (host metadata: no device access).
   if (reason == 0 && slot != 0) {
-    if (tokens && (kind == KIND_RECORD || kind == KIND_RECORD_ROWS || kind == KIND_IDS) && x.dim() > 0 &&
-        x.size(0) != tokens)
+    if (tokens && is_token_gated_kind(kind) && x.dim() > 0 && x.size(0) != tokens)
       reason = CNT_TOKEN_GATE;
     else if (payload.empty() || payload[0] + 1 != static_cast<int64_t>(payload.size()) ||
              !payload_matches(x.sizes(), kind, payload.slice(1)))

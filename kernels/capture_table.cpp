@@ -38,6 +38,10 @@ struct Table {
   int64_t prompt_tokens = -1;  // -1: not learned yet (a gated call goes to Python, which learns it)
   bool gate_on = false;
   std::unordered_map<int64_t, Region> regions;
+
+  bool bound_to(const at::Tensor& block) const {
+    return ctrl.defined() && ctrl.const_data_ptr() == block.const_data_ptr();
+  }
 };
 
 Table& table() {
@@ -53,8 +57,6 @@ bool doubtful_hc_reading(at::IntArrayRef shape, int64_t prompt_tokens) {
          (prompt_tokens >= 0 && tokens != prompt_tokens && prompt_tokens == middle);
 }
 
-bool token_gated_kind(int64_t kind) { return kind == KIND_RECORD || kind == KIND_RECORD_ROWS || kind == KIND_IDS; }
-
 // The kernel arguments Runtime.resolve would return, or false when only Python can decide.
 struct Decision {
   int64_t offset = -1, capacity = 0, reason = 0;
@@ -65,7 +67,7 @@ bool decide(const at::Tensor& x, const at::Tensor& arena, const at::Tensor& ctrl
   if (x.device() != arena.device() || ctrl.device() != arena.device()) return false;  // Python raises
   Table& t = table();
   std::lock_guard<std::mutex> guard(t.mutex);
-  if (!t.ctrl.defined() || t.ctrl.const_data_ptr() != ctrl.const_data_ptr()) return false;
+  if (!t.bound_to(ctrl)) return false;
   const auto found = t.regions.find(slot);
   if (reason != 0 || slot == 0) {
     if (slot != 0 && found == t.regions.end()) return false;  // Python checks the slot exists
@@ -74,7 +76,7 @@ bool decide(const at::Tensor& x, const at::Tensor& arena, const at::Tensor& ctrl
   }
   if (found == t.regions.end() || found->second.kind != kind) return false;
   const Region& region = found->second;
-  if (token_gated_kind(kind) && x.dim() > 0) {
+  if (is_token_gated_kind(kind) && x.dim() > 0) {
     if (t.prompt_tokens < 0) return false;
     if (t.gate_on && x.size(0) != t.prompt_tokens) {
       out.reason = CNT_TOKEN_GATE;
@@ -117,8 +119,7 @@ void table_gate(const at::Tensor& ctrl, int64_t prompt_tokens, bool gate_on, boo
     t.regions.clear();
     t.ctrl = ctrl;
   }
-  TORCH_CHECK(t.ctrl.defined() && t.ctrl.const_data_ptr() == ctrl.const_data_ptr(),
-              "compiledump: table_gate_v1 for a control block not bound");
+  TORCH_CHECK(t.bound_to(ctrl), "compiledump: table_gate_v1 for a control block not bound");
   t.prompt_tokens = prompt_tokens;
   t.gate_on = gate_on;
 }
@@ -127,8 +128,7 @@ void table_region(const at::Tensor& ctrl, int64_t slot, int64_t kind, int64_t of
                   at::IntArrayRef payload, bool check_layout) {
   Table& t = table();
   std::lock_guard<std::mutex> guard(t.mutex);
-  TORCH_CHECK(t.ctrl.defined() && t.ctrl.const_data_ptr() == ctrl.const_data_ptr(),
-              "compiledump: table_region_v1 for a control block not bound");
+  TORCH_CHECK(t.bound_to(ctrl), "compiledump: table_region_v1 for a control block not bound");
   t.regions[slot] = Region{kind, offset, capacity, payload.vec(), check_layout};
 }
 

@@ -40,6 +40,11 @@ constexpr int64_t ROW_ALL = -2;
 
 inline int64_t slot_base(int64_t slot) { return HEADER_WORDS + slot * SLOT_WORDS; }
 
+// The kinds the token gate applies to (ops/geometry.py TOKEN_GATED_KINDS).
+C10_HOST_DEVICE inline bool is_token_gated_kind(int64_t kind) {
+  return kind == KIND_RECORD || kind == KIND_RECORD_ROWS || kind == KIND_IDS;
+}
+
 // The kinds whose kept captures set SLOT_KEPT_TOKENS (layout.RECORD_KINDS).
 C10_HOST_DEVICE inline bool is_record_kind(int64_t kind) {
   return kind == KIND_RECORD || kind == KIND_RECORD_ONCE || kind == KIND_RECORD_ROWS;

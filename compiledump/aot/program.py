@@ -24,8 +24,8 @@ def _package_uses_shims(path) -> bool:
 
     try:
         with zipfile.ZipFile(path) as archive:
-            return any(name.endswith(".json") and SHIMS_KEY.encode() in archive.read(name)
-                       for name in archive.namelist() if "metadata" in name or name.endswith("json"))
+            return any(SHIMS_KEY.encode() in archive.read(name)
+                       for name in archive.namelist() if name.endswith("metadata.json"))
     except (OSError, zipfile.BadZipFile):
         return False
 

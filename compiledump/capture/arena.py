@@ -53,7 +53,7 @@ class Runtime:
                 "compiledump.init(device) (or run one eager step) before capturing"
             )
         self.device = device
-        self.config = cfg
+        self._config = cfg  # `config` is a property: its setter pushes the token gate (below)
         # Plain (non-inference) tensors even if the first capture runs under inference_mode:
         # the host must be able to update them later outside it.
         with torch.inference_mode(False), torch.no_grad():
@@ -78,17 +78,17 @@ class Runtime:
         self.layout_declared: set[str] = set()  # tags whose call site said how to read a 3-D tensor
         self.host_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self.host_enabled = not profiling_depth  # the host's copy of REG_ENABLED
-        # The native library's region table serves CPU captures when it owns `capture_v1`
-        # (kernels/capture_table.cpp); every decision it needs is pushed to it from here.
-        owned = device.type == "cpu" and register.native_owns_capture()
-        if owned:
-            # Bind the table to this arena, dropping the last one's regions; it stays empty (every
-            # call decided by Python) when tests run the Triton kernel on CPU.
-            schemas.table_gate(self.ctrl, -1, False, True)
-        self.native_table = owned and _config.env("COMPILEDUMP_CPU_KERNEL") != "triton"
         # The prompt length of the token gate: fixed by COMPILEDUMP_TOKENS, else learned from the
         # first capture outside profiling() (also with the gate off: it labels the dump's phases).
-        self.prompt_tokens: int | None = cfg.fixed_tokens or None
+        self._prompt_tokens: int | None = cfg.fixed_tokens or None
+        # The native library's region table serves CPU captures when it owns `capture_v1`
+        # (kernels/capture_table.cpp); every decision it needs is pushed to it from here. Bound to
+        # this arena (dropping the last one's regions) whenever the library owns the op; no region
+        # is pushed (every call decided by Python) when tests run the Triton kernel on CPU.
+        self.table_bound = device.type == "cpu" and register.native_owns_capture()
+        self.native_table = self.table_bound and not register.use_triton_on_cpu()
+        if self.table_bound:
+            self._push_gate(bind=True)
 
     @property
     def capture_path(self) -> str:
@@ -98,7 +98,7 @@ class Runtime:
         COMPILEDUMP_CPU_KERNEL=triton)."""
         if self.native_table:
             return "native"
-        if self.device.type == "cuda" or _config.env("COMPILEDUMP_CPU_KERNEL") == "triton":
+        if self.device.type == "cuda" or register.use_triton_on_cpu():
             return "triton"
         return "python"
 
@@ -122,10 +122,10 @@ class Runtime:
         self._prompt_tokens = tokens
         self._push_gate()
 
-    def _push_gate(self) -> None:
-        if getattr(self, "native_table", False) and hasattr(self, "_prompt_tokens"):
+    def _push_gate(self, bind: bool = False) -> None:
+        if self.table_bound:
             prompt = -1 if self._prompt_tokens is None else self._prompt_tokens
-            schemas.table_gate(self.ctrl, prompt, bool(self._config.tokens), False)
+            schemas.table_gate(self.ctrl, prompt, bool(self._config.tokens), bind)
 
     def _push_region(self, slot: Slot) -> None:
         # A 3-D record that may still need its layout warning stays with Python for doubtful shapes.

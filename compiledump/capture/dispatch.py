@@ -64,13 +64,11 @@ def capture_eager(x, arena, ctrl, slot, kind, reason) -> None:
         x = x.detach()
     if x.device.type == "cuda":
         _capture_cuda(x, arena, ctrl, slot, kind, reason)
-    elif _NATIVE:
+    elif register.native_owns_capture():
         schemas.capture(x, arena, ctrl, slot, kind, reason)  # one call into C++ (its region table)
     else:
         _capture_cpu(x, arena, ctrl, slot, kind, reason)
 
-
-_NATIVE = register.native_owns_capture()
 
 
 def emit_export(rt: Runtime, index: int, kind: int, reason: int, x: torch.Tensor) -> None:

@@ -41,7 +41,8 @@ def inside_kernel() -> bool:
     return _in_kernel.depth > 0
 
 
-def _use_triton_on_cpu() -> bool:
+def use_triton_on_cpu() -> bool:
+    """True when tests route CPU tensors through the Triton kernel (COMPILEDUMP_CPU_KERNEL=triton)."""
     return config.env("COMPILEDUMP_CPU_KERNEL") == "triton"
 
 
@@ -71,7 +72,7 @@ def run_cpu_kernel(x, arena, ctrl, kind, args) -> None:
     _in_kernel.depth += 1
     try:
         with KERNEL_LOCK:
-            if _use_triton_on_cpu():
+            if use_triton_on_cpu():
                 capture_triton(x, arena, ctrl, kind, *args)
             elif native.native_available():
                 capture_native(x, arena, ctrl, kind, *args)

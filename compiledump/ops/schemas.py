@@ -52,8 +52,9 @@ SCHEMAS = {
     " int offset, int[] payload, int capacity, int tokens) -> ()",
     # The native library's region table (kernels/capture_table.cpp), with which it serves
     # `capture_v1` itself: Python's registry binds a new arena's control block (`bind`), then
-    # pushes the prompt length of the token gate and each claimed region; a call the table cannot decide goes to `capture_resolve_v1` (the Python
-    # implementation, same arguments as `capture_v1`). Called at run time only, never traced.
+    # pushes the prompt length of the token gate and each claimed region; a call the table
+    # cannot decide goes to `capture_resolve_v1` (the Python implementation, same arguments as
+    # `capture_v1`). Called at run time only, never traced.
     RESOLVE: f"{RESOLVE}(Tensor x, Tensor(a!) arena, Tensor(b!) ctrl, int slot, int kind, int reason) -> ()",
     TABLE_GATE: f"{TABLE_GATE}(Tensor ctrl, int prompt_tokens, bool gate_on, bool bind) -> ()",
     TABLE_REGION: f"{TABLE_REGION}(Tensor ctrl, int slot, int kind, int offset, int capacity, int[] payload,"
