@@ -14,6 +14,9 @@
 #include <ATen/Dispatch_v2.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <mutex>
 
 #include "capture.h"
@@ -29,9 +32,11 @@ std::mutex& capture_mutex() {
 
 namespace {
 
+// Stores one row and returns the non-finite values among those read (as fp32, what is stored).
 template <typename T>
-void store_row(const T* src, float* arena, int64_t dest, int64_t H, int64_t D, int64_t sh, int64_t sd,
-               bool mean, bool ids) {
+int64_t store_row(const T* src, float* arena, int64_t dest, int64_t H, int64_t D, int64_t sh, int64_t sd,
+                  bool mean, bool ids) {
+  int64_t bad = 0;
   if (ids) {
     auto* out = reinterpret_cast<int32_t*>(arena) + dest;
     for (int64_t h = 0; h < H; ++h)
@@ -40,14 +45,33 @@ void store_row(const T* src, float* arena, int64_t dest, int64_t H, int64_t D, i
     float* out = arena + dest;
     for (int64_t d = 0; d < D; ++d) {
       float acc = 0.0f;
-      for (int64_t h = 0; h < H; ++h) acc += static_cast<float>(src[h * sh + d * sd]);
+      for (int64_t h = 0; h < H; ++h) {
+        const float v = static_cast<float>(src[h * sh + d * sd]);
+        bad += !std::isfinite(v);
+        acc += v;
+      }
       out[d] = acc / static_cast<float>(H);
     }
   } else {
     float* out = arena + dest;
     for (int64_t h = 0; h < H; ++h)
-      for (int64_t d = 0; d < D; ++d) out[h * D + d] = static_cast<float>(src[h * sh + d * sd]);
+      for (int64_t d = 0; d < D; ++d) {
+        const float v = static_cast<float>(src[h * sh + d * sd]);
+        bad += !std::isfinite(v);
+        out[h * D + d] = v;
+      }
   }
+  return bad;
+}
+
+// COMPILEDUMP_NONFINITE=all: the non-finite values of the whole [T, H, D] input.
+template <typename T>
+int64_t count_all(const T* x, int64_t rows, int64_t H, int64_t D, int64_t st, int64_t sh, int64_t sd) {
+  int64_t bad = 0;
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = 0; d < D; ++d) bad += !std::isfinite(static_cast<float>(x[t * st + h * sh + d * sd]));
+  return bad;
 }
 
 void capture_kernel_cpu(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl, int64_t kind, int64_t base,
@@ -61,26 +85,47 @@ void capture_kernel_cpu(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl
   int32_t* regs = ctrl.data_ptr<int32_t>();
   const Gate gate = choose_counter(regs, kind, reason, T, row_reg);
   const int64_t counter = gate.counter, row = gate.row;
-  const int64_t old = regs[base + counter]++;
-  if (counter != CNT_WRITTEN) return;
-  if (kind == KIND_RECORD_ONCE && old != 0) return;
-  if (kind == KIND_STEP && old >= capacity) return;
-  // The kept call's token count (0: a tensor stored whole has none).
-  if (is_record_kind(kind)) regs[base + SLOT_KEPT_TOKENS] = row_reg == ROW_FIXED_ZERO ? 0 : static_cast<int32_t>(T);
+  const int64_t old = regs[base + counter]++;  // the claim
+  const bool live = counter == CNT_WRITTEN;
+  const int64_t steps_now = regs[REG_STEPS];
+  if (live && kind == KIND_STEP) regs[REG_STEPS] = static_cast<int32_t>(std::max(steps_now, old + 1));
+  const bool write = live && !(kind == KIND_RECORD_ONCE && old != 0) && !(kind == KIND_STEP && old >= capacity);
+  const bool check_all = counter != CNT_SUSPENDED && regs[REG_CHECK_ALL] != 0 && kind != KIND_IDS;
+  const int64_t kept_tokens = row_reg == ROW_FIXED_ZERO ? 0 : T;  // a tensor stored whole has none
   const int64_t words = mean ? D : H * D;
   const int64_t rows = row_reg == ROW_ALL ? T : 1;  // every row, or the one gathered
   const int64_t dest = offset + (kind == KIND_STEP ? old : 0) * words;
-  TORCH_CHECK(dest >= 0 && dest + rows * words <= arena.numel(), "compiledump: arena region out of bounds");
+  TORCH_CHECK(!write || (dest >= 0 && dest + rows * words <= arena.numel()),
+              "compiledump: arena region out of bounds");
+  if (write && is_record_kind(kind)) regs[base + SLOT_KEPT_TOKENS] = static_cast<int32_t>(kept_tokens);
   float* out = arena.data_ptr<float>();
+  int64_t bad = 0, read_bad = 0;
   // The dtypes of the Triton and CUDA kernels: the usual floats and ints, bool, uint8..uint64 and
   // the four fp8 formats (untyped pointer: data_ptr<T> is not instantiated for all of them).
   AT_DISPATCH_V2(x.scalar_type(), "capture_kernel_cpu", AT_WRAP([&] {
-    for (int64_t r = 0; r < rows; ++r) {
-      const scalar_t* src = static_cast<const scalar_t*>(x.const_data_ptr()) + (row + r) * st;
-      store_row<scalar_t>(src, out, dest + r * words, H, D, sh, sd, mean, kind == KIND_IDS);
-    }
+    const scalar_t* x0 = static_cast<const scalar_t*>(x.const_data_ptr());
+    if (check_all) bad = count_all<scalar_t>(x0, T, H, D, st, sh, sd);
+    if (write)
+      for (int64_t r = 0; r < rows; ++r)
+        read_bad += store_row<scalar_t>(x0 + (row + r) * st, out, dest + r * words, H, D, sh, sd, mean,
+                                        kind == KIND_IDS);
   }), AT_EXPAND(AT_ALL_TYPES), at::kHalf, at::kBFloat16, at::kBool, AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES),
       at::kFloat8_e4m3fn, at::kFloat8_e4m3fnuz, at::kFloat8_e5m2, at::kFloat8_e5m2fnuz);
+  if (write) {
+    // The commit, after the payload: the compiler must not move the stores above past it (a
+    // process killed between the two leaves a claimed, uncommitted write that recover drops).
+    std::atomic_signal_fence(std::memory_order_seq_cst);
+    regs[base + SLOT_COMMITTED] += 1;
+  }
+  if (!check_all) bad = read_bad;
+  if (bad > 0) {
+    regs[base + SLOT_NONFINITE] =
+        static_cast<int32_t>(std::min<int64_t>(regs[base + SLOT_NONFINITE] + bad, NONFINITE_CAP));
+    if (regs[base + SLOT_BAD_STEP] == 0) {
+      regs[base + SLOT_BAD_STEP] = static_cast<int32_t>(1 + (live && kind == KIND_STEP ? old : steps_now));
+      regs[base + SLOT_BAD_TOKENS] = static_cast<int32_t>(kept_tokens);
+    }
+  }
 }
 
 }  // namespace

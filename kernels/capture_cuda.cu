@@ -9,7 +9,9 @@
 //    with one atomicAdd (the old written-counter is the step index, or says whether a
 //    record_once capture is the first), then broadcasts the decision through shared memory;
 // 2. the block gathers the row (strided, read in place; every row for an all-rows record),
-//    averages over H in fp32 or copies it, and stores it into the arena.
+//    averages over H in fp32 or copies it, and stores it into the arena;
+// 3. thread 0 commits the write (SLOT_COMMITTED) and records the NaN/Inf values the block read
+//    (or, with REG_CHECK_ALL, found in the whole input): their count and the first call's step.
 //
 // The host never reads `ctrl` and never synchronises, so a capture is one graph-capturable
 // kernel node. The payload is one row, so a single block is enough; it also orders the counter
@@ -35,9 +37,11 @@ using namespace compiledump;
 constexpr int THREADS = 256;
 
 template <typename scalar_t>
-__device__ void store_row(const scalar_t* __restrict__ src, float* __restrict__ arena, int64_t s_dest,
-                          int64_t kind, int64_t H, int64_t D, int64_t sh, int64_t sd, bool mean, int64_t words) {
+__device__ int64_t store_row(const scalar_t* __restrict__ src, float* __restrict__ arena, int64_t s_dest,
+                             int64_t kind, int64_t H, int64_t D, int64_t sh, int64_t sd, bool mean, int64_t words) {
   // One row: `src` is row r of x, `s_dest` its first word in the arena; every thread of the block.
+  // Returns this thread's count of non-finite values read (as fp32, what is stored).
+  int64_t bad = 0;
   if (kind == KIND_IDS) {
     // ids keep their integer bits: stored as int32 in the float32 arena.
     int32_t* out = reinterpret_cast<int32_t*>(arena) + s_dest;
@@ -52,16 +56,23 @@ __device__ void store_row(const scalar_t* __restrict__ src, float* __restrict__ 
     float* out = arena + s_dest;
     for (int64_t d = threadIdx.x; d < D; d += blockDim.x) {
       float acc = 0.0f;
-      for (int64_t h = 0; h < H; ++h) acc = __fadd_rn(acc, static_cast<float>(src[h * sh + d * sd]));
+      for (int64_t h = 0; h < H; ++h) {
+        const float v = static_cast<float>(src[h * sh + d * sd]);
+        bad += !isfinite(v);
+        acc = __fadd_rn(acc, v);
+      }
       out[d] = __fdiv_rn(acc, static_cast<float>(H));
     }
   } else {
     float* out = arena + s_dest;
     for (int64_t i = threadIdx.x; i < words; i += blockDim.x) {
       const int64_t h = i / D, d = i % D;
-      out[i] = static_cast<float>(src[h * sh + d * sd]);
+      const float v = static_cast<float>(src[h * sh + d * sd]);
+      bad += !isfinite(v);
+      out[i] = v;
     }
   }
+  return bad;
 }
 
 template <typename scalar_t>
@@ -69,33 +80,69 @@ __global__ void capture_kernel(const scalar_t* __restrict__ x, float* __restrict
                                int32_t* __restrict__ ctrl, int64_t kind, int64_t base, int64_t offset,
                                int64_t capacity, int64_t reason, int64_t T, int64_t H, int64_t D,
                                int64_t st, int64_t sh, int64_t sd, int64_t row_reg, bool mean) {
-  __shared__ bool s_write;
-  __shared__ int64_t s_row, s_dest;
+  __shared__ bool s_write, s_check_all;
+  __shared__ int64_t s_row, s_dest, s_bad_step;
+  __shared__ unsigned long long s_bad;
   const int64_t words = mean ? D : H * D;
+  const int32_t kept_tokens = row_reg == ROW_FIXED_ZERO ? 0 : static_cast<int32_t>(T);
 
   if (threadIdx.x == 0) {
     // Same gates and precedence as the CPU kernel: exactly one counter per call.
     const Gate gate = choose_counter(ctrl, kind, reason, T, row_reg);
     const int64_t counter = gate.counter, row = gate.row;
-    // The one atomic: concurrent captures of a slot (other streams) each get their own step.
+    // The one atomic (the claim): concurrent captures of a slot (other streams) each get their own step.
     const int64_t old = atomicAdd(ctrl + base + counter, 1);
+    const bool live = counter == CNT_WRITTEN;
+    // Decode steps begun: a step capture raises it past its own index.
+    const int64_t steps_now = ctrl[REG_STEPS];
+    if (live && kind == KIND_STEP) atomicMax(ctrl + REG_STEPS, static_cast<int32_t>(old + 1));
     // record_once writes only on the first live call; a step only while the region has room.
-    s_write = counter == CNT_WRITTEN && !(kind == KIND_RECORD_ONCE && old != 0) &&
-              !(kind == KIND_STEP && old >= capacity);
+    s_write = live && !(kind == KIND_RECORD_ONCE && old != 0) && !(kind == KIND_STEP && old >= capacity);
+    s_check_all = counter != CNT_SUSPENDED && ctrl[REG_CHECK_ALL] != 0 && kind != KIND_IDS;
     // The record kinds note the token count of the capture the dump now holds.
     // (0: a tensor stored whole has no token count.)
-    if (s_write && is_record_kind(kind))
-      atomicExch(ctrl + base + SLOT_KEPT_TOKENS, row_reg == ROW_FIXED_ZERO ? 0 : static_cast<int32_t>(T));
+    if (s_write && is_record_kind(kind)) atomicExch(ctrl + base + SLOT_KEPT_TOKENS, kept_tokens);
     s_row = row;
     s_dest = offset + (kind == KIND_STEP ? old : 0) * words;
+    s_bad_step = 1 + (live && kind == KIND_STEP ? old : steps_now);
+    s_bad = 0;
   }
   __syncthreads();
-  if (!s_write) return;  // uniform across the block: read after the barrier
 
-  // All-rows records store every row, one after the other; everything else one row.
-  const int64_t rows = row_reg == ROW_ALL ? T : 1;
-  for (int64_t r = 0; r < rows; ++r)
-    store_row(x + (s_row + r) * st, arena, s_dest + r * words, kind, H, D, sh, sd, mean, words);
+  // COMPILEDUMP_NONFINITE=all: every element of the input, whatever is kept.
+  int64_t bad = 0;
+  if (s_check_all) {
+    const int64_t hd = H * D;
+    for (int64_t i = threadIdx.x; i < T * hd; i += blockDim.x) {
+      const int64_t t = i / hd, h = (i % hd) / D, d = i % D;
+      bad += !isfinite(static_cast<float>(x[t * st + h * sh + d * sd]));
+    }
+  }
+  int64_t read_bad = 0;
+  if (s_write) {  // uniform across the block: read after the barrier
+    // All-rows records store every row, one after the other; everything else one row.
+    const int64_t rows = row_reg == ROW_ALL ? T : 1;
+    for (int64_t r = 0; r < rows; ++r)
+      read_bad += store_row(x + (s_row + r) * st, arena, s_dest + r * words, kind, H, D, sh, sd, mean, words);
+  }
+  if (!s_check_all) bad = read_bad;
+  if (bad) atomicAdd(&s_bad, static_cast<unsigned long long>(bad));
+  __syncthreads();  // every store of the block is issued before the commit below
+
+  if (threadIdx.x == 0) {
+    if (s_write) {
+      __threadfence();
+      atomicAdd(ctrl + base + SLOT_COMMITTED, 1);  // the commit: the payload is complete
+    }
+    if (s_bad) {
+      const int64_t seen = ctrl[base + SLOT_NONFINITE];
+      if (seen < NONFINITE_CAP)
+        atomicAdd(ctrl + base + SLOT_NONFINITE,
+                  static_cast<int32_t>(s_bad < NONFINITE_CAP ? s_bad : NONFINITE_CAP));
+      if (atomicCAS(ctrl + base + SLOT_BAD_STEP, 0, static_cast<int32_t>(s_bad_step)) == 0)
+        atomicExch(ctrl + base + SLOT_BAD_TOKENS, kept_tokens);
+    }
+  }
 }
 
 void capture_kernel_cuda(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl, int64_t kind, int64_t base,

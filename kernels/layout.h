@@ -13,6 +13,8 @@ constexpr int64_t REG_ROWS = 1;
 constexpr int64_t REG_MAX_ROWS = 2;
 constexpr int64_t REG_RECORD_ROW = 3;
 constexpr int64_t REG_STEP_ROW = 4;
+constexpr int64_t REG_STEPS = 5;
+constexpr int64_t REG_CHECK_ALL = 6;
 constexpr int64_t HEADER_WORDS = 8;
 
 // Per-slot counters (word offset inside a slot's record).
@@ -26,7 +28,12 @@ constexpr int64_t CNT_ARENA_FULL = 6;
 constexpr int64_t CNT_TAG_TABLE_FULL = 7;
 constexpr int64_t SLOT_COUNTERS = 8;
 constexpr int64_t SLOT_KEPT_TOKENS = 8;
-constexpr int64_t SLOT_WORDS = 9;
+constexpr int64_t SLOT_COMMITTED = 9;
+constexpr int64_t SLOT_NONFINITE = 10;
+constexpr int64_t SLOT_BAD_STEP = 11;
+constexpr int64_t SLOT_BAD_TOKENS = 12;
+constexpr int64_t SLOT_WORDS = 13;
+constexpr int64_t NONFINITE_CAP = 1073741824;  // 1 << 30
 
 // Capture kinds.
 constexpr int64_t KIND_RECORD = 0;

@@ -14,6 +14,10 @@ REG_ROWS = 1  # last value given to set_rows()
 REG_MAX_ROWS = 2  # COMPILEDUMP_MAX_ROWS: record_step is skipped while rows > max_rows
 REG_RECORD_ROW = 3  # row that record() gathers; negative counts from the end (-1 = last)
 REG_STEP_ROW = 4  # row that record_step() gathers (0 = first real request)
+# Decode steps begun: one more than the highest step index any record_step() capture has claimed
+# (kernels raise it). Non-finite values of other kinds are dated by it (SLOT_BAD_STEP).
+REG_STEPS = 5
+REG_CHECK_ALL = 6  # COMPILEDUMP_NONFINITE=all: 1 counts non-finite values in the whole input
 HEADER_WORDS = 8
 
 # Per-slot counters (word offset inside a slot's record). Exactly one of them is incremented by
@@ -31,7 +35,19 @@ SLOT_COUNTERS = 8  # words 0..7 of a slot are the counters above
 # whose value the dump holds (the manifest's "tokens"; 0 until one is kept, or when the kept
 # tensor was stored whole and has no token count).
 SLOT_KEPT_TOKENS = 8
-SLOT_WORDS = 9
+# Kept writes completed. The counter above is claimed before the payload is written and this one
+# bumped after it, so a region whose writes were claimed but not all committed was torn by a
+# crash (recover drops it, counted as "interrupted"); steps keep the first SLOT_COMMITTED.
+SLOT_COMMITTED = 9
+# Non-finite (NaN/Inf) input elements the kernels saw: in what a kept capture reads, or with
+# REG_CHECK_ALL in the whole input of every call outside profiling(). Saturates near NONFINITE_CAP.
+SLOT_NONFINITE = 10
+# The first call that saw one: 1 + its step (a step capture's own index, else REG_STEPS at the
+# call; 0: none yet), and its token count (0 for a tensor stored whole), set once.
+SLOT_BAD_STEP = 11
+SLOT_BAD_TOKENS = 12
+SLOT_WORDS = 13
+NONFINITE_CAP = 1 << 30  # kernels stop adding to SLOT_NONFINITE at this count (no int32 overflow)
 
 # Drop reasons as the manifest names them (format/spec.py DROP_REASONS), by counter.
 DROP_REASONS = {

@@ -19,9 +19,11 @@ from .geometry import geometry
 
 
 def capture_reference(x, arena, ctrl, kind, base, offset, capacity, reason) -> None:
-    """Run one capture: pick and bump exactly one counter of the slot at `base`, then (if the
-    capture is kept) write its payload at arena word `offset` (+ step x payload for steps) and,
-    for the record kinds, its token count T into the slot's SLOT_KEPT_TOKENS word."""
+    """Run one capture: pick and bump exactly one counter of the slot at `base` (the claim), then
+    (if the capture is kept) write its payload at arena word `offset` (+ step x payload for steps),
+    for the record kinds its token count T into the slot's SLOT_KEPT_TOKENS word, and bump
+    SLOT_COMMITTED (the commit). Non-finite input values are counted in SLOT_NONFINITE, the first
+    call that saw one dated in SLOT_BAD_STEP/SLOT_BAD_TOKENS (ops/layout.py)."""
     src, (T, H, D, st, sh, sd, row_reg, mean) = geometry(x, kind)
     all_rows = row_reg == L.ROW_ALL
     regs = ctrl.numpy()
@@ -45,21 +47,35 @@ def capture_reference(x, arena, ctrl, kind, base, offset, capacity, reason) -> N
         counter = L.CNT_WRITTEN
     old = int(regs[base + counter])
     regs[base + counter] = old + 1
-    if counter != L.CNT_WRITTEN:
-        return
-    if kind == L.KIND_RECORD_ONCE and old != 0:
-        return
-    if kind == L.KIND_STEP and old >= capacity:
-        return
-    if kind in L.RECORD_KINDS:  # the kept call's token count; 0: a tensor stored whole has none
-        regs[base + L.SLOT_KEPT_TOKENS] = T if row_reg != L.ROW_FIXED_ZERO else 0
+    live = counter == L.CNT_WRITTEN
+    step_now = int(regs[L.REG_STEPS])
+    if live and kind == L.KIND_STEP:
+        regs[L.REG_STEPS] = max(step_now, old + 1)
+    write = live and not (kind == L.KIND_RECORD_ONCE and old != 0) and not (kind == L.KIND_STEP and old >= capacity)
+    check_all = enabled and regs[L.REG_CHECK_ALL] != 0
+    bad = _nonfinite(src) if check_all and kind != L.KIND_IDS else 0
+    if write:
+        if kind in L.RECORD_KINDS:  # the kept call's token count; 0: a tensor stored whole has none
+            regs[base + L.SLOT_KEPT_TOKENS] = T if row_reg != L.ROW_FIXED_ZERO else 0
+        read_bad = _write(src, arena, kind, old, offset, T, H, D, st, sh, sd, row_reg, row, mean, all_rows)
+        regs[base + L.SLOT_COMMITTED] += 1
+        if not check_all:
+            bad = read_bad
+    if bad:
+        regs[base + L.SLOT_NONFINITE] = min(int(regs[base + L.SLOT_NONFINITE]) + bad, L.NONFINITE_CAP)
+        if regs[base + L.SLOT_BAD_STEP] == 0:
+            regs[base + L.SLOT_BAD_STEP] = 1 + (old if live and kind == L.KIND_STEP else step_now)
+            regs[base + L.SLOT_BAD_TOKENS] = T if row_reg != L.ROW_FIXED_ZERO else 0
+
+
+def _write(src, arena, kind, old, offset, T, H, D, st, sh, sd, row_reg, row, mean, all_rows) -> int:
+    """Store a kept capture's payload; returns the non-finite elements among the values read."""
     step = old if kind == L.KIND_STEP else 0
     rows = T if all_rows else 1
     words = D if mean else H * D
     dest = offset + step * words
     if src.dtype in _NUMPY_DTYPES:
-        _write_numpy(src.detach().numpy(), arena.numpy(), kind, dest, rows, words, row_reg, row, mean)
-        return
+        return _write_numpy(src.detach().numpy(), arena.numpy(), kind, dest, rows, words, row_reg, row, mean)
     # The row(s) as [rows, H, D] with the caller's strides (no copy).
     view = src.as_strided((rows, H, D), (st, sh, sd), src.storage_offset() + (0 if all_rows else row) * st)
     if kind == L.KIND_IDS:
@@ -71,6 +87,7 @@ def capture_reference(x, arena, ctrl, kind, base, offset, capacity, reason) -> N
         torch.mean(view, 1, dtype=torch.float32, out=arena[dest : dest + rows * words].view(rows, words))
     else:
         arena[dest : dest + rows * words].view(rows, H, D).copy_(view)
+    return _nonfinite(view)
 
 
 # Input dtypes numpy can view; the others (bfloat16, fp8, uint16-64) are written by torch above.
@@ -78,10 +95,10 @@ _NUMPY_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.in
                            torch.int64, torch.uint8, torch.bool})
 
 
-def _write_numpy(src, out, kind, dest, rows, words, row_reg, row, mean) -> None:
-    """`capture_reference`'s write through numpy views of the input and the arena: the values of
-    the torch calls above, with the hc mean in the kernel's exact order, for a few microseconds
-    less per call.
+def _write_numpy(src, out, kind, dest, rows, words, row_reg, row, mean) -> int:
+    """`_write` through numpy views of the input and the arena: the values of the torch calls
+    above, with the hc mean in the kernel's exact order, for a few microseconds less per call.
+    Returns the non-finite elements among the values read.
 
     `src` is the tensor `geometry` returned, as numpy: `[T, D]` or `[T, H, D]` rows, or a tensor
     stored whole (ROW_FIXED_ZERO: every element, in order).
@@ -95,7 +112,18 @@ def _write_numpy(src, out, kind, dest, rows, words, row_reg, row, mean) -> None:
     target = out[dest : dest + rows * words]
     if kind == L.KIND_IDS:
         target.view(np.int32)[:] = value.reshape(-1)
-    elif mean:
+        return 0
+    bad = _nonfinite(value)
+    if bad:  # Inf - Inf in the hc mean is NaN, as in the kernels: no numpy warning about it
+        with np.errstate(all="ignore"):
+            _store_numpy(value, target, mean)
+    else:
+        _store_numpy(value, target, mean)
+    return bad
+
+
+def _store_numpy(value, target, mean) -> None:
+    if mean:
         # The kernel's order: each element to fp32, then ((h0 + h1) + h2) + ..., then one division.
         acc = target.reshape(value.shape[:-2] + value.shape[-1:])
         np.copyto(acc, value[..., 0, :], casting="unsafe")
@@ -104,3 +132,19 @@ def _write_numpy(src, out, kind, dest, rows, words, row_reg, row, mean) -> None:
         np.divide(acc, np.float32(value.shape[-2]), out=acc)
     else:
         target[:] = value.reshape(-1)
+
+
+def _nonfinite(t) -> int:
+    """Non-finite elements of a tensor or array as the kernels store them, in fp32 (a float64
+    past fp32's range counts); 0 for integer and bool dtypes."""
+    if isinstance(t, np.ndarray):
+        if t.dtype.kind != "f":
+            return 0
+        if t.dtype == np.float64:
+            with np.errstate(over="ignore"):
+                t = t.astype(np.float32)
+        finite = np.isfinite(t)
+        return 0 if finite.all() else int(t.size - np.count_nonzero(finite))
+    if not t.dtype.is_floating_point:
+        return 0
+    return int(t.numel() - torch.isfinite(t.float()).sum())

@@ -6,7 +6,9 @@ point and every decision that may change between replays is read from device mem
 1. read the header registers (enabled flag, rows gate, gather row) from the control block;
 2. pick exactly one counter of the tag's slot and `atomic_add` it; the old value of the
    written-counter is the step index (append) or tells whether this is the first write (keep-first);
-3. gather the row, average over the hc axis in fp32 (or copy it), cast, and store into the arena.
+3. gather the row, average over the hc axis in fp32 (or copy it), cast, and store into the arena;
+4. count the NaN/Inf values read (or, with REG_CHECK_ALL, in the whole input), date the first
+   call that saw one, and commit the write (SLOT_COMMITTED: a crash mid-write is detectable).
 
 Compiled variants (see ops/variants.py, which decides them on the host): every integer argument
 is a 64-bit runtime value that Triton never specializes (an int equal to 1, or divisible by 16,
@@ -97,6 +99,11 @@ def capture_kernel(
     old = tl.where(pid == 0, old, 0)
 
     live = counter == L.CNT_WRITTEN
+    # Decode steps begun: a step capture raises it past its own index (steps run one program).
+    steps_now = tl.load(ctrl_ptr + L.REG_STEPS).to(tl.int64)
+    tl.atomic_max(ctrl_ptr + L.REG_STEPS, (old + 1).to(tl.int32), mask=(pid == 0) & live & (kind == L.KIND_STEP),
+                  sem="relaxed")
+    check_all = enabled & (tl.load(ctrl_ptr + L.REG_CHECK_ALL) != 0)
     # keep-first writes only on the first live call; append only while the region has room.
     write = live & ((kind != L.KIND_RECORD_ONCE) | (old == 0))
     write = write & ((kind != L.KIND_STEP) | (old < capacity))
@@ -118,6 +125,7 @@ def capture_kernel(
     limit = tl.where(write, D, 0)
     col_blocks = tl.cdiv(limit, BLOCK)
     tiles = tl.where(write, rows, 0) * col_blocks
+    bad_read = tl.zeros([BLOCK], dtype=tl.int32)  # non-finite values among those read, per lane
     for tile in range(pid, tiles, programs):
         r = tile // col_blocks
         cols = (tile - r * col_blocks) * BLOCK + tl.arange(0, BLOCK)
@@ -140,6 +148,7 @@ def capture_kernel(
                 v1 = _hc_row(x_ptr + src_off, h0 + 1, H, stride_h, col_off, cols, limit, VEC)
                 v2 = _hc_row(x_ptr + src_off, h0 + 2, H, stride_h, col_off, cols, limit, VEC)
                 v3 = _hc_row(x_ptr + src_off, h0 + 3, H, stride_h, col_off, cols, limit, VEC)
+                bad_read += _nonfinite(v0) + _nonfinite(v1) + _nonfinite(v2) + _nonfinite(v3)
                 # A row past H loaded as 0.0, and acc + 0.0 == acc (acc is never -0.0).
                 acc += v0
                 acc += v1
@@ -160,7 +169,39 @@ def capture_kernel(
                     v = v.to(tl.int32)
                 else:
                     v = v.to(tl.float32)
+                    bad_read += _nonfinite(v)
                 tl.store(out_ptr + dest + h_dest + cols, v, mask=mask_cols)
+
+    # COMPILEDUMP_NONFINITE=all: every element of the input, whatever was kept.
+    bad_all = tl.zeros([BLOCK], dtype=tl.int32)
+    if not IS_INT:
+        all_blocks = tl.cdiv(tl.where(check_all, D, 0), BLOCK)
+        for tile in range(pid, T * H * all_blocks, programs):
+            th = tile // all_blocks
+            t = th // H
+            cols = (tile - th * all_blocks) * BLOCK + tl.arange(0, BLOCK)
+            v = tl.load(x_ptr + t * stride_t + (th - t * H) * stride_h + cols * stride_d, mask=cols < D, other=0.0)
+            bad_all += _nonfinite(v.to(tl.float32))
+    bad = tl.sum(tl.where(check_all, bad_all, bad_read), axis=0)
+    has_bad = bad > 0
+    seen = tl.load(ctrl_ptr + base + L.SLOT_NONFINITE)
+    tl.atomic_add(ctrl_ptr + base + L.SLOT_NONFINITE, tl.where(seen < L.NONFINITE_CAP, tl.minimum(bad, L.NONFINITE_CAP), 0),
+                  mask=has_bad, sem="relaxed")
+    # The first call that saw one, set once (atomic_cas has no mask: cmp -1 never matches).
+    bad_step = 1 + tl.where(live & (kind == L.KIND_STEP), old, steps_now)
+    first = tl.atomic_cas(ctrl_ptr + base + L.SLOT_BAD_STEP, tl.where(has_bad, 0, -1).to(tl.int32),
+                          bad_step.to(tl.int32), sem="relaxed")
+    tl.atomic_xchg(ctrl_ptr + base + L.SLOT_BAD_TOKENS, kept_tokens.to(tl.int32), mask=has_bad & (first == 0),
+                   sem="relaxed")
+    # The commit, after this program's stores (the other programs' are ordered by kernel end).
+    tl.debug_barrier()
+    tl.atomic_add(ctrl_ptr + base + L.SLOT_COMMITTED, 1, mask=write & (pid == 0), sem="release")
+
+
+@triton.jit
+def _nonfinite(v):
+    """1 where v is NaN or +-Inf (v in fp32), else 0."""
+    return (~(tl.abs(v) < float("inf"))).to(tl.int32)
 
 
 @triton.jit

@@ -33,6 +33,17 @@ def int_samples():
     }
 
 
+def with_nonfinite(x: torch.Tensor, g: torch.Generator, count: int = 5) -> torch.Tensor:
+    """`x` (a fresh tensor or a view of one: its layout is kept) with NaN, +Inf and -Inf written
+    in place at `count` random elements."""
+    idx = torch.randint(0, x.numel(), (count,), generator=g)
+    values = [float("nan"), float("inf"), float("-inf")]
+    coords = torch.unravel_index(idx, x.shape)
+    for i in range(count):
+        x[tuple(int(c[i]) for c in coords)] = values[i % 3]
+    return x
+
+
 GEOMETRIES = {
     "3d": lambda g, dt: torch.randn(6, 4, 37, generator=g).to(dt),
     "3d_hc3": lambda g, dt: torch.randn(5, 3, 29, generator=g).to(dt),  # a mean whose division is inexact
@@ -41,9 +52,15 @@ GEOMETRIES = {
     "2d": lambda g, dt: torch.randn(5, 1031, generator=g).to(dt),  # > one BLOCK
     "2d_sliced": lambda g, dt: torch.randn(5, 23, generator=g).to(dt)[1:, ::3],
     "1d": lambda g, dt: torch.randn(13, generator=g).to(dt),
+    # NaN/Inf at random places: the kernels count them (SLOT_NONFINITE) and date the first call.
+    "3d_nonfinite": lambda g, dt: with_nonfinite(torch.randn(6, 37, 4, generator=g).to(dt).transpose(1, 2), g, 9),
+    "2d_nonfinite": lambda g, dt: with_nonfinite(torch.randn(5, 23, generator=g).to(dt)[1:, ::3], g, 4),
 }
-REGISTERS = [  # (enabled, rows, record_row, step_row)
+REGISTERS = [  # (enabled, rows, record_row, step_row[, check_all])
     (1, 1, -1, 0),
+    (1, 1, 2, 3, 1),  # COMPILEDUMP_NONFINITE=all: the whole input is checked
+    (1, 5, -1, 0, 1),
+    (0, 1, -1, 0, 1),
     (1, 1, 2, 3),
     (1, 1, -3, -1),
     (1, 5, -1, 0),  # rows gate closed: steps skipped
@@ -53,11 +70,12 @@ REGISTERS = [  # (enabled, rows, record_row, step_row)
 
 
 def run_kernel(kernel, x, kind, registers, calls, reason=0):
-    enabled, rows, record_row, step_row = registers
+    enabled, rows, record_row, step_row, check_all = (*registers, 0)[:5]
     arena_t = torch.full((8192,), float("nan"))  # room for every row of the widest sample
     ctrl = torch.zeros(L.control_words(4), dtype=torch.int32)
     ctrl[L.REG_ENABLED], ctrl[L.REG_ROWS], ctrl[L.REG_MAX_ROWS] = enabled, rows, 1
     ctrl[L.REG_RECORD_ROW], ctrl[L.REG_STEP_ROW] = record_row, step_row
+    ctrl[L.REG_CHECK_ALL], ctrl[L.REG_STEPS] = check_all, 3  # steps begun: dates non-finite records
     for _ in range(calls):
         kernel(x, arena_t, ctrl, kind, L.slot_base(2), 8, 2, reason)
     return arena_t, ctrl

@@ -110,11 +110,11 @@ def test_native_capture_export_matches_python(native_library, case):
     for registers in REGISTERS:
         results = []
         for impl in (_python_capture_export, schemas.capture_export):  # Python, then the native op
-            enabled, rows, record_row, step_row = registers
+            enabled, rows, record_row, step_row, check_all = (*registers, 0)[:5]
             arena = torch.full((1024,), float("nan"))
             ctrl = torch.zeros(L.control_words(4), dtype=torch.int32)
             ctrl[L.REG_ENABLED], ctrl[L.REG_ROWS], ctrl[L.REG_MAX_ROWS] = enabled, rows, 1
-            ctrl[L.REG_RECORD_ROW], ctrl[L.REG_STEP_ROW] = record_row, step_row
+            ctrl[L.REG_RECORD_ROW], ctrl[L.REG_STEP_ROW], ctrl[L.REG_CHECK_ALL] = record_row, step_row, check_all
             for _ in range(3):
                 impl(x, arena, ctrl, 2, kind, reason, offset, schemas.encode_payload(payload), 4, tokens)
             results.append((arena, ctrl))

@@ -15,7 +15,16 @@ from compiledump.capture.state import STATE
 from compiledump.ops import reference, register, schemas
 from compiledump.ops import layout as L
 
-from helpers.samples import DTYPES, GEOMETRIES, REGISTERS, assert_same_arena, float_samples, int_samples, run_kernel
+from helpers.samples import (
+    DTYPES,
+    GEOMETRIES,
+    REGISTERS,
+    assert_same_arena,
+    float_samples,
+    int_samples,
+    run_kernel,
+    with_nonfinite,
+)
 
 
 
@@ -128,5 +137,63 @@ def test_kernel_values_match_plain_torch(geometry, dtype, kernel, kind):
         want = _expected_row(x, kind, record_row, step_row)
         got = arena_t[8 : 8 + want.numel()]
         # x.float().mean() reduces in a different order than the kernel's sequential fp32 sum.
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, equal_nan=True)
         assert torch.isnan(arena_t[8 + want.numel() :]).all()  # nothing written past the row
+
+
+# --- Non-finite values and the commit counter against plain torch ------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kernel", ["reference", "triton"])
+@pytest.mark.parametrize("kind", [L.KIND_RECORD, L.KIND_RECORD_ONCE, L.KIND_STEP, L.KIND_RECORD_ROWS])
+@pytest.mark.parametrize("check_all", [0, 1])
+def test_nonfinite_counts_match_torch(dtype, kernel, kind, check_all):
+    """SLOT_NONFINITE counts NaN/Inf in the rows a kept capture reads (or, with REG_CHECK_ALL, in
+    the whole input of every call); SLOT_BAD_STEP/TOKENS date the first call; SLOT_COMMITTED
+    counts the writes. The native kernel is held to the reference bit for bit (tests/native)."""
+    g = torch.Generator().manual_seed(hash((str(dtype), kernel, kind, check_all)) % 2**31)
+    x = torch.randn(6, 37, 4, generator=g).to(dtype).transpose(1, 2)  # [6, 4, 37], not contiguous
+    with_nonfinite(x, g, 7)
+    x[2, 1, 5], x[3, 0, 0], x[0, 2, 2] = float("nan"), float("-inf"), float("inf")  # rows 2, 3 and one not read
+    fn = reference.capture_reference if kernel == "reference" else register.capture_triton
+    calls, record_row, step_row = 3, 2, 3
+    _, ctrl = run_kernel(fn, x, kind, (1, 1, record_row, step_row, check_all), calls=calls)
+    slot = ctrl[L.slot_base(2) : L.slot_base(2) + L.SLOT_WORDS]
+    writes = {L.KIND_RECORD: calls, L.KIND_RECORD_ONCE: 1, L.KIND_STEP: 2, L.KIND_RECORD_ROWS: calls}[kind]
+    bad = ~torch.isfinite(x.float())
+    if check_all:
+        want = int(bad.sum()) * calls
+    elif kind == L.KIND_RECORD_ROWS:
+        want = int(bad.sum()) * writes
+    else:
+        want = int(bad[step_row if kind == L.KIND_STEP else record_row].sum()) * writes
+    assert want > 0
+    assert int(slot[L.SLOT_NONFINITE]) == want
+    assert int(slot[L.SLOT_COMMITTED]) == writes
+    # The first call: a step's own index (0), else the steps begun when it ran (run_kernel sets 3).
+    assert int(slot[L.SLOT_BAD_STEP]) == 1 + (0 if kind == L.KIND_STEP else 3)
+    assert int(slot[L.SLOT_BAD_TOKENS]) == 6
+    assert int(ctrl[L.REG_STEPS]) == 3  # steps 0 and 1 claimed (2 past the region) keep it at 3
+
+
+@pytest.mark.parametrize("kernel", ["reference", "triton"])
+def test_finite_inputs_count_nothing_and_steps_advance(kernel):
+    x = torch.randn(5, 3, 11, dtype=torch.float16) * 1000  # large but finite; fp16 max is 65504
+    fn = reference.capture_reference if kernel == "reference" else register.capture_triton
+    _, ctrl = run_kernel(fn, x, L.KIND_STEP, (1, 1, -1, 1, 1), calls=2)
+    slot = ctrl[L.slot_base(2) : L.slot_base(2) + L.SLOT_WORDS]
+    assert slot[L.SLOT_NONFINITE] == 0 and slot[L.SLOT_BAD_STEP] == 0 and slot[L.SLOT_COMMITTED] == 2
+    ctrl[L.REG_STEPS] = 0
+    for _ in range(4):  # capacity 2: the claims past it still count as steps begun
+        fn(x, torch.zeros(4096), ctrl, L.KIND_STEP, L.slot_base(1), 0, 2, 0)
+    assert int(ctrl[L.REG_STEPS]) == 4
+
+
+def test_float64_past_fp32_range_counts_as_stored():
+    # The arena stores fp32: a finite float64 that overflows it is stored as Inf, and counted.
+    x = torch.tensor([[1.0, 1e300, -1e300, 2.0]], dtype=torch.float64)
+    for fn in (reference.capture_reference, register.capture_triton):
+        arena_t, ctrl = run_kernel(fn, x, L.KIND_RECORD, (1, 1, -1, 0), calls=1)
+        assert torch.isinf(arena_t[9:11]).all()
+        assert int(ctrl[L.slot_base(2) + L.SLOT_NONFINITE]) == 2
