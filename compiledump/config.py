@@ -42,6 +42,14 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("COMPILEDUMP_ARENA_MB", "256", "device arena size in MiB (all captures of a run); a tag that does "
            "not fit is counted as `arena_full`", "arena_mb"),
     EnvVar("COMPILEDUMP_MAX_TAGS", "1024", "distinct tags; more are counted as `tag_table_full`", "max_tags"),
+    EnvVar("COMPILEDUMP_PERSIST", "auto", "crash-proof capture (docs/crashes.md): the arena, control block and "
+           "a journal of the tags live in files under `<dir>/<stem>.live/`, so a killed or crashed process loses "
+           "nothing captured (`compiledump recover DIR` turns them into a dump; a normal exit removes them). "
+           "`auto`: on for CPU, off for CUDA; `1`: on, and on CUDA a host-mapped arena the kernels write over "
+           "PCIe; `0`: off (the arena lives in process or device memory only)", "persist"),
+    EnvVar("COMPILEDUMP_NONFINITE", "read", "NaN/Inf detection (the manifest's `first_nonfinite`): `read` "
+           "counts them in what each kept capture reads; `all` in the whole input of every call outside "
+           "`profiling()`, kept or not (one more pass over each captured tensor)", "nonfinite"),
     EnvVar("COMPILEDUMP_SIGNALS", "1", "`0`: install no SIGTERM/SIGINT handlers (the dump is then written at "
            "normal exit or by `flush()`)"),
     EnvVar("COMPILEDUMP_NATIVE", "", "the optional native op library: unset = use it if it was built into the "
@@ -67,6 +75,8 @@ TOKENS_AUTO = "auto"
 
 # Settings that size device allocations: fixed once the arena exists.
 CAPACITY_FIELDS = frozenset({"max_steps", "arena_mb", "max_tags"})
+# Settings that decide how the arena is allocated: also fixed once it exists.
+ARENA_FIELDS = CAPACITY_FIELDS | {"persist"}
 
 
 def env(name: str, environ=os.environ) -> str:
@@ -90,6 +100,8 @@ class Config:
     max_steps: steps kept per `record_step` tag.
     arena_mb: size of the device arena that holds every capture (MiB).
     max_tags: number of distinct tags.
+    persist: "auto" (file-backed arena on CPU), "1" (also on CUDA: host-mapped) or "0" (never).
+    nonfinite: "read" (NaN/Inf counted in what kept captures read) or "all" (in every whole input).
     """
 
     dir: str | None = None
@@ -100,8 +112,14 @@ class Config:
     max_steps: int = 256
     arena_mb: int = 256
     max_tags: int = 1024
+    persist: str = "auto"
+    nonfinite: str = "read"
 
     def __post_init__(self):
+        if self.persist not in ("auto", "0", "1"):
+            raise ValueError(f"compiledump: persist must be 'auto', '0' or '1', got {self.persist!r}")
+        if self.nonfinite not in ("read", "all"):
+            raise ValueError(f"compiledump: nonfinite must be 'read' or 'all', got {self.nonfinite!r}")
         if self.tokens != TOKENS_AUTO and (not isinstance(self.tokens, int) or isinstance(self.tokens, bool)
                                            or self.tokens < 0):
             raise ValueError(f"compiledump: tokens must be 'auto' or a non-negative int, got {self.tokens!r}")
@@ -124,6 +142,10 @@ class Config:
         """The prompt length the token gate uses when it is fixed; 0 when off or "auto"."""
         return 0 if self.tokens == TOKENS_AUTO else self.tokens
 
+    def persists(self, device) -> bool:
+        """Whether the arena of `device` is file-backed (COMPILEDUMP_PERSIST)."""
+        return self.persist == "1" or (self.persist == "auto" and device.type == "cpu")
+
     @property
     def arena_words(self) -> int:
         return self.arena_mb * (1 << 20) // 4
@@ -138,8 +160,8 @@ def from_env(environ=os.environ) -> Config:
         raw = env(var.name, environ)
         if var.field == "dir":
             values["dir"] = raw or None
-        elif var.field == "rows":
-            values["rows"] = raw.strip().lower()
+        elif var.field in ("rows", "persist", "nonfinite"):
+            values[var.field] = raw.strip().lower()
         elif var.field == "tokens" and raw.strip().lower() == TOKENS_AUTO:
             values["tokens"] = TOKENS_AUTO
         else:

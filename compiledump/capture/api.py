@@ -28,9 +28,9 @@ from .. import config as _config
 from ..format import spec
 from ..ops import layout as L
 from ..ops import schemas
-from . import dispatch, layouts, signals
+from . import dispatch, layouts, persist, signals
 from .arena import Runtime
-from .flush import dump_stem, flush, flush_at_exit, flush_on_signal
+from .flush import dump_stem, flush, flush_at_exit, flush_on_signal, process_fields
 from .state import STATE
 
 __all__ = ["clear", "configure", "dump_stem", "enabled", "flush", "get_config", "init", "profiling", "record",
@@ -56,7 +56,7 @@ def configure(**settings) -> _config.Config:
     new = dataclasses.replace(STATE.config, **settings)
     rt = STATE.runtime
     if rt is not None:
-        changed = {f for f in _config.CAPACITY_FIELDS if getattr(new, f) != getattr(rt.config, f)}
+        changed = {f for f in _config.ARENA_FIELDS if getattr(new, f) != getattr(rt.config, f)}
         if changed:
             raise RuntimeError(
                 f"compiledump.configure: {sorted(changed)} cannot change after the arena was created"
@@ -129,7 +129,9 @@ def _normalize_device(device: torch.device) -> torch.device:
 
 
 def _create_runtime(device: torch.device) -> Runtime:
-    rt = Runtime(device, STATE.config, STATE.profiling_depth, STATE.lock)
+    rt = Runtime(device, STATE.config, STATE.profiling_depth, STATE.lock, stem=dump_stem(), start=process_fields())
+    if rt.live is not None:
+        persist.install_excepthook(lambda: getattr(STATE.runtime, "live", None))
     for index, value in STATE.pending_registers.items():
         rt.set_register(index, value)
     STATE.pending_registers.clear()

@@ -21,7 +21,7 @@ from ..format import spec
 from ..ops import layout as L
 from ..ops import register, schemas, variants
 from ..ops.geometry import TOKEN_GATED_KINDS, payload_shape
-from . import layouts
+from . import layouts, persist
 
 
 @dataclass
@@ -46,7 +46,10 @@ class Slot:
 class Runtime:
     """The device state of one process: arena, control block and the tag registry."""
 
-    def __init__(self, device: torch.device, cfg: _config.Config, profiling_depth: int, lock: threading.Lock):
+    def __init__(self, device: torch.device, cfg: _config.Config, profiling_depth: int, lock: threading.Lock,
+                 stem: str = "compiledump", start: dict | None = None):
+        """`stem` names the crash-proof files (`<dir>/<stem>.live/`, capture/persist.py) and
+        `start` is what their journal says of the process (rank, versions)."""
         if variants.stream_capturing(device):
             raise RuntimeError(
                 "compiledump: the arena cannot be created during CUDA graph capture; call "
@@ -54,18 +57,34 @@ class Runtime:
             )
         self.device = device
         self._config = cfg  # `config` is a property: its setter pushes the token gate (below)
+        # The native library's region table serves CPU captures when it owns `capture_v1`
+        # (kernels/capture_table.cpp); every decision it needs is pushed to it from here. Bound to
+        # this arena (dropping the last one's regions) whenever the library owns the op; no region
+        # is pushed (every call decided by Python) when tests run the Triton kernel on CPU.
+        self.table_bound = device.type == "cpu" and register.native_owns_capture()
+        self.native_table = self.table_bound and not register.use_triton_on_cpu()
+        self.live: persist.LiveFiles | None = None
         # Plain (non-inference) tensors even if the first capture runs under inference_mode:
         # the host must be able to update them later outside it.
         with torch.inference_mode(False), torch.no_grad():
-            # CPU: zeroed, so every page is touched once here and never faults inside a step.
-            alloc = torch.zeros if device.type == "cpu" else torch.empty
-            self.arena = alloc(cfg.arena_words, dtype=torch.float32, device=device)
-            self.ctrl = torch.zeros(L.control_words(cfg.max_tags), dtype=torch.int32, device=device)
+            # Not for an arena created under a fake mode (a program traced without compiledump.aot:
+            # an error follows) whose tensors are fake.
+            if cfg.dir and cfg.persists(device) and torch._guards.detect_fake_mode() is None:
+                self.live = persist.LiveFiles(cfg.dir, stem, device, cfg.arena_words, L.control_words(cfg.max_tags),
+                                              {**(start or {}), "capture_path": self.capture_path,
+                                               "config": _config.settings(cfg)})
+                self.arena, self.ctrl = self.live.arena, self.live.ctrl
+            else:
+                # CPU: zeroed, so every page is touched once here and never faults inside a step.
+                alloc = torch.zeros if device.type == "cpu" else torch.empty
+                self.arena = alloc(cfg.arena_words, dtype=torch.float32, device=device)
+                self.ctrl = torch.zeros(L.control_words(cfg.max_tags), dtype=torch.int32, device=device)
             # fill_ with a host scalar is a kernel argument, not a host-to-device copy.
             self.ctrl[L.REG_ENABLED].fill_(0 if profiling_depth else 1)
             self.ctrl[L.REG_MAX_ROWS].fill_(cfg.max_rows)
             self.ctrl[L.REG_RECORD_ROW].fill_(-1)
             self.ctrl[L.REG_STEP_ROW].fill_(0)
+            self.ctrl[L.REG_CHECK_ALL].fill_(int(cfg.nonfinite == "all"))
         # Static addresses: CUDA graph trees may then replay graphs that mutate them.
         torch._dynamo.mark_static_address(self.arena)
         torch._dynamo.mark_static_address(self.ctrl)
@@ -81,12 +100,8 @@ class Runtime:
         # The prompt length of the token gate: fixed by COMPILEDUMP_TOKENS, else learned from the
         # first capture outside profiling() (also with the gate off: it labels the dump's phases).
         self._prompt_tokens: int | None = cfg.fixed_tokens or None
-        # The native library's region table serves CPU captures when it owns `capture_v1`
-        # (kernels/capture_table.cpp); every decision it needs is pushed to it from here. Bound to
-        # this arena (dropping the last one's regions) whenever the library owns the op; no region
-        # is pushed (every call decided by Python) when tests run the Triton kernel on CPU.
-        self.table_bound = device.type == "cpu" and register.native_owns_capture()
-        self.native_table = self.table_bound and not register.use_triton_on_cpu()
+        if self.live is not None and self._prompt_tokens is not None:
+            self.live.write({"event": "prompt", "tokens": self._prompt_tokens})
         if self.table_bound:
             self._push_gate(bind=True)
 
@@ -110,8 +125,12 @@ class Runtime:
 
     @config.setter
     def config(self, cfg: _config.Config) -> None:
+        if cfg.nonfinite != self._config.nonfinite:
+            self.set_register(L.REG_CHECK_ALL, int(cfg.nonfinite == "all"))
         self._config = cfg
         self._push_gate()
+        if self.live is not None:
+            self.live.write({"event": "config", "config": _config.settings(cfg)})
 
     @property
     def prompt_tokens(self) -> int | None:
@@ -119,8 +138,11 @@ class Runtime:
 
     @prompt_tokens.setter
     def prompt_tokens(self, tokens: int | None) -> None:
+        changed = tokens != self._prompt_tokens
         self._prompt_tokens = tokens
         self._push_gate()
+        if changed and self.live is not None:
+            self.live.write({"event": "prompt", "tokens": tokens})
 
     def _push_gate(self, bind: bool = False) -> None:
         if self.table_bound:
@@ -146,6 +168,7 @@ class Runtime:
         learned prompt length; the tags, regions and registers stay, so graphs remain valid."""
         with torch.inference_mode(False), torch.no_grad():
             self.ctrl[L.HEADER_WORDS :].zero_()
+            self.ctrl[L.REG_STEPS].fill_(0)
         self.prompt_tokens = self.config.fixed_tokens or None
 
     def slot_for(self, tag: str, kind: int) -> Slot:
@@ -167,6 +190,8 @@ class Runtime:
         else:
             self.next_slot += 1
         slot = Slot(tag=tag, kind=kind, index=index, order=len(self.slots))
+        if self.live is not None:
+            self.live.write({"event": "slot", "tag": tag, "kind": kind, "index": index, "order": slot.order})
         self.slots[(tag, is_step)] = slot
         self.by_index.setdefault(index, slot)
         return slot
@@ -279,6 +304,13 @@ class Runtime:
         if start + words <= self.arena.numel():
             slot.offset = start
             self.used_words = start + words
+        if self.live is not None:
+            if slot.offset >= 0:
+                self.live.touch(start, words)
+            # Journaled before the kernel stores anything in the region: recover can read it.
+            self.live.write({"event": "region", "index": slot.index, "kind": slot.kind, "payload": list(payload),
+                             "offset": slot.offset, "capacity": capacity, "source_dtype": slot.source_dtype,
+                             "source_shape": slot.source_shape})
         # Set last: another thread may read payload_shape without the lock.
         slot.payload_shape = payload
 
@@ -312,6 +344,12 @@ class Runtime:
         with torch.cuda.device(self.device):
             if variants.stream_capturing(self.device):
                 raise RuntimeError("compiledump.flush() cannot run during CUDA graph capture")
+            if self.live is not None:
+                # A host-mapped arena: the kernels wrote host memory; no device copy. (After a
+                # sticky CUDA error the synchronize raises; `compiledump recover` reads the files.)
+                torch.cuda.synchronize(self.device)
+                return (self.live.host_arena[: arena.numel()].numpy().copy(),
+                        self.live.host_ctrl.numpy().copy())
             if private:
                 host_arena = torch.empty(arena.numel(), dtype=torch.float32, pin_memory=True)
                 host_ctrl = torch.empty(ctrl.numel(), dtype=torch.int32, pin_memory=True)

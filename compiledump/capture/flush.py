@@ -16,10 +16,9 @@ import torch
 
 from .. import config as _config
 from ..format import spec, writer
-from ..ops import layout as L
 from ..ops.register import KERNEL_LOCK
 from ..version import __version__
-from . import parallel
+from . import collect, parallel
 from .arena import Runtime
 from .state import STATE
 
@@ -42,6 +41,12 @@ def _world_size() -> int | None:
         return world
     world = os.getenv("WORLD_SIZE")
     return int(world) if world and world.isdigit() else None
+
+
+def process_fields() -> dict:
+    """Who writes: the manifest's first fields, also journaled by crash-proof capture."""
+    return {"compiledump_version": __version__, "torch_version": torch.__version__, "rank": _rank(),
+            "pid": os.getpid(), "world_size": _world_size()}
 
 
 def dump_stem() -> str:
@@ -106,104 +111,22 @@ def _flush(wait_for_captures: bool) -> str | None:
 
 
 def _collect(rt: Runtime, arena: np.ndarray, ctrl: np.ndarray) -> tuple[dict, dict]:
-    arrays: dict[str, np.ndarray] = {}
-    keys: dict[str, dict] = {}
-    tags: dict[str, dict] = {}
-    totals: dict[str, int] = {}
-    for slot in sorted(list(rt.slots.values()), key=lambda s: s.order):
-        base = L.slot_base(slot.index)
-        counts = ctrl[base : base + L.SLOT_COUNTERS].astype(np.int64)
-        if slot.index == 0:
-            continue  # shared overflow slot: reported once below
-        written = int(counts[L.CNT_WRITTEN])
-        drops = {name: int(counts[c]) for c, name in L.DROP_REASONS.items() if counts[c]}
-        kept = 0
-        if slot.offset >= 0 and written:
-            kept = min(written, slot.capacity)
-            if slot.kind == L.KIND_STEP and written > slot.capacity:
-                drops["step_capacity"] = written - slot.capacity
-            # Views of the snapshot (valid while this flush holds the flush lock): no per-key copies.
-            region = arena[slot.offset : slot.offset + slot.words * kept]
-            if slot.kind == L.KIND_IDS:
-                region = region.view(np.int32)
-            tokens = _kept_tokens(slot, int(ctrl[base + L.SLOT_KEPT_TOKENS]))
-            meta = {
-                "tag": slot.tag,
-                "kind": L.KIND_NAMES[slot.kind],
-                "step": None,
-                "order": slot.order,
-                "source_dtype": slot.source_dtype,
-                "source_shape": slot.source_shape,
-                "dtype": str(region.dtype),
-                "shape": list(slot.payload_shape),
-                "tokens": tokens,
-                "phase": _phase(tokens, rt.prompt_tokens),
-            }
-            if slot.kind == L.KIND_RECORD_ROWS:
-                meta["rows"] = "all"
-            steps = region.reshape(kept, *slot.payload_shape)
-            for n in range(kept):
-                is_step = slot.kind == L.KIND_STEP
-                key = spec.step_key(slot.tag, n) if is_step else slot.tag
-                keys[key] = {**meta, "step": n} if is_step else meta
-                arrays[key] = steps[n]
-        tags[f"{slot.tag}_<n>" if slot.kind == L.KIND_STEP else slot.tag] = {
-            "tag": slot.tag,
-            "kind": L.KIND_NAMES[slot.kind],
-            "order": slot.order,
-            "calls": int(counts.sum()),
-            "passed": written,
-            "kept": kept,
-            "drops": drops,
-        }
-        for name, count in drops.items():
-            totals[name] = totals.get(name, 0) + count
-    if rt.overflow_tags:
-        # Tags past the table share slot 0: their calls are counted there, tag_table_full or,
-        # inside profiling(), suspended; only the totals can report them.
-        shared = ctrl[L.slot_base(0) : L.slot_base(0) + L.SLOT_COUNTERS].astype(np.int64)
-        for counter, name in L.DROP_REASONS.items():
-            if shared[counter]:
-                totals[name] = totals.get(name, 0) + int(shared[counter])
-        for tag in list(rt.overflow_tags):
-            tags[tag] = {"tag": tag, "kind": None, "order": None, "calls": None, "passed": 0,
-                         "kept": 0, "drops": {"tag_table_full": None}}
+    got = collect.collect(list(rt.slots.values()), list(rt.overflow_tags), arena, ctrl, rt.prompt_tokens)
     manifest = writer.build_manifest(
-        compiledump_version=__version__,
-        torch_version=torch.__version__,
-        rank=_rank(),
-        pid=os.getpid(),
-        world_size=_world_size(),
+        **process_fields(),
         device=str(rt.device),
         capture_path=rt.capture_path,
         config=_config.settings(rt.config),
         filtered_tags=dict(STATE.filtered_tags),
         arena_words_used=rt.used_words,
         prompt_tokens=rt.prompt_tokens,
-        parallel=parallel.manifest_fields(keys, _warn_once),
-        keys=keys,
-        tags=tags,
-        drops=totals,
+        parallel=parallel.manifest_fields(got.keys, _warn_once),
+        first_nonfinite=got.first_nonfinite,
+        keys=got.keys,
+        tags=got.tags,
+        drops=got.drops,
     )
-    return arrays, manifest
-
-
-def _kept_tokens(slot, kept_word: int) -> int | None:
-    """The manifest's "tokens" of a token-gated key: `shape[0]` of the call whose value was kept
-    (the kernel's SLOT_KEPT_TOKENS for `[tokens, ...]` records; the stored shape for ids)."""
-    if slot.kind == L.KIND_IDS:
-        return slot.payload_shape[0] if slot.payload_shape else None
-    if slot.kind in (L.KIND_RECORD, L.KIND_RECORD_ROWS) and kept_word > 0:  # 0: none kept, or stored whole
-        return kept_word
-    return None
-
-
-def _phase(tokens: int | None, prompt_tokens: int | None) -> str | None:
-    """The manifest's "phase": prefill when the kept call had the prompt's token count, else
-    decode; None when either is unknown."""
-    if tokens is None or prompt_tokens is None:
-        return None
-    return "prefill" if tokens == prompt_tokens else "decode"
+    return got.arrays, manifest
 
 
 def _warn_once(message: str) -> None:
@@ -241,6 +164,9 @@ def flush_at_exit() -> None:
     captured, and never turn interpreter exit into a traceback storm."""
     try:
         flush()
+        rt = STATE.runtime
+        if rt is not None and rt.live is not None:
+            rt.live.remove()  # the dump is complete: the crash-proof files are not needed
         note = silence_note()
         if note is not None:
             print(f"[compiledump] {note}", file=sys.stderr, flush=True)
@@ -272,5 +198,8 @@ def flush_on_signal() -> None:
     """The signal handler's flush: on the main thread, possibly inside a capture or a flush of
     that same thread, so it waits for no lock (capture/signals.py)."""
     path = _flush(wait_for_captures=False)
+    rt = STATE.runtime
+    if rt is not None and rt.live is not None:
+        rt.live.write({"event": "signal", "flushed": path})  # recover: the dump was complete then
     if path is not None:
         print(f"[compiledump] flushed {path} on signal", file=sys.stderr, flush=True)

@@ -46,6 +46,9 @@ class State:
 
     def reset(self) -> None:
         """Forget every capture, the arena, parallel groups and shard declarations."""
+        live = getattr(self.runtime, "live", None)
+        if live is not None:
+            live.remove()  # its crash-proof files: what they hold is being forgotten
         kept = {name: getattr(self, name)
                 for name in ("config", "dist_seen", "atexit_registered", "lock", "flush_lock")}
         self.__dict__.update(State(**kept).__dict__)

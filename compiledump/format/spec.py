@@ -27,6 +27,7 @@ DROP_REASONS = (
     "arena_full",  # no arena space left when the tag was first seen
     "tag_table_full",  # more tags than COMPILEDUMP_MAX_TAGS
     "step_capacity",  # more steps than COMPILEDUMP_MAX_STEPS
+    "interrupted",  # the process died while writing it (a recovered dump; the torn value is not read)
 )
 # Reported in the manifest but not warned about: the user asked for these filters.
 DELIBERATE_REASONS = frozenset({"suspended", "token_gate", "rows_gate"})

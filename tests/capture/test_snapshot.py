@@ -39,7 +39,7 @@ class _CopyLog(TorchFunctionMode):
 
 
 def _runtime():
-    cfg = cd_config.Config(dir="unused", arena_mb=1, max_tags=4)
+    cfg = cd_config.Config(dir="unused", arena_mb=1, max_tags=4, persist="0")  # no files
     rt = Runtime(torch.device("cpu"), cfg, 0, threading.Lock())
     rt.used_words = 8
     rt.arena[:8] = torch.arange(8.0)

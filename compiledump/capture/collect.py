@@ -1,0 +1,164 @@
+"""A snapshot of the arena and the control block, sliced into a dump's arrays and manifest entries.
+
+Shared by `flush()` (a live process's registry and a fresh snapshot) and `compiledump recover`
+(a registry rebuilt from the journal and the files a dead process left): both must read the
+counters the same way. Pure: host arrays in, dicts out.
+
+What a slot's words say (ops/layout.py):
+- the counters: one per call (kept, or the drop reason);
+- SLOT_COMMITTED: writes that finished. A write is claimed (its counter bumped) before the payload
+  is stored and committed after it, so a process that died mid-write leaves one claimed write
+  without its commit: that value is torn and never read (counted as the drop `interrupted`);
+- SLOT_NONFINITE and the first such call (SLOT_BAD_STEP, SLOT_BAD_TOKENS).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..format import spec
+from ..ops import layout as L
+
+
+@dataclass
+class Collected:
+    """What `collect` makes of a snapshot: the manifest's `keys`, `tags`, `drops` and
+    `first_nonfinite`, and the arrays (views of the snapshot: valid while it is)."""
+
+    arrays: dict
+    keys: dict
+    tags: dict
+    drops: dict
+    first_nonfinite: dict | None
+
+
+def collect(slots, overflow_tags, arena: np.ndarray, ctrl: np.ndarray, prompt_tokens: int | None) -> Collected:
+    """Slice `arena`/`ctrl` by the registry `slots` (capture/arena.py `Slot`s, any order)."""
+    arrays: dict[str, np.ndarray] = {}
+    keys: dict[str, dict] = {}
+    tags: dict[str, dict] = {}
+    totals: dict[str, int] = {}
+    bad: list[tuple] = []
+    for slot in sorted(slots, key=lambda s: s.order):
+        if slot.index == 0:
+            continue  # shared overflow slot: reported once below
+        base = L.slot_base(slot.index)
+        words = ctrl[base : base + L.SLOT_WORDS].astype(np.int64)
+        counts = words[: L.SLOT_COUNTERS]
+        written = int(counts[L.CNT_WRITTEN])
+        drops = {name: int(counts[c]) for c, name in L.DROP_REASONS.items() if counts[c]}
+        kept = 0
+        if slot.offset >= 0 and written:
+            kept, step_capacity, interrupted = _kept(slot, written, int(words[L.SLOT_COMMITTED]))
+            if step_capacity:
+                drops["step_capacity"] = step_capacity
+            if interrupted:
+                drops["interrupted"] = interrupted
+        if kept:
+            # Views of the snapshot (valid while this flush holds the flush lock): no per-key copies.
+            region = arena[slot.offset : slot.offset + slot.words * kept]
+            if slot.kind == L.KIND_IDS:
+                region = region.view(np.int32)
+            tokens = _kept_tokens(slot, int(words[L.SLOT_KEPT_TOKENS]))
+            meta = {
+                "tag": slot.tag,
+                "kind": L.KIND_NAMES[slot.kind],
+                "step": None,
+                "order": slot.order,
+                "source_dtype": slot.source_dtype,
+                "source_shape": slot.source_shape,
+                "dtype": str(region.dtype),
+                "shape": list(slot.payload_shape),
+                "tokens": tokens,
+                "phase": phase_of(tokens, prompt_tokens),
+            }
+            if slot.kind == L.KIND_RECORD_ROWS:
+                meta["rows"] = "all"
+            steps = region.reshape(kept, *slot.payload_shape)
+            for n in range(kept):
+                is_step = slot.kind == L.KIND_STEP
+                key = spec.step_key(slot.tag, n) if is_step else slot.tag
+                keys[key] = {**meta, "step": n} if is_step else meta
+                arrays[key] = steps[n]
+        name = f"{slot.tag}_<n>" if slot.kind == L.KIND_STEP else slot.tag
+        tags[name] = {
+            "tag": slot.tag,
+            "kind": L.KIND_NAMES[slot.kind],
+            "order": slot.order,
+            "calls": int(counts.sum()),
+            "passed": written,
+            "kept": kept,
+            "drops": drops,
+        }
+        nonfinite = _nonfinite(slot, words, prompt_tokens)
+        if nonfinite is not None:
+            tags[name]["nonfinite"] = nonfinite
+            # Calls in time order: the prefill first, then by step, then in forward order.
+            when = -1 if nonfinite["phase"] == "prefill" else nonfinite["step"]
+            bad.append((when, slot.order, nonfinite))
+        for reason, count in drops.items():
+            totals[reason] = totals.get(reason, 0) + count
+    if overflow_tags:
+        # Tags past the table share slot 0: their calls are counted there, tag_table_full or,
+        # inside profiling(), suspended; only the totals can report them.
+        shared = ctrl[L.slot_base(0) : L.slot_base(0) + L.SLOT_COUNTERS].astype(np.int64)
+        for counter, reason in L.DROP_REASONS.items():
+            if shared[counter]:
+                totals[reason] = totals.get(reason, 0) + int(shared[counter])
+        for tag in list(overflow_tags):
+            tags[tag] = {"tag": tag, "kind": None, "order": None, "calls": None, "passed": 0,
+                         "kept": 0, "drops": {"tag_table_full": None}}
+    first = min(bad, key=lambda item: item[:2])[2] if bad else None
+    return Collected(arrays, keys, tags, totals, first)
+
+
+def _kept(slot, written: int, committed: int) -> tuple[int, int, int]:
+    """(captures kept, step_capacity drops, interrupted writes) of a slot with a region.
+
+    Steps keep their first `committed` captures (commits only come for steps inside the region);
+    a record, record_once or ids region holds one value, whole only if every write it was given
+    was committed: else the process died while overwriting it and the value is dropped.
+    """
+    if slot.kind == L.KIND_STEP:
+        claimed = min(written, slot.capacity)
+        return min(committed, claimed), written - claimed, claimed - min(committed, claimed)
+    claimed = 1 if slot.kind == L.KIND_RECORD_ONCE else written
+    if committed >= claimed:
+        return 1, 0, 0
+    return 0, 0, 1
+
+
+def _kept_tokens(slot, kept_word: int) -> int | None:
+    """The manifest's "tokens" of a token-gated key: `shape[0]` of the call whose value was kept
+    (the kernel's SLOT_KEPT_TOKENS for `[tokens, ...]` records; the stored shape for ids)."""
+    if slot.kind == L.KIND_IDS:
+        return slot.payload_shape[0] if slot.payload_shape else None
+    if slot.kind in (L.KIND_RECORD, L.KIND_RECORD_ROWS) and kept_word > 0:  # 0: none kept, or stored whole
+        return kept_word
+    return None
+
+
+def phase_of(tokens: int | None, prompt_tokens: int | None) -> str | None:
+    """The manifest's "phase": prefill when the call had the prompt's token count, else decode;
+    None when either is unknown."""
+    if tokens is None or prompt_tokens is None:
+        return None
+    return "prefill" if tokens == prompt_tokens else "decode"
+
+
+def _nonfinite(slot, words: np.ndarray, prompt_tokens: int | None) -> dict | None:
+    """A tag's `nonfinite` manifest entry, or None when its kernels saw no NaN/Inf."""
+    count = int(words[L.SLOT_NONFINITE])
+    first = int(words[L.SLOT_BAD_STEP])
+    if not count or not first:
+        return None
+    step = first - 1
+    tokens = int(words[L.SLOT_BAD_TOKENS]) or None
+    if slot.kind == L.KIND_STEP:
+        phase, key = "decode", spec.step_key(slot.tag, step)
+    else:
+        phase, key = phase_of(tokens, prompt_tokens), slot.tag
+    return {"key": key, "tag": slot.tag, "phase": phase, "step": step, "tokens": tokens,
+            "count": count, "saturated": count >= L.NONFINITE_CAP}

@@ -1,0 +1,156 @@
+"""Crash-proof capture: the arena, the control block and a journal of the tag registry in files.
+
+With `COMPILEDUMP_PERSIST` on (the default on CPU), a process's arena and control block are
+memory-mapped files in `<dir>/<stem>.live/`, so everything a kernel has written is in the page
+cache the moment it is written: a SIGKILL, a segfault or `os._exit` loses nothing of it (power
+loss may: nothing is synced to disk). Next to them a journal records, before a tag's first
+capture is stored, what is needed to read its region. `compiledump recover DIR`
+(capture/recover.py, the reader of these files) turns what a dead process left into an ordinary
+dump; the flush at normal exit removes them.
+
+`<stem>.live/`:
+- `arena.f32`: the arena, float32 words (a sparse file: only claimed regions take disk space);
+- `ctrl.i32`: the control block (ops/layout.py);
+- `journal.jsonl`: one JSON object per line, appended with single `write` calls: `start` (who
+  writes: pid, rank, device, config, sizes), then `slot`, `region`, `prompt` and `overflow`
+  events as the registry changes, and `exception`/`signal` when the process is dying of one;
+- `fault.txt`: Python's faulthandler report, if the process crashed in native code (only when
+  no faulthandler was enabled before: compiledump does not take over one the user set up).
+
+CUDA (`COMPILEDUMP_PERSIST=1`): the same files, registered as mapped pinned memory; the kernels
+write them over PCIe, so they survive a dead CUDA context, and a flush needs no device copy.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+LIVE_SUFFIX = ".live"
+ARENA_FILE = "arena.f32"
+CTRL_FILE = "ctrl.i32"
+JOURNAL_FILE = "journal.jsonl"
+FAULT_FILE = "fault.txt"
+JOURNAL_VERSION = 1
+
+
+def process_start_time(pid: int) -> int | None:
+    """The kernel's start time of process `pid` (Linux clock ticks since boot), or None: with the
+    pid it tells a live process from a later one that reused the pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+class LiveFiles:
+    """One process's `<stem>.live/` directory: the mapped arena and control block, the journal."""
+
+    def __init__(self, directory: str, stem: str, device: torch.device, arena_words: int, ctrl_words: int,
+                 start: dict):
+        self.path = Path(directory) / f"{stem}{LIVE_SUFFIX}"
+        if self.path.exists():  # this pid's own leftovers (a runtime created again): replaced
+            shutil.rmtree(self.path)
+        self.path.mkdir(parents=True)
+        self.device = device
+        # Sparse files read as zeros: the control block starts zeroed, the arena is touched
+        # region by region as tags claim them (Runtime._allocate), never inside a step.
+        self.host_arena = torch.from_file(str(self.path / ARENA_FILE), shared=True, size=arena_words,
+                                          dtype=torch.float32)
+        self.host_ctrl = torch.from_file(str(self.path / CTRL_FILE), shared=True, size=ctrl_words, dtype=torch.int32)
+        # A numpy view of the same mapping: `touch` writes through it, never through a torch op
+        # (a region may be claimed while a program is being traced or exported).
+        self._arena_words = self.host_arena.numpy()
+        if device.type == "cuda":
+            self.arena, self.ctrl = _map_to_device(self.host_arena, device), _map_to_device(self.host_ctrl, device)
+        else:
+            self.arena, self.ctrl = self.host_arena, self.host_ctrl
+        self._journal = os.open(self.path / JOURNAL_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._fault = None
+        if not faulthandler.is_enabled():
+            self._fault = open(self.path / FAULT_FILE, "w")  # noqa: SIM115 - open for the process's life
+            faulthandler.enable(file=self._fault, all_threads=True)
+        self.write({"event": "start", "journal_version": JOURNAL_VERSION, "pid": os.getpid(),
+                    "start_time": process_start_time(os.getpid()), "host": socket.gethostname(),
+                    "device": str(device), "arena_words": arena_words, "ctrl_words": ctrl_words,
+                    "created_unix": time.time(), **start})
+
+    def touch(self, start: int, words: int) -> None:
+        """Fault in a newly claimed region's pages (zeros, as the sparse file reads) so that no
+        capture inside a step pays for it."""
+        self._arena_words[start : start + words] = 0
+
+    def write(self, event: dict) -> None:
+        """Append one event: a single `write` call, so a kill leaves it whole or absent (a torn
+        last line is ignored by recover)."""
+        if self._journal is not None:
+            os.write(self._journal, (json.dumps(event, separators=(",", ":")) + "\n").encode())
+
+    def remove(self) -> None:
+        """Close and delete the directory (after a complete flush at exit)."""
+        self.close()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def close(self) -> None:
+        if self._fault is not None:
+            faulthandler.disable()
+            self._fault.close()
+            self._fault = None
+        if self._journal is not None:
+            os.close(self._journal)
+            self._journal = None
+
+
+def _map_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CUDA tensor aliasing the mapped file `host`: registered as mapped pinned memory, so the
+    kernels read and write it over PCIe (with unified addressing its device address is its host
+    address). The host tensor must outlive the result."""
+    cudart = torch.cuda.cudart()
+    nbytes = host.numel() * host.element_size()
+    flags = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped
+    err = cudart.cudaHostRegister(host.data_ptr(), nbytes, flags)
+    if int(err) != 0:
+        raise RuntimeError(f"compiledump: COMPILEDUMP_PERSIST=1: cudaHostRegister of {nbytes} bytes failed "
+                           f"({err}); set COMPILEDUMP_PERSIST=0 to keep the arena in device memory")
+    typestr = {torch.float32: "<f4", torch.int32: "<i4"}[host.dtype]
+
+    class _Interface:  # the CUDA array interface: how torch wraps memory it did not allocate
+        __cuda_array_interface__ = {"shape": (host.numel(),), "typestr": typestr, "data": (host.data_ptr(), False),
+                                    "version": 3, "strides": None}
+
+    with torch.cuda.device(device):
+        return torch.as_tensor(_Interface(), device=device)
+
+
+def note_exception(live: LiveFiles | None, exc_type, exc) -> None:
+    """Journal an unhandled exception (the flush at exit normally follows and removes the files;
+    after a sticky CUDA error it cannot, and recover names the exception as the cause)."""
+    if live is not None:
+        try:
+            live.write({"event": "exception", "type": getattr(exc_type, "__name__", str(exc_type)),
+                        "message": str(exc)[:2000]})
+        except OSError:
+            pass
+
+
+def install_excepthook(get_live) -> None:
+    """Chain a `sys.excepthook` that journals the exception, once per process."""
+    previous = sys.excepthook
+    if getattr(previous, "_compiledump", False):
+        return
+
+    def hook(exc_type, exc, tb):
+        note_exception(get_live(), exc_type, exc)
+        previous(exc_type, exc, tb)
+
+    hook._compiledump = True
+    sys.excepthook = hook
