@@ -1,9 +1,10 @@
-"""Command line: ``compiledump demo``, ``compiledump compare REF RUN`` and ``compiledump inspect FILE``.
+"""Command line: ``compiledump demo``, ``compiledump compare REF RUN``, ``compiledump inspect FILE`` and
+``compiledump recover DIR``.
 
 Each subcommand has its own ``_add_<name>_parser`` function that registers its arguments and
 the function that runs it; adding a subcommand means adding one such function and one call in
-:func:`build_parser`. Nothing here imports torch at module level: compare and inspect only need
-numpy; demo imports torch when it runs.
+:func:`build_parser`. Nothing here imports torch at module level: compare, inspect and recover
+only need numpy; demo imports torch when it runs.
 """
 
 from __future__ import annotations
@@ -111,8 +112,27 @@ def _add_compare_parser(subparsers) -> None:
     parser.set_defaults(func=_run_compare)
 
 
+def _note_leftovers(*paths: str) -> None:
+    """On stderr: crash leftovers next to the dumps read, which `recover` would turn into dumps."""
+    from .capture.recover import dead_leftovers
+
+    seen = set()
+    for path in paths:
+        directory = path if os.path.isdir(path) else os.path.dirname(path) or "."
+        if directory in seen:
+            continue
+        seen.add(directory)
+        found = dead_leftovers(directory)
+        if found:
+            names = ", ".join(p.name for p in found[:3]) + (", ..." if len(found) > 3 else "")
+            print(f"compiledump: note: {directory} holds what {len(found)} process(es) left when they died before "
+                  f"flushing ({names}); `compiledump recover {directory}` turns it into dumps", file=sys.stderr)
+
+
 def _run_compare(args: argparse.Namespace) -> int:
     from .compare import CompareOptions, PlotUnavailable, compare, format_report, write_json_report, write_plot
+
+    _note_leftovers(args.ref, args.run)
 
     options = CompareOptions(threshold=args.threshold, overrides=list(args.threshold_for),
                              norm_threshold=args.norm_threshold, maps=list(args.map),
@@ -153,6 +173,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
     from .compare import json_safe
     from .compare.inspect import format_inspection, inspect_path
 
+    _note_leftovers(args.file)
     summaries = inspect_path(args.file)
     _emit([line for summary in summaries for line in format_inspection(summary)])
     if args.json:
@@ -162,6 +183,46 @@ def _run_inspect(args: argparse.Namespace) -> int:
         except OSError as exc:
             return _error(f"cannot write {args.json}: {exc.strerror or exc}")
     return EXIT_OK
+
+
+def _add_recover_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "recover",
+        help="turn what crashed or killed processes left (<stem>.live/) into ordinary dumps",
+        description="With crash-proof capture (COMPILEDUMP_PERSIST, on by default on CPU) a process keeps its "
+                    "captures in DIR/<stem>.live/ until its exit-time flush. For each such directory whose "
+                    "process is gone, write <stem>.npz and <stem>.json (manifest marked 'recovered', with the "
+                    "cause) and remove it. Exit status 0, or 2 when a directory could not be read.",
+    )
+    parser.add_argument("dir", metavar="DIR", help="the dump directory (COMPILEDUMP_DIR of the dead run)")
+    parser.add_argument("--force", action="store_true",
+                        help="also recover directories whose process looks alive (pid reused, or another host)")
+    parser.add_argument("--keep", action="store_true", help="keep the <stem>.live/ directories after recovering")
+    parser.set_defaults(func=_run_recover)
+
+
+def _run_recover(args: argparse.Namespace) -> int:
+    from .capture.recover import recover_directory
+
+    if not os.path.isdir(args.dir):
+        return _error(f"{args.dir} is not a directory")
+    results, errors = recover_directory(args.dir, force=args.force, keep=args.keep)
+    lines = []
+    for result in results:
+        if result.skipped:
+            lines.append(f"skipped {result.live.name}: {result.skipped}")
+            continue
+        lost = f"; {result.interrupted} capture(s) being written at the end were dropped (interrupted)" \
+            if result.interrupted else ""
+        lines.append(f"recovered {result.npz}: {result.keys} keys{lost}")
+        lines.append(f"  cause: {result.cause}")
+        lines.extend(f"  note: {note}" for note in result.notes)
+    if not results and not errors:
+        lines.append(f"nothing to recover in {args.dir}")
+    _emit(lines)
+    for error in errors:
+        print(f"compiledump: error: {error}", file=sys.stderr)
+    return EXIT_UNUSABLE if errors else EXIT_OK
 
 
 def _non_negative_int(text: str) -> int:
@@ -225,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo_parser(subparsers)
     _add_compare_parser(subparsers)
     _add_inspect_parser(subparsers)
+    _add_recover_parser(subparsers)
     return parser
 
 

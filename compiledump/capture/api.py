@@ -191,7 +191,7 @@ class profiling:
     exit it outside graph capture.
     """
 
-    def __enter__(self) -> "profiling":
+    def __enter__(self) -> profiling:
         STATE.profiling_depth += 1
         if STATE.profiling_depth == 1:
             _write_register(L.REG_ENABLED, 0)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -22,25 +21,7 @@ from ..ops import layout as L
 from ..ops import register, schemas, variants
 from ..ops.geometry import TOKEN_GATED_KINDS, payload_shape
 from . import layouts, persist
-
-
-@dataclass
-class Slot:
-    """One tag's place in the control block and the arena (host-side bookkeeping only)."""
-
-    tag: str
-    kind: int
-    index: int  # slot number; its counters start at layout.slot_base(index)
-    order: int  # first-capture order, i.e. the order the forward ran the capture points
-    payload_shape: tuple | None = None  # shape of one stored capture (None until first kept)
-    offset: int = -1  # arena word offset of the region; -1 = no region
-    capacity: int = 1  # captures the region holds (steps for KIND_STEP)
-    source_dtype: str | None = None
-    source_shape: tuple | None = None
-
-    @property
-    def words(self) -> int:
-        return math.prod(self.payload_shape) if self.payload_shape is not None else 0
+from .collect import Slot
 
 
 class Runtime:
@@ -67,9 +48,9 @@ class Runtime:
         # Plain (non-inference) tensors even if the first capture runs under inference_mode:
         # the host must be able to update them later outside it.
         with torch.inference_mode(False), torch.no_grad():
-            # Not for an arena created under a fake mode (a program traced without compiledump.aot:
-            # an error follows) whose tensors are fake.
-            if cfg.dir and cfg.persists(device) and torch._guards.detect_fake_mode() is None:
+            # Not for an arena created while a fake mode is active (a program exported without
+            # compiledump.aot: its tensors are fake, and an error follows).
+            if cfg.dir and cfg.persists(device) and not _fake_mode_active():
                 self.live = persist.LiveFiles(cfg.dir, stem, device, cfg.arena_words, L.control_words(cfg.max_tags),
                                               {**(start or {}), "capture_path": self.capture_path,
                                                "config": _config.settings(cfg)})
@@ -371,6 +352,10 @@ class Runtime:
             done.record(stream)
             done.synchronize()
         return host_arena.numpy(), host_ctrl.numpy()
+
+
+def _fake_mode_active() -> bool:
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
 _CALL_NAMES = {

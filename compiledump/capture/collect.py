@@ -14,12 +14,33 @@ What a slot's words say (ops/layout.py):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..format import spec
 from ..ops import layout as L
+
+
+@dataclass
+class Slot:
+    """One tag's place in the control block and the arena: the registry's record of it
+    (capture/arena.py keeps them; capture/recover.py rebuilds them from the journal)."""
+
+    tag: str
+    kind: int
+    index: int  # slot number; its counters start at layout.slot_base(index)
+    order: int  # first-capture order, i.e. the order the forward ran the capture points
+    payload_shape: tuple | None = None  # shape of one stored capture (None until first kept)
+    offset: int = -1  # arena word offset of the region; -1 = no region
+    capacity: int = 1  # captures the region holds (steps for KIND_STEP)
+    source_dtype: str | None = None
+    source_shape: tuple | None = None
+
+    @property
+    def words(self) -> int:
+        return math.prod(self.payload_shape) if self.payload_shape is not None else 0
 
 
 @dataclass

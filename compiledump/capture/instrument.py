@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

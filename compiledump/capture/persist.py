@@ -30,26 +30,20 @@ import shutil
 import socket
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
 
-LIVE_SUFFIX = ".live"
-ARENA_FILE = "arena.f32"
-CTRL_FILE = "ctrl.i32"
-JOURNAL_FILE = "journal.jsonl"
-FAULT_FILE = "fault.txt"
-JOURNAL_VERSION = 1
-
-
-def process_start_time(pid: int) -> int | None:
-    """The kernel's start time of process `pid` (Linux clock ticks since boot), or None: with the
-    pid it tells a live process from a later one that reused the pid."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
+from ..format.spec import (
+    JOURNAL_VERSION,
+    LIVE_ARENA,
+    LIVE_CTRL,
+    LIVE_FAULT,
+    LIVE_JOURNAL,
+    LIVE_SUFFIX,
+)
+from .recover import process_start_time
 
 
 class LiveFiles:
@@ -64,9 +58,9 @@ class LiveFiles:
         self.device = device
         # Sparse files read as zeros: the control block starts zeroed, the arena is touched
         # region by region as tags claim them (Runtime._allocate), never inside a step.
-        self.host_arena = torch.from_file(str(self.path / ARENA_FILE), shared=True, size=arena_words,
+        self.host_arena = torch.from_file(str(self.path / LIVE_ARENA), shared=True, size=arena_words,
                                           dtype=torch.float32)
-        self.host_ctrl = torch.from_file(str(self.path / CTRL_FILE), shared=True, size=ctrl_words, dtype=torch.int32)
+        self.host_ctrl = torch.from_file(str(self.path / LIVE_CTRL), shared=True, size=ctrl_words, dtype=torch.int32)
         # A numpy view of the same mapping: `touch` writes through it, never through a torch op
         # (a region may be claimed while a program is being traced or exported).
         self._arena_words = self.host_arena.numpy()
@@ -74,10 +68,10 @@ class LiveFiles:
             self.arena, self.ctrl = _map_to_device(self.host_arena, device), _map_to_device(self.host_ctrl, device)
         else:
             self.arena, self.ctrl = self.host_arena, self.host_ctrl
-        self._journal = os.open(self.path / JOURNAL_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._journal = os.open(self.path / LIVE_JOURNAL, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._fault = None
         if not faulthandler.is_enabled():
-            self._fault = open(self.path / FAULT_FILE, "w")  # noqa: SIM115 - open for the process's life
+            self._fault = open(self.path / LIVE_FAULT, "w")  # noqa: SIM115 - open for the process's life
             faulthandler.enable(file=self._fault, all_threads=True)
         self.write({"event": "start", "journal_version": JOURNAL_VERSION, "pid": os.getpid(),
                     "start_time": process_start_time(os.getpid()), "host": socket.gethostname(),
@@ -123,12 +117,12 @@ def _map_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
                            f"({err}); set COMPILEDUMP_PERSIST=0 to keep the arena in device memory")
     typestr = {torch.float32: "<f4", torch.int32: "<i4"}[host.dtype]
 
-    class _Interface:  # the CUDA array interface: how torch wraps memory it did not allocate
-        __cuda_array_interface__ = {"shape": (host.numel(),), "typestr": typestr, "data": (host.data_ptr(), False),
-                                    "version": 3, "strides": None}
-
+    # The CUDA array interface: how torch wraps device memory it did not allocate.
+    interface = types.SimpleNamespace(__cuda_array_interface__={
+        "shape": (host.numel(),), "typestr": typestr, "data": (host.data_ptr(), False), "version": 3,
+        "strides": None})
     with torch.cuda.device(device):
-        return torch.as_tensor(_Interface(), device=device)
+        return torch.as_tensor(interface, device=device)
 
 
 def note_exception(live: LiveFiles | None, exc_type, exc) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 from ..format.keys import order_key_infos
 from ..format.reader import DumpError, DumpFile, ShardInfo, collect_dumps, preview, rank_sort_key
 from .metrics import CHUNK_ELEMENTS
-from .text import fmt_value
+from .text import fmt_value, nonfinite_text
 
 
 def array_stats(array: np.ndarray, chunk: int = CHUNK_ELEMENTS) -> dict:
@@ -68,8 +68,13 @@ def inspect_dump(dump: DumpFile) -> dict:
                                "unreadable": [{"key": key, "detail": why} for key, why in dump.bad_members.items()]}
     if manifest is not None:
         for name in ("format_version", "compiledump_version", "torch_version", "rank", "pid", "world_size",
-                     "parallel", "device", "capture_path", "created_unix", "config", "drops", "filtered_tags"):
+                     "parallel", "device", "capture_path", "created_unix", "config", "drops", "filtered_tags",
+                     "recovered"):
             summary[name] = manifest.get(name)
+        if "first_nonfinite" in manifest:  # absent from dumps older than the non-finite counters
+            summary["first_nonfinite"] = manifest["first_nonfinite"]
+        summary["nonfinite_tags"] = {tag: entry["nonfinite"] for tag, entry in (manifest.get("tags") or {}).items()
+                                     if isinstance(entry, dict) and isinstance(entry.get("nonfinite"), dict)}
         summary["tag_drops"] = {tag: entry.get("drops") for tag, entry in (manifest.get("tags") or {}).items()
                                 if isinstance(entry, dict) and entry.get("drops")}
     return summary
@@ -107,6 +112,15 @@ def format_inspection(summary: dict) -> list[str]:
         filtered = summary.get("filtered_tags") or {}
         if filtered:
             lines.append("filtered tags: " + ", ".join(f"{tag} ({why})" for tag, why in filtered.items()))
+        recovered = summary.get("recovered")
+        if isinstance(recovered, dict):
+            lines.append(f"recovered: by `compiledump recover` from {recovered.get('from')}; cause: "
+                         f"{recovered.get('cause')}")
+        if "first_nonfinite" in summary:
+            first = summary["first_nonfinite"]
+            mode = (summary.get("config") or {}).get("nonfinite", "read")
+            lines.append("first non-finite: " + (nonfinite_text(first) if isinstance(first, dict) else
+                                                 f"none seen by the capture kernels (COMPILEDUMP_NONFINITE={mode})"))
     else:
         lines.append("no manifest (legacy deepinfer_layers file): kinds, steps and order inferred from key "
                      "names and dtypes")

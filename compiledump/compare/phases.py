@@ -112,6 +112,22 @@ def not_captured(dump: Dump) -> dict | None:
             "tags_none_kept": none_kept, "drops": drops}
 
 
+def first_nonfinite(dump: Dump) -> dict | None:
+    """The manifest's `first_nonfinite`: the first call whose capture kernel saw a NaN/Inf (key,
+    phase, step, count), found without any reference. None without one (or without a manifest)."""
+    entry = (dump.manifest or {}).get("first_nonfinite")
+    return entry if isinstance(entry, dict) and isinstance(entry.get("key"), str) else None
+
+
+def recovered_note(side: str, dump: Dump) -> str | None:
+    """A note when a side's dump was rebuilt by `compiledump recover` from a dead process's files."""
+    recovered = (dump.manifest or {}).get("recovered")
+    if not isinstance(recovered, dict):
+        return None
+    return (f"{side} was recovered from a process that died before flushing ({recovered.get('cause')}): it ends "
+            "where that process stopped")
+
+
 _FILTERS = {"moe_layers": "COMPILEDUMP_MOE_LAYERS"}
 
 

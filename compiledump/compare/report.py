@@ -343,6 +343,7 @@ class PairResult:
     decode_margins: DecodeMargins | None = None
     id_mismatches: list[Divergence] = field(default_factory=list)  # every ids key that differs, in order
     not_captured: dict[str, dict | None] = field(default_factory=dict)  # REF/RUN: phases.not_captured
+    nonfinite: dict[str, dict | None] = field(default_factory=dict)  # REF/RUN: phases.first_nonfinite
     prompt_tokens: int | None = None  # the prompt length either manifest states or implies
     renamed: dict[str, str] = field(default_factory=dict)  # --map: new RUN key -> old
 
@@ -370,7 +371,7 @@ class PairResult:
                 "id_mismatches": [item.to_json() for item in self.id_mismatches],
                 "decode_margins": _opt(self.decode_margins), "closest": _opt(self.closest),
                 "thresholds": threshold_uses(self.keys), "not_captured": self.not_captured,
-                "renamed": self.renamed}
+                "first_nonfinite": self.nonfinite, "renamed": self.renamed}
 
 
 @dataclass

@@ -18,6 +18,16 @@ def fmt_value(value: Any, spec: str) -> str:
     return format(value, spec)
 
 
+def nonfinite_text(entry: dict) -> str:
+    """A manifest `first_nonfinite` entry: ``layer3 (decode, step 5); 12 NaN/Inf values in tag layer3``."""
+    phase, step = entry.get("phase"), entry.get("step")
+    when = "prefill" if phase == "prefill" else ", ".join(
+        part for part in (phase, f"step {step}" if step is not None else None) if part)
+    count = entry.get("count")
+    many = f"{'at least ' if entry.get('saturated') else ''}{count} NaN/Inf value{'' if count == 1 else 's'}"
+    return f"{entry['key']} ({when or 'call unknown'}); {many} in tag {entry.get('tag')}"
+
+
 def where(item: Divergence) -> str:
     """`` (layer L, step S)`` for what has a layer or step, else empty."""
     parts = []
@@ -167,6 +177,11 @@ def format_report(report: Report, table: str = "all") -> list[str]:
             lines.extend(format_table(records))
     for note in report.notes:
         lines.append(f"note: {note}")
+    for pair in report.pairs:  # found by the capture kernels, no reference needed: ahead of divergences
+        prefix = f"rank {pair.rank} " if many else ""
+        for side in ("RUN", "REF"):
+            if pair.nonfinite.get(side):
+                lines.append(f"{prefix}{side} first non-finite: {nonfinite_text(pair.nonfinite[side])}")
     for pair in report.pairs:
         prefix = f"rank {pair.rank} " if many else ""
         lines.extend(f"{prefix}{line}" for line in threshold_lines(pair))

@@ -15,7 +15,15 @@ from .measure import KeyMeasurer, excuse_near_ties, float_class, logits_tags
 from .metrics import Workspace
 from .options import CompareOptions
 from .pairing import find_pairs
-from .phases import mixed_phase_detail, mixed_phase_keys, not_captured, not_captured_note, prompt_length
+from .phases import (
+    first_nonfinite,
+    mixed_phase_detail,
+    mixed_phase_keys,
+    not_captured,
+    not_captured_note,
+    prompt_length,
+    recovered_note,
+)
 from .rename import RenamedDump
 from .report import ArgmaxFlip, DecodeMargins, Divergence, KeyRecord, PairResult, Problem, Report
 from .routing import describe_routing
@@ -101,9 +109,11 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     note = not_captured_note(captured)
     if note is not None:
         notes.append(note)
+    notes.extend(note for note in (recovered_note("REF", ref), recovered_note("RUN", run)) if note)
     result = PairResult(rank=rank, ref=str(ref.path), run=str(run.path), ref_manifest=ref.manifest is not None,
                         run_manifest=run.manifest is not None, keys=records, problems=problems, notes=notes,
                         not_captured=captured, prompt_tokens=prompt,
+                        nonfinite={"REF": first_nonfinite(ref), "RUN": first_nonfinite(run)},
                         renamed=run.renamed() if isinstance(run, RenamedDump) else {})
     analyse_pair(result)
     return result

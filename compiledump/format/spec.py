@@ -40,6 +40,16 @@ DUMP_GLOBS = (f"{STEM_PREFIX}_rank*_pid*.npz", f"{LEGACY_STEM_PREFIX}_rank*_pid*
 DUMP_NAME = re.compile(rf"^(?:{STEM_PREFIX}|{LEGACY_STEM_PREFIX})_rank(?P<rank>.+?)_pid(?P<pid>\d+)\.npz$")
 
 
+# Crash-proof capture (capture/persist.py writes, capture/recover.py reads): a running process's
+# arena, control block and journal in `<stem>.live/` next to its dump; gone after a normal exit.
+LIVE_SUFFIX = ".live"
+LIVE_ARENA = "arena.f32"
+LIVE_CTRL = "ctrl.i32"
+LIVE_JOURNAL = "journal.jsonl"
+LIVE_FAULT = "fault.txt"
+JOURNAL_VERSION = 1
+
+
 def dump_stem(rank: str, pid: int) -> str:
     """The file stem of one process's dump."""
     return f"{STEM_PREFIX}_rank{rank}_pid{pid}"

@@ -1,0 +1,222 @@
+"""`compiledump recover DIR`: what dead processes left turned into ordinary dumps.
+
+Crash-proof capture (capture/persist.py) keeps a process's arena, control block and a journal of
+its tag registry in `<dir>/<stem>.live/`. When the process dies without its exit-time flush
+(SIGKILL, the OOM killer, `os._exit`, a segfault, a sticky CUDA error), those files are all
+there is. This module rebuilds the registry from the journal, reads the files with the same
+slicing as `flush()` (capture/collect.py: a write that was claimed but not committed is dropped as
+`interrupted`, never read torn) and writes `<stem>.npz` + `<stem>.json`, the manifest marked
+`recovered` with the cause it can tell. Needs numpy only (no torch), like compare and inspect.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..format import spec, writer
+from ..ops import layout as L
+from .collect import Slot, collect
+
+
+class RecoverError(ValueError):
+    """A leftover directory that cannot be read (its journal has no start event, say)."""
+
+
+@dataclass
+class Recovered:
+    """The outcome for one `<stem>.live/` directory."""
+
+    live: Path
+    npz: Path | None = None  # the dump written; None when skipped
+    cause: str | None = None
+    skipped: str | None = None  # why nothing was written (the process is still running)
+    keys: int = 0
+    interrupted: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def process_start_time(pid: int) -> int | None:
+    """The kernel's start time of process `pid` (Linux clock ticks since boot), or None: with the
+    pid it tells a live process from a later one that reused the pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def leftovers(directory: str | os.PathLike) -> list[Path]:
+    """The `<stem>.live/` directories in `directory` (not recursive)."""
+    path = Path(directory)
+    if not path.is_dir():
+        return []
+    return sorted(p for p in path.glob(f"*{spec.LIVE_SUFFIX}") if p.is_dir())
+
+
+def dead_leftovers(directory: str | os.PathLike) -> list[Path]:
+    """The leftovers whose process is gone (what `compare` and `inspect` point to recover for)."""
+    found = []
+    for live in leftovers(directory):
+        try:
+            start, _events, _torn = read_journal(live)
+        except RecoverError:
+            found.append(live)  # unreadable: recover will say why
+            continue
+        if not running(start):
+            found.append(live)
+    return found
+
+
+def read_journal(live: Path) -> tuple[dict, list[dict], bool]:
+    """(start event, later events, whether the last line was torn by the kill)."""
+    try:
+        raw = (live / spec.LIVE_JOURNAL).read_bytes()
+    except OSError as exc:
+        raise RecoverError(f"{live}: no journal ({exc.strerror or exc})") from None
+    lines = raw.split(b"\n")
+    torn = bool(lines[-1])  # a complete journal ends with a newline
+    events = []
+    for line in lines[:-1]:
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            raise RecoverError(f"{live}: journal line {len(events) + 1} is not JSON") from None
+    if not events or events[0].get("event") != "start":
+        raise RecoverError(f"{live}: the journal has no start event")
+    if events[0].get("journal_version", 0) > spec.JOURNAL_VERSION:
+        raise RecoverError(f"{live}: journal version {events[0]['journal_version']} is newer than this compiledump "
+                           f"reads ({spec.JOURNAL_VERSION}); upgrade compiledump")
+    return events[0], events[1:], torn
+
+
+def running(start: dict) -> bool:
+    """Whether the process that wrote the journal still runs. A journal from another host cannot
+    be checked: treated as running (recover needs --force), so a live run's files on a shared
+    filesystem are never taken."""
+    if start.get("host") != socket.gethostname():
+        return True
+    pid = start.get("pid")
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # it exists, as another user
+    started = start.get("start_time")
+    return started is None or process_start_time(pid) == started
+
+
+def cause_of(live: Path, events: list[dict]) -> str:
+    """What the files say of how the process ended."""
+    try:
+        fault = (live / spec.LIVE_FAULT).read_text(errors="replace").strip()
+    except OSError:
+        fault = ""
+    if fault:
+        return f"{fault.splitlines()[0]} (faulthandler's report: {spec.LIVE_FAULT} in {live.name})"
+    for event in reversed(events):
+        if event.get("event") == "exception":
+            return (f"unhandled exception {event.get('type')}: {event.get('message')} (the flush at exit did not "
+                    "finish)")
+        if event.get("event") == "signal":
+            return "a signal whose handler had flushed the dump first (recovered again, the same captures or more)"
+    return ("the process ended without flushing: SIGKILL (also the OOM killer's), os._exit, a crash with no "
+            "report, or power loss")
+
+
+def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recovered:
+    """Turn one `<stem>.live/` directory into `<stem>.npz` + `<stem>.json` next to it."""
+    result = Recovered(live)
+    start, events, torn = read_journal(live)
+    if running(start) and not force:
+        where = "on this host" if start.get("host") == socket.gethostname() else f"on host {start.get('host')!r}"
+        result.skipped = (f"pid {start.get('pid')} {where} may still be running (its files are in use); "
+                          "use --force if it is not")
+        return result
+    slots, overflow, prompt, config = _registry(start, events)
+    ctrl = np.fromfile(live / spec.LIVE_CTRL, dtype=np.int32)
+    if ctrl.size < L.control_words(0):
+        raise RecoverError(f"{live}: control block of {ctrl.size} words")
+    used = max((s.offset + s.words * s.capacity for s in slots if s.offset >= 0), default=0)
+    arena = np.memmap(live / spec.LIVE_ARENA, dtype=np.float32, mode="r") if used else np.zeros(0, np.float32)
+    if arena.size < used:
+        raise RecoverError(f"{live}: arena file of {arena.size} words, regions up to {used}")
+    got = collect(slots, overflow, arena, ctrl, prompt)
+    result.cause = cause_of(live, events)
+    if torn:
+        result.notes.append("the journal's last line was cut by the kill (an event after every stored capture)")
+    manifest = writer.build_manifest(
+        **{k: start.get(k) for k in ("compiledump_version", "torch_version", "rank", "pid", "world_size")},
+        device=start.get("device"),
+        capture_path=start.get("capture_path"),
+        config=config,
+        filtered_tags={},
+        arena_words_used=used,
+        prompt_tokens=prompt,
+        parallel={},
+        first_nonfinite=got.first_nonfinite,
+        recovered={"from": live.name, "cause": result.cause, "recovered_unix": time.time(),
+                   "torn_journal_line": torn},
+        keys=got.keys,
+        tags=got.tags,
+        drops=got.drops,
+    )
+    stem = live.name[: -len(spec.LIVE_SUFFIX)]
+    result.npz = writer.write_dump(live.parent, stem, got.arrays, manifest)
+    result.keys = len(got.keys)
+    result.interrupted = got.drops.get("interrupted", 0)
+    del arena  # the memmap, before its file goes
+    if not keep:
+        shutil.rmtree(live, ignore_errors=True)
+    return result
+
+
+def _registry(start: dict, events: list[dict]):
+    """(slots, overflow tags, prompt length, config) as the journal last had them."""
+    by_index: dict[int, Slot] = {}
+    slots: list[Slot] = []
+    overflow: list[str] = []
+    prompt = None
+    config = start.get("config", {})
+    for event in events:
+        kind = event.get("event")
+        if kind == "slot":
+            slot = Slot(tag=event["tag"], kind=event["kind"], index=event["index"], order=event["order"])
+            if slot.index == 0:
+                overflow.append(slot.tag)
+            else:
+                by_index[slot.index] = slot
+            slots.append(slot)
+        elif kind == "region" and event["index"] in by_index:
+            slot = by_index[event["index"]]
+            slot.payload_shape = tuple(event["payload"])
+            slot.offset, slot.capacity = event["offset"], event["capacity"]
+            slot.source_dtype, slot.source_shape = event["source_dtype"], event["source_shape"]
+        elif kind == "prompt":
+            prompt = event["tokens"]
+        elif kind == "config":
+            config = event["config"]
+    # A slot whose region was never claimed (offset -1) reports its counters only.
+    return slots, overflow, prompt, config
+
+
+def recover_directory(directory: str | os.PathLike, force: bool = False,
+                      keep: bool = False) -> tuple[list[Recovered], list[str]]:
+    """Recover every leftover in `directory`: (outcomes, errors of the unreadable ones)."""
+    results, errors = [], []
+    for live in leftovers(directory):
+        try:
+            results.append(recover_live(live, force=force, keep=keep))
+        except RecoverError as exc:
+            errors.append(str(exc))
+    return results, errors
