@@ -1,0 +1,72 @@
+"""The first NaN/Inf, found by the capture kernels with no reference: NaN injected into one layer
+at one decode step of the built-in model, eager and compiled; `inspect` names that key and step,
+`compare` against a clean run reports it ahead of the divergences."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import compiledump
+from compiledump import config as cd_config
+from compiledump.demo.model import TinyMoE, make_session, run_session
+
+from helpers.crash_child import CONFIG, NanAt
+
+NAN_STEP = 3
+
+
+def _run(directory, nan: bool, compiled: bool, **settings):
+    torch._dynamo.reset()
+    compiledump.reset()
+    compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory), **settings)))
+    model = TinyMoE(CONFIG, dump=compiledump)
+    if nan:
+        model = NanAt(model, NAN_STEP)
+    forward = torch.compile(model, fullgraph=True) if compiled else model
+    run_session(forward, compiledump, make_session(CONFIG, prompt_len=7, steps=6, pad_rows=2), engine=False)
+    path = compiledump.flush()
+    compiledump.reset()
+    return path
+
+
+@pytest.fixture
+def restore_config():
+    previous = compiledump.get_config()
+    yield
+    compiledump.reset()
+    compiledump.configure(**dataclasses.asdict(previous))
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("settings", [
+    {"nonfinite": "all"},  # the token gate skips decode records: the whole-input count sees them
+    {"nonfinite": "read", "tokens": 0},  # the gate off: decode records are kept, and read
+], ids=["all", "read-gate-off"])
+def test_injected_nan_is_named_and_reported_first(tmp_path, restore_config, compiled, settings):
+    clean = _run(tmp_path / "ref", nan=False, compiled=compiled, **settings)
+    broken = _run(tmp_path / "run", nan=True, compiled=compiled, **settings)
+    manifest = json.loads(open(broken.replace(".npz", ".json")).read())
+    first = manifest["first_nonfinite"]
+    assert (first["key"], first["phase"], first["step"]) == ("layer1_mix", "decode", NAN_STEP), first
+    assert json.loads(open(clean.replace(".npz", ".json")).read())["first_nonfinite"] is None
+    # Every later capture of layer 1 and after sees the NaN too: each tag dates its own first.
+    tags = manifest["tags"]
+    assert "nonfinite" not in tags["layer0_mix"] and "nonfinite" not in tags["layer0"]
+    assert tags["logits_<n>"]["nonfinite"]["key"] == f"logits_{NAN_STEP}"
+
+    cli = [sys.executable, "-m", "compiledump"]
+    shown = subprocess.run([*cli, "inspect", broken], capture_output=True, text=True, check=True).stdout
+    assert f"first non-finite: layer1_mix (decode, step {NAN_STEP}); " in shown
+    clean_shown = subprocess.run([*cli, "inspect", clean], capture_output=True, text=True, check=True).stdout
+    assert "first non-finite: none seen by the capture kernels" in clean_shown
+    report = subprocess.run([*cli, "compare", clean, broken], capture_output=True, text=True)
+    assert report.returncode == 1, report.stdout[-2000:]
+    lines = report.stdout.splitlines()
+    nan_line = next(i for i, line in enumerate(lines) if line.startswith("RUN first non-finite: layer1_mix"))
+    assert f"(decode, step {NAN_STEP})" in lines[nan_line]
+    assert all(i > nan_line for i, line in enumerate(lines) if "divergen" in line and "first" in line), lines
