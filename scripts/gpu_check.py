@@ -17,6 +17,10 @@ Phases, in run order (each writes its own dump and is compared with the eager on
   aoti           prefill and decode exported with compiledump.aot (dynamic prompt length and
                  batch), packaged with AOTInductor and run from Python (tests/export/test_aot.py covers
                  the CPU run and the C++-only driver);
+  persist        crash-proof capture on CUDA (COMPILEDUMP_PERSIST=1: a host-mapped arena): a child
+                 process replays the CUDA-graph decode step, then a device-side assert kills its
+                 context after PERSIST_STEPS steps; `compiledump recover` must give back every
+                 step before it, equal to the eager reference (docs/crashes.md);
 and the decode loops of cuda_graph, reduce_overhead and aoti run under
 torch.cuda.set_sync_debug_mode("error"). `--device cpu` runs the phases that need no GPU (eager
 and a default-mode compile), so the script itself is tested without one. A failing phase is
@@ -164,11 +168,54 @@ def check_native_cuda_kernel(device) -> dict:
     return {"ok": not mismatched, "keys": len(samples), "mismatched": mismatched}
 
 
+PERSIST_STEPS = 5
+
+
+def _persist_child(directory: str, device: torch.device, layers: int, steps: int) -> None:
+    """The persist phase's child: CUDA-graph decode replays, then a device-side assert."""
+    compiledump.configure(dir=directory, tokens=PROMPT)  # COMPILEDUMP_PERSIST=1 from the parent
+    compiledump.init(device)
+    cfg = ModelConfig(layers=layers, captures_per_layer=4)
+    session = make_session(cfg, prompt_len=PROMPT, steps=steps).to(device)
+
+    def on_step(step):
+        if step == PERSIST_STEPS - 1:
+            index = torch.tensor([1 << 20], device=device)
+            torch.zeros(4, device=device)[index]  # out of bounds: a device-side assert
+            torch.cuda.synchronize()  # raises: the context is dead, the exit flush will fail
+
+    run_session_cuda_graph(TinyMoE(cfg, dump=compiledump).to(device), compiledump, session, on_step=on_step)
+
+
+def phase_persist(args, device, out_dir, reference) -> dict:
+    import os
+    import subprocess
+
+    from compiledump.capture.recover import recover_directory
+
+    directory = out_dir / "persist"
+    env = {**os.environ, "COMPILEDUMP_PERSIST": "1", "COMPILEDUMP_SIGNALS": "0"}
+    env.pop("COMPILEDUMP_DIR", None)
+    child = subprocess.run([sys.executable, __file__, "--persist-child", str(directory), "--device", str(device),
+                            "--layers", str(args.layers), "--steps", str(args.steps)],
+                           env=env, capture_output=True, text=True, timeout=300)
+    results, errors = recover_directory(directory)
+    info = {"child_exit": child.returncode, "child_stderr_tail": child.stderr[-600:], "errors": errors}
+    if errors or len(results) != 1 or results[0].npz is None:
+        return {**info, "ok": False, "keys": 0, "max_rel_err": float("nan"), "mismatched": [], "missing": ["*"]}
+    got = _load(results[0].npz)
+    steps = sorted(int(k.rsplit("_", 1)[1]) for k in got if k.startswith("logits_"))
+    before = {k: v for k, v in reference.items() if not k.startswith("logits_") or int(k.rsplit("_", 1)[1]) < PERSIST_STEPS}
+    verdict = compare_dumps(before, {k: got[k] for k in before if k in got}, RTOL["cuda_graph"])
+    verdict["ok"] = verdict["ok"] and steps[:PERSIST_STEPS] == list(range(PERSIST_STEPS)) and child.returncode != 0
+    return {**info, **verdict, "steps_recovered": len(steps), "cause": results[0].cause, "rtol": RTOL["cuda_graph"]}
+
+
 # (phase, needs CUDA, rough seconds on one H200 with warm caches: the --time-limit estimate).
 # The CUDA-only phases first: compiled_default is also checked on CPU, so it goes last, where a
 # short budget drops it rather than aoti.
 PHASES = [("eager", False, 10), ("cuda_graph", True, 15), ("native_cuda_kernel", True, 10),
-          ("reduce_overhead", True, 40), ("aoti", True, 90), ("compiled_default", False, 40)]
+          ("persist", True, 30), ("reduce_overhead", True, 40), ("aoti", True, 90), ("compiled_default", False, 40)]
 RTOL = {"cuda_graph": 1e-6, "compiled_default": 1e-4, "reduce_overhead": 1e-4, "aoti": 1e-4}
 
 
@@ -177,6 +224,9 @@ def _key_number(phase, r):
         return f"{r['keys']} keys, {r['seconds']:.1f} s"
     if phase == "native_cuda_kernel":
         return f"{len(r['mismatched'])} of {r['keys']} samples differ from the Triton kernel"
+    if phase == "persist":
+        return (f"{r.get('steps_recovered', 0)} steps recovered after the assert at step {PERSIST_STEPS} "
+                f"(max_rel_err {r['max_rel_err']:.1e}); child exit {r['child_exit']}")
     text = f"max_rel_err {r['max_rel_err']:.1e} (rtol {r['rtol']:.0e}), {r['keys']} keys"
     if r["mismatched"] or r["missing"]:
         text += f"; mismatched {r['mismatched'][:3]}, missing {r['missing'][:3]}"
@@ -192,10 +242,14 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=6, help="layers of the built-in model")
     parser.add_argument("--only", nargs="+", choices=[name for name, *_ in PHASES], metavar="PHASE",
                         help="run only these phases")
+    parser.add_argument("--persist-child", metavar="DIR", help=argparse.SUPPRESS)
     started = gpu_common.start(parser, argv, "gpu_check")
     if isinstance(started, int):
         return started
     args, device, note = started
+    if args.persist_child:
+        _persist_child(args.persist_child, device, args.layers, args.steps)
+        return 0
     if args.dry_run:
         gpu_common.print_plan("gpu_check", device, args.device, note, args.out, PHASES, args.time_limit)
         return 0
@@ -231,6 +285,11 @@ def main(argv=None) -> int:
                 return {**info, **verdict, "rtol": RTOL[name]}
             return phase
 
+        def persist():
+            if "reference" not in ctx:
+                raise gpu_common.SkipPhase("no eager reference (the eager phase failed)")
+            return phase_persist(args, device, out_dir, ctx["reference"])
+
         runs = {
             "eager": eager,
             "cuda_graph": compared("cuda_graph", lambda s: phase_cuda_graph(cfg, s, device, out_dir)),
@@ -240,6 +299,7 @@ def main(argv=None) -> int:
             "reduce_overhead": compared("reduce_overhead",
                                         lambda s: phase_compiled(cfg, s, device, out_dir, "reduce-overhead")),
             "aoti": compared("aoti", lambda s: phase_aoti(cfg, s, device, out_dir)),
+            "persist": persist,
         }
         for name, needs_cuda, estimate in PHASES:
             if args.only is None or name in args.only:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from ..ops import variants
 from ..format.spec import (
     JOURNAL_VERSION,
     LIVE_ARENA,
@@ -122,7 +123,9 @@ def _map_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
         "shape": (host.numel(),), "typestr": typestr, "data": (host.data_ptr(), False), "version": 3,
         "strides": None})
     with torch.cuda.device(device):
-        return torch.as_tensor(interface, device=device)
+        mapped = torch.as_tensor(interface, device=device)
+    variants.MAPPED_ARENAS.add(mapped.data_ptr())
+    return mapped
 
 
 def note_exception(live: LiveFiles | None, exc_type, exc) -> None:

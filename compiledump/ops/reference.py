@@ -87,6 +87,10 @@ def _write(src, arena, kind, old, offset, T, H, D, st, sh, sd, row_reg, row, mea
         torch.mean(view, 1, dtype=torch.float32, out=arena[dest : dest + rows * words].view(rows, words))
     else:
         arena[dest : dest + rows * words].view(rows, H, D).copy_(view)
+    # A non-finite input makes its stored value (copy or hc mean) non-finite: check the fp32 output
+    # first (cheap), count the inputs only when it is not all finite (a finite sum may overflow).
+    if kind == L.KIND_IDS or np.isfinite(arena.numpy()[dest : dest + rows * words]).all():
+        return 0
     return _nonfinite(view)
 
 

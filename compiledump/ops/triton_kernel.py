@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from . import layout as L
+from . import variants
 from .variants import (
     ALIGN_WORDS,
     BLOCK,
@@ -221,7 +222,7 @@ def launch(x, arena, ctrl, geometry, base, offset, capacity, kind, reason):
     T, H, D, st, sh, sd, row_reg, _mean = geometry
     v = variant_for(x, geometry, kind)
     ensure_prepared(x.device, v, _launch_scratch)
-    _launch(v, programs_for(geometry, kind), x, arena, ctrl, T, H, D, st, sh, sd, base, offset, capacity, kind,
+    _launch(v, programs_for(geometry, kind, arena.data_ptr() if variants.MAPPED_ARENAS else 0), x, arena, ctrl, T, H, D, st, sh, sd, base, offset, capacity, kind,
             reason, row_reg)
 
 

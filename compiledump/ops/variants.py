@@ -69,11 +69,17 @@ def variant_for(x: torch.Tensor, geometry: tuple, kind: int) -> Variant:
     return Variant(x.dtype, bool(mean), kind == L.KIND_IDS, width if fast else 1, aligned)
 
 
-def programs_for(geometry: tuple, kind: int) -> int:
+# Data pointers of arenas in host-mapped memory (crash-proof capture on CUDA, capture/persist.py):
+# their captures run one program, whose commit then follows every store of the capture, so a
+# capture cut short by a dead context is never read as whole.
+MAPPED_ARENAS: set[int] = set()
+
+
+def programs_for(geometry: tuple, kind: int, arena_ptr: int = 0) -> int:
     """Grid size: one program per (row, column block) tile, up to MAX_PROGRAMS. Steps and
     keep-first records use one program, because whether and where they write depends on the
-    counter value that program claims."""
-    if kind in (L.KIND_STEP, L.KIND_RECORD_ONCE):
+    counter value that program claims; so do captures into a host-mapped arena."""
+    if kind in (L.KIND_STEP, L.KIND_RECORD_ONCE) or arena_ptr in MAPPED_ARENAS:
         return 1
     T, _H, D, *_rest, row_reg, _mean = geometry
     rows = T if row_reg == L.ROW_ALL else 1
