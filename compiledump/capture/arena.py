@@ -51,9 +51,10 @@ class Runtime:
             # Not for an arena created while a fake mode is active (a program exported without
             # compiledump.aot: its tensors are fake, and an error follows).
             if cfg.dir and cfg.persists(device) and not _fake_mode_active():
-                self.live = persist.LiveFiles(cfg.dir, stem, device, cfg.arena_words, L.control_words(cfg.max_tags),
+                self.live = persist.open_live(cfg.dir, stem, device, cfg.arena_words, L.control_words(cfg.max_tags),
                                               {**(start or {}), "capture_path": self.capture_path,
                                                "config": _config.settings(cfg)})
+            if self.live is not None:
                 self.arena, self.ctrl = self.live.arena, self.live.ctrl
             else:
                 # CPU: zeroed, so every page is touched once here and never faults inside a step.
@@ -287,7 +288,13 @@ class Runtime:
             self.used_words = start + words
         if self.live is not None:
             if slot.offset >= 0:
-                self.live.touch(start, words)
+                try:
+                    self.live.touch(start, words)
+                except OSError as error:  # the disk is full: the tag gets no region (arena_full)
+                    self.used_words = start
+                    slot.offset = -1
+                    persist.warn_once(f"no disk space for tag {slot.tag!r}'s region in {self.live.path} "
+                                      f"({error.strerror}): its captures are counted as arena_full")
             # Journaled before the kernel stores anything in the region: recover can read it.
             self.live.write({"event": "region", "index": slot.index, "kind": slot.kind, "payload": list(payload),
                              "offset": slot.offset, "capacity": capacity, "source_dtype": slot.source_dtype,

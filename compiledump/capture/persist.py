@@ -31,6 +31,7 @@ import socket
 import sys
 import time
 import types
+import warnings
 from pathlib import Path
 
 import torch
@@ -45,6 +46,28 @@ from ..format.spec import (
     LIVE_SUFFIX,
 )
 from .recover import process_start_time
+
+
+def open_live(directory: str, stem: str, device: torch.device, arena_words: int, ctrl_words: int,
+              start: dict) -> LiveFiles | None:
+    """The process's crash-proof files, or None (with one warning) where they cannot be made:
+    capture then goes on with the arena in memory, as with COMPILEDUMP_PERSIST=0."""
+    try:
+        return LiveFiles(directory, stem, device, arena_words, ctrl_words, start)
+    except (OSError, RuntimeError) as error:
+        shutil.rmtree(Path(directory) / f"{stem}{LIVE_SUFFIX}", ignore_errors=True)
+        warn_once(f"crash-proof capture is off: cannot map the arena in {directory} ({error}); a crash will "
+                  "lose what was not flushed. Set COMPILEDUMP_PERSIST=0 to silence this")
+        return None
+
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(f"compiledump: {message}", RuntimeWarning, stacklevel=3)
 
 
 class LiveFiles:
@@ -62,6 +85,10 @@ class LiveFiles:
         self.host_arena = torch.from_file(str(self.path / LIVE_ARENA), shared=True, size=arena_words,
                                           dtype=torch.float32)
         self.host_ctrl = torch.from_file(str(self.path / LIVE_CTRL), shared=True, size=ctrl_words, dtype=torch.int32)
+        # Disk blocks are reserved before a mapped page is first written: a full disk is then an
+        # error here (ENOSPC), never a SIGBUS inside a step.
+        self._arena_fd = os.open(self.path / LIVE_ARENA, os.O_RDWR)
+        _reserve(self.path / LIVE_CTRL, 0, ctrl_words * 4)
         # A numpy view of the same mapping: `touch` writes through it, never through a torch op
         # (a region may be claimed while a program is being traced or exported).
         self._arena_words = self.host_arena.numpy()
@@ -80,8 +107,11 @@ class LiveFiles:
                     "created_unix": time.time(), **start})
 
     def touch(self, start: int, words: int) -> None:
-        """Fault in a newly claimed region's pages (zeros, as the sparse file reads) so that no
-        capture inside a step pays for it."""
+        """Reserve a newly claimed region's disk blocks and fault in its pages (zeros, as the
+        sparse file reads), so that no capture inside a step pays for either. Raises OSError when
+        the disk is full."""
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(self._arena_fd, start * 4, words * 4)
         self._arena_words[start : start + words] = 0
 
     def write(self, event: dict) -> None:
@@ -102,7 +132,17 @@ class LiveFiles:
             self._fault = None
         if self._journal is not None:
             os.close(self._journal)
+            os.close(self._arena_fd)
             self._journal = None
+
+
+def _reserve(path: Path, offset: int, length: int) -> None:
+    if hasattr(os, "posix_fallocate"):
+        fd = os.open(path, os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, offset, length)
+        finally:
+            os.close(fd)
 
 
 def _map_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -8,6 +8,7 @@ while it is stopped is what a SIGKILL at that moment would leave. The run then g
 real SIGKILLs, `os._exit`, a segfault and an unhandled exception check the same thing for real.
 """
 
+import json
 import os
 import random
 import select
@@ -99,8 +100,6 @@ def _dump(directory: Path) -> dict:
 
 
 def _manifest(directory: Path) -> dict:
-    import json
-
     (path,) = directory.glob("compiledump_*.json")
     return json.loads(path.read_text())
 
@@ -314,3 +313,29 @@ def test_unreadable_leftover_is_an_error_not_a_crash(tmp_path, capsys):
     assert cli.main(["recover", str(tmp_path)]) == 2
     assert "no journal" in capsys.readouterr().err
     assert cli.main(["recover", str(tmp_path / "missing")]) == 2
+
+
+def test_no_disk_space_for_a_region_is_counted_not_a_crash(dump_dir, monkeypatch):
+    import errno
+
+    def full(*_args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    compiledump.record("early", torch.randn(2, 8))
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.warns(RuntimeWarning, match="no disk space for tag 'late'"):
+        compiledump.record("late", torch.randn(2, 8))
+    compiledump.record("late", torch.randn(2, 8))
+    manifest = json.loads(Path(compiledump.flush()).with_suffix(".json").read_text())
+    assert manifest["tags"]["late"]["drops"] == {"arena_full": 2} and "early" in manifest["keys"]
+
+
+def test_unmappable_directory_falls_back_to_memory_with_a_warning(dump_dir, monkeypatch):
+    def refuse(*_args, **_kwargs):
+        raise RuntimeError("mmap not supported here")
+
+    monkeypatch.setattr(torch, "from_file", refuse)
+    with pytest.warns(RuntimeWarning, match="crash-proof capture is off.*mmap not supported"):
+        compiledump.record("x", torch.randn(2, 8))
+    assert STATE.runtime.live is None and not list(dump_dir.glob("*.live"))
+    assert "x" in np.load(compiledump.flush())
