@@ -5,6 +5,8 @@ graph trees accept graphs that mutate them) and the host-side registry that maps
 and arena regions. A tag gets its slot when a capture site is planned (eager call or dynamo
 trace) and its arena region when its first capture actually runs (`resolve`), from the real
 tensor's shape: that keeps symbolic (dynamic) sizes out of the compiled graph's arguments.
+With crash-proof capture (capture/persist.py) the two tensors are mapped files, and every change
+of the registry a reader needs is journaled before a capture depends on it.
 """
 
 from __future__ import annotations

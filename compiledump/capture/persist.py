@@ -34,6 +34,7 @@ import types
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..ops import variants
@@ -54,7 +55,7 @@ def open_live(directory: str, stem: str, device: torch.device, arena_words: int,
     capture then goes on with the arena in memory, as with COMPILEDUMP_PERSIST=0."""
     try:
         return LiveFiles(directory, stem, device, arena_words, ctrl_words, start)
-    except (OSError, RuntimeError) as error:
+    except (OSError, RuntimeError, ValueError) as error:
         shutil.rmtree(Path(directory) / f"{stem}{LIVE_SUFFIX}", ignore_errors=True)
         warn_once(f"crash-proof capture is off: cannot map the arena in {directory} ({error}); a crash will "
                   "lose what was not flushed. Set COMPILEDUMP_PERSIST=0 to silence this")
@@ -82,16 +83,16 @@ class LiveFiles:
         self.device = device
         # Sparse files read as zeros: the control block starts zeroed, the arena is touched
         # region by region as tags claim them (Runtime._allocate), never inside a step.
-        self.host_arena = torch.from_file(str(self.path / LIVE_ARENA), shared=True, size=arena_words,
-                                          dtype=torch.float32)
-        self.host_ctrl = torch.from_file(str(self.path / LIVE_CTRL), shared=True, size=ctrl_words, dtype=torch.int32)
+        # One shared mapping per file, made by numpy and aliased by torch: `touch` writes through
+        # the numpy side, never through a torch op (a region may be claimed while a program is
+        # being traced or exported).
+        self._arena_words = _mapped(self.path / LIVE_ARENA, np.float32, arena_words)
+        self.host_arena = torch.from_numpy(self._arena_words)
         # Disk blocks are reserved before a mapped page is first written: a full disk is then an
         # error here (ENOSPC), never a SIGBUS inside a step.
         self._arena_fd = os.open(self.path / LIVE_ARENA, os.O_RDWR)
+        self.host_ctrl = torch.from_numpy(_mapped(self.path / LIVE_CTRL, np.int32, ctrl_words))
         _reserve(self.path / LIVE_CTRL, 0, ctrl_words * 4)
-        # A numpy view of the same mapping: `touch` writes through it, never through a torch op
-        # (a region may be claimed while a program is being traced or exported).
-        self._arena_words = self.host_arena.numpy()
         if device.type == "cuda":
             self.arena, self.ctrl = _map_to_device(self.host_arena, device), _map_to_device(self.host_ctrl, device)
         else:
@@ -134,6 +135,13 @@ class LiveFiles:
             os.close(self._journal)
             os.close(self._arena_fd)
             self._journal = None
+
+
+def _mapped(path: Path, dtype, words: int) -> np.ndarray:
+    """A new sparse file of `words` zero words, mapped shared (stores land in the page cache)."""
+    with open(path, "wb") as handle:
+        handle.truncate(words * np.dtype(dtype).itemsize)
+    return np.memmap(path, dtype=dtype, mode="r+", shape=(words,))
 
 
 def _reserve(path: Path, offset: int, length: int) -> None:

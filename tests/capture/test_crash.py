@@ -331,10 +331,14 @@ def test_no_disk_space_for_a_region_is_counted_not_a_crash(dump_dir, monkeypatch
 
 
 def test_unmappable_directory_falls_back_to_memory_with_a_warning(dump_dir, monkeypatch):
-    def refuse(*_args, **_kwargs):
-        raise RuntimeError("mmap not supported here")
+    import errno
 
-    monkeypatch.setattr(torch, "from_file", refuse)
+    from compiledump.capture import persist
+
+    def refuse(*_args, **_kwargs):
+        raise OSError(errno.ENODEV, "mmap not supported here")
+
+    monkeypatch.setattr(persist, "_mapped", refuse)
     with pytest.warns(RuntimeWarning, match="crash-proof capture is off.*mmap not supported"):
         compiledump.record("x", torch.randn(2, 8))
     assert STATE.runtime.live is None and not list(dump_dir.glob("*.live"))

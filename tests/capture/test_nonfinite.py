@@ -70,3 +70,35 @@ def test_injected_nan_is_named_and_reported_first(tmp_path, restore_config, comp
     nan_line = next(i for i, line in enumerate(lines) if line.startswith("RUN first non-finite: layer1_mix"))
     assert f"(decode, step {NAN_STEP})" in lines[nan_line]
     assert all(i > nan_line for i, line in enumerate(lines) if "divergen" in line and "first" in line), lines
+
+
+def test_steps_begun_date_records_and_clear_resets_them(dump_dir):
+    from compiledump.capture.state import STATE
+    from compiledump.ops import layout as L
+
+    compiledump.configure(tokens=0)
+    x = torch.randn(3, 16)
+    for _ in range(3):
+        compiledump.record_step("logits", x)
+    assert int(STATE.runtime.ctrl[L.REG_STEPS]) == 3
+    bad = x.clone()
+    bad[-1, 5] = float("inf")  # record() keeps the last row: it reads the Inf
+    compiledump.record("hidden", bad)
+    manifest = json.loads(open(compiledump.flush().replace(".npz", ".json")).read())
+    assert manifest["first_nonfinite"]["key"] == "hidden" and manifest["first_nonfinite"]["step"] == 3
+    compiledump.clear()
+    assert int(STATE.runtime.ctrl[L.REG_STEPS]) == 0
+    assert json.loads(open(compiledump.flush().replace(".npz", ".json")).read())["first_nonfinite"] is None
+
+
+def test_host_mapped_arenas_run_one_program_per_capture():
+    from compiledump.ops import layout as L
+    from compiledump.ops import variants
+
+    geometry = (1, 4, 70000, 0, 70000, 1, L.REG_RECORD_ROW, True)
+    assert variants.programs_for(geometry, L.KIND_RECORD) > 1  # a wide row: several programs
+    variants.MAPPED_ARENAS.add(12345)
+    try:
+        assert variants.programs_for(geometry, L.KIND_RECORD, 12345) == 1
+    finally:
+        variants.MAPPED_ARENAS.discard(12345)
