@@ -23,6 +23,7 @@ from .arena import Runtime
 from .state import STATE
 
 _flush_depth = 0  # flushes in progress that hold STATE.flush_lock (changed only by its owner)
+_signal_flushed = False  # the last signal handler's flush completed
 
 
 def _rank() -> str:
@@ -197,9 +198,20 @@ def silence_note() -> str | None:
 def flush_on_signal() -> None:
     """The signal handler's flush: on the main thread, possibly inside a capture or a flush of
     that same thread, so it waits for no lock (capture/signals.py)."""
+    global _signal_flushed
+    _signal_flushed = False
     path = _flush(wait_for_captures=False)
+    _signal_flushed = True
     rt = STATE.runtime
     if rt is not None and rt.live is not None:
         rt.live.write({"event": "signal", "flushed": path})  # recover: the dump was complete then
     if path is not None:
         print(f"[compiledump] flushed {path} on signal", file=sys.stderr, flush=True)
+
+
+def remove_live_after_signal() -> None:
+    """Before a signal ends the process (its default action, no atexit hook): the crash-proof
+    files are not needed once the handler's flush completed."""
+    rt = STATE.runtime
+    if _signal_flushed and rt is not None and rt.live is not None:
+        rt.live.remove()

@@ -34,19 +34,21 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # signum -> the handler that was in place before ours.
 _previous: dict[int, object] = {}
 _flush = None  # the signal-safe flush, set by install()
+_before_death = None  # called when the signal's default action is about to end the process
 _MAX_DEFERRALS = 1000  # then flush anyway (about a second of retries)
 _deferrals = 0
 
 
-def install(flush) -> bool:
+def install(flush, before_death=None) -> bool:
     """Install the handlers once per process; returns whether they are installed now.
 
     `flush()` is called from the handler on the main thread, possibly while that thread was
     in the middle of a capture or of another flush: it must not wait for a lock the
-    interrupted frame holds.
+    interrupted frame holds. `before_death()`, after it, when the signal will end the process
+    (no atexit hook runs then).
     """
-    global _flush
-    _flush = flush
+    global _flush, _before_death
+    _flush, _before_death = flush, before_death
     if config.env("COMPILEDUMP_SIGNALS") == "0":
         return False
     if threading.current_thread() is not threading.main_thread():
@@ -89,6 +91,12 @@ def _handler(signum, frame):
     if previous == signal.SIG_IGN:
         return None
     # SIG_DFL, or None (a handler installed from C that Python cannot call): die of the signal.
+    if _before_death is not None:
+        try:
+            _before_death()
+        except BaseException as error:  # noqa: BLE001 - dying of the signal comes first
+            print(f"[compiledump] cleanup on {signal.Signals(signum).name} failed: {error!r}", file=sys.stderr,
+                  flush=True)
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
     # Not reached unless the signal is blocked in this thread: exit with the shell's status.

@@ -137,6 +137,7 @@ def test_sigterm_flushes_a_complete_dump_and_chains(tmp_path, host):
         assert "host handler" in out
     check_capturing_dump(dump)
     assert not list(dump.glob(".*.tmp"))
+    assert not list(dump.glob("*.live"))  # the dump is complete: no crash-proof files are left
 
 
 def test_sigint_flushes_then_raises_keyboardinterrupt(tmp_path):
@@ -147,6 +148,7 @@ def test_sigint_flushes_then_raises_keyboardinterrupt(tmp_path):
     assert "KeyboardInterrupt" in err and "on signal" in err
     assert proc.returncode in (-signal.SIGINT, 1, 130)
     check_capturing_dump(tmp_path)
+    assert not list(tmp_path.glob("*.live"))
 
 
 def test_signal_while_the_interrupted_frame_holds_the_runtime_locks(tmp_path):
