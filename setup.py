@@ -1,35 +1,64 @@
-"""Opt-in native build. All project metadata lives in pyproject.toml; this file only adds:
+"""The native build at install. All project metadata lives in pyproject.toml; this file only adds
+the native capture library (the top-level CMakeLists.txt), shipped inside the `compiledump`
+package, where compiledump/ops/native.py loads it.
 
-  COMPILEDUMP_BUILD_NATIVE=1 pip install --no-build-isolation .
+COMPILEDUMP_BUILD_NATIVE (compiledump/config.py) says what `pip install` does:
+- unset or `auto`: build it where cmake, a C++ compiler and the installed torch are found; where
+  they are not, or the build fails, say so and install the pure-Python package (it works
+  everywhere, more slowly: docs/compiling.md, "The native capture path");
+- `1`: build it or fail the install;
+- `0`: never build (no cmake runs).
 
-which runs the top-level CMakeLists.txt and ships libcompiledump_native.so inside the
-`compiledump` package, where compiledump/ops/native.py loads it. Without the variable nothing here
-runs: the wheel stays pure Python and no compiler or cmake is needed.
-
---no-build-isolation is required with the opt-in because the library is compiled against the
-torch that will import it (its C++ ABI): CMake must find that torch, the already-installed one,
-not a fresh (multi-GB, CUDA) torch that an isolated build environment would download.
+The library is compiled against the torch that will import it (its C++ ABI). pip builds in an
+isolated environment without that torch, so the torch of the target environment is asked for
+its CMake files through the installing interpreter run outside pip's isolation.
 """
 
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from setuptools import Distribution, setup
 from setuptools.command.build_ext import build_ext
 
-BUILD_NATIVE = os.environ.get("COMPILEDUMP_BUILD_NATIVE", "") == "1"
+MODE = os.environ.get("COMPILEDUMP_BUILD_NATIVE", "").strip().lower() or "auto"
 LIBRARY = "libcompiledump_native.so"  # compiledump.ops.native.LIBRARY_NAME (not imported: it imports torch)
 TARGET = "compiledump_native"  # the CMake target; the project has others we must not build
 ROOT = Path(__file__).resolve().parent
+# What pip's build isolation sets; without them the installing interpreter sees its own packages.
+ISOLATION_VARS = ("PYTHONPATH", "PYTHONNOUSERSITE", "PYTHONHOME")
 
 
 class NativeDistribution(Distribution):
-    # True only with the opt-in: setuptools then runs build_ext (below) and bdist_wheel tags the
-    # wheel for this platform and Python instead of py3-none-any.
+    # setuptools runs build_ext (below) only for a distribution with extension modules; a wheel
+    # that may hold the library is tagged for this platform and Python.
     def has_ext_modules(self):
-        return BUILD_NATIVE
+        return MODE != "0"
+
+
+class NativeUnavailable(Exception):
+    """Why the library cannot be built here."""
+
+
+def _outside_isolation() -> dict:
+    return {k: v for k, v in os.environ.items() if k not in ISOLATION_VARS}
+
+
+def _torch_cmake_prefix() -> str:
+    """torch.utils.cmake_prefix_path of the torch this package will run with."""
+    try:
+        import torch.utils  # --no-build-isolation: the target environment's own torch
+
+        return torch.utils.cmake_prefix_path
+    except ImportError:
+        pass
+    probe = subprocess.run([sys.executable, "-c", "import torch.utils; print(torch.utils.cmake_prefix_path)"],
+                           env=_outside_isolation(), capture_output=True, text=True)
+    if probe.returncode != 0 or not probe.stdout.strip():
+        raise NativeUnavailable("torch is not installed where compiledump is being installed (install torch first)")
+    return probe.stdout.strip().splitlines()[-1]
 
 
 class BuildNative(build_ext):
@@ -37,20 +66,25 @@ class BuildNative(build_ext):
     would also install any other targets the project grows)."""
 
     def run(self):
-        if not BUILD_NATIVE:
+        if MODE == "0":
             return
-        if shutil.which("cmake") is None:
-            raise RuntimeError("COMPILEDUMP_BUILD_NATIVE=1: cmake is not on PATH")
         try:
-            import torch.utils
-        except ImportError as error:
-            raise RuntimeError(
-                "COMPILEDUMP_BUILD_NATIVE=1 needs torch importable at build time (the library is "
-                "compiled against it): install torch first, then "
-                "`pip install --no-build-isolation`") from error
+            self._build()
+        except NativeUnavailable as why:
+            if MODE == "1":
+                raise RuntimeError(f"COMPILEDUMP_BUILD_NATIVE=1: {why}") from None
+            print(f"compiledump: the native capture library was not built ({why}); installing the "
+                  "pure-Python capture path (COMPILEDUMP_BUILD_NATIVE=1 makes this an error)",
+                  file=sys.stderr, flush=True)
+
+    def _build(self):
+        if shutil.which("cmake") is None:
+            raise NativeUnavailable("cmake is not on PATH")
+        if not (os.environ.get("CXX") or any(shutil.which(cxx) for cxx in ("c++", "g++", "clang++"))):
+            raise NativeUnavailable("no C++ compiler (c++, g++, clang++ or $CXX)")
+        prefix = _torch_cmake_prefix()
         build_dir = Path(self.build_temp) / "native"
-        configure = ["cmake", "-S", str(ROOT), "-B", str(build_dir),
-                     f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
+        configure = ["cmake", "-S", str(ROOT), "-B", str(build_dir), f"-DCMAKE_PREFIX_PATH={prefix}",
                      # No RPATH to this machine's torch/lib in the shipped file (as `cmake --install`
                      # leaves it): torch is imported, its libraries loaded, before the library is.
                      "-DCMAKE_SKIP_BUILD_RPATH=ON",
@@ -59,10 +93,8 @@ class BuildNative(build_ext):
                  "--parallel", str(self.parallel or os.cpu_count() or 1)]
         for cmd in (configure, build):
             print(" ".join(cmd), flush=True)
-            # A failure fails the install: no silent fallback to the pure-Python package.
-            if subprocess.run(cmd).returncode != 0:
-                raise RuntimeError(f"COMPILEDUMP_BUILD_NATIVE=1: `{' '.join(cmd)}` failed (output above); "
-                                   "unset the variable for the pure-Python package")
+            if subprocess.run(cmd, env=_outside_isolation()).returncode != 0:
+                raise NativeUnavailable(f"`{' '.join(cmd)}` failed (output above)")
         # Editable installs (inplace) import the source package, so the library goes there, as
         # `cmake --install` puts it by default; otherwise into build_lib, which becomes the wheel.
         package_dir = ROOT / "compiledump" if self.inplace else Path(self.build_lib) / "compiledump"
@@ -74,9 +106,8 @@ class BuildNative(build_ext):
         os.replace(partial, package_dir / LIBRARY)
 
     def get_outputs(self):
-        if not BUILD_NATIVE or self.inplace:
-            return []
-        return [str(Path(self.build_lib) / "compiledump" / LIBRARY)]
+        built = Path(self.build_lib) / "compiledump" / LIBRARY
+        return [str(built)] if not self.inplace and built.exists() else []
 
 
 setup(distclass=NativeDistribution, cmdclass={"build_ext": BuildNative})
