@@ -57,11 +57,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
            scope="native"),
     EnvVar("COMPILEDUMP_CPU_KERNEL", "", "tests only: `triton` runs the Triton kernel on CPU tensors (needs "
            "`TRITON_INTERPRET=1`) instead of the reference or native CPU kernel", scope="tests"),
-    EnvVar("COMPILEDUMP_BUILD_NATIVE", "", "install time only: `1` makes `pip install --no-build-isolation .` "
-           "build the native library with CMake and ship it in the package (setup.py)", scope="build"),
+    EnvVar("COMPILEDUMP_BUILD_NATIVE", "auto", "install time only (setup.py): `auto` builds the native library "
+           "with CMake and ships it in the package where cmake, a C++ compiler and the installed torch are found, "
+           "else installs pure Python with a note; `1` fails the install if it cannot be built; `0` never runs "
+           "cmake", scope="build"),
     EnvVar("COMPILEDUMP_BUILD_DIR", "", "tests only: a CMake build directory (library + "
            "`compiledump_aoti_driver`) for the native and C++-driver tests to use instead of building their "
-           "own; CI's native lane sets it", scope="tests"),
+           "own; CI's second lane sets it", scope="tests"),
     EnvVar("COMPILEDUMP_FUZZ_SCALE", "1", "tests only: multiplies the number of hypothesis examples of the fuzz "
            "tests", scope="tests"),
 )

@@ -1,7 +1,7 @@
 """The native `capture_v1` (kernels/capture_table.cpp): calls its region table can decide never
 reach Python, and its decisions equal Python's registry on random call sequences.
 
-Runs where the library was loaded at import (CI's native lane): only then does Python's registry
+Runs where the library was loaded at import (CI's first lane): only then does Python's registry
 fill the table. The Python side of each comparison is the same process with the table emptied
 and left unfilled, so every call goes through `capture_resolve_v1` (the registry, then the same
 native kernel): what differs is only who decided.
