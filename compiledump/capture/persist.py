@@ -81,6 +81,9 @@ class LiveFiles:
             shutil.rmtree(self.path)
         self.path.mkdir(parents=True)
         self.device = device
+        # A child forked after this shares the mapping (MAP_SHARED) but not the files' ownership:
+        # only this process journals into them or removes them.
+        self.owner = os.getpid()
         # Sparse files read as zeros: the control block starts zeroed, the arena is touched
         # region by region as tags claim them (Runtime._allocate), never inside a step.
         # One shared mapping per file, made by numpy and aliased by torch: `touch` writes through
@@ -118,13 +121,15 @@ class LiveFiles:
     def write(self, event: dict) -> None:
         """Append one event: a single `write` call, so a kill leaves it whole or absent (a torn
         last line is ignored by recover)."""
-        if self._journal is not None:
+        if self._journal is not None and os.getpid() == self.owner:
             os.write(self._journal, (json.dumps(event, separators=(",", ":")) + "\n").encode())
 
     def remove(self) -> None:
-        """Close and delete the directory (after a complete flush at exit)."""
+        """Close and delete the directory (after a complete flush at exit); in a forked child,
+        whose parent still owns them, only close."""
         self.close()
-        shutil.rmtree(self.path, ignore_errors=True)
+        if os.getpid() == self.owner:
+            shutil.rmtree(self.path, ignore_errors=True)
 
     def close(self) -> None:
         if self._fault is not None:

@@ -343,3 +343,28 @@ def test_unmappable_directory_falls_back_to_memory_with_a_warning(dump_dir, monk
         compiledump.record("x", torch.randn(2, 8))
     assert STATE.runtime.live is None and not list(dump_dir.glob("*.live"))
     assert "x" in np.load(compiledump.flush())
+
+
+def test_a_forked_child_leaves_its_parents_files_alone(tmp_path):
+    """A child forked after capture started shares the mapped arena; its normal exit (atexit
+    flush) must not remove or journal into the parent's crash-proof files."""
+    script = f"""
+import os, signal, sys, torch, compiledump
+compiledump.configure(dir={str(tmp_path)!r})
+compiledump.record_step("s", torch.arange(6.0).reshape(2, 3))
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # atexit: the child's flush
+os.waitpid(pid, 0)
+compiledump.record_step("s", torch.arange(6.0).reshape(2, 3) + 1)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPILEDUMP_")}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    lives = list(tmp_path.glob("*.live"))
+    assert len(lives) == 1, "the child's exit removed the parent's files"
+    results, errors = recover_directory(tmp_path)
+    assert errors == [] and [r.npz.name for r in results] == [lives[0].name.replace(".live", ".npz")]
+    with np.load(results[0].npz) as data:
+        np.testing.assert_array_equal(data["s_1"], np.array([1.0, 2.0, 3.0], dtype=np.float32))  # row 0
