@@ -24,6 +24,7 @@ from ..ops import register, schemas, variants
 from ..ops.geometry import TOKEN_GATED_KINDS, payload_shape
 from . import layouts, persist
 from .collect import Slot
+from .state import warn_once
 
 
 class Runtime:
@@ -295,8 +296,8 @@ class Runtime:
                 except OSError as error:  # the disk is full: the tag gets no region (arena_full)
                     self.used_words = start
                     slot.offset = -1
-                    persist.warn_once(f"no disk space for tag {slot.tag!r}'s region in {self.live.path} "
-                                      f"({error.strerror}): its captures are counted as arena_full")
+                    warn_once(f"no disk space for tag {slot.tag!r}'s region in {self.live.path} "
+                              f"({error.strerror}): its captures are counted as arena_full")
             # Journaled before the kernel stores anything in the region: recover can read it.
             self.live.write({"event": "region", "index": slot.index, "kind": slot.kind, "payload": list(payload),
                              "offset": slot.offset, "capacity": capacity, "source_dtype": slot.source_dtype,

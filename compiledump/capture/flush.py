@@ -20,10 +20,9 @@ from ..ops.register import KERNEL_LOCK
 from ..version import __version__
 from . import collect, parallel
 from .arena import Runtime
-from .state import STATE
+from .state import STATE, warn_once
 
 _flush_depth = 0  # flushes in progress that hold STATE.flush_lock (changed only by its owner)
-_signal_flushed = False  # the last signal handler's flush completed
 
 
 def _rank() -> str:
@@ -121,19 +120,13 @@ def _collect(rt: Runtime, arena: np.ndarray, ctrl: np.ndarray) -> tuple[dict, di
         filtered_tags=dict(STATE.filtered_tags),
         arena_words_used=rt.used_words,
         prompt_tokens=rt.prompt_tokens,
-        parallel=parallel.manifest_fields(got.keys, _warn_once),
+        parallel=parallel.manifest_fields(got.keys, lambda message: warn_once(message, stacklevel=4)),
         first_nonfinite=got.first_nonfinite,
         keys=got.keys,
         tags=got.tags,
         drops=got.drops,
     )
     return got.arrays, manifest
-
-
-def _warn_once(message: str) -> None:
-    if ("*", message) not in STATE.warned:
-        STATE.warned.add(("*", message))
-        warnings.warn(f"compiledump: {message}", RuntimeWarning, stacklevel=4)
 
 
 def _warn_drops(manifest: dict) -> None:
@@ -198,10 +191,7 @@ def silence_note() -> str | None:
 def flush_on_signal() -> None:
     """The signal handler's flush: on the main thread, possibly inside a capture or a flush of
     that same thread, so it waits for no lock (capture/signals.py)."""
-    global _signal_flushed
-    _signal_flushed = False
     path = _flush(wait_for_captures=False)
-    _signal_flushed = True
     rt = STATE.runtime
     if rt is not None and rt.live is not None:
         rt.live.write({"event": "signal", "flushed": path})  # recover: the dump was complete then
@@ -210,8 +200,8 @@ def flush_on_signal() -> None:
 
 
 def remove_live_after_signal() -> None:
-    """Before a signal ends the process (its default action, no atexit hook): the crash-proof
-    files are not needed once the handler's flush completed."""
+    """Before a signal ends the process (its default action, no atexit hook) after the handler's
+    flush completed: the crash-proof files are not needed."""
     rt = STATE.runtime
-    if _signal_flushed and rt is not None and rt.live is not None:
+    if rt is not None and rt.live is not None:
         rt.live.remove()

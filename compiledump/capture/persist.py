@@ -31,7 +31,6 @@ import socket
 import sys
 import time
 import types
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +46,7 @@ from ..format.spec import (
     LIVE_SUFFIX,
 )
 from .recover import process_start_time
+from .state import warn_once
 
 
 def open_live(directory: str, stem: str, device: torch.device, arena_words: int, ctrl_words: int,
@@ -60,15 +60,6 @@ def open_live(directory: str, stem: str, device: torch.device, arena_words: int,
         warn_once(f"crash-proof capture is off: cannot map the arena in {directory} ({error}); a crash will "
                   "lose what was not flushed. Set COMPILEDUMP_PERSIST=0 to silence this")
         return None
-
-
-_warned: set[str] = set()
-
-
-def warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(f"compiledump: {message}", RuntimeWarning, stacklevel=3)
 
 
 class LiveFiles:

@@ -44,8 +44,8 @@ def install(flush, before_death=None) -> bool:
 
     `flush()` is called from the handler on the main thread, possibly while that thread was
     in the middle of a capture or of another flush: it must not wait for a lock the
-    interrupted frame holds. `before_death()`, after it, when the signal will end the process
-    (no atexit hook runs then).
+    interrupted frame holds. `before_death()`, after a flush that completed, when the signal will
+    end the process (no atexit hook runs then).
     """
     global _flush, _before_death
     _flush, _before_death = flush, before_death
@@ -80,9 +80,11 @@ def _handler(signum, frame):
         timer.start()
         return None
     _deferrals = 0
+    flushed = False
     try:
         if _flush is not None:
             _flush()
+            flushed = True
     except BaseException as error:  # noqa: BLE001 - the signal's own action must still happen
         print(f"[compiledump] flush on {signal.Signals(signum).name} failed: {error!r}", file=sys.stderr, flush=True)
     previous = _previous.get(signum, signal.SIG_DFL)
@@ -91,7 +93,7 @@ def _handler(signum, frame):
     if previous == signal.SIG_IGN:
         return None
     # SIG_DFL, or None (a handler installed from C that Python cannot call): die of the signal.
-    if _before_death is not None:
+    if flushed and _before_death is not None:
         try:
             _before_death()
         except BaseException as error:  # noqa: BLE001 - dying of the signal comes first

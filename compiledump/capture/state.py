@@ -18,6 +18,7 @@ while it counts and writes.
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass, field
 
 from .. import config as _config
@@ -55,3 +56,10 @@ class State:
 
 
 STATE = State(config=_config.from_env())
+
+
+def warn_once(message: str, stacklevel: int = 2) -> None:
+    """A RuntimeWarning `compiledump: <message>`, once per process (until `reset()`)."""
+    if ("*", message) not in STATE.warned:
+        STATE.warned.add(("*", message))
+        warnings.warn(f"compiledump: {message}", RuntimeWarning, stacklevel=stacklevel + 1)

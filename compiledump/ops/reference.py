@@ -54,9 +54,10 @@ def capture_reference(x, arena, ctrl, kind, base, offset, capacity, reason) -> N
     write = live and not (kind == L.KIND_RECORD_ONCE and old != 0) and not (kind == L.KIND_STEP and old >= capacity)
     check_all = enabled and regs[L.REG_CHECK_ALL] != 0
     bad = _nonfinite(src) if check_all and kind != L.KIND_IDS else 0
+    tokens = T if row_reg != L.ROW_FIXED_ZERO else 0  # the call's token count; a tensor stored whole has none
     if write:
-        if kind in L.RECORD_KINDS:  # the kept call's token count; 0: a tensor stored whole has none
-            regs[base + L.SLOT_KEPT_TOKENS] = T if row_reg != L.ROW_FIXED_ZERO else 0
+        if kind in L.RECORD_KINDS:  # the kept call's token count
+            regs[base + L.SLOT_KEPT_TOKENS] = tokens
         read_bad = _write(src, arena, kind, old, offset, T, H, D, st, sh, sd, row_reg, row, mean, all_rows)
         regs[base + L.SLOT_COMMITTED] += 1
         if not check_all:
@@ -65,7 +66,7 @@ def capture_reference(x, arena, ctrl, kind, base, offset, capacity, reason) -> N
         regs[base + L.SLOT_NONFINITE] = min(int(regs[base + L.SLOT_NONFINITE]) + bad, L.NONFINITE_CAP)
         if regs[base + L.SLOT_BAD_STEP] == 0:
             regs[base + L.SLOT_BAD_STEP] = 1 + (old if live and kind == L.KIND_STEP else step_now)
-            regs[base + L.SLOT_BAD_TOKENS] = T if row_reg != L.ROW_FIXED_ZERO else 0
+            regs[base + L.SLOT_BAD_TOKENS] = tokens
 
 
 def _write(src, arena, kind, old, offset, T, H, D, st, sh, sd, row_reg, row, mean, all_rows) -> int:
