@@ -22,9 +22,16 @@ Geometry geometry(const at::Tensor& x, int64_t kind);
 bool payload_matches(at::IntArrayRef shape, int64_t kind, at::IntArrayRef payload);
 
 // `compiledump::capture_kernel_v1` for a capture whose region and drop reason are decided: the CPU
-// kernel directly, the CUDA one through the dispatcher.
+// or the CUDA kernel, called directly (no dispatcher hop).
 void capture_kernel_call(const Geometry& g, at::Tensor& arena, at::Tensor& ctrl, int64_t kind, int64_t base,
                          int64_t offset, int64_t capacity, int64_t reason);
+
+#ifdef COMPILEDUMP_WITH_CUDA
+// The CUDA kernel's launch (capture_cuda.cu): `capture_kernel_v1` for CUDA tensors.
+void capture_kernel_cuda(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl, int64_t kind, int64_t base,
+                         int64_t offset, int64_t capacity, int64_t reason, int64_t T, int64_t H, int64_t D,
+                         int64_t st, int64_t sh, int64_t sd, int64_t row_reg, bool mean);
+#endif
 
 // `compiledump::capture_export_v1`.
 void capture_export(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl, int64_t slot, int64_t kind,

@@ -176,14 +176,13 @@ void capture_kernel_call(const Geometry& g, at::Tensor& arena, at::Tensor& ctrl,
                        g.stride_h, g.stride_d, g.row_reg, g.mean);
     return;
   }
-  static auto kernel = c10::Dispatcher::singleton()
-                           .findSchemaOrThrow("compiledump::capture_kernel_v1", "")
-                           .typed<void(const at::Tensor&, at::Tensor&, at::Tensor&, int64_t, int64_t, int64_t,
-                                       int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                       int64_t, bool)>();
-  // Through the dispatcher: the CUDA kernel (capture_cuda.cu).
-  kernel.call(g.x, arena, ctrl, kind, base, offset, capacity, reason, g.T, g.H, g.D, g.stride_t, g.stride_h,
-              g.stride_d, g.row_reg, g.mean);
+#ifdef COMPILEDUMP_WITH_CUDA
+  // The CUDA kernel (capture_cuda.cu), also without a dispatcher hop.
+  capture_kernel_cuda(g.x, arena, ctrl, kind, base, offset, capacity, reason, g.T, g.H, g.D, g.stride_t, g.stride_h,
+                      g.stride_d, g.row_reg, g.mean);
+#else
+  TORCH_CHECK(false, "compiledump: this native library was built without CUDA; the arena is on ", arena.device());
+#endif
 }
 
 std::tuple<at::Tensor, at::Tensor> snapshot_cpu(const at::Tensor& arena, const at::Tensor& ctrl, int64_t words) {

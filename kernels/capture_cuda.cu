@@ -27,6 +27,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "capture.h"
 #include "gates.h"
 #include "layout.h"
 
@@ -145,6 +146,10 @@ __global__ void capture_kernel(const scalar_t* __restrict__ x, float* __restrict
   }
 }
 
+}  // namespace
+
+namespace compiledump {
+
 void capture_kernel_cuda(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl, int64_t kind, int64_t base,
                          int64_t offset, int64_t capacity, int64_t reason, int64_t T, int64_t H, int64_t D,
                          int64_t st, int64_t sh, int64_t sd, int64_t row_reg, bool mean) {
@@ -180,8 +185,8 @@ void capture_kernel_cuda(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctr
       at::kFloat8_e4m3fn, at::kFloat8_e4m3fnuz, at::kFloat8_e5m2, at::kFloat8_e5m2fnuz);
 }
 
-}  // namespace
+}  // namespace compiledump
 
 TORCH_LIBRARY_IMPL(compiledump, CUDA, m) {
-  m.impl("capture_kernel_v1", &capture_kernel_cuda);
+  m.impl("capture_kernel_v1", &compiledump::capture_kernel_cuda);
 }

@@ -1,4 +1,5 @@
-// `compiledump::capture_v1` served from C++: the region table and the op's native kernel.
+// `compiledump::capture_v1` served from C++: the region table and the op's native kernel, on CPU
+// and, when the library is built with CUDA, on CUDA (the decisions are host metadata either way).
 //
 // Python's tag registry (compiledump/capture/arena.py `Runtime.resolve`) decides, for each call
 // of the capture op, the arena region, the token gate and the payload-shape check. Once a tag's
@@ -97,8 +98,8 @@ bool decide(const at::Tensor& x, const at::Tensor& arena, const at::Tensor& ctrl
   return true;
 }
 
-void capture_cpu(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl, int64_t slot, int64_t kind,
-                 int64_t reason) {
+void capture_from_table(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl, int64_t slot, int64_t kind,
+                        int64_t reason) {
   Decision d;
   if (!decide(x, arena, ctrl, slot, kind, reason, d)) {
     static auto resolve = c10::Dispatcher::singleton()
@@ -136,7 +137,19 @@ void table_region(const at::Tensor& ctrl, int64_t slot, int64_t kind, int64_t of
 }  // namespace compiledump
 
 TORCH_LIBRARY_IMPL(compiledump, CPU, m) {
-  m.impl("capture_v1", &compiledump::capture_cpu);
+  m.impl("capture_v1", &compiledump::capture_from_table);
   m.impl("table_gate_v1", &compiledump::table_gate);
   m.impl("table_region_v1", &compiledump::table_region);
 }
+
+#ifdef COMPILEDUMP_WITH_CUDA
+// The same table for an arena on a GPU: a call from Inductor's generated code (compiled without
+// CUDA graphs, as engines run large prefills) is decided here and launches the CUDA kernel
+// without Python; a CUDA graph records that one kernel node. The table ops take the control
+// block, so they dispatch on its device.
+TORCH_LIBRARY_IMPL(compiledump, CUDA, m) {
+  m.impl("capture_v1", &compiledump::capture_from_table);
+  m.impl("table_gate_v1", &compiledump::table_gate);
+  m.impl("table_region_v1", &compiledump::table_region);
+}
+#endif

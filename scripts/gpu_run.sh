@@ -4,21 +4,27 @@
 #   bash scripts/gpu_run.sh                     # writes into $OUT (default: benchmarks/gpu/)
 #
 # 1. prints the versions (python, torch, CUDA, triton, GPU, nvcc, cmake);
-# 2. python scripts/gpu_check.py --device cuda, then python benchmarks/gpu_bench.py --device cuda,
+# 2. starts building the native library in the background (CMakeLists.txt, in a temporary
+#    directory, `nice`d, under its own timeout) if cmake and nvcc are here and nvcc's CUDA major
+#    is torch's; it installs into compiledump/, which the steps below do not load
+#    (COMPILEDUMP_NATIVE=0) until step 4;
+# 3. python scripts/gpu_check.py --device cuda, then python benchmarks/gpu_bench.py --device cuda,
 #    on the Python/Triton path, each under `timeout` and with --time-limit a little below it (each
 #    script skips the phases that would not fit, and rewrites its JSON after every phase, so a
 #    kill keeps what it had);
-# 3. last (never-run native code cannot spoil the measurements), if cmake and nvcc are here and
-#    nvcc's CUDA major is torch's: builds the native library (CMakeLists.txt) in a temporary
-#    directory, within what is left, installs it into compiledump/ and checks its CUDA kernel
-#    against the Triton kernel (gpu_check.py --only native_cuda_kernel).
+# 4. last (never-run native code cannot spoil the measurements), in the GPU_RUN_RESERVE_S kept
+#    for it: waits for the build, then runs the native path (COMPILEDUMP_NATIVE=1: the region
+#    table and the CUDA kernel serve `capture_v1`): gpu_check.py's eager, cuda_graph and
+#    native_cuda_kernel phases (its CUDA kernel against the Triton kernel), and gpu_bench.py's
+#    compiled_host_cost and graph_capture_cost (issue 14's host and device cost per capture).
 # Files, named with the UTC date and the torch and triton versions: $OUT/gpu_check_<date>_torch<v>_
-# triton<v>.json, $OUT/gpu_bench_<...>.json, $OUT/gpu_native_<...>.json, $OUT/gpu_run_<...>.log.
+# triton<v>.json, $OUT/gpu_bench_<...>.json, $OUT/gpu_native_<...>.json (gpu_check on the native
+# path), $OUT/gpu_native_bench_<...>.json, $OUT/gpu_run_<...>.log.
 # Without a usable CUDA device it prints both scripts' plans (--dry-run) and exits 0.
 # Settings (environment): OUT; GPU_RUN_BUDGET (seconds for everything, default 450);
-# GPU_RUN_RESERVE_S (kept for the native build and check, default 120); GPU_RUN_BUILD_S (the
-# build's limit, default 150); GPU_RUN_DEVICE (default cuda; cpu runs both scripts on the CPU,
-# gpu_bench with --quick); PYTHON (default python3, else python).
+# GPU_RUN_RESERVE_S (kept for the native path's phases, default 150); GPU_RUN_BUILD_S (the
+# build's limit, default 240, counted from the start); GPU_RUN_DEVICE (default cuda; cpu runs both
+# scripts on the CPU, gpu_bench with --quick); PYTHON (default python3, else python).
 # Exit status: 0 when both scripts ran and no phase failed, 1 otherwise (0 without CUDA).
 set -u
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
@@ -73,9 +79,9 @@ if [ "$DEVICE" != cpu ] && ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cu
     exit 0
 fi
 
-# The measurements first, on the Python/Triton path (the one users get without a compiler):
-# gpu_check gets half of what is left, gpu_bench what it leaves minus RESERVE_S for the native
-# library's build and check at the end (a fault in never-run native code cannot spoil them).
+# The native library builds in the background while the Python/Triton path is measured
+# (gpu_check gets half of what is left, gpu_bench what it leaves minus RESERVE_S for the native
+# path's phases at the end: a fault in never-run native code cannot spoil the measurements).
 export COMPILEDUMP_SIGNALS=0  # a timeout's SIGTERM ends the script at once (no flush of a scratch dump)
 export PYTHONUNBUFFERED=1     # the log keeps the order of what the scripts print
 export COMPILEDUMP_NATIVE=0   # not built yet; the last step checks it
@@ -102,16 +108,11 @@ run_script() {  # name script share-of-what-is-left-in-% [extra args...]
         *) echo "== $name: exit $rc"; status=1 ;;
     esac
 }
-run_script gpu_check scripts/gpu_check.py 50
-run_script gpu_bench benchmarks/gpu_bench.py 100 $QUICK
-
-BUILD_S=$(( BUDGET - SECONDS - 40 < BUILD_S ? BUDGET - SECONDS - 40 : BUILD_S ))
-echo "== native library (limit ${BUILD_S} s)"
 NATIVE="skipped"
+BUILD_PID=""
+BUILD_LOG=$(mktemp "${TMPDIR:-/tmp}/compiledump-build-log.XXXXXX")
 if [ "$DEVICE" = cpu ]; then
     NATIVE="skipped (GPU_RUN_DEVICE=cpu)"
-elif [ "$BUILD_S" -lt 30 ]; then
-    NATIVE="skipped (only ${BUILD_S} s of the budget left)"
 elif ! command -v cmake >/dev/null; then
     NATIVE="skipped (no cmake)"
 elif [ -z "$NVCC" ]; then
@@ -124,25 +125,54 @@ else
     BUILD_DIR=$(mktemp -d "${TMPDIR:-/tmp}/compiledump-build.XXXXXX")
     PREFIX=$("$PY" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
     ARCH=$("$PY" -c 'import torch; m, n = torch.cuda.get_device_capability(); print(f"{m}.{n}")')
-    started=$SECONDS
+    JOBS=$(( $(nproc) > 2 ? $(nproc) / 2 : 1 ))  # half the cores: the measurements run meanwhile
+    echo "== native library: building in the background (limit ${BUILD_S} s, -j $JOBS, sm_${ARCH/./}); log below at the end"
     # TORCH_CUDA_ARCH_LIST: torch's CMake config then does not probe the GPU; no C++ driver (unused here).
-    if PATH="$(dirname "$NVCC"):$PATH" CUDACXX=$NVCC TORCH_CUDA_ARCH_LIST=$ARCH timeout -k 5 "$BUILD_S" bash -c '
+    PATH="$(dirname "$NVCC"):$PATH" CUDACXX=$NVCC TORCH_CUDA_ARCH_LIST=$ARCH timeout -k 5 "$BUILD_S" nice -n 10 bash -c '
         cmake -S . -B "$1" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$2" -DCMAKE_CUDA_COMPILER="$3" \
               -DCMAKE_CUDA_ARCHITECTURES="${4/./}" -DCOMPILEDUMP_BUILD_DRIVER=OFF \
-        && cmake --build "$1" -j "$(nproc)" && cmake --install "$1"' _ "$BUILD_DIR" "$PREFIX" "$NVCC" "$ARCH"; then
-        NATIVE="built and installed ($((SECONDS - started)) s, sm_${ARCH/./})"
+        && cmake --build "$1" -j "$5" && cmake --install "$1"' _ "$BUILD_DIR" "$PREFIX" "$NVCC" "$ARCH" "$JOBS" \
+        >"$BUILD_LOG" 2>&1 &
+    BUILD_PID=$!
+    BUILD_STARTED=$SECONDS
+fi
+
+run_script gpu_check scripts/gpu_check.py 50
+run_script gpu_bench benchmarks/gpu_bench.py 100 $QUICK
+
+if [ -n "$BUILD_PID" ]; then
+    wait "$BUILD_PID"
+    rc=$?
+    echo "== native library build (exit $rc, $((SECONDS - BUILD_STARTED)) s after it started):"
+    tail -n 15 "$BUILD_LOG"
+    if [ "$rc" -eq 0 ]; then
+        NATIVE="built and installed (sm_${ARCH/./})"
     else
-        rc=$?
         [ "$rc" -eq 124 ] && why="timed out after ${BUILD_S} s" || why="failed (exit $rc)"
-        NATIVE="build $why; running without it"
+        NATIVE="build $why; the native path was not checked"
+        status=1
     fi
     rm -rf "$BUILD_DIR"
 fi
-if [ -f compiledump/libcompiledump_native.so ] && [ "$DEVICE" != cpu ]; then
+rm -f "$BUILD_LOG"
+native_script() {  # name script limit args...: one script on the native path
+    local name=$1 script=$2 limit=$3
+    shift 3
+    if [ "$limit" -lt 30 ]; then
+        echo "== $name: skipped (only ${limit} s of the budget left)"
+        status=1
+        return
+    fi
+    echo "== $name on the native path (timeout ${limit} s)"
+    COMPILEDUMP_NATIVE=1 timeout -k 10 "$limit" "$PY" "$script" --device "$DEVICE" --time-limit $((limit - 15)) \
+        --out "$OUT/${name}_$STEM.json" "$@" || status=1
+}
+if [ "${NATIVE#built}" != "$NATIVE" ]; then
     if COMPILEDUMP_NATIVE=1 "$PY" -c 'import compiledump, sys; sys.exit(0 if compiledump.native_available() else 1)'; then
-        echo "== native check: its CUDA kernel against the Triton kernel"
-        COMPILEDUMP_NATIVE=1 timeout -k 10 60 "$PY" scripts/gpu_check.py --device "$DEVICE" --only native_cuda_kernel \
-            --out "$OUT/gpu_native_$STEM.json" || status=1
+        left=$(( BUDGET - SECONDS - 10 ))
+        native_script gpu_native scripts/gpu_check.py $(( left / 2 )) --only eager cuda_graph native_cuda_kernel
+        native_script gpu_native_bench benchmarks/gpu_bench.py $(( BUDGET - SECONDS - 10 )) \
+            --only graph_capture_cost compiled_host_cost
     else
         NATIVE="$NATIVE; compiledump/libcompiledump_native.so does not load"
         status=1

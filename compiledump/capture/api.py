@@ -27,7 +27,7 @@ import torch
 from .. import config as _config
 from ..format import spec
 from ..ops import layout as L
-from ..ops import schemas
+from ..ops import register, schemas
 from . import dispatch, layouts, persist, signals
 from .arena import Runtime
 from .flush import dump_stem, flush, flush_at_exit, flush_on_signal, process_fields, remove_live_after_signal
@@ -112,10 +112,13 @@ def prepare_kernels(device: str | torch.device | None = None, dtypes=(torch.bflo
     (an engine's warm-up under `profiling()` does): the first launch of each dtype and layout
     prepares them. Call it before capturing code whose captures never ran outside a graph; a
     capture that needs an unprepared kernel raises `VariantNotPrepared` instead of failing
-    inside CUDA. A no-op without a CUDA device, except in the tests' Triton-on-CPU mode.
+    inside CUDA. A no-op without a CUDA device, except in the tests' Triton-on-CPU mode, and
+    when the native library serves CUDA captures (its kernel is compiled ahead of time).
     """
     device = _normalize_device(torch.device(device if device is not None else init() or "cpu"))
     if device.type != "cuda" and _config.env("COMPILEDUMP_CPU_KERNEL") != "triton":
+        return
+    if device.type == "cuda" and register.native_owns_capture("cuda"):
         return
     from ..ops.triton_kernel import prepare
 

@@ -43,12 +43,12 @@ def _capture_cuda(x, arena, ctrl, slot, kind, reason):
 
 
 # `capture_resolve_v1` is the Python implementation the native `capture_v1` falls back to for a
-# call its region table cannot decide (kernels/capture_table.cpp); without the native library
-# Python serves `capture_v1` itself.
-schemas.LIB.impl(schemas.RESOLVE, _capture_cpu, "CPU")
-if not register.native_owns_capture():
-    schemas.LIB.impl(schemas.CAPTURE, _capture_cpu, "CPU")
-schemas.LIB.impl(schemas.CAPTURE, _capture_cuda, "CUDA")
+# call its region table cannot decide (kernels/capture_table.cpp); for a device the native
+# library does not serve, Python serves `capture_v1` itself.
+for _device_type, _impl in (("cpu", _capture_cpu), ("cuda", _capture_cuda)):
+    schemas.LIB.impl(schemas.RESOLVE, _impl, _device_type.upper())
+    if not register.native_owns_capture(_device_type):
+        schemas.LIB.impl(schemas.CAPTURE, _impl, _device_type.upper())
 
 
 def capture_eager(x, arena, ctrl, slot, kind, reason) -> None:
@@ -58,14 +58,16 @@ def capture_eager(x, arena, ctrl, slot, kind, reason) -> None:
     functionalization) but a few microseconds per call, so eager capture calls come straight
     here; traced code always emits the op. The input is detached so autograd never sees the
     arena writes. With the native library, a CPU call is one dispatcher call into C++, whose
-    region table decides it (kernels/capture_table.cpp).
+    region table decides it (kernels/capture_table.cpp); so is a CUDA call when the library was
+    built with CUDA.
     """
     if x.requires_grad:
         x = x.detach()
-    if x.device.type == "cuda":
-        _capture_cuda(x, arena, ctrl, slot, kind, reason)
-    elif register.native_owns_capture():
+    device_type = x.device.type
+    if register.native_owns_capture(device_type):
         schemas.capture(x, arena, ctrl, slot, kind, reason)  # one call into C++ (its region table)
+    elif device_type == "cuda":
+        _capture_cuda(x, arena, ctrl, slot, kind, reason)
     else:
         _capture_cpu(x, arena, ctrl, slot, kind, reason)
 
