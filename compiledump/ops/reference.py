@@ -11,6 +11,8 @@ step, as the device kernel's atomic makes them.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
@@ -26,7 +28,7 @@ def capture_reference(x, arena, ctrl, kind, base, offset, capacity, reason) -> N
     call that saw one dated in SLOT_BAD_STEP/SLOT_BAD_TOKENS (ops/layout.py)."""
     src, (T, H, D, st, sh, sd, row_reg, mean) = geometry(x, kind)
     all_rows = row_reg == L.ROW_ALL
-    regs = ctrl.numpy()
+    regs = _numpy_view(ctrl)
     enabled = regs[L.REG_ENABLED] != 0
     rows_ok = kind != L.KIND_STEP or regs[L.REG_ROWS] <= regs[L.REG_MAX_ROWS]
     row = 0 if row_reg < 0 else int(regs[row_reg])
@@ -76,7 +78,9 @@ def _write(src, arena, kind, old, offset, T, H, D, st, sh, sd, row_reg, row, mea
     words = D if mean else H * D
     dest = offset + step * words
     if src.dtype in _NUMPY_DTYPES:
-        return _write_numpy(src.detach().numpy(), arena.numpy(), kind, dest, rows, words, row_reg, row, mean)
+        if src.requires_grad:  # below autograd the flag may still be set; numpy() refuses it
+            src = src.detach()
+        return _write_numpy(src.numpy(), _numpy_view(arena), kind, dest, rows, words, row_reg, row, mean)
     # The row(s) as [rows, H, D] with the caller's strides (no copy).
     view = src.as_strided((rows, H, D), (st, sh, sd), src.storage_offset() + (0 if all_rows else row) * st)
     if kind == L.KIND_IDS:
@@ -90,7 +94,7 @@ def _write(src, arena, kind, old, offset, T, H, D, st, sh, sd, row_reg, row, mea
         arena[dest : dest + rows * words].view(rows, H, D).copy_(view)
     # A non-finite input makes its stored value (copy or hc mean) non-finite: check the fp32 output
     # first (cheap), count the inputs only when it is not all finite (a finite sum may overflow).
-    if kind == L.KIND_IDS or np.isfinite(arena.numpy()[dest : dest + rows * words]).all():
+    if kind == L.KIND_IDS or np.isfinite(_numpy_view(arena)[dest : dest + rows * words]).all():
         return 0
     return _nonfinite(view)
 
@@ -130,13 +134,29 @@ def _write_numpy(src, out, kind, dest, rows, words, row_reg, row, mean) -> int:
 def _store_numpy(value, target, mean) -> None:
     if mean:
         # The kernel's order: each element to fp32, then ((h0 + h1) + h2) + ..., then one division.
+        # A reduction over an axis that is not the innermost adds whole rows in axis order (numpy
+        # sums pairwise only along the innermost axis), in the fp32 of `dtype`.
         acc = target.reshape(value.shape[:-2] + value.shape[-1:])
-        np.copyto(acc, value[..., 0, :], casting="unsafe")
-        for h in range(1, value.shape[-2]):
-            np.add(acc, value[..., h, :], out=acc, dtype=np.float32, casting="unsafe")
+        np.add.reduce(value, axis=-2, dtype=np.float32, out=acc)
         np.divide(acc, np.float32(value.shape[-2]), out=acc)
     else:
         target[:] = value.reshape(-1)
+
+
+# The numpy views of the live arenas and control blocks: `Tensor.numpy()` costs about as much as
+# the rest of a small capture, and a process writes into the same two tensors every call. An entry
+# goes with its tensor (the weak reference's callback), so a reset arena is freed as before.
+_views: dict[int, tuple[weakref.ref, np.ndarray]] = {}
+
+
+def _numpy_view(t: torch.Tensor) -> np.ndarray:
+    key = id(t)
+    entry = _views.get(key)
+    if entry is not None and entry[0]() is t:
+        return entry[1]
+    view = t.numpy()
+    _views[key] = (weakref.ref(t, lambda _ref, key=key: _views.pop(key, None)), view)
+    return view
 
 
 def _nonfinite(t) -> int:
