@@ -80,7 +80,8 @@ template <typename scalar_t>
 __global__ void capture_kernel(const scalar_t* __restrict__ x, float* __restrict__ arena,
                                int32_t* __restrict__ ctrl, int64_t kind, int64_t base, int64_t offset,
                                int64_t capacity, int64_t reason, int64_t T, int64_t H, int64_t D,
-                               int64_t st, int64_t sh, int64_t sd, int64_t row_reg, bool mean) {
+                               int64_t st, int64_t sh, int64_t sd, int64_t row_reg, bool mean,
+                               bool host_arena) {
   __shared__ bool s_write, s_check_all;
   __shared__ int64_t s_row, s_dest, s_bad_step;
   __shared__ unsigned long long s_bad;
@@ -132,7 +133,13 @@ __global__ void capture_kernel(const scalar_t* __restrict__ x, float* __restrict
 
   if (threadIdx.x == 0) {
     if (s_write) {
-      __threadfence();
+      // Device scope orders the stores for readers on the GPU; an arena in host memory (crash-
+      // proof capture) is read by the host, possibly after the context died: system scope, so the
+      // payload reaches host memory before the commit does.
+      if (host_arena)
+        __threadfence_system();
+      else
+        __threadfence();
       atomicAdd(ctrl + base + SLOT_COMMITTED, 1);  // the commit: the payload is complete
     }
     if (s_bad) {
@@ -144,6 +151,25 @@ __global__ void capture_kernel(const scalar_t* __restrict__ x, float* __restrict
         atomicExch(ctrl + base + SLOT_BAD_TOKENS, kept_tokens);
     }
   }
+}
+
+// Whether `p` is host memory mapped into the device (the crash-proof arena, capture/persist.py).
+// A driver query, no device work and no sync (allowed during graph capture), remembered for the
+// last arena: a process captures into one.
+bool in_host_memory(const void* p) {
+  static thread_local const void* last = nullptr;
+  static thread_local bool last_in_host = false;
+  if (p != last) {
+    cudaPointerAttributes attributes{};
+    if (cudaPointerGetAttributes(&attributes, p) == cudaSuccess) {
+      last_in_host = attributes.type == cudaMemoryTypeHost;
+    } else {
+      (void)cudaGetLastError();  // not a pointer CUDA knows: device memory of another allocator
+      last_in_host = false;
+    }
+    last = p;
+  }
+  return last_in_host;
 }
 
 }  // namespace
@@ -171,6 +197,7 @@ void capture_kernel_cuda(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctr
 
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const bool host_arena = in_host_memory(arena.const_data_ptr());
   // The dtypes the Triton kernel takes (every real dtype Triton has a pointer type for): the
   // usual floats and ints, bool, uint8..uint64 and the four fp8 formats. Converted to fp32 by
   // c10's (host and device) conversions. The pointer is taken untyped: data_ptr<T> is not
@@ -179,7 +206,7 @@ void capture_kernel_cuda(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctr
     // One block, always launched: even a dropped call bumps its counter on the device.
     capture_kernel<scalar_t><<<1, THREADS, 0, stream>>>(
         static_cast<const scalar_t*>(x.const_data_ptr()), arena.data_ptr<float>(), ctrl.data_ptr<int32_t>(),
-        kind, base, offset, capacity, reason, T, H, D, st, sh, sd, row_reg, mean);
+        kind, base, offset, capacity, reason, T, H, D, st, sh, sd, row_reg, mean, host_arena);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }), AT_EXPAND(AT_ALL_TYPES), at::kHalf, at::kBFloat16, at::kBool, AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES),
       at::kFloat8_e4m3fn, at::kFloat8_e4m3fnuz, at::kFloat8_e5m2, at::kFloat8_e5m2fnuz);

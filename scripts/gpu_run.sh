@@ -16,13 +16,14 @@
 #    for it: waits for the build, then runs the native path (COMPILEDUMP_NATIVE=1: the region
 #    table and the CUDA kernel serve `capture_v1`): gpu_check.py's eager, cuda_graph and
 #    native_cuda_kernel phases (its CUDA kernel against the Triton kernel), and gpu_bench.py's
-#    compiled_host_cost and graph_capture_cost (issue 14's host and device cost per capture).
+#    graph_capture_cost, compiled_host_cost and decode_overhead (issue 14's device and host cost
+#    per capture, and the 40 layers x 5 taps step overhead).
 # Files, named with the UTC date and the torch and triton versions: $OUT/gpu_check_<date>_torch<v>_
 # triton<v>.json, $OUT/gpu_bench_<...>.json, $OUT/gpu_native_<...>.json (gpu_check on the native
 # path), $OUT/gpu_native_bench_<...>.json, $OUT/gpu_run_<...>.log.
 # Without a usable CUDA device it prints both scripts' plans (--dry-run) and exits 0.
 # Settings (environment): OUT; GPU_RUN_BUDGET (seconds for everything, default 450);
-# GPU_RUN_RESERVE_S (kept for the native path's phases, default 150); GPU_RUN_BUILD_S (the
+# GPU_RUN_RESERVE_S (kept for the native path's phases, default 180); GPU_RUN_BUILD_S (the
 # build's limit, default 240, counted from the start); GPU_RUN_DEVICE (default cuda; cpu runs both
 # scripts on the CPU, gpu_bench with --quick); PYTHON (default python3, else python).
 # Exit status: 0 when both scripts ran and no phase failed, 1 otherwise (0 without CUDA).
@@ -31,7 +32,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 REPO=$PWD
 BUDGET=${GPU_RUN_BUDGET:-450}
 BUILD_S=${GPU_RUN_BUILD_S:-240}  # the background build's limit
-RESERVE_S=${GPU_RUN_RESERVE_S:-150}  # kept for the native path's phases, at the end
+RESERVE_S=${GPU_RUN_RESERVE_S:-180}  # kept for the native path's phases, at the end
 DEVICE=${GPU_RUN_DEVICE:-cuda}
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 OUT=${OUT:-$REPO/benchmarks/gpu}
@@ -170,9 +171,9 @@ native_script() {  # name script limit args...: one script on the native path
 if [ "${NATIVE#built}" != "$NATIVE" ]; then
     if COMPILEDUMP_NATIVE=1 "$PY" -c 'import compiledump, sys; sys.exit(0 if compiledump.native_available() else 1)'; then
         left=$(( BUDGET - SECONDS - 10 ))
-        native_script gpu_native scripts/gpu_check.py $(( left / 2 )) --only eager cuda_graph native_cuda_kernel
+        native_script gpu_native scripts/gpu_check.py $(( left / 3 )) --only eager cuda_graph native_cuda_kernel
         native_script gpu_native_bench benchmarks/gpu_bench.py $(( BUDGET - SECONDS - 10 )) \
-            --only graph_capture_cost compiled_host_cost
+            --only graph_capture_cost compiled_host_cost decode_overhead
     else
         NATIVE="$NATIVE; compiledump/libcompiledump_native.so does not load"
         status=1

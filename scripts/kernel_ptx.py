@@ -29,12 +29,14 @@ from triton.compiler import ASTSource
 from compiledump.ops import triton_kernel as K
 from compiledump.ops.variants import ALIGN_WORDS, BLOCK, NUM_WARPS, vector_width
 
-# (input type, MEAN, IS_INT, VEC, input 16-byte aligned): the fast paths, then a slow path.
+# (input type, MEAN, IS_INT, VEC, input 16-byte aligned[, host-mapped arena]): the fast paths,
+# then a slow path, then the crash-proof arena's commit.
 VARIANTS = [
     ("bf16", True, False, 8, True),  # record of [T, hc, dim] bf16: hc mean
     ("fp32", False, False, 4, True),  # record/step of [T, dim] fp32: copy
     ("i64", False, True, 2, True),  # record_ids
     ("bf16", True, False, 1, False),  # unaligned input: scalar loads
+    ("bf16", True, False, 8, True, True),  # into a host-mapped arena: the commit at system scope
 ]
 # Every input type the kernel takes (Triton's name: torch's dtype), in every layout class (--all).
 ALL_TYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "fp64": torch.float64,
@@ -43,10 +45,11 @@ ALL_TYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat1
              "u32": torch.uint32, "u64": torch.uint64}
 
 
-def compile_variant(xty: str, mean: bool, is_int: bool, vec: int, aligned: bool):
+def compile_variant(xty: str, mean: bool, is_int: bool, vec: int, aligned: bool, host_arena: bool = False):
     signature = {"x_ptr": "*" + xty, "arena_ptr": "*fp32", "ctrl_ptr": "*i32"}
     signature.update({name: "i64" for name in K.INT_ARGS})
-    constexprs = {"MEAN": mean, "IS_INT": is_int, "VEC": vec, "STORE_VEC": min(vec, ALIGN_WORDS), "BLOCK": BLOCK}
+    constexprs = {"MEAN": mean, "IS_INT": is_int, "VEC": vec, "STORE_VEC": min(vec, ALIGN_WORDS),
+                  "HOST_ARENA": host_arena, "BLOCK": BLOCK}
     signature.update({name: "constexpr" for name in constexprs})
     # The arena and control block are always 16-byte aligned; the input as the variant says.
     aligned_args = [(0,)] * aligned + [(1,), (2,)]
@@ -78,7 +81,7 @@ def describe(kernel) -> dict:
         "stores": sorted(set(re.findall(r"st\.global(?:\.[a-z0-9]+)*", ptx))),
         "mul.lo.s32": ptx.count("mul.lo.s32"),
         "mul.lo.s64": ptx.count("mul.lo.s64"),
-        "atomics": sorted(set(re.findall(r"atom(?:\.[a-z0-9]+)*", ptx))),
+        "atomics": sorted(set(re.findall(r"(?:atom|red)\.global(?:\.[a-z0-9]+)*", ptx))),  # red: result unused
         **_sass(kernel.asm.get("cubin", b"")),
     }
 
@@ -119,8 +122,12 @@ def main(argv=None) -> int:
         if info["mul.lo.s32"]:
             ok = False
             print(f"  32-BIT OFFSET MATH: {variant}")
+        host_arena = len(variant) > 5 and variant[5]
+        if host_arena and not any(".sys" in a for a in info["atomics"]):
+            ok = False
+            print(f"  COMMIT NOT AT SYSTEM SCOPE: {variant} atomics {info['atomics']}")
     if ok:
-        print("fast paths vectorized, offsets 64-bit")
+        print("fast paths vectorized, offsets 64-bit, host-mapped commit at system scope")
     return 0 if ok or not args.check else 1
 
 

@@ -75,6 +75,7 @@ def capture_kernel(
     IS_INT: tl.constexpr,  # record_ids: store int32 (any other kind converts to float32)
     VEC: tl.constexpr,  # > 1: stride_d == 1; D, stride_t, stride_h multiples of VEC; x 16-byte aligned
     STORE_VEC: tl.constexpr,  # what the arena offset of a row is known to be a multiple of
+    HOST_ARENA: tl.constexpr,  # the arena is host-mapped memory (crash-proof capture, one program)
     BLOCK: tl.constexpr,
 ):
     # Program 0 claims the counter; the other programs (only launched for the kinds whose write
@@ -195,8 +196,13 @@ def capture_kernel(
     tl.atomic_xchg(ctrl_ptr + base + L.SLOT_BAD_TOKENS, kept_tokens.to(tl.int32), mask=has_bad & (first == 0),
                    sem="relaxed")
     # The commit, after this program's stores (the other programs' are ordered by kernel end).
+    # In a host-mapped arena the reader is the host, possibly after the context died: system
+    # scope, so the payload reaches host memory before the commit does.
     tl.debug_barrier()
-    tl.atomic_add(ctrl_ptr + base + L.SLOT_COMMITTED, 1, mask=write & (pid == 0), sem="release")
+    if HOST_ARENA:
+        tl.atomic_add(ctrl_ptr + base + L.SLOT_COMMITTED, 1, mask=write & (pid == 0), sem="release", scope="sys")
+    else:
+        tl.atomic_add(ctrl_ptr + base + L.SLOT_COMMITTED, 1, mask=write & (pid == 0), sem="release")
 
 
 @triton.jit
@@ -220,16 +226,17 @@ def launch(x, arena, ctrl, geometry, base, offset, capacity, kind, reason):
     """Launch the capture kernel for one call, in the variant and grid ops/variants.py chose
     (compiled before any CUDA graph capture needs it)."""
     T, H, D, st, sh, sd, row_reg, _mean = geometry
-    v = variant_for(x, geometry, kind)
+    host_arena = bool(variants.MAPPED_ARENAS) and arena.data_ptr() in variants.MAPPED_ARENAS
+    v = variant_for(x, geometry, kind, host_arena)
     ensure_prepared(x.device, v, _launch_scratch)
-    _launch(v, programs_for(geometry, kind, arena.data_ptr() if variants.MAPPED_ARENAS else 0), x, arena, ctrl, T, H, D, st, sh, sd, base, offset, capacity, kind,
-            reason, row_reg)
+    _launch(v, programs_for(geometry, kind, host_arena), x, arena, ctrl, T, H, D, st, sh, sd, base, offset, capacity,
+            kind, reason, row_reg)
 
 
 def _launch(v, programs, *args):
     capture_kernel[(programs,)](
-        *args, MEAN=v.mean, IS_INT=v.is_int, VEC=v.vec, STORE_VEC=min(v.vec, ALIGN_WORDS), BLOCK=BLOCK,
-        num_warps=NUM_WARPS,
+        *args, MEAN=v.mean, IS_INT=v.is_int, VEC=v.vec, STORE_VEC=min(v.vec, ALIGN_WORDS), HOST_ARENA=v.host_arena,
+        BLOCK=BLOCK, num_warps=NUM_WARPS,
     )
 
 
@@ -246,11 +253,13 @@ def _launch_scratch(device, v) -> None:
 
 
 def prepare(device: torch.device, dtypes) -> None:
-    """Compile and load, on `device`, every variant that captures of tensors of `dtypes` can use."""
+    """Compile and load, on `device`, every variant that captures of tensors of `dtypes` can use
+    (also those of a host-mapped arena, once the process has one)."""
     # Triton compiles and loads for the current CUDA device.
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        for dtype in dtypes:
-            # Floats: records with and without an hc mean, steps; integers: record_ids.
-            layouts = [(True, False), (False, False)] if dtype.is_floating_point else [(False, True)]
-            for mean, is_int in layouts:
-                ensure_prepared(device, Variant(dtype, mean, is_int, 1, True), _launch_scratch)
+        for host_arena in sorted({False, bool(variants.MAPPED_ARENAS)}):
+            for dtype in dtypes:
+                # Floats: records with and without an hc mean, steps; integers: record_ids.
+                layouts = [(True, False), (False, False)] if dtype.is_floating_point else [(False, True)]
+                for mean, is_int in layouts:
+                    ensure_prepared(device, Variant(dtype, mean, is_int, 1, True, host_arena), _launch_scratch)

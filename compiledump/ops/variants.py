@@ -43,6 +43,7 @@ class Variant:
     is_int: bool
     vec: int  # elements per 16-byte vector on the fast path, else 1
     aligned: bool  # input pointer 16-byte aligned
+    host_arena: bool = False  # the arena is host memory (crash-proof capture): commit at system scope
 
     def family(self) -> Variant:
         """The fast-path member of this variant's family (same dtype and layout class)."""
@@ -59,14 +60,15 @@ def vector_width(dtype: torch.dtype) -> int:
     return max(1, 16 // dtype.itemsize)
 
 
-def variant_for(x: torch.Tensor, geometry: tuple, kind: int) -> Variant:
-    """The variant that launches for `x` viewed as `geometry` (ops/geometry.py)."""
+def variant_for(x: torch.Tensor, geometry: tuple, kind: int, host_arena: bool = False) -> Variant:
+    """The variant that launches for `x` viewed as `geometry` (ops/geometry.py), into an arena in
+    device memory or (`host_arena`) in host-mapped memory."""
     _T, H, D, stride_t, stride_h, stride_d, _row_reg, mean = geometry
     aligned = x.data_ptr() % 16 == 0
     width = vector_width(x.dtype)
     fast = (aligned and width > 1 and stride_d == 1 and D % width == 0 and stride_t % width == 0
             and (H == 1 or stride_h % width == 0))
-    return Variant(x.dtype, bool(mean), kind == L.KIND_IDS, width if fast else 1, aligned)
+    return Variant(x.dtype, bool(mean), kind == L.KIND_IDS, width if fast else 1, aligned, host_arena)
 
 
 # Data pointers of arenas in host-mapped memory (crash-proof capture on CUDA, capture/persist.py):
@@ -75,11 +77,11 @@ def variant_for(x: torch.Tensor, geometry: tuple, kind: int) -> Variant:
 MAPPED_ARENAS: set[int] = set()
 
 
-def programs_for(geometry: tuple, kind: int, arena_ptr: int = 0) -> int:
+def programs_for(geometry: tuple, kind: int, host_arena: bool = False) -> int:
     """Grid size: one program per (row, column block) tile, up to MAX_PROGRAMS. Steps and
     keep-first records use one program, because whether and where they write depends on the
     counter value that program claims; so do captures into a host-mapped arena."""
-    if kind in (L.KIND_STEP, L.KIND_RECORD_ONCE) or arena_ptr in MAPPED_ARENAS:
+    if kind in (L.KIND_STEP, L.KIND_RECORD_ONCE) or host_arena:
         return 1
     T, _H, D, *_rest, row_reg, _mean = geometry
     rows = T if row_reg == L.ROW_ALL else 1

@@ -91,14 +91,42 @@ def test_steps_begun_date_records_and_clear_resets_them(dump_dir):
     assert json.loads(open(compiledump.flush().replace(".npz", ".json")).read())["first_nonfinite"] is None
 
 
-def test_host_mapped_arenas_run_one_program_per_capture():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_host_mapped_arenas_run_one_program_committed_at_system_scope(dtype):
+    """A capture into a host-mapped arena (crash-proof capture on CUDA) launches its own variant,
+    one program whose commit is at system scope (scripts/kernel_ptx.py checks the PTX), and writes
+    what the reference kernel writes; the same arena unmapped runs several programs."""
     from compiledump.ops import layout as L
-    from compiledump.ops import variants
+    from compiledump.ops import triton_kernel, variants
+    from compiledump.ops.reference import capture_reference
 
-    geometry = (1, 4, 70000, 0, 70000, 1, L.REG_RECORD_ROW, True)
-    assert variants.programs_for(geometry, L.KIND_RECORD) > 1  # a wide row: several programs
-    variants.MAPPED_ARENAS.add(12345)
-    try:
-        assert variants.programs_for(geometry, L.KIND_RECORD, 12345) == 1
-    finally:
-        variants.MAPPED_ARENAS.discard(12345)
+    x = torch.randn(3, 4, 5000, dtype=dtype)[:, :, 3:4999]  # a wide row, read with strides
+    geometry = (3, 4, 4996, 20000, 5000, 1, L.REG_RECORD_ROW, True)
+    assert variants.programs_for(geometry, L.KIND_RECORD) > 1
+    results = {}
+    for mapped in (False, True):
+        arena = torch.full((3 * 4996,), -7.0)
+        ctrl = torch.zeros(L.control_words(2), dtype=torch.int32)
+        ctrl[L.REG_ENABLED] = 1
+        ctrl[L.REG_MAX_ROWS] = 1 << 20
+        ctrl[L.REG_RECORD_ROW] = -1
+        if mapped:
+            variants.MAPPED_ARENAS.add(arena.data_ptr())
+        launched = []
+        real_launch = triton_kernel._launch
+        try:
+            triton_kernel._launch = lambda v, programs, *args: (launched.append((v, programs)),
+                                                                real_launch(v, programs, *args))
+            triton_kernel.launch(x, arena, ctrl, geometry, L.slot_base(1), 4996, 1, L.KIND_RECORD, 0)
+        finally:
+            triton_kernel._launch = real_launch
+            variants.MAPPED_ARENAS.discard(arena.data_ptr())
+        variant, programs = launched[-1]
+        assert variant.host_arena is mapped and (programs == 1) is mapped
+        results[mapped] = (arena, ctrl)
+    ref_arena = torch.full((3 * 4996,), -7.0)
+    ref_ctrl = results[False][1].clone()
+    ref_ctrl[L.HEADER_WORDS:] = 0
+    capture_reference(x, ref_arena, ref_ctrl, L.KIND_RECORD, L.slot_base(1), 4996, 1, 0)
+    for arena, ctrl in results.values():
+        assert torch.equal(arena, ref_arena) and torch.equal(ctrl, ref_ctrl)
