@@ -191,7 +191,8 @@ class profiling:
 
     Works inside compiled and CUDA-graph-captured code: it clears a device flag that every
     capture kernel reads, so graphs recorded now replay correctly later. Nestable. Enter and
-    exit it outside graph capture.
+    exit it outside graph capture, on the stream that replays the graphs (the flag is written on
+    the current stream; docs/compiling.md, "Device state").
     """
 
     def __enter__(self) -> profiling:
