@@ -72,8 +72,8 @@ def variant_for(x: torch.Tensor, geometry: tuple, kind: int, host_arena: bool = 
 
 
 # Data pointers of arenas in host-mapped memory (crash-proof capture on CUDA, capture/persist.py):
-# their captures run one program, whose commit then follows every store of the capture, so a
-# capture cut short by a dead context is never read as whole.
+# their captures run one program (the `host_arena` variant), whose commit then follows every store
+# of the capture at system scope, so a capture cut short by a dead context is never read as whole.
 MAPPED_ARENAS: set[int] = set()
 
 
