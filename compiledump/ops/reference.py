@@ -134,10 +134,12 @@ def _write_numpy(src, out, kind, dest, rows, words, row_reg, row, mean) -> int:
 def _store_numpy(value, target, mean) -> None:
     if mean:
         # The kernel's order: each element to fp32, then ((h0 + h1) + h2) + ..., then one division.
-        # A reduction over an axis that is not the innermost adds whole rows in axis order (numpy
-        # sums pairwise only along the innermost axis), in the fp32 of `dtype`.
+        # Row by row, not np.add.reduce: when numpy's iterator makes the hc axis its inner loop
+        # (a transposed input, or dim 1) it sums that axis pairwise, in another order.
         acc = target.reshape(value.shape[:-2] + value.shape[-1:])
-        np.add.reduce(value, axis=-2, dtype=np.float32, out=acc)
+        np.copyto(acc, value[..., 0, :], casting="unsafe")
+        for h in range(1, value.shape[-2]):
+            np.add(acc, value[..., h, :], out=acc, dtype=np.float32, casting="unsafe")
         np.divide(acc, np.float32(value.shape[-2]), out=acc)
     else:
         target[:] = value.reshape(-1)

@@ -49,6 +49,10 @@ GEOMETRIES = {
     "3d_hc3": lambda g, dt: torch.randn(5, 3, 29, generator=g).to(dt),  # a mean whose division is inexact
     "3d_hc8": lambda g, dt: torch.randn(4, 8, 21, generator=g).to(dt),
     "3d_noncontig": lambda g, dt: torch.randn(6, 37, 4, generator=g).to(dt).transpose(1, 2),
+    # hc 16 with the hc axis innermost in memory, and dim 1: layouts where a library reduction over
+    # hc (numpy's, torch's) may sum pairwise instead of in hc order.
+    "3d_hc16_transposed": lambda g, dt: torch.randn(3, 21, 16, generator=g).to(dt).transpose(1, 2),
+    "3d_hc16_dim1": lambda g, dt: torch.randn(4, 16, 1, generator=g).to(dt),
     "2d": lambda g, dt: torch.randn(5, 1031, generator=g).to(dt),  # > one BLOCK
     "2d_sliced": lambda g, dt: torch.randn(5, 23, generator=g).to(dt)[1:, ::3],
     "1d": lambda g, dt: torch.randn(13, generator=g).to(dt),
