@@ -10,8 +10,9 @@
 //    record_once capture is the first), then broadcasts the decision through shared memory;
 // 2. the block gathers the row (strided, read in place; every row for an all-rows record),
 //    averages over H in fp32 or copies it, and stores it into the arena;
-// 3. thread 0 commits the write (SLOT_COMMITTED) and records the NaN/Inf values the block read
-//    (or, with REG_CHECK_ALL, found in the whole input): their count and the first call's step.
+// 3. thread 0 records the NaN/Inf values the block read (or, with REG_CHECK_ALL, found in the
+//    whole input): their count and the first call's step; then it commits the write
+//    (SLOT_COMMITTED; at system scope into a host-mapped arena).
 //
 // The host never reads `ctrl` and never synchronises, so a capture is one graph-capturable
 // kernel node. The payload is one row, so a single block is enough; it also orders the counter
@@ -132,16 +133,7 @@ __global__ void capture_kernel(const scalar_t* __restrict__ x, float* __restrict
   __syncthreads();  // every store of the block is issued before the commit below
 
   if (threadIdx.x == 0) {
-    if (s_write) {
-      // Device scope orders the stores for readers on the GPU; an arena in host memory (crash-
-      // proof capture) is read by the host, possibly after the context died: system scope, so the
-      // payload reaches host memory before the commit does.
-      if (host_arena)
-        __threadfence_system();
-      else
-        __threadfence();
-      atomicAdd(ctrl + base + SLOT_COMMITTED, 1);  // the commit: the payload is complete
-    }
+    // The NaN/Inf bookkeeping first, then the commit (the Triton kernel's order).
     if (s_bad) {
       const int64_t seen = ctrl[base + SLOT_NONFINITE];
       if (seen < NONFINITE_CAP)
@@ -149,6 +141,18 @@ __global__ void capture_kernel(const scalar_t* __restrict__ x, float* __restrict
                   static_cast<int32_t>(s_bad < NONFINITE_CAP ? s_bad : NONFINITE_CAP));
       if (atomicCAS(ctrl + base + SLOT_BAD_STEP, 0, static_cast<int32_t>(s_bad_step)) == 0)
         atomicExch(ctrl + base + SLOT_BAD_TOKENS, kept_tokens);
+    }
+    if (s_write) {
+      // Device scope orders the stores for readers on the GPU. An arena in host memory (crash-
+      // proof capture) is read by the host, possibly after the context died: a system-scope fence
+      // and a system-scope atomic, so the payload reaches host memory before the commit does.
+      if (host_arena) {
+        __threadfence_system();
+        atomicAdd_system(ctrl + base + SLOT_COMMITTED, 1);
+      } else {
+        __threadfence();
+        atomicAdd(ctrl + base + SLOT_COMMITTED, 1);  // the commit: the payload is complete
+      }
     }
   }
 }

@@ -14,8 +14,9 @@
 #    kill keeps what it had);
 # 4. last (never-run native code cannot spoil the measurements), in the GPU_RUN_RESERVE_S kept
 #    for it: waits for the build, then runs the native path (COMPILEDUMP_NATIVE=1: the region
-#    table and the CUDA kernel serve `capture_v1`): gpu_check.py's eager, cuda_graph and
-#    native_cuda_kernel phases (its CUDA kernel against the Triton kernel), and gpu_bench.py's
+#    table and the CUDA kernel serve `capture_v1`, checked first): gpu_check.py's eager,
+#    cuda_graph, native_cuda_kernel (its CUDA kernel against the Triton kernel) and persist (the
+#    host-mapped arena's system-scope commit) phases, and gpu_bench.py's
 #    graph_capture_cost, compiled_host_cost and decode_overhead (issue 14's device and host cost
 #    per capture, and the 40 layers x 5 taps step overhead).
 # Files, named with the UTC date and the torch and triton versions: $OUT/gpu_check_<date>_torch<v>_
@@ -23,7 +24,7 @@
 # path), $OUT/gpu_native_bench_<...>.json, $OUT/gpu_run_<...>.log.
 # Without a usable CUDA device it prints both scripts' plans (--dry-run) and exits 0.
 # Settings (environment): OUT; GPU_RUN_BUDGET (seconds for everything, default 450);
-# GPU_RUN_RESERVE_S (kept for the native path's phases, default 180); GPU_RUN_BUILD_S (the
+# GPU_RUN_RESERVE_S (kept for the native path's phases, default 200); GPU_RUN_BUILD_S (the
 # build's limit, default 240, counted from the start); GPU_RUN_DEVICE (default cuda; cpu runs both
 # scripts on the CPU, gpu_bench with --quick); PYTHON (default python3, else python).
 # Exit status: 0 when both scripts ran and no phase failed, 1 otherwise (0 without CUDA).
@@ -32,7 +33,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 REPO=$PWD
 BUDGET=${GPU_RUN_BUDGET:-450}
 BUILD_S=${GPU_RUN_BUILD_S:-240}  # the background build's limit
-RESERVE_S=${GPU_RUN_RESERVE_S:-180}  # kept for the native path's phases, at the end
+RESERVE_S=${GPU_RUN_RESERVE_S:-200}  # kept for the native path's phases, at the end
 DEVICE=${GPU_RUN_DEVICE:-cuda}
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 OUT=${OUT:-$REPO/benchmarks/gpu}
@@ -45,7 +46,12 @@ STEM="$(date -u +%F)_torch${TORCH_V}_triton${TRITON_V}"
 LOG="$OUT/gpu_run_$STEM.log"
 exec > >(tee -a "$LOG") 2>&1
 TEE_PID=$!
-finish() { exec 1>&- 2>&-; wait "$TEE_PID" 2>/dev/null; }  # the log is complete when we exit
+BUILD_PID=""
+finish() {  # the log is complete when we exit; a build still running is stopped
+    [ -n "$BUILD_PID" ] && kill "$BUILD_PID" 2>/dev/null
+    exec 1>&- 2>&-
+    wait "$TEE_PID" 2>/dev/null
+}
 trap finish EXIT
 echo "== gpu_run $(date -u +%FT%TZ) in $REPO; output: $OUT; budget ${BUDGET} s"
 
@@ -110,7 +116,6 @@ run_script() {  # name script share-of-what-is-left-in-% [extra args...]
     esac
 }
 NATIVE="skipped"
-BUILD_PID=""
 BUILD_LOG=$(mktemp "${TMPDIR:-/tmp}/compiledump-build-log.XXXXXX")
 if [ "$DEVICE" = cpu ]; then
     NATIVE="skipped (GPU_RUN_DEVICE=cpu)"
@@ -144,6 +149,7 @@ run_script gpu_bench benchmarks/gpu_bench.py 100 $QUICK
 if [ -n "$BUILD_PID" ]; then
     wait "$BUILD_PID"
     rc=$?
+    BUILD_PID=""
     echo "== native library build (exit $rc, $((SECONDS - BUILD_STARTED)) s after it started):"
     tail -n 15 "$BUILD_LOG"
     if [ "$rc" -eq 0 ]; then
@@ -169,13 +175,19 @@ native_script() {  # name script limit args...: one script on the native path
         --out "$OUT/${name}_$STEM.json" "$@" || status=1
 }
 if [ "${NATIVE#built}" != "$NATIVE" ]; then
-    if COMPILEDUMP_NATIVE=1 "$PY" -c 'import compiledump, sys; sys.exit(0 if compiledump.native_available() else 1)'; then
+    # Loaded, and serving capture_v1 on CUDA: a library CMake built without CUDA (torch's CUDA
+    # libraries not found) loads too, and would leave every CUDA capture to Triton.
+    owner=$(COMPILEDUMP_NATIVE=1 "$PY" -c 'import compiledump
+from compiledump.ops import native, schemas
+print(native.kernel_owner(schemas.CAPTURE, "CUDA") if compiledump.native_available() else "not loaded")' 2>&1 | tail -n 1)
+    if [ "$owner" = native ]; then
         left=$(( BUDGET - SECONDS - 10 ))
-        native_script gpu_native scripts/gpu_check.py $(( left / 3 )) --only eager cuda_graph native_cuda_kernel
+        native_script gpu_native scripts/gpu_check.py $(( left * 45 / 100 )) \
+            --only eager cuda_graph native_cuda_kernel persist
         native_script gpu_native_bench benchmarks/gpu_bench.py $(( BUDGET - SECONDS - 10 )) \
             --only graph_capture_cost compiled_host_cost decode_overhead
     else
-        NATIVE="$NATIVE; compiledump/libcompiledump_native.so does not load"
+        NATIVE="$NATIVE; but capture_v1 on CUDA is served by: $owner (not the library)"
         status=1
     fi
 fi
