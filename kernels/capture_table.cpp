@@ -146,7 +146,9 @@ TORCH_LIBRARY_IMPL(compiledump, CPU, m) {
 // The same table for an arena on a GPU: a call from Inductor's generated code (compiled without
 // CUDA graphs, as engines run large prefills) is decided here and launches the CUDA kernel
 // without Python; a CUDA graph records that one kernel node. The table ops take the control
-// block, so they dispatch on its device.
+// block, so they dispatch on its device. Python binds the table to a CUDA arena only with
+// COMPILEDUMP_CUDA_KERNEL=native; otherwise every call finds it unbound and goes to
+// `capture_resolve_v1`, which launches the Triton kernel.
 TORCH_LIBRARY_IMPL(compiledump, CUDA, m) {
   m.impl("capture_v1", &compiledump::capture_from_table);
   m.impl("table_gate_v1", &compiledump::table_gate);

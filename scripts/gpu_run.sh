@@ -13,12 +13,13 @@
 #    script skips the phases that would not fit, and rewrites its JSON after every phase, so a
 #    kill keeps what it had);
 # 4. last (never-run native code cannot spoil the measurements), in the GPU_RUN_RESERVE_S kept
-#    for it: waits for the build, then runs the native path (COMPILEDUMP_NATIVE=1: the region
-#    table and the CUDA kernel serve `capture_v1`, checked first): gpu_check.py's eager,
-#    cuda_graph, native_cuda_kernel (its CUDA kernel against the Triton kernel) and persist (the
-#    host-mapped arena's system-scope commit) phases, and gpu_bench.py's
-#    graph_capture_cost, compiled_host_cost and decode_overhead (issue 14's device and host cost
-#    per capture, and the 40 layers x 5 taps step overhead).
+#    for it: waits for the build, then runs the native path (COMPILEDUMP_NATIVE=1 and
+#    COMPILEDUMP_CUDA_KERNEL=native: the region table and the CUDA kernel serve `capture_v1`,
+#    checked first): gpu_check.py's eager, cuda_graph, native_cuda_kernel (its CUDA kernel
+#    against the Triton kernel) and persist (the host-mapped arena's system-scope commit) phases,
+#    and gpu_bench.py's graph_capture_cost, compiled_host_cost and decode_overhead (issue 14's
+#    device and host cost per capture, and the 40 layers x 5 taps step overhead), to set against
+#    the same phases of step 3 (the Triton kernel, Python per call).
 # Files, named with the UTC date and the torch and triton versions: $OUT/gpu_check_<date>_torch<v>_
 # triton<v>.json, $OUT/gpu_bench_<...>.json, $OUT/gpu_native_<...>.json (gpu_check on the native
 # path), $OUT/gpu_native_bench_<...>.json, $OUT/gpu_run_<...>.log.
@@ -171,15 +172,16 @@ native_script() {  # name script limit args...: one script on the native path
         return
     fi
     echo "== $name on the native path (timeout ${limit} s)"
-    COMPILEDUMP_NATIVE=1 timeout -k 10 "$limit" "$PY" "$script" --device "$DEVICE" --time-limit $((limit - 15)) \
+    COMPILEDUMP_NATIVE=1 COMPILEDUMP_CUDA_KERNEL=native timeout -k 10 "$limit" "$PY" "$script" --device "$DEVICE" --time-limit $((limit - 15)) \
         --out "$OUT/${name}_$STEM.json" "$@" || status=1
 }
 if [ "${NATIVE#built}" != "$NATIVE" ]; then
     # Loaded, and serving capture_v1 on CUDA: a library CMake built without CUDA (torch's CUDA
     # libraries not found) loads too, and would leave every CUDA capture to Triton.
-    owner=$(COMPILEDUMP_NATIVE=1 "$PY" -c 'import compiledump
-from compiledump.ops import native, schemas
-print(native.kernel_owner(schemas.CAPTURE, "CUDA") if compiledump.native_available() else "not loaded")' 2>&1 | tail -n 1)
+    owner=$(COMPILEDUMP_NATIVE=1 COMPILEDUMP_CUDA_KERNEL=native "$PY" -c 'import compiledump
+from compiledump.ops import register
+print(("native" if register.native_owns_capture("cuda") else "python")
+      if compiledump.native_available() else "not loaded")' 2>&1 | tail -n 1)
     if [ "$owner" = native ]; then
         left=$(( BUDGET - SECONDS - 10 ))
         native_script gpu_native scripts/gpu_check.py $(( left * 45 / 100 )) \

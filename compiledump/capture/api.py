@@ -113,7 +113,8 @@ def prepare_kernels(device: str | torch.device | None = None, dtypes=(torch.bflo
     prepares them. Call it before capturing code whose captures never ran outside a graph; a
     capture that needs an unprepared kernel raises `VariantNotPrepared` instead of failing
     inside CUDA. A no-op without a CUDA device, except in the tests' Triton-on-CPU mode, and
-    when the native library serves CUDA captures (its kernel is compiled ahead of time).
+    when the native library serves CUDA captures (COMPILEDUMP_CUDA_KERNEL=native: its kernel is
+    compiled ahead of time).
     """
     device = _normalize_device(torch.device(device if device is not None else init() or "cpu"))
     if device.type != "cuda" and _config.env("COMPILEDUMP_CPU_KERNEL") != "triton":

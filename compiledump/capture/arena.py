@@ -42,10 +42,10 @@ class Runtime:
         self.device = device
         self._config = cfg  # `config` is a property: its setter pushes the token gate (below)
         # The native library's region table serves the arena's captures when it owns `capture_v1`
-        # for its device (kernels/capture_table.cpp; CUDA when built with CUDA); every decision it
-        # needs is pushed to it from here. Bound to this arena (dropping the last one's regions)
-        # whenever the library owns the op; no region is pushed (every call decided by Python)
-        # when tests run the Triton kernel on CPU.
+        # for its device (kernels/capture_table.cpp; on CUDA only with COMPILEDUMP_CUDA_KERNEL=
+        # native); every decision it needs is pushed to it from here. Bound to this arena
+        # (dropping the last one's regions) whenever the library owns the op; no region is pushed
+        # (every call decided by Python) when tests run the Triton kernel on CPU.
         self.table_bound = register.native_owns_capture(device.type)
         self.native_table = self.table_bound and not (device.type == "cpu" and register.use_triton_on_cpu())
         self.live: persist.LiveFiles | None = None
@@ -96,7 +96,7 @@ class Runtime:
         """What ran this arena's captures (the manifest's `capture_path`): "native" (the native
         library's region table and its CPU or CUDA kernel: no Python per call), "python"
         (Python's registry, then the reference kernel or the native kernel) or "triton" (CUDA
-        without a CUDA-built library, or CPU tensors under COMPILEDUMP_CPU_KERNEL=triton)."""
+        unless COMPILEDUMP_CUDA_KERNEL=native, or CPU tensors under COMPILEDUMP_CPU_KERNEL=triton)."""
         if self.native_table:
             return "native"
         if self.device.type == "cuda" or register.use_triton_on_cpu():

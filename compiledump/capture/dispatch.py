@@ -47,7 +47,7 @@ def _capture_cuda(x, arena, ctrl, slot, kind, reason):
 # library does not serve, Python serves `capture_v1` itself.
 for _device_type, _impl in (("cpu", _capture_cpu), ("cuda", _capture_cuda)):
     schemas.LIB.impl(schemas.RESOLVE, _impl, _device_type.upper())
-    if not register.native_owns_capture(_device_type):
+    if not register.native_holds_key(_device_type):
         schemas.LIB.impl(schemas.CAPTURE, _impl, _device_type.upper())
 
 
@@ -59,7 +59,7 @@ def capture_eager(x, arena, ctrl, slot, kind, reason) -> None:
     here; traced code always emits the op. The input is detached so autograd never sees the
     arena writes. With the native library, a CPU call is one dispatcher call into C++, whose
     region table decides it (kernels/capture_table.cpp); so is a CUDA call when the library was
-    built with CUDA.
+    built with CUDA and COMPILEDUMP_CUDA_KERNEL=native.
     """
     if x.requires_grad:
         x = x.detach()

@@ -3,7 +3,8 @@
 - `run_cpu_kernel` / `run_cuda_kernel` choose the kernel layer for one capture whose region and
   gates are already decided: on CPU the native kernel when the library is loaded, else the
   reference kernel (or the Triton kernel interpreted, for tests: COMPILEDUMP_CPU_KERNEL=triton);
-  on CUDA the native CUDA kernel when the library was built with CUDA, else the Triton kernel.
+  on CUDA the Triton kernel, or the native CUDA kernel when the library was built with CUDA and
+  COMPILEDUMP_CUDA_KERNEL=native.
 - `set_register_v1` and `capture_export_v1` get their Python kernels here, for the dispatch keys
   the native library does not serve. `capture_v1`'s kernels are registered by
   capture/dispatch.py, because its arena region comes from the process's tag registry.
@@ -84,8 +85,8 @@ def run_cpu_kernel(x, arena, ctrl, kind, args) -> None:
 
 def run_cuda_kernel(x, arena, ctrl, kind, args) -> None:
     """Run the CUDA kernel layer on the input's device with `args` as `run_cpu_kernel`: the native
-    CUDA kernel when the library serves `capture_v1` on CUDA (one kernel for a whole run), else
-    the Triton kernel."""
+    CUDA kernel when the library serves `capture_v1` on CUDA (COMPILEDUMP_CUDA_KERNEL=native; one
+    kernel for a whole run), else the Triton kernel."""
     with torch.cuda.device(x.device):
         if _NATIVE_CAPTURE["cuda"]:
             capture_native(x, arena, ctrl, kind, *args)
@@ -127,16 +128,26 @@ def _set_register(ctrl, index, value):
 
 
 def native_owns_capture(device_type: str = "cpu") -> bool:
-    """True when the native library serves `capture_v1` for tensors on `device_type` ("cpu" or
-    "cuda") from its region table (kernels/capture_table.cpp); the tag registry then pushes its
-    decisions there. CUDA needs a library built against a CUDA torch with nvcc."""
+    """True when the native library decides and runs `capture_v1` for tensors on `device_type`
+    ("cpu" or "cuda") from its region table (kernels/capture_table.cpp); the tag registry then
+    pushes its decisions there. CUDA needs a library built against a CUDA torch with nvcc, and
+    COMPILEDUMP_CUDA_KERNEL=native."""
     return _NATIVE_CAPTURE.get(device_type, False)
+
+
+def native_holds_key(device_type: str) -> bool:
+    """True when the native library registered `capture_v1` for `device_type`'s dispatch key, so
+    Python cannot register its own there. With COMPILEDUMP_CUDA_KERNEL=triton the library's CUDA
+    `capture_v1` finds its table unbound and hands every call to `capture_resolve_v1` (Python)."""
+    return _NATIVE_KEYS.get(device_type, False)
 
 
 native.load()
 # Decided before capture/dispatch.py registers Python's kernel for the keys left free.
-_NATIVE_CAPTURE = {device_type: schemas.has_kernel(schemas.CAPTURE, device_type.upper())
-                   for device_type in ("cpu", "cuda")}
+_NATIVE_KEYS = {device_type: schemas.has_kernel(schemas.CAPTURE, device_type.upper())
+                for device_type in ("cpu", "cuda")}
+_NATIVE_CAPTURE = {"cpu": _NATIVE_KEYS["cpu"],
+                   "cuda": _NATIVE_KEYS["cuda"] and config.env("COMPILEDUMP_CUDA_KERNEL") == "native"}
 for _key in ("CPU", "CUDA"):
     schemas.LIB.impl(schemas.SET_REGISTER, _set_register, _key)
 for _key, _impl in (("CPU", _capture_export_cpu), ("CUDA", _capture_export_cuda)):
