@@ -6,18 +6,19 @@
 // everything that may change between CUDA-graph replays is read from `ctrl` by the kernel, whose
 // body (kernels/capture_device.h, also compiled for the CPU by the tests) runs in three phases:
 //
-// 1. thread 0 reads the header registers, picks exactly one counter of the slot and bumps it
-//    with one atomicAdd (the old written-counter is the step index, or says whether a
+// 1. thread 0 of block 0 reads the header registers, picks exactly one counter of the slot and
+//    bumps it with one atomicAdd (the old written-counter is the step index, or says whether a
 //    record_once capture is the first), then broadcasts the decision through shared memory;
-// 2. the block gathers the row (strided, read in place; every row for an all-rows record),
+// 2. the grid gathers the row (strided, read in place; every row for an all-rows record),
 //    averages over H in fp32 or copies it, and stores it into the arena;
-// 3. thread 0 records the NaN/Inf values the block read (or, with REG_CHECK_ALL, found in the
-//    whole input): their count and the first call's step; then it commits the write
-//    (SLOT_COMMITTED; at system scope into a host-mapped arena).
+// 3. each block's thread 0 records the NaN/Inf values its block read (or, with REG_CHECK_ALL,
+//    found in the whole input): their count and the first call's step; then block 0 commits the
+//    write (SLOT_COMMITTED; at system scope into a host-mapped arena).
 //
 // The host never reads `ctrl` and never synchronises, so a capture is one graph-capturable
-// kernel node. The payload is one row, so a single block is enough; it also orders the counter
-// update before the write without any grid-wide synchronisation.
+// kernel node. No grid-wide synchronisation: block 0 claims, and the other blocks (launched only
+// when the write does not depend on the claimed value) decide from the same registers
+// (capture_device.h, `blocks_for`).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -37,19 +38,24 @@ namespace {
 
 using namespace compiledump;
 
-constexpr int THREADS = 256;
-
-// One block per capture: its three phases (kernels/capture_device.h) with a barrier between each.
+// The three phases of kernels/capture_device.h, with a barrier between each.
 template <typename scalar_t>
 __global__ void capture_kernel(const scalar_t* __restrict__ x, float* __restrict__ arena,
                                int32_t* __restrict__ ctrl, KernelArgs a) {
   __shared__ BlockDecision s;
-  if (threadIdx.x == 0) claim(ctrl, a, s);
+  const bool first_block = blockIdx.x == 0;
+  if (threadIdx.x == 0) {
+    if (first_block)
+      claim(ctrl, a, s);
+    else
+      observe(ctrl, a, s);
+  }
   __syncthreads();
-  const int64_t bad = write_share(x, arena, a, s, threadIdx.x, blockDim.x);
+  const int64_t bad = write_share(x, arena, a, s, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
+                                  static_cast<int64_t>(gridDim.x) * blockDim.x);
   if (bad) atomicAdd(&s.bad, static_cast<unsigned long long>(bad));
   __syncthreads();  // every store of the block is issued before the commit
-  if (threadIdx.x == 0) commit(ctrl, a, s);
+  if (threadIdx.x == 0) commit(ctrl, a, s, first_block);
 }
 
 // Whether `p` is host memory mapped into the device (the crash-proof arena, capture/persist.py).
@@ -103,8 +109,8 @@ void capture_kernel_cuda(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctr
   // c10's (host and device) conversions. The pointer is taken untyped: data_ptr<T> is not
   // instantiated for every one of these types.
   AT_DISPATCH_V2(x.scalar_type(), "capture_kernel_cuda", AT_WRAP([&] {
-    // One block, always launched: even a dropped call bumps its counter on the device.
-    capture_kernel<scalar_t><<<1, THREADS, 0, stream>>>(
+    // Always launched (at least one block): even a dropped call bumps its counter on the device.
+    capture_kernel<scalar_t><<<blocks_for(args), THREADS, 0, stream>>>(
         static_cast<const scalar_t*>(x.const_data_ptr()), arena.data_ptr<float>(), ctrl.data_ptr<int32_t>(), args);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }), AT_EXPAND(AT_ALL_TYPES), at::kHalf, at::kBFloat16, at::kBool, AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES),

@@ -6,12 +6,22 @@
 // plain read-modify-writes are the atomics; IEEE add and division round to nearest as
 // __fadd_rn and __fdiv_rn do).
 //
-//   claim  (thread 0): pick exactly one counter of the slot, bump it (the claim), decide whether
-//                      and where the block writes; the result goes to the block's shared state;
-//   write  (every thread): gather its share of the row(s), average over H in fp32 or copy, store,
-//                      and count the NaN/Inf values it read (or, with REG_CHECK_ALL, in the input);
-//   commit (thread 0): the NaN/Inf bookkeeping, then the commit counter (system scope into a
-//                      host-mapped arena).
+//   claim  (thread 0 of block 0): pick exactly one counter of the slot, bump it (the claim),
+//                      decide whether and where the block writes; the result goes to the block's
+//                      shared state. The other blocks' thread 0 `observe`s the same registers
+//                      instead (only launched when the write does not depend on the claimed value);
+//   write  (every thread of the grid): its share of the row(s): gather, average over H in fp32 or
+//                      copy, store, and count the NaN/Inf values read (or, with REG_CHECK_ALL, in
+//                      the whole input);
+//   commit (thread 0 of each block): the block's NaN/Inf bookkeeping, then, in block 0, the commit
+//                      counter (system scope into a host-mapped arena).
+//
+// The grid (`blocks_for`): one block when whether or where the capture writes depends on the
+// claimed counter value (steps, keep-first records) or the arena is host-mapped (the commit must
+// follow every store); otherwise enough blocks of THREADS threads for one element of the payload
+// per thread, so a wide row is read by many SMs with its loads in flight together, as the Triton
+// kernel spreads it over programs. Block 0's commit is then ordered only with its own stores: the
+// other blocks' are complete when the kernel is (what a reader after a synchronize sees).
 #pragma once
 #include <c10/macros/Macros.h>
 
@@ -22,6 +32,9 @@
 #include "layout.h"
 
 namespace compiledump {
+
+constexpr int64_t THREADS = 256;      // threads per block
+constexpr int64_t MAX_BLOCKS = 1024;  // a larger payload is looped over by the grid
 
 // A capture's arguments: what the host decided (kind, region, drop reason) and the [T, H, D]
 // geometry (ops/geometry.py).
@@ -80,7 +93,7 @@ C10_HOST_DEVICE inline int32_t kept_tokens_of(const KernelArgs& a) {
   return a.row_reg == ROW_FIXED_ZERO ? 0 : static_cast<int32_t>(a.T);
 }
 
-// Thread 0, before the barrier.
+// Thread 0 of block 0, before the barrier.
 CD_DEVICE inline void claim(int32_t* ctrl, const KernelArgs& a, BlockDecision& s) {
   // Same gates and precedence as the CPU kernel: exactly one counter per call.
   const Gate gate = choose_counter(ctrl, a.kind, a.reason, a.T, a.row_reg);
@@ -99,6 +112,27 @@ CD_DEVICE inline void claim(int32_t* ctrl, const KernelArgs& a, BlockDecision& s
   s.dest = a.offset + (a.kind == KIND_STEP ? old : 0) * words;
   s.bad_step = 1 + (live && a.kind == KIND_STEP ? old : steps_now);
   s.bad = 0;
+}
+
+// Thread 0 of every other block, before the barrier: the decision `claim` makes, for the kinds
+// launched on several blocks (record, all-rows record, ids), whose write does not depend on the
+// claimed counter value. Reads the same registers; counts nothing.
+CD_DEVICE inline void observe(const int32_t* ctrl, const KernelArgs& a, BlockDecision& s) {
+  const Gate gate = choose_counter(ctrl, a.kind, a.reason, a.T, a.row_reg);
+  s.write = gate.counter == CNT_WRITTEN;
+  s.check_all = gate.counter != CNT_SUSPENDED && ctrl[REG_CHECK_ALL] != 0 && a.kind != KIND_IDS;
+  s.row = gate.row;
+  s.dest = a.offset;
+  s.bad_step = 1 + ctrl[REG_STEPS];
+  s.bad = 0;
+}
+
+// The grid: see the top of this file.
+C10_HOST_DEVICE inline int64_t blocks_for(const KernelArgs& a) {
+  if (a.kind == KIND_STEP || a.kind == KIND_RECORD_ONCE || a.host_arena) return 1;
+  const int64_t rows = a.row_reg == ROW_ALL ? a.T : 1, words = a.mean ? a.D : a.H * a.D;
+  const int64_t blocks = (rows * words + THREADS - 1) / THREADS;
+  return blocks < 1 ? 1 : blocks > MAX_BLOCKS ? MAX_BLOCKS : blocks;
 }
 
 // One row for thread `tid` of `threads`: `src` is row r of x, `dest` its first word in the arena.
@@ -140,7 +174,7 @@ CD_DEVICE int64_t store_row(const scalar_t* src, float* arena, int64_t dest, con
   return bad;
 }
 
-// Every thread, between the barriers: returns this thread's NaN/Inf count.
+// Every thread of the grid (`tid` of `threads`), between the barriers: returns its NaN/Inf count.
 template <typename scalar_t>
 CD_DEVICE int64_t write_share(const scalar_t* x, float* arena, const KernelArgs& a, const BlockDecision& s,
                               int64_t tid, int64_t threads) {
@@ -163,8 +197,9 @@ CD_DEVICE int64_t write_share(const scalar_t* x, float* arena, const KernelArgs&
   return s.check_all ? bad : read_bad;
 }
 
-// Thread 0, after the second barrier (every store of the block is issued).
-CD_DEVICE inline void commit(int32_t* ctrl, const KernelArgs& a, const BlockDecision& s) {
+// Thread 0 of each block, after the second barrier (every store of the block is issued); the
+// commit in block 0 only.
+CD_DEVICE inline void commit(int32_t* ctrl, const KernelArgs& a, const BlockDecision& s, bool first_block) {
   // The NaN/Inf bookkeeping first, then the commit (the Triton kernel's order).
   if (s.bad) {
     const int64_t seen = ctrl[a.base + SLOT_NONFINITE];
@@ -174,7 +209,7 @@ CD_DEVICE inline void commit(int32_t* ctrl, const KernelArgs& a, const BlockDeci
     if (cd_atomic_cas(ctrl + a.base + SLOT_BAD_STEP, 0, static_cast<int32_t>(s.bad_step)) == 0)
       cd_atomic_exch(ctrl + a.base + SLOT_BAD_TOKENS, kept_tokens_of(a));
   }
-  if (s.write) cd_commit(ctrl + a.base + SLOT_COMMITTED, a.host_arena);
+  if (s.write && first_block) cd_commit(ctrl + a.base + SLOT_COMMITTED, a.host_arena);
 }
 
 }  // namespace compiledump

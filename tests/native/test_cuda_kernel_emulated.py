@@ -20,7 +20,8 @@ from compiledump.ops import layout as L
 from compiledump.ops import reference
 from compiledump.ops.geometry import geometry
 
-from helpers.samples import DTYPES, GEOMETRIES, REGISTERS, assert_same_arena, int_samples, run_kernel
+from helpers.samples import (DTYPES, GEOMETRIES, REGISTERS, assert_same_arena, int_samples, run_kernel,
+                             with_nonfinite)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -110,3 +111,17 @@ def test_host_decided_drops_only_count(kernel_on_cpu):
         got_arena, got_ctrl = run_kernel(kernel_on_cpu(256), x, L.KIND_RECORD, (1, 1, -1, 0), 2, reason)
         assert torch.equal(got_ctrl, want_ctrl) and int(got_ctrl[L.slot_base(2) + reason]) == 2
         assert torch.isnan(got_arena).all() and torch.isnan(want_arena).all()
+
+
+@pytest.mark.parametrize("kind", [L.KIND_RECORD, L.KIND_RECORD_ROWS, L.KIND_STEP])
+def test_cuda_kernel_wide_rows_on_many_blocks(kernel_on_cpu, kind):
+    """Rows wider than a block, with NaN/Inf in them: record and all-rows records run on several
+    blocks (block 0 claims and commits, the others observe and count their NaN/Inf), steps on
+    one; the counts, the first bad call and the stored values equal the reference's."""
+    g = torch.Generator().manual_seed(11)
+    x = with_nonfinite(torch.randn(3, 3, 700, generator=g), g, 12)[:, :, 3:693]  # strided rows of 690
+    for registers in REGISTERS:
+        want_arena, want_ctrl = run_kernel(reference.capture_reference, x, kind, registers, calls=2)
+        got_arena, got_ctrl = run_kernel(kernel_on_cpu(256), x, kind, registers, calls=2)
+        assert torch.equal(got_ctrl, want_ctrl), registers
+        assert torch.equal(got_arena.view(torch.int32), want_arena.view(torch.int32))
