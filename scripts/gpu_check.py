@@ -151,21 +151,25 @@ def check_native_cuda_kernel(device) -> dict:
         "once_2d_fp16": (torch.randn(5, 700, generator=g, device=device).half(), L.KIND_RECORD_ONCE),
         "step_2d": (torch.randn(4, 32000, generator=g, device=device), L.KIND_STEP),
         "ids": (torch.randint(-5, 1000, (7, 8), generator=g, device=device), L.KIND_IDS),
+        # Wide rows with NaN/Inf on many blocks (programs): the counts and first bad call too.
+        "rows_nonfinite": (torch.randn(3, 4, 2100, generator=g, device=device).log(), L.KIND_RECORD_ROWS),
     }
     mismatched = []
-    for name, (x, kind) in samples.items():
+    for (name, (x, kind)), check_all in [(item, 0) for item in samples.items()] + [
+            (("record_check_all", (samples["rows_nonfinite"][0], L.KIND_RECORD)), 1)]:
         results = []
         for launch in (register.capture_triton, register.capture_native):  # capture_native: the dispatcher's kernel
             arena = torch.full((70000,), float("nan"), device=device)
             ctrl = torch.zeros(L.control_words(4), dtype=torch.int32, device=device)
             ctrl[L.REG_ENABLED], ctrl[L.REG_ROWS], ctrl[L.REG_MAX_ROWS], ctrl[L.REG_RECORD_ROW] = 1, 1, 1, -1
+            ctrl[L.REG_CHECK_ALL] = check_all
             for _ in range(3):
                 launch(x, arena, ctrl, kind, L.slot_base(2), 16, 2, 0)
             results.append((arena.cpu(), ctrl.cpu()))
         (a1, c1), (a2, c2) = results
         if not (torch.equal(c1, c2) and torch.equal(a1.view(torch.int32), a2.view(torch.int32))):
             mismatched.append(name)
-    return {"ok": not mismatched, "keys": len(samples), "mismatched": mismatched}
+    return {"ok": not mismatched, "keys": len(samples) + 1, "mismatched": mismatched}
 
 
 PERSIST_STEPS = 5
