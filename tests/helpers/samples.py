@@ -93,3 +93,19 @@ def assert_same_arena(got, want, dtype) -> None:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0, equal_nan=True)
     else:
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def assert_matches_reference(kernel, x, kind, calls) -> None:
+    """`kernel` (the reference kernel's signature) against the reference kernel on `x` under every
+    REGISTERS setting, `calls` captures each: the control block word for word, the arena bit for
+    bit (assert_same_arena; ids as their int32 bits)."""
+    from compiledump.ops.reference import capture_reference
+
+    for registers in REGISTERS:
+        want_arena, want_ctrl = run_kernel(capture_reference, x, kind, registers, calls)
+        got_arena, got_ctrl = run_kernel(kernel, x, kind, registers, calls)
+        assert torch.equal(got_ctrl, want_ctrl), registers
+        if kind == L.KIND_IDS:
+            assert torch.equal(got_arena.view(torch.int32), want_arena.view(torch.int32)), registers
+        else:
+            assert_same_arena(got_arena, want_arena, x.dtype)

@@ -20,7 +20,7 @@ from compiledump.ops import layout as L
 from compiledump.ops import reference
 from compiledump.ops.geometry import geometry
 
-from helpers.samples import (DTYPES, GEOMETRIES, REGISTERS, assert_same_arena, int_samples, run_kernel,
+from helpers.samples import (DTYPES, GEOMETRIES, assert_matches_reference, int_samples, run_kernel,
                              with_nonfinite)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,21 +68,13 @@ def test_cuda_kernel_matches_reference(kernel_on_cpu, threads, geometry_name, dt
         pytest.skip("all-rows records are 2-D or 3-D")
     g = torch.Generator().manual_seed(hash((geometry_name, str(dtype), kind)) % 2**31)
     x = GEOMETRIES[geometry_name](g, dtype)
-    for registers in REGISTERS:
-        want_arena, want_ctrl = run_kernel(reference.capture_reference, x, kind, registers, calls=3)
-        got_arena, got_ctrl = run_kernel(kernel_on_cpu(threads), x, kind, registers, calls=3)
-        assert torch.equal(got_ctrl, want_ctrl), registers
-        assert_same_arena(got_arena, want_arena, dtype)
+    assert_matches_reference(kernel_on_cpu(threads), x, kind, calls=3)
 
 
 @pytest.mark.parametrize("name", list(int_samples()))
 def test_cuda_kernel_ids_match_reference(kernel_on_cpu, name):
     x = int_samples()[name]
-    for registers in REGISTERS:
-        want_arena, want_ctrl = run_kernel(reference.capture_reference, x, L.KIND_IDS, registers, calls=2)
-        got_arena, got_ctrl = run_kernel(kernel_on_cpu(32), x, L.KIND_IDS, registers, calls=2)
-        assert torch.equal(got_ctrl, want_ctrl)
-        assert torch.equal(got_arena.view(torch.int32), want_arena.view(torch.int32))
+    assert_matches_reference(kernel_on_cpu(32), x, L.KIND_IDS, calls=2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8, torch.int8,
@@ -97,11 +89,7 @@ def test_cuda_kernel_other_dtypes_match_reference(kernel_on_cpu, dtype, kind):
         source = source.double()
         source[1, 3, 2] = 1e300
     x = source.to(dtype).transpose(1, 2)
-    for registers in REGISTERS:
-        want_arena, want_ctrl = run_kernel(reference.capture_reference, x, kind, registers, calls=2)
-        got_arena, got_ctrl = run_kernel(kernel_on_cpu(64), x, kind, registers, calls=2)
-        assert torch.equal(got_ctrl, want_ctrl), registers
-        assert torch.equal(got_arena.view(torch.int32), want_arena.view(torch.int32))
+    assert_matches_reference(kernel_on_cpu(64), x, kind, calls=2)
 
 
 def test_host_decided_drops_only_count(kernel_on_cpu):
@@ -120,8 +108,4 @@ def test_cuda_kernel_wide_rows_on_many_blocks(kernel_on_cpu, kind):
     one; the counts, the first bad call and the stored values equal the reference's."""
     g = torch.Generator().manual_seed(11)
     x = with_nonfinite(torch.randn(3, 3, 700, generator=g), g, 12)[:, :, 3:693]  # strided rows of 690
-    for registers in REGISTERS:
-        want_arena, want_ctrl = run_kernel(reference.capture_reference, x, kind, registers, calls=2)
-        got_arena, got_ctrl = run_kernel(kernel_on_cpu(256), x, kind, registers, calls=2)
-        assert torch.equal(got_ctrl, want_ctrl), registers
-        assert torch.equal(got_arena.view(torch.int32), want_arena.view(torch.int32))
+    assert_matches_reference(kernel_on_cpu(256), x, kind, calls=2)

@@ -9,7 +9,7 @@ import torch
 from compiledump.ops import layout as L
 from compiledump.ops import geometry, native, reference, register, schemas
 
-from helpers.samples import DTYPES, GEOMETRIES, REGISTERS, assert_same_arena, int_samples, run_kernel
+from helpers.samples import DTYPES, GEOMETRIES, REGISTERS, assert_matches_reference, int_samples, run_kernel
 
 
 @pytest.fixture(scope="module")
@@ -37,21 +37,13 @@ def test_native_matches_reference(native_library, geometry, dtype, kind):
         pytest.skip("all-rows records are 2-D or 3-D (record() stores a 1-D tensor whole)")
     g = torch.Generator().manual_seed(11)
     x = GEOMETRIES[geometry](g, dtype)
-    for registers in REGISTERS:
-        want_arena, want_ctrl = run_kernel(reference.capture_reference, x, kind, registers, calls=3)
-        got_arena, got_ctrl = run_kernel(_native_kernel, x, kind, registers, calls=3)
-        assert torch.equal(got_ctrl, want_ctrl)
-        assert_same_arena(got_arena, want_arena, dtype)
+    assert_matches_reference(_native_kernel, x, kind, calls=3)
 
 
 @pytest.mark.parametrize("name", list(int_samples()))
 def test_native_ids_match_reference(native_library, name):
     x = int_samples()[name]
-    for registers in REGISTERS:
-        want_arena, want_ctrl = run_kernel(reference.capture_reference, x, L.KIND_IDS, registers, calls=2)
-        got_arena, got_ctrl = run_kernel(_native_kernel, x, L.KIND_IDS, registers, calls=2)
-        assert torch.equal(got_ctrl, want_ctrl)
-        assert torch.equal(got_arena.view(torch.int32), want_arena.view(torch.int32))
+    assert_matches_reference(_native_kernel, x, L.KIND_IDS, calls=2)
 
 
 def test_opcheck_native_kernel(native_library):

@@ -18,8 +18,7 @@ from compiledump.ops import layout as L
 from helpers.samples import (
     DTYPES,
     GEOMETRIES,
-    REGISTERS,
-    assert_same_arena,
+    assert_matches_reference,
     float_samples,
     int_samples,
     run_kernel,
@@ -77,21 +76,13 @@ def test_triton_matches_cpu_reference(geometry, dtype, kind):
         pytest.skip("all-rows records are 2-D or 3-D (record() stores a 1-D tensor whole)")
     g = torch.Generator().manual_seed(hash((geometry, str(dtype), kind)) % 2**31)
     x = GEOMETRIES[geometry](g, dtype)
-    for registers in REGISTERS:
-        want_arena, want_ctrl = run_kernel(reference.capture_reference, x, kind, registers, calls=3)
-        got_arena, got_ctrl = run_kernel(register.capture_triton, x, kind, registers, calls=3)
-        torch.testing.assert_close(got_ctrl, want_ctrl, rtol=0, atol=0)
-        assert_same_arena(got_arena, want_arena, dtype)
+    assert_matches_reference(register.capture_triton, x, kind, calls=3)
 
 
 @pytest.mark.parametrize("name", list(int_samples()))
 def test_triton_matches_cpu_reference_ids(name):
     x = int_samples()[name]
-    for registers in REGISTERS:
-        want_arena, want_ctrl = run_kernel(reference.capture_reference, x, L.KIND_IDS, registers, calls=2)
-        got_arena, got_ctrl = run_kernel(register.capture_triton, x, L.KIND_IDS, registers, calls=2)
-        assert torch.equal(got_ctrl, want_ctrl)
-        assert torch.equal(got_arena.view(torch.int32), want_arena.view(torch.int32))
+    assert_matches_reference(register.capture_triton, x, L.KIND_IDS, calls=2)
 
 
 @pytest.mark.parametrize("reason", [L.CNT_TOKEN_GATE, L.CNT_SHAPE_CHANGED, L.CNT_ARENA_FULL])
