@@ -30,7 +30,7 @@ from ..ops import layout as L
 from ..ops import register, schemas
 from . import dispatch, layouts, persist, signals
 from .arena import Runtime
-from .flush import dump_stem, flush, flush_at_exit, flush_on_signal, process_fields, remove_live_after_signal
+from .flush import dump_stem, flush, flush_at_exit, flush_on_signal, process_fields, remove_live_files
 from .state import STATE
 
 __all__ = ["clear", "configure", "dump_stem", "enabled", "flush", "get_config", "init", "profiling", "record",
@@ -167,7 +167,7 @@ def _register_atexit() -> None:
         atexit.register(flush_at_exit)
         STATE.atexit_registered = True
     if STATE.config.active:
-        signals.install(flush_on_signal, remove_live_after_signal)
+        signals.install(flush_on_signal, remove_live_files)
 
 
 # --------------------------------------------------------------------------------------------

@@ -86,8 +86,8 @@ class Runtime:
         # The prompt length of the token gate: fixed by COMPILEDUMP_TOKENS, else learned from the
         # first capture outside profiling() (also with the gate off: it labels the dump's phases).
         self._prompt_tokens: int | None = cfg.fixed_tokens or None
-        if self.live is not None and self._prompt_tokens is not None:
-            self.live.write({"event": "prompt", "tokens": self._prompt_tokens})
+        if self._prompt_tokens is not None:
+            self._journal({"event": "prompt", "tokens": self._prompt_tokens})
         if self.table_bound:
             self._push_gate(bind=True)
 
@@ -115,8 +115,7 @@ class Runtime:
             self.set_register(L.REG_CHECK_ALL, int(cfg.nonfinite == "all"))
         self._config = cfg
         self._push_gate()
-        if self.live is not None:
-            self.live.write({"event": "config", "config": _config.settings(cfg)})
+        self._journal({"event": "config", "config": _config.settings(cfg)})
 
     @property
     def prompt_tokens(self) -> int | None:
@@ -127,8 +126,13 @@ class Runtime:
         changed = tokens != self._prompt_tokens
         self._prompt_tokens = tokens
         self._push_gate()
-        if changed and self.live is not None:
-            self.live.write({"event": "prompt", "tokens": tokens})
+        if changed:
+            self._journal({"event": "prompt", "tokens": tokens})
+
+    def _journal(self, event: dict) -> None:
+        # A registry change recover needs, in the crash-proof journal (nothing without one).
+        if self.live is not None:
+            self.live.write(event)
 
     def _push_gate(self, bind: bool = False) -> None:
         if self.table_bound:
@@ -176,8 +180,7 @@ class Runtime:
         else:
             self.next_slot += 1
         slot = Slot(tag=tag, kind=kind, index=index, order=len(self.slots))
-        if self.live is not None:
-            self.live.write({"event": "slot", "tag": tag, "kind": kind, "index": index, "order": slot.order})
+        self._journal({"event": "slot", "tag": tag, "kind": kind, "index": index, "order": slot.order})
         self.slots[(tag, is_step)] = slot
         self.by_index.setdefault(index, slot)
         return slot
@@ -340,8 +343,8 @@ class Runtime:
                 # A host-mapped arena: the kernels wrote host memory; no device copy. (After a
                 # sticky CUDA error the synchronize raises; `compiledump recover` reads the files.)
                 torch.cuda.synchronize(self.device)
-                return (self.live.host_arena[: arena.numel()].numpy().copy(),
-                        self.live.host_ctrl.numpy().copy())
+                host_ctrl = self.live.host_ctrl.numpy().copy()  # the control block first (see above)
+                return self.live.host_arena[: arena.numel()].numpy().copy(), host_ctrl
             if private:
                 host_arena = torch.empty(arena.numel(), dtype=torch.float32, pin_memory=True)
                 host_ctrl = torch.empty(ctrl.numel(), dtype=torch.int32, pin_memory=True)

@@ -158,9 +158,7 @@ def flush_at_exit() -> None:
     captured, and never turn interpreter exit into a traceback storm."""
     try:
         flush()
-        rt = STATE.runtime
-        if rt is not None and rt.live is not None:
-            rt.live.remove()  # the dump is complete: the crash-proof files are not needed
+        remove_live_files()  # the dump is complete
         note = silence_note()
         if note is not None:
             print(f"[compiledump] {note}", file=sys.stderr, flush=True)
@@ -199,9 +197,10 @@ def flush_on_signal() -> None:
         print(f"[compiledump] flushed {path} on signal", file=sys.stderr, flush=True)
 
 
-def remove_live_after_signal() -> None:
-    """Before a signal ends the process (its default action, no atexit hook) after the handler's
-    flush completed: the crash-proof files are not needed."""
+def remove_live_files() -> None:
+    """Remove the crash-proof files once a complete dump holds what they hold: after the exit
+    flush, and after the signal handler's flush when the signal's default action is about to end
+    the process (no atexit hook runs then)."""
     rt = STATE.runtime
     if rt is not None and rt.live is not None:
         rt.live.remove()
