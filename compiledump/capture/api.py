@@ -303,12 +303,24 @@ def _capture(tag: str, tensor: torch.Tensor, kind: int, moe_filtered: bool, layo
     if slot < 0:
         return
     rt = STATE.runtime
-    if torch.compiler.is_exporting():
+    if _exporting():
         dispatch.emit_export(rt, slot, kind, reason, tensor)
     elif torch.compiler.is_compiling():
         schemas.capture(tensor, rt.arena, rt.ctrl, slot, kind, reason)
     else:
         dispatch.capture_eager(tensor, rt.arena, rt.ctrl, slot, kind, reason)
+
+
+def _exporting() -> bool:
+    """True while torch.export traces the model.
+
+    Not `torch.compiler.is_exporting()`: Dynamo in torch 2.11 folds that to True under a plain
+    torch.compile too (2.13 reads the flag below instead), which would send every compiled
+    capture to the export path. The flag torch.export sets while it traces is a module attribute,
+    which Dynamo reads (and guards) at trace time and plain Python reads as it is.
+    """
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    return torch.compiler.is_exporting() if flag is None else bool(flag)
 
 
 @torch.compiler.assume_constant_result

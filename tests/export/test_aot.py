@@ -167,6 +167,29 @@ def test_export_errors(tmp_path):
         compiledump.configure(dir=previous.dir, tokens=previous.tokens)
 
 
+def test_export_is_told_from_compile_by_torch_export_alone():
+    """Captures take the export path only under torch.export (strict or not), never under a plain
+    torch.compile: torch 2.11's Dynamo folds torch.compiler.is_exporting() to True in both, which
+    sent every compiled capture to the export path ("exported without its arena")."""
+    from compiledump.capture import api
+
+    def branch(x):
+        return x + 1 if api._exporting() else x - 1
+
+    class Branch(torch.nn.Module):
+        def forward(self, x):
+            return branch(x)
+
+    x = torch.randn(3)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(branch, fullgraph=True)(x), x - 1)
+    assert torch.equal(branch(x), x - 1)
+    for strict in (False, True):
+        program = torch.export.export(Branch(), (x,), strict=strict)
+        assert torch.equal(program.module()(x), x + 1), f"strict={strict}"
+    torch._dynamo.reset()
+
+
 # --------------------------------------------------------------------------------------------
 # AOTInductor packages: from Python, and from the C++-only driver
 
