@@ -20,6 +20,28 @@ import compiledump  # noqa: E402
 from compiledump import config as cd_config  # noqa: E402
 
 
+def _interpreter_usable() -> str | None:
+    """Why Triton's interpreter cannot run the kernel in this environment, or None."""
+    import numpy
+    import triton
+
+    def major_minor(version: str) -> tuple[int, int]:
+        return tuple(int(part) for part in version.split(".")[:2])
+
+    # Triton < 3.7's interpreter turns its scalars (1-element arrays) into Python ints with int(),
+    # which numpy >= 2.4 refuses: every kernel loop bound fails ("only 0-dimensional arrays...").
+    if major_minor(triton.__version__) < (3, 7) and major_minor(numpy.__version__) >= (2, 4):
+        return (f"triton {triton.__version__}'s interpreter needs numpy < 2.4 (this is numpy {numpy.__version__}): "
+                "pip install 'numpy<2.4'")
+    return None
+
+
+def pytest_configure(config):
+    why = _interpreter_usable()
+    if why:
+        pytest.exit(f"the Triton kernel cannot run on CPU here: {why}", returncode=4)
+
+
 @pytest.fixture
 def dump_dir(tmp_path):
     """Capture enabled into a fresh directory, with default settings and fresh state."""
