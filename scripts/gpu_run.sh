@@ -76,13 +76,6 @@ EOF
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 command -v git >/dev/null && git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /'
 NVCC=$(command -v nvcc || { [ -x /usr/local/cuda/bin/nvcc ] && echo /usr/local/cuda/bin/nvcc; })
-# nvcc on PATH may be a wrapper script (/usr/local/bin/nvcc -> exec /usr/local/cuda-13.0/bin/nvcc);
-# torch's CMake config finds the toolkit's headers and cudart next to the nvcc it is given, so
-# take the real one, from where nvcc says it runs.
-if [ -n "$NVCC" ]; then
-    here=$("$NVCC" --dryrun -c -x cu /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$ _HERE_=//p' | head -n 1)
-    [ -n "$here" ] && [ -x "$here/nvcc" ] && NVCC=$here/nvcc
-fi
 [ -n "$NVCC" ] && "$NVCC" --version | tail -n 2
 command -v cmake >/dev/null && cmake --version | head -n 1
 
@@ -144,7 +137,6 @@ else
     # TORCH_CUDA_ARCH_LIST: torch's CMake config then does not probe the GPU; no C++ driver (unused here).
     PATH="$(dirname "$NVCC"):$PATH" CUDACXX=$NVCC TORCH_CUDA_ARCH_LIST=$ARCH timeout -k 5 "$BUILD_S" nice -n 10 bash -c '
         cmake -S . -B "$1" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$2" -DCMAKE_CUDA_COMPILER="$3" \
-              -DCUDA_TOOLKIT_ROOT_DIR="$(dirname "$(dirname "$3")")" \
               -DCMAKE_CUDA_ARCHITECTURES="${4/./}" -DCOMPILEDUMP_BUILD_DRIVER=OFF \
         && cmake --build "$1" -j "$5" && cmake --install "$1"' _ "$BUILD_DIR" "$PREFIX" "$NVCC" "$ARCH" "$JOBS" \
         >"$BUILD_LOG" 2>&1 &
