@@ -2,7 +2,8 @@
 
     python scripts/kernel_ptx.py            # table: loads, stores, 32-bit multiplies, atomics, registers
     python scripts/kernel_ptx.py --check    # exit 1 unless the fast paths use 16-byte vector loads
-                                            # and stores and no offset is multiplied in 32 bits
+                                            # and stores, no offset is multiplied in 32 bits and
+                                            # the registers are agreed block-wide before the claim
     python scripts/kernel_ptx.py --all      # also compile every input type and layout class
 
 Run it without TRITON_INTERPRET (the test suite does, in a subprocess). Triton's bundled ptxas
@@ -82,6 +83,9 @@ def describe(kernel) -> dict:
         "mul.lo.s32": ptx.count("mul.lo.s32"),
         "mul.lo.s64": ptx.count("mul.lo.s64"),
         "atomics": sorted(set(re.findall(r"(?:atom|red)\.global(?:\.[a-z0-9]+)*", ptx))),  # red: result unused
+        # The header registers are agreed block-wide (a reduction through shared memory, so a
+        # bar.sync) before the claim, the first atomic: no thread acts on its own racing read.
+        "registers agreed before the claim": -1 < ptx.find("bar.sync") < ptx.find("atom.global"),
         **_sass(kernel.asm.get("cubin", b"")),
     }
 
@@ -122,12 +126,16 @@ def main(argv=None) -> int:
         if info["mul.lo.s32"]:
             ok = False
             print(f"  32-BIT OFFSET MATH: {variant}")
+        if not info["registers agreed before the claim"]:
+            ok = False
+            print(f"  EACH THREAD DECIDES FROM ITS OWN REGISTER READS: {variant}")
         host_arena = len(variant) > 5 and variant[5]
         if host_arena and not any(".sys" in a for a in info["atomics"]):
             ok = False
             print(f"  COMMIT NOT AT SYSTEM SCOPE: {variant} atomics {info['atomics']}")
     if ok:
-        print("fast paths vectorized, offsets 64-bit, host-mapped commit at system scope")
+        print("fast paths vectorized, offsets 64-bit, host-mapped commit at system scope, "
+              "one register snapshot per program")
     return 0 if ok or not args.check else 1
 
 

@@ -82,10 +82,8 @@ def capture_kernel(
     # does not depend on the claimed value: record, all-rows record, ids) copy their share.
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    enabled = tl.load(ctrl_ptr + L.REG_ENABLED) != 0
-    rows_ok = tl.load(ctrl_ptr + L.REG_ROWS) <= tl.load(ctrl_ptr + L.REG_MAX_ROWS)
+    enabled, rows_ok, row, check_all = _read_registers(ctrl_ptr, row_reg, BLOCK)
     rows_ok = rows_ok | (kind != L.KIND_STEP)
-    row = tl.load(ctrl_ptr + tl.maximum(row_reg, 0)).to(tl.int64)
     row = tl.where(row_reg < 0, 0, row)
     row = tl.where(row < 0, row + T, row)
     row_ok = (row >= 0) & (row < T)
@@ -105,7 +103,7 @@ def capture_kernel(
     steps_now = tl.load(ctrl_ptr + L.REG_STEPS).to(tl.int64)
     tl.atomic_max(ctrl_ptr + L.REG_STEPS, (old + 1).to(tl.int32), mask=(pid == 0) & live & (kind == L.KIND_STEP),
                   sem="relaxed")
-    check_all = enabled & (tl.load(ctrl_ptr + L.REG_CHECK_ALL) != 0)
+    check_all = enabled & check_all
     # keep-first writes only on the first live call; append only while the region has room.
     write = live & ((kind != L.KIND_RECORD_ONCE) | (old == 0))
     write = write & ((kind != L.KIND_STEP) | (old < capacity))
@@ -203,6 +201,27 @@ def capture_kernel(
         tl.atomic_add(ctrl_ptr + base + L.SLOT_COMMITTED, 1, mask=write & (pid == 0), sem="release", scope="sys")
     else:
         tl.atomic_add(ctrl_ptr + base + L.SLOT_COMMITTED, 1, mask=write & (pid == 0), sem="release")
+
+
+@triton.jit
+def _read_registers(ctrl_ptr, row_reg, BLOCK: tl.constexpr):
+    """The header registers this call's decision depends on, one snapshot for the whole program:
+    (enabled, rows within COMPILEDUMP_MAX_ROWS, the gather row's register as int64, check-all).
+
+    Every thread loads the registers itself, and a register write from another stream that
+    overlaps this launch could let threads see different values: one would gather another row,
+    or skip the write that thread 0's claim committed (a torn row). The reads are packed into
+    one int64 per thread and reduced with a block-wide max, so every thread of the program acts
+    on one thread's snapshot, as every thread acts on thread 0's claim. (Programs of a
+    multi-program launch each agree within themselves only: docs/compiling.md.)"""
+    enabled = (tl.load(ctrl_ptr + L.REG_ENABLED) != 0).to(tl.int64)
+    rows_ok = (tl.load(ctrl_ptr + L.REG_ROWS) <= tl.load(ctrl_ptr + L.REG_MAX_ROWS)).to(tl.int64)
+    row = tl.load(ctrl_ptr + tl.maximum(row_reg, 0)).to(tl.int64) & 0xFFFFFFFF  # the int32's bits
+    check_all = (tl.load(ctrl_ptr + L.REG_CHECK_ALL) != 0).to(tl.int64)
+    packed = row | (enabled << 32) | (rows_ok << 33) | (check_all << 34)
+    packed = tl.max(tl.full([BLOCK], 0, tl.int64) + packed, axis=0)
+    row = (packed & 0xFFFFFFFF).to(tl.int32).to(tl.int64)  # back to the signed register value
+    return ((packed >> 32) & 1) != 0, ((packed >> 33) & 1) != 0, row, ((packed >> 34) & 1) != 0
 
 
 @triton.jit

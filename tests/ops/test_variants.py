@@ -293,7 +293,8 @@ def test_sm90_ptx_has_vector_loads_and_64_bit_offsets():
     out = subprocess.run([sys.executable, str(PTX_SCRIPT), "--check", "--all"], env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "fast paths vectorized, offsets 64-bit, host-mapped commit at system scope" in out.stdout
+    assert ("fast paths vectorized, offsets 64-bit, host-mapped commit at system scope, "
+            "one register snapshot per program") in out.stdout
     assert "--all: 0 variant(s) failed to compile, of " in out.stdout  # every input type and layout class
 
 
