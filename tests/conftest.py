@@ -69,20 +69,30 @@ REPO = Path(__file__).resolve().parents[1]
 def native_build(tmp_path_factory) -> Path:
     """A CMake build directory with the native library and the C++ driver built from this tree.
 
-    COMPILEDUMP_BUILD_DIR names one already built (CI's native lane builds `build/` first);
-    otherwise it is built once per session into a temporary directory (about 25 s). Skipped
-    where cmake or a C++ compiler is missing.
+    COMPILEDUMP_BUILD_DIR names one already built (CI's pure lane builds `build/` first);
+    otherwise it is built once per test run (about 25 s on 2 idle cores), by whichever xdist
+    worker needs it first, into the run's shared temporary directory; the others wait for it
+    rather than build their own. Skipped where cmake or a C++ compiler is missing.
     """
     prebuilt = os.environ.get("COMPILEDUMP_BUILD_DIR")
     if prebuilt:
         return Path(prebuilt).resolve()
     if shutil.which("cmake") is None or shutil.which("c++") is None:
         pytest.skip("cmake or a C++ compiler is not installed")
-    build = tmp_path_factory.mktemp("build")
-    prefix = subprocess.run([sys.executable, "-c", "import torch; print(torch.utils.cmake_prefix_path)"],
-                            capture_output=True, text=True, check=True).stdout.strip()
-    for cmd in (["cmake", "-S", str(REPO), "-B", str(build), f"-DCMAKE_PREFIX_PATH={prefix}"],
-                ["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2)]):
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    from filelock import FileLock  # a torch requirement
+
+    # Under xdist each worker has its own basetemp inside one per-run directory (its parent).
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    build = shared / "native_build"
+    with FileLock(str(shared / "native_build.lock")):
+        if not (build / "built").exists():
+            prefix = subprocess.run([sys.executable, "-c", "import torch; print(torch.utils.cmake_prefix_path)"],
+                                    capture_output=True, text=True, check=True).stdout.strip()
+            for cmd in (["cmake", "-S", str(REPO), "-B", str(build), f"-DCMAKE_PREFIX_PATH={prefix}"],
+                        ["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2)]):
+                out = subprocess.run(cmd, capture_output=True, text=True)
+                assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+            (build / "built").touch()
     return build
