@@ -5,7 +5,8 @@
 //   counter of the slot and, for a kept capture, gathers the row, averages over H in fp32
 //   (sequential in h, then one IEEE division) or copies it, and stores it into the arena: the
 //   semantics of the Triton kernel (compiledump/ops/triton_kernel.py) and of the Python reference
-//   (ops.capture_reference).
+//   (ops.capture_reference). Its decisions (gates, claim, NaN/Inf bookkeeping, commit) are the
+//   CUDA kernel's code (capture_device.h); only the copy loops are its own, one thread's.
 // - `capture_export_v1`: the capture op of exported programs. Its arguments carry the region,
 //   the payload shape and the token gate, so it needs no Python registry: the host-side gates
 //   and the geometry of ops.export_gates / ops.geometry, then the kernel above.
@@ -14,12 +15,11 @@
 #include <ATen/Dispatch_v2.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <mutex>
 
 #include "capture.h"
+#include "capture_device.h"
 #include "gates.h"
 #include "layout.h"
 
@@ -32,19 +32,21 @@ std::mutex& capture_mutex() {
 
 namespace {
 
-// Stores one row and returns the non-finite values among those read (as fp32, what is stored).
+// One row, as store_row in capture_device.h but as one thread's loops (nested, unit stride: the
+// compiler vectorizes them; the grid-strided loops of the device code would run 2-5x slower here).
+// Returns the non-finite values among those read (as fp32, what is stored).
 template <typename T>
-int64_t store_row(const T* src, float* arena, int64_t dest, int64_t H, int64_t D, int64_t sh, int64_t sd,
-                  bool mean, bool ids) {
+int64_t store_row_cpu(const T* src, float* arena, int64_t dest, const KernelArgs& a) {
+  const int64_t H = a.H, D = a.D, sh = a.sh, sd = a.sd;
   int64_t bad = 0;
-  if (ids) {
+  if (a.kind == KIND_IDS) {
     auto* out = reinterpret_cast<int32_t*>(arena) + dest;
     for (int64_t h = 0; h < H; ++h)
       for (int64_t d = 0; d < D; ++d) out[h * D + d] = static_cast<int32_t>(src[h * sh + d * sd]);
-  } else if (mean) {
+  } else if (a.mean) {
     float* out = arena + dest;
     for (int64_t d = 0; d < D; ++d) {
-      float acc = 0.0f;
+      float acc = 0.0f;  // a sequential fp32 sum over h, then one IEEE division: as every kernel
       for (int64_t h = 0; h < H; ++h) {
         const float v = static_cast<float>(src[h * sh + d * sd]);
         bad += !std::isfinite(v);
@@ -64,14 +66,21 @@ int64_t store_row(const T* src, float* arena, int64_t dest, int64_t H, int64_t D
   return bad;
 }
 
-// COMPILEDUMP_NONFINITE=all: the non-finite values of the whole [T, H, D] input.
+// The write phase (write_share in capture_device.h) on one thread: the non-finite values read,
+// or with REG_CHECK_ALL those of the whole [T, H, D] input.
 template <typename T>
-int64_t count_all(const T* x, int64_t rows, int64_t H, int64_t D, int64_t st, int64_t sh, int64_t sd) {
+int64_t write_cpu(const T* x, float* arena, const KernelArgs& a, const BlockDecision& s) {
   int64_t bad = 0;
-  for (int64_t t = 0; t < rows; ++t)
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t d = 0; d < D; ++d) bad += !std::isfinite(static_cast<float>(x[t * st + h * sh + d * sd]));
-  return bad;
+  if (s.check_all)
+    for (int64_t t = 0; t < a.T; ++t)
+      for (int64_t h = 0; h < a.H; ++h)
+        for (int64_t d = 0; d < a.D; ++d) bad += !std::isfinite(static_cast<float>(x[t * a.st + h * a.sh + d * a.sd]));
+  int64_t read_bad = 0;
+  if (s.write) {
+    const int64_t rows = a.row_reg == ROW_ALL ? a.T : 1, words = a.mean ? a.D : a.H * a.D;
+    for (int64_t r = 0; r < rows; ++r) read_bad += store_row_cpu(x + (s.row + r) * a.st, arena, s.dest + r * words, a);
+  }
+  return s.check_all ? bad : read_bad;
 }
 
 void capture_kernel_cpu(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl, int64_t kind, int64_t base,
@@ -83,49 +92,20 @@ void capture_kernel_cpu(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl
   // The counter update and the row write are one step for a concurrent flush (dump.cpp).
   std::lock_guard<std::mutex> guard(capture_mutex());
   int32_t* regs = ctrl.data_ptr<int32_t>();
-  const Gate gate = choose_counter(regs, kind, reason, T, row_reg);
-  const int64_t counter = gate.counter, row = gate.row;
-  const int64_t old = regs[base + counter]++;  // the claim
-  const bool live = counter == CNT_WRITTEN;
-  const int64_t steps_now = regs[REG_STEPS];
-  if (live && kind == KIND_STEP) regs[REG_STEPS] = static_cast<int32_t>(std::max(steps_now, old + 1));
-  const bool write = live && !(kind == KIND_RECORD_ONCE && old != 0) && !(kind == KIND_STEP && old >= capacity);
-  const bool check_all = counter != CNT_SUSPENDED && regs[REG_CHECK_ALL] != 0 && kind != KIND_IDS;
-  const int64_t kept_tokens = row_reg == ROW_FIXED_ZERO ? 0 : T;  // a tensor stored whole has none
-  const int64_t words = mean ? D : H * D;
-  const int64_t rows = row_reg == ROW_ALL ? T : 1;  // every row, or the one gathered
-  const int64_t dest = offset + (kind == KIND_STEP ? old : 0) * words;
-  TORCH_CHECK(!write || (dest >= 0 && dest + rows * words <= arena.numel()),
+  // The CUDA kernel's decisions (capture_device.h: claim, then commit), one thread's write between.
+  const KernelArgs a{kind, base, offset, capacity, reason, T, H, D, st, sh, sd, row_reg, mean, /*host_arena=*/false};
+  BlockDecision s;
+  claim(regs, a, s);
+  const int64_t rows = row_reg == ROW_ALL ? T : 1, words = mean ? D : H * D;
+  TORCH_CHECK(!s.write || (s.dest >= 0 && s.dest + rows * words <= arena.numel()),
               "compiledump: arena region out of bounds");
-  if (write && is_record_kind(kind)) regs[base + SLOT_KEPT_TOKENS] = static_cast<int32_t>(kept_tokens);
-  float* out = arena.data_ptr<float>();
-  int64_t bad = 0, read_bad = 0;
   // The dtypes of the Triton and CUDA kernels: the usual floats and ints, bool, uint8..uint64 and
   // the four fp8 formats (untyped pointer: data_ptr<T> is not instantiated for all of them).
   AT_DISPATCH_V2(x.scalar_type(), "capture_kernel_cpu", AT_WRAP([&] {
-    const scalar_t* x0 = static_cast<const scalar_t*>(x.const_data_ptr());
-    if (check_all) bad = count_all<scalar_t>(x0, T, H, D, st, sh, sd);
-    if (write)
-      for (int64_t r = 0; r < rows; ++r)
-        read_bad += store_row<scalar_t>(x0 + (row + r) * st, out, dest + r * words, H, D, sh, sd, mean,
-                                        kind == KIND_IDS);
+    s.bad = write_cpu(static_cast<const scalar_t*>(x.const_data_ptr()), arena.data_ptr<float>(), a, s);
   }), AT_EXPAND(AT_ALL_TYPES), at::kHalf, at::kBFloat16, at::kBool, AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES),
       at::kFloat8_e4m3fn, at::kFloat8_e4m3fnuz, at::kFloat8_e5m2, at::kFloat8_e5m2fnuz);
-  if (write) {
-    // The commit, after the payload: the compiler must not move the stores above past it (a
-    // process killed between the two leaves a claimed, uncommitted write that recover drops).
-    std::atomic_signal_fence(std::memory_order_seq_cst);
-    regs[base + SLOT_COMMITTED] += 1;
-  }
-  if (!check_all) bad = read_bad;
-  if (bad > 0) {
-    regs[base + SLOT_NONFINITE] =
-        static_cast<int32_t>(std::min<int64_t>(regs[base + SLOT_NONFINITE] + bad, NONFINITE_CAP));
-    if (regs[base + SLOT_BAD_STEP] == 0) {
-      regs[base + SLOT_BAD_STEP] = static_cast<int32_t>(1 + (live && kind == KIND_STEP ? old : steps_now));
-      regs[base + SLOT_BAD_TOKENS] = static_cast<int32_t>(kept_tokens);
-    }
-  }
+  commit(regs, a, s, /*first_block=*/true);
 }
 
 }  // namespace

@@ -25,6 +25,7 @@
 #pragma once
 #include <c10/macros/Macros.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 
@@ -84,7 +85,12 @@ inline int32_t cd_atomic_cas(int32_t* p, int32_t expected, int32_t v) {
 inline float cd_add(float a, float b) { return a + b; }
 inline float cd_div(float a, float b) { return a / b; }
 inline bool cd_isfinite(float v) { return std::isfinite(v); }
-inline void cd_commit(int32_t* p, bool) { *p += 1; }
+inline void cd_commit(int32_t* p, bool) {
+  // The commit after the payload: the compiler must not move the stores before it past it (a
+  // process killed between the two leaves a claimed, uncommitted write, which recover drops).
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  *p += 1;
+}
 #endif
 
 C10_HOST_DEVICE inline int32_t kept_tokens_of(const KernelArgs& a) {

@@ -47,7 +47,9 @@ SLOT_NONFINITE = 10
 SLOT_BAD_STEP = 11
 SLOT_BAD_TOKENS = 12
 SLOT_WORDS = 13
-NONFINITE_CAP = 1 << 30  # kernels stop adding to SLOT_NONFINITE at this count (no int32 overflow)
+# Kernels add to SLOT_NONFINITE only while it is below this, at most this much at once: it ends
+# in [NONFINITE_CAP, 2^31) once saturated, never past int32 (the manifest says "saturated").
+NONFINITE_CAP = 1 << 30
 
 # Drop reasons as the manifest names them (format/spec.py DROP_REASONS), by counter.
 DROP_REASONS = {

@@ -65,7 +65,10 @@ def capture_reference(x, arena, ctrl, kind, base, offset, capacity, reason) -> N
         if not check_all:
             bad = read_bad
     if bad:
-        regs[base + L.SLOT_NONFINITE] = min(int(regs[base + L.SLOT_NONFINITE]) + bad, L.NONFINITE_CAP)
+        # Added only below the cap, at most the cap at once (the device kernels' rule: a check
+        # and an add, no compare-and-swap loop): the count stays below 2^31.
+        if regs[base + L.SLOT_NONFINITE] < L.NONFINITE_CAP:
+            regs[base + L.SLOT_NONFINITE] += min(bad, L.NONFINITE_CAP)
         if regs[base + L.SLOT_BAD_STEP] == 0:
             regs[base + L.SLOT_BAD_STEP] = 1 + (old if live and kind == L.KIND_STEP else step_now)
             regs[base + L.SLOT_BAD_TOKENS] = tokens

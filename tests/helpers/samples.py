@@ -73,10 +73,14 @@ REGISTERS = [  # (enabled, rows, record_row, step_row[, check_all])
 ]
 
 
-def run_kernel(kernel, x, kind, registers, calls, reason=0):
+def run_kernel(kernel, x, kind, registers, calls, reason=0, slot_words=None):
+    """`calls` captures of `x` by `kernel` into slot 2 of a fresh control block whose header holds
+    `registers` and whose slot words start as `slot_words` ({word: value}, else 0)."""
     enabled, rows, record_row, step_row, check_all = (*registers, 0)[:5]
     arena_t = torch.full((8192,), float("nan"))  # room for every row of the widest sample
     ctrl = torch.zeros(L.control_words(4), dtype=torch.int32)
+    for word, value in (slot_words or {}).items():
+        ctrl[L.slot_base(2) + word] = value
     ctrl[L.REG_ENABLED], ctrl[L.REG_ROWS], ctrl[L.REG_MAX_ROWS] = enabled, rows, 1
     ctrl[L.REG_RECORD_ROW], ctrl[L.REG_STEP_ROW] = record_row, step_row
     ctrl[L.REG_CHECK_ALL], ctrl[L.REG_STEPS] = check_all, 3  # steps begun: dates non-finite records

@@ -109,3 +109,15 @@ def test_cuda_kernel_wide_rows_on_many_blocks(kernel_on_cpu, kind):
     g = torch.Generator().manual_seed(11)
     x = with_nonfinite(torch.randn(3, 3, 700, generator=g), g, 12)[:, :, 3:693]  # strided rows of 690
     assert_matches_reference(kernel_on_cpu(256), x, kind, calls=2)
+
+
+def test_nonfinite_count_stops_at_the_cap(kernel_on_cpu):
+    """As tests/ops/test_ops.py's test of the other kernels: from NONFINITE_CAP - 3, one call adds
+    its whole count and later calls add nothing."""
+    g = torch.Generator().manual_seed(7)
+    x = with_nonfinite(torch.randn(5, 3, 29, generator=g), g, 6)
+    bad = int((~torch.isfinite(x)).sum())
+    for calls in (1, 3):
+        _, ctrl = run_kernel(kernel_on_cpu(7), x, L.KIND_STEP, (1, 1, 0, 0, 1), calls,
+                             slot_words={L.SLOT_NONFINITE: L.NONFINITE_CAP - 3})
+        assert int(ctrl[L.slot_base(2) + L.SLOT_NONFINITE]) == L.NONFINITE_CAP - 3 + bad, calls
