@@ -16,8 +16,8 @@ from .metrics import (CHUNK_ELEMENTS, FloatMetrics, IdMetrics, RowMetrics, Works
 from .options import (DEFAULT_NEAR_TIE_ULPS, DEFAULT_THRESHOLD, DEFAULT_THRESHOLDS, CompareOptions, Thresholds,
                       pair_class, precision_class)
 from .plot import PlotUnavailable, write_plot
-from .report import (ArgmaxFlip, DecodeMargins, Divergence, KeyRecord, MergeInfo, PairResult, Problem, RankPart,
-                     Report, json_safe, write_json_report)
+from .key_record import KeyRecord, MergeInfo, RankPart
+from .report import ArgmaxFlip, DecodeMargins, Divergence, PairResult, Problem, Report, json_safe, write_json_report
 from .shards import MergedDump
 from .text import describe_divergence, final_line, format_report, format_table
 from .verdict import NoCommonKeys, compare, compare_pair

@@ -11,10 +11,12 @@ import numpy as np
 
 from ..format.keys import KeyInfo
 from ..format.reader import Dump, Member
+from .facts import SideFacts
+from .key_record import KeyRecord, MergeInfo, RankPart
 from .metrics import RowMetrics, Workspace, compare_float_arrays, compare_id_arrays, compare_rows
 from .options import PRECISION_ORDER, CompareOptions, Thresholds, pair_class
 from .phases import not_comparable_reason
-from .report import KeyRecord, MergeInfo, Problem, RankPart, SideFacts
+from .report import Problem
 from .routing import judge_routing, router_key_for
 
 

@@ -7,7 +7,8 @@ from typing import Any
 
 from .facts import threshold_uses
 from .phases import fix_hint, tokens_text
-from .report import Divergence, KeyRecord, MergeInfo, PairResult, Report
+from .key_record import KeyRecord, MergeInfo
+from .report import Divergence, PairResult, Report
 from .routing import describe_routing
 
 

@@ -25,7 +25,8 @@ from .phases import (
     recovered_note,
 )
 from .rename import RenamedDump
-from .report import ArgmaxFlip, DecodeMargins, Divergence, KeyRecord, PairResult, Problem, Report
+from .key_record import KeyRecord
+from .report import ArgmaxFlip, DecodeMargins, Divergence, PairResult, Problem, Report
 from .routing import describe_routing
 
 
