@@ -8,47 +8,28 @@ Ratios are computed per round, then the median ratio is reported.
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import itertools
 import os
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # debug_dump.py, kept beside the checkout (../shared/seed/); not part of the package.
 DEBUG_DUMP = REPO.parent / "shared" / "seed" / "debug_dump.py"
-_LOADS = itertools.count()
 
 
 def load_debug_dump(dump_dir, tokens: int = 0, moe_layers: int = 2, max_rows: int = 1):
-    """A fresh instance of debug_dump.py writing into `dump_dir` (it reads its settings from the
-    environment at import, and imports `deepinfer.utils.allow_cuda_sync`, stubbed here)."""
+    """A fresh instance of debug_dump.py writing into `dump_dir`, loaded as the tests load it (the
+    reference lives in tests/helpers/seed.py: it reads its settings from the environment at
+    import, and imports `deepinfer.utils.allow_cuda_sync`, stubbed there)."""
     if not DEBUG_DUMP.exists():
         raise FileNotFoundError(f"{DEBUG_DUMP} is missing: this benchmark compares against it")
-    if "deepinfer.utils" not in sys.modules:
-        sys.modules["deepinfer"] = types.ModuleType("deepinfer")
-        sys.modules["deepinfer.utils"] = types.SimpleNamespace(allow_cuda_sync=contextlib.nullcontext)
-    env = {"DEEPINFER_DUMP_LAYERS": str(dump_dir), "DEEPINFER_DUMP_TOKENS": str(tokens),
-           "DEEPINFER_DUMP_MOE_LAYERS": str(moe_layers), "DEEPINFER_DUMP_MAX_ROWS": str(max_rows)}
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        name = f"debug_dump_{next(_LOADS)}"
-        spec = importlib.util.spec_from_file_location(name, DEBUG_DUMP)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # torch.compile looks traced functions' modules up by name
-        spec.loader.exec_module(module)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    return module
+    if str(REPO / "tests") not in sys.path:
+        sys.path.insert(0, str(REPO / "tests"))
+    from helpers.seed import load_debug_dump as load
+
+    return load(DEBUG_DUMP, dump_dir, tokens, moe_layers, max_rows)
 
 
 def interleaved(cases: dict, rounds: int = 15, calls: int = 1000, warmup: int = 2) -> dict[str, list[float]]:

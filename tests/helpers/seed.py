@@ -15,8 +15,6 @@ import sys
 import types
 from pathlib import Path
 
-import pytest
-
 # The checkout's sibling folder `shared/` holds it (../shared/seed/debug_dump.py from the repo root).
 SEED_PATH = Path(__file__).resolve().parents[3] / "shared" / "seed" / "debug_dump.py"
 _COUNTER = itertools.count()
@@ -29,8 +27,16 @@ def load_seed(dump_dir, tokens: int = 0, moe_layers: int = 2, max_rows: int = 1)
     compiledump's output stays compatible with it, and a skip would let a run pass without them.
     """
     if not SEED_PATH.exists():
+        import pytest
+
         pytest.fail(f"the reference debug_dump.py is missing: expected at {SEED_PATH} (../shared/seed/ "
                     "next to the checkout)", pytrace=False)
+    return load_debug_dump(SEED_PATH, dump_dir, tokens, moe_layers, max_rows)
+
+
+def load_debug_dump(path, dump_dir, tokens: int = 0, moe_layers: int = 2, max_rows: int = 1):
+    """A fresh instance of the debug_dump.py at `path` writing into `dump_dir` (also what the
+    benchmarks time as the baseline: benchmarks/harness.py; no pytest needed)."""
     if "deepinfer.utils" not in sys.modules:
         package = types.ModuleType("deepinfer")
         utils = types.ModuleType("deepinfer.utils")
@@ -48,7 +54,7 @@ def load_seed(dump_dir, tokens: int = 0, moe_layers: int = 2, max_rows: int = 1)
     os.environ.update(env)
     try:
         name = f"seed_debug_dump_{next(_COUNTER)}"
-        spec = importlib.util.spec_from_file_location(name, SEED_PATH)
+        spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # torch.compile looks traced functions' modules up by name
         spec.loader.exec_module(module)
