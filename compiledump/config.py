@@ -65,9 +65,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "with CMake and ships it in the package where cmake, a C++ compiler and the installed torch are found, "
            "else installs pure Python with a note; `1` fails the install if it cannot be built; `0` never runs "
            "cmake", scope="build"),
-    EnvVar("COMPILEDUMP_BUILD_DIR", "", "tests only: a CMake build directory (library + "
-           "`compiledump_aoti_driver`) for the native and C++-driver tests to use instead of building their "
-           "own; CI's second lane sets it", scope="tests"),
+    EnvVar("COMPILEDUMP_BUILD_DIR", "", "tests only: an already built CMake build directory (library + "
+           "`compiledump_aoti_driver`) for the native and C++-driver tests, instead of `build/tests-torch<version>` "
+           "in the checkout, which they otherwise bring up to date once per run", scope="tests"),
     EnvVar("COMPILEDUMP_FUZZ_SCALE", "1", "tests only: multiplies the number of hypothesis examples of the fuzz "
            "tests", scope="tests"),
 )

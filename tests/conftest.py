@@ -8,7 +8,6 @@ import dataclasses
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -69,10 +68,12 @@ REPO = Path(__file__).resolve().parents[1]
 def native_build(tmp_path_factory) -> Path:
     """A CMake build directory with the native library and the C++ driver built from this tree.
 
-    COMPILEDUMP_BUILD_DIR names one already built (CI's pure lane builds `build/` first);
-    otherwise it is built once per test run (about 25 s on 2 idle cores), by whichever xdist
-    worker needs it first, into the run's shared temporary directory; the others wait for it
-    rather than build their own. Skipped where cmake or a C++ compiler is missing.
+    COMPILEDUMP_BUILD_DIR names one already built; otherwise it is `build/tests-torch<version>`
+    in the checkout (git ignores `build/`), configured once and brought up to date by
+    `cmake --build` once per test run, by whichever xdist worker needs it first while the
+    others wait on a file lock. So a later run, or CI's second lane, rebuilds only what changed
+    (about 25 s on 2 idle cores for a fresh build; seconds when nothing did). Skipped where
+    cmake or a C++ compiler is missing.
     """
     prebuilt = os.environ.get("COMPILEDUMP_BUILD_DIR")
     if prebuilt:
@@ -81,18 +82,21 @@ def native_build(tmp_path_factory) -> Path:
         pytest.skip("cmake or a C++ compiler is not installed")
     from filelock import FileLock  # a torch requirement
 
-    # Under xdist each worker has its own basetemp inside one per-run directory (its parent).
-    shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = shared.parent
-    build = shared / "native_build"
-    with FileLock(str(shared / "native_build.lock")):
-        if not (build / "built").exists():
-            prefix = subprocess.run([sys.executable, "-c", "import torch; print(torch.utils.cmake_prefix_path)"],
-                                    capture_output=True, text=True, check=True).stdout.strip()
-            for cmd in (["cmake", "-S", str(REPO), "-B", str(build), f"-DCMAKE_PREFIX_PATH={prefix}"],
-                        ["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2)]):
+    # One directory per torch build: its CMake cache names that torch's headers and libraries.
+    build = REPO / "build" / f"tests-torch{torch.__version__}"
+    build.mkdir(parents=True, exist_ok=True)
+    # Under xdist each worker's basetemp lies in one per-run directory (its parent).
+    run = tmp_path_factory.getbasetemp()
+    run = run.parent if os.environ.get("PYTEST_XDIST_WORKER") else run
+    with FileLock(str(build) + ".lock"):
+        stamp = build / "built_by_run"
+        if not stamp.exists() or stamp.read_text() != str(run):
+            commands = [["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2)]]
+            if not (build / "CMakeCache.txt").exists():
+                commands.insert(0, ["cmake", "-S", str(REPO), "-B", str(build),
+                                    f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"])
+            for cmd in commands:
                 out = subprocess.run(cmd, capture_output=True, text=True)
                 assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-            (build / "built").touch()
+            stamp.write_text(str(run))
     return build
