@@ -3,7 +3,8 @@
 One launch fuses everything a capture needs, so a CUDA graph holds exactly one node per capture
 point and every decision that may change between replays is read from device memory:
 
-1. read the header registers (enabled flag, rows gate, gather row) from the control block;
+1. read the header registers (enabled flag, rows gate, gather row) from the control block, one
+   snapshot that every thread of the program agrees on (`_read_registers`);
 2. pick exactly one counter of the tag's slot and `atomic_add` it; the old value of the
    written-counter is the step index (append) or tells whether this is the first write (keep-first);
 3. gather the row, average over the hc axis in fp32 (or copy it), cast, and store into the arena;
