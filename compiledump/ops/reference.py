@@ -89,10 +89,11 @@ def _write(src, arena, kind, old, offset, T, H, D, st, sh, sd, row_reg, row, mea
     if kind == L.KIND_IDS:
         arena.view(torch.int32)[dest : dest + words].view(H, D).copy_(view[0])
     elif mean:
-        # As the kernel: an fp32 sum over h, then one IEEE division, in one op. torch's CPU
-        # mean sums an outer dim in h order for hc_mult <= 4 (bit-identical to the kernel);
-        # for larger H its vectorized order can differ by 1 ulp (tests hold bf16 to 1e-6).
-        torch.mean(view, 1, dtype=torch.float32, out=arena[dest : dest + rows * words].view(rows, words))
+        # As the kernels: each element to fp32 (exact for every input dtype), then
+        # ((h0 + h1) + h2) + ... and one division, through numpy in h order (torch.mean's
+        # vectorized order differs by an ulp for hc_mult above 4).
+        with np.errstate(all="ignore"):  # Inf - Inf is NaN, as in the kernels
+            _store_numpy(view.to(torch.float32).numpy(), _numpy_view(arena)[dest : dest + rows * words], True)
     else:
         arena[dest : dest + rows * words].view(rows, H, D).copy_(view)
     # A non-finite input makes its stored value (copy or hc mean) non-finite: check the fp32 output

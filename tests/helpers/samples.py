@@ -1,6 +1,8 @@
 """Capture-kernel samples shared by the op tests and the native-kernel tests: random data of
 odd sizes in fp32/bf16/fp16, contiguous and not, and the register settings to run them under."""
 
+import zlib
+
 import torch
 
 from compiledump.ops import layout as L
@@ -90,13 +92,15 @@ def run_kernel(kernel, x, kind, registers, calls, reason=0, slot_words=None):
 
 
 def assert_same_arena(got, want, dtype) -> None:
-    """Kernel outputs compared bit for bit: every kernel sums the hc rows in h order in fp32 and
-    divides once. The reference's bfloat16 path (torch.mean: no numpy view of bf16) may differ
-    by an ulp for hc_mult above 4, so that dtype is held to 1e-6 relative."""
-    if dtype == torch.bfloat16:
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=0, equal_nan=True)
-    else:
-        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    """Kernel outputs compared bit for bit: every kernel (the reference included) converts each
+    element to fp32, sums the hc rows in h order and divides once."""
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (got - want).abs().max()
+
+
+def generator_for(*parts) -> torch.Generator:
+    """A generator seeded from a test's parameters, the same in every process (hash() of a str
+    is not: PYTHONHASHSEED), so a failing draw can be run again."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(parts).encode()))
 
 
 def assert_matches_reference(kernel, x, kind, calls) -> None:

@@ -20,8 +20,8 @@ from compiledump.ops import layout as L
 from compiledump.ops import reference
 from compiledump.ops.geometry import geometry
 
-from helpers.samples import (DTYPES, GEOMETRIES, assert_matches_reference, int_samples, run_kernel,
-                             with_nonfinite)
+from helpers.samples import (DTYPES, GEOMETRIES, assert_matches_reference, generator_for, int_samples,
+                             run_kernel, with_nonfinite)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -66,7 +66,7 @@ def kernel_on_cpu(tmp_path_factory):
 def test_cuda_kernel_matches_reference(kernel_on_cpu, threads, geometry_name, dtype, kind):
     if kind == L.KIND_RECORD_ROWS and geometry_name == "1d":
         pytest.skip("all-rows records are 2-D or 3-D")
-    g = torch.Generator().manual_seed(hash((geometry_name, str(dtype), kind)) % 2**31)
+    g = generator_for(geometry_name, str(dtype), kind)
     x = GEOMETRIES[geometry_name](g, dtype)
     assert_matches_reference(kernel_on_cpu(threads), x, kind, calls=3)
 

@@ -19,6 +19,7 @@ from helpers.samples import (
     DTYPES,
     GEOMETRIES,
     assert_matches_reference,
+    generator_for,
     float_samples,
     int_samples,
     run_kernel,
@@ -74,7 +75,7 @@ def test_opcheck_set_register(small_arena):
 def test_triton_matches_cpu_reference(geometry, dtype, kind):
     if kind == L.KIND_RECORD_ROWS and geometry == "1d":
         pytest.skip("all-rows records are 2-D or 3-D (record() stores a 1-D tensor whole)")
-    g = torch.Generator().manual_seed(hash((geometry, str(dtype), kind)) % 2**31)
+    g = generator_for(geometry, str(dtype), kind)
     x = GEOMETRIES[geometry](g, dtype)
     assert_matches_reference(register.capture_triton, x, kind, calls=3)
 
@@ -143,7 +144,7 @@ def test_nonfinite_counts_match_torch(dtype, kernel, kind, check_all):
     """SLOT_NONFINITE counts NaN/Inf in the rows a kept capture reads (or, with REG_CHECK_ALL, in
     the whole input of every call); SLOT_BAD_STEP/TOKENS date the first call; SLOT_COMMITTED
     counts the writes. The native kernel is held to the reference bit for bit (tests/native)."""
-    g = torch.Generator().manual_seed(hash((str(dtype), kernel, kind, check_all)) % 2**31)
+    g = generator_for(str(dtype), kernel, kind, check_all)
     x = torch.randn(6, 37, 4, generator=g).to(dtype).transpose(1, 2)  # [6, 4, 37], not contiguous
     with_nonfinite(x, g, 7)
     x[2, 1, 5], x[3, 0, 0], x[0, 2, 2] = float("nan"), float("-inf"), float("inf")  # rows 2, 3 and one not read
