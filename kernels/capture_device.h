@@ -4,7 +4,8 @@
 // and counters are checked against the reference kernel without a GPU. Under nvcc the helpers
 // below are the device intrinsics; on the host they are plain C++ (one thread at a time, so
 // plain read-modify-writes are the atomics; IEEE add and division round to nearest as
-// __fadd_rn and __fdiv_rn do).
+// __fadd_rn and __fdiv_rn do). The native CPU kernel (capture_cpu.cpp) runs `claim` and `commit`
+// too, around its own one-thread copy loops, so both native kernels decide alike.
 //
 //   claim  (thread 0 of block 0): pick exactly one counter of the slot, bump it (the claim),
 //                      decide whether and where the block writes; the result goes to the block's

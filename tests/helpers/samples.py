@@ -91,12 +91,6 @@ def run_kernel(kernel, x, kind, registers, calls, reason=0, slot_words=None):
     return arena_t, ctrl
 
 
-def assert_same_arena(got, want, dtype) -> None:
-    """Kernel outputs compared bit for bit: every kernel (the reference included) converts each
-    element to fp32, sums the hc rows in h order and divides once."""
-    assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (got - want).abs().max()
-
-
 def generator_for(*parts) -> torch.Generator:
     """A generator seeded from a test's parameters, the same in every process (hash() of a str
     is not: PYTHONHASHSEED), so a failing draw can be run again."""
@@ -106,14 +100,25 @@ def generator_for(*parts) -> torch.Generator:
 def assert_matches_reference(kernel, x, kind, calls) -> None:
     """`kernel` (the reference kernel's signature) against the reference kernel on `x` under every
     REGISTERS setting, `calls` captures each: the control block word for word, the arena bit for
-    bit (assert_same_arena; ids as their int32 bits)."""
+    bit (ids are int32 words; every kernel, the reference included, converts each element to
+    fp32, sums the hc rows in h order and divides once)."""
     from compiledump.ops.reference import capture_reference
 
     for registers in REGISTERS:
         want_arena, want_ctrl = run_kernel(capture_reference, x, kind, registers, calls)
         got_arena, got_ctrl = run_kernel(kernel, x, kind, registers, calls)
         assert torch.equal(got_ctrl, want_ctrl), registers
-        if kind == L.KIND_IDS:
-            assert torch.equal(got_arena.view(torch.int32), want_arena.view(torch.int32)), registers
-        else:
-            assert_same_arena(got_arena, want_arena, x.dtype)
+        assert torch.equal(got_arena.view(torch.int32), want_arena.view(torch.int32)), registers
+
+
+def assert_nonfinite_count_stops_at_the_cap(kernel) -> None:
+    """From a count preset to NONFINITE_CAP - 3, one call adds its whole NaN/Inf count (ending past
+    the cap) and later calls add nothing, so the int32 never overflows. A step capture with the
+    whole input checked: one program/block in every kernel, so each adds the call's count at once."""
+    g = torch.Generator().manual_seed(7)
+    x = with_nonfinite(torch.randn(5, 3, 29, generator=g), g, 6)
+    bad = int((~torch.isfinite(x)).sum())
+    for calls in (1, 3):
+        _, ctrl = run_kernel(kernel, x, L.KIND_STEP, (1, 1, 0, 0, 1), calls,
+                             slot_words={L.SLOT_NONFINITE: L.NONFINITE_CAP - 3})
+        assert int(ctrl[L.slot_base(2) + L.SLOT_NONFINITE]) == L.NONFINITE_CAP - 3 + bad, calls
