@@ -54,61 +54,8 @@ for _path in (str(_HERE.parent / "scripts"), str(_HERE), str(_HERE.parent)):
 
 import compiledump  # noqa: E402
 import gpu_common  # noqa: E402
+from gpu_timing import graph_of, ms_per_replay, rounds_of  # noqa: E402
 from harness import DEBUG_DUMP, interleaved, load_debug_dump, machine  # noqa: E402
-
-
-class _Eager:
-    """--emulate on CPU: eager calls stand in for a captured graph's replays (the numbers mean nothing)."""
-
-    def __init__(self, fn):
-        self.replay = fn
-
-
-def _graph(fn, device):
-    """Warm `fn` up on a side stream and capture it, both under profiling() (engine flow)."""
-    if device.type != "cuda":
-        with compiledump.profiling():
-            fn()
-        return _Eager(fn)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), compiledump.profiling():
-        for _ in range(2):  # Triton compiles here, never during capture
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with compiledump.profiling(), torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
-def _ms_per_replay(graph, replays, device) -> float:
-    if device.type != "cuda":
-        begun = time.perf_counter()
-        for _ in range(replays):
-            graph.replay()
-        return (time.perf_counter() - begun) * 1e3 / replays
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / replays
-
-
-def _rounds(graphs: dict, device, rounds: int, replays: int, before=None) -> dict[str, list[float]]:
-    """ms per replay of each graph, per round; rounds interleaved in a rotating order."""
-    names = list(graphs)
-    for name in names:  # untimed first replays
-        graphs[name].replay()
-    per_round = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            if before is not None:
-                before()
-            per_round[name].append(_ms_per_replay(graphs[name], replays, device))
-    return per_round
 
 
 def _fresh(directory, **settings):
@@ -139,9 +86,9 @@ def graph_capture_cost(device, quick, tmp):
             y.copy_(x)
             compiledump.record(f"t{i}", y)
 
-    graphs = {"without": _graph(work, device), "with": _graph(work_and_capture, device)}
+    graphs = {"without": graph_of(work, device), "with": graph_of(work_and_capture, device)}
     replays = 3 if quick else 20
-    times = _rounds(graphs, device, rounds=3 if quick else 15, replays=replays)
+    times = rounds_of(graphs, device, rounds=3 if quick else 15, replays=replays)
     base, added = (statistics.median(times[k]) for k in ("without", "with"))
     compiledump.clear()
     graphs["with"].replay()  # one replay after clear(): each of the n captures must have written
@@ -218,10 +165,10 @@ def _decode_overhead(device, quick, tmp, compiled):
     with torch.no_grad():
         for name, dump in (("plain", NO_DUMP), ("captures", compiledump)):
             model.dump = dump  # captured graphs keep their kernels; dynamo re-traces on the swap
-            graphs[name] = _graph(lambda: step(tokens, state), device)
+            graphs[name] = graph_of(lambda: step(tokens, state), device)
         model.dump = NO_DUMP
         replays = 3 if quick else 50
-        times = _rounds(graphs, device, rounds=3 if quick else 10, replays=replays, before=compiledump.clear)
+        times = rounds_of(graphs, device, rounds=3 if quick else 10, replays=replays, before=compiledump.clear)
     ratio = statistics.median(b / a for a, b in zip(times["plain"], times["captures"]))
     plain, with_ = (statistics.median(times[k]) for k in ("plain", "captures"))
     captures = cfg.layers * cfg.captures_per_layer + 1
@@ -290,7 +237,7 @@ def graph_equals_eager(device, quick, tmp):
                 model(tokens[s], states[s])
             eager = gpu_common.load_npz(compiledump.flush())
             static_tokens, static_state = tokens[0].clone(), states[0].clone()
-            graph = _graph(lambda: model(static_tokens, static_state), device)
+            graph = graph_of(lambda: model(static_tokens, static_state), device)
             sync_error = None
             for attempt in ("error", 0):
                 compiledump.clear()
@@ -325,9 +272,9 @@ def kernel_bandwidth(device, quick, tmp):
     n = 10 if quick else 100
     for hc, dim in sizes:
         xs = [torch.randn(64, hc, dim, device=device, dtype=torch.bfloat16) for _ in range(n)]
-        graph = _graph(lambda: [compiledump.record(f"bw{hc}x{dim}_{i}", x) for i, x in enumerate(xs)], device)
+        graph = graph_of(lambda: [compiledump.record(f"bw{hc}x{dim}_{i}", x) for i, x in enumerate(xs)], device)
         graph.replay()
-        ms = statistics.median(_ms_per_replay(graph, 3 if quick else 20, device) for _ in range(5))
+        ms = statistics.median(ms_per_replay(graph, 3 if quick else 20, device) for _ in range(5))
         per = ms * 1e3 / n
         read, written = hc * dim * 2, dim * 4  # one bf16 row in, one fp32 row out
         rows.append({"hc": hc, "dim": dim, "us_per_capture": per, "bytes": read + written,
