@@ -1,12 +1,14 @@
 """The native build through pip (setup.py): by default it is tried and, where it cannot be made,
 the package installs pure Python with a note; COMPILEDUMP_BUILD_NATIVE=0 never runs cmake; `1`
 ships the library that compiledump/ops/native.py loads or fails the build. (The default build in
-pip's isolated environment, which must find the installed torch, is what CI's first lane runs:
-it checks that the README's install gives the native path.)
+pip's isolated environment, which must find the installed torch and compiles the library for
+real, is what CI's first lane runs: it checks that the README's install gives the native path.)
 
 Every build runs on a copy of the checkout (the files git does not ignore) in a tmp dir: pip builds in
-tree, and nothing may write into the repository. A fake `cmake` first on PATH records whether
-cmake was run and, where no real build is wanted, fails.
+tree, and nothing may write into the repository. A `cmake` first on PATH stands in for the real
+one: it records its calls and fails, or, for the wheel that ships the library, "builds" it by
+copying the library the suite's own CMake build made from these sources (`native_build`), so this
+file checks setup.py's commands, packaging and loading without compiling the library a third time.
 """
 
 import os
@@ -100,14 +102,26 @@ def test_opt_in_fails_loudly_when_cmake_fails(source, fake_cmake, tmp_path):
     assert not list((tmp_path / "dist").glob("*.whl"))
 
 
-def test_opt_in_wheel_ships_the_library(source, tmp_path):
-    if shutil.which("cmake") is None or shutil.which("c++") is None:
-        pytest.skip("cmake or a C++ compiler is not installed")
-    out = _wheel(source, tmp_path / "dist", _env(COMPILEDUMP_BUILD_NATIVE="1"))
+def test_opt_in_wheel_ships_the_library(source, native_build, tmp_path):
+    # The stand-in cmake logs its calls; `cmake --build DIR` puts the suite's library in DIR.
+    bin_dir, log = tmp_path / "cmake-bin", tmp_path / "cmake-calls"
+    bin_dir.mkdir()
+    (bin_dir / "cmake").write_text(
+        f'#!/bin/sh\necho "$@" >> "{log}"\n'
+        f'if [ "$1" = "--build" ]; then mkdir -p "$2" && cp "{native_build / Path(LIBRARY).name}" "$2/"; fi\n')
+    (bin_dir / "cmake").chmod(0o755)
+    env = _env(COMPILEDUMP_BUILD_NATIVE="1")
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    out = _wheel(source, tmp_path / "dist", env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    configure, build = log.read_text().splitlines()
+    assert configure.startswith(f"-S {source} -B ") and "-DCOMPILEDUMP_BUILD_DRIVER=OFF" in configure, configure
+    assert "-DCMAKE_SKIP_BUILD_RPATH=ON" in configure and "-DCMAKE_PREFIX_PATH=" in configure, configure
+    assert build.startswith("--build ") and "--target compiledump_native" in build, build
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     assert not wheel.name.endswith("-none-any.whl"), wheel.name  # platform-specific: it holds a .so
-    assert LIBRARY in zipfile.ZipFile(wheel).namelist()
+    built = (native_build / Path(LIBRARY).name).read_bytes()
+    assert zipfile.ZipFile(wheel).read(LIBRARY) == built  # what cmake built, not a stale copy
 
     # Installed, the existing loader finds it (it loads when the ops, the capture API, are imported).
     site = tmp_path / "site"
