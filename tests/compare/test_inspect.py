@@ -12,15 +12,9 @@ import numpy as np
 import pytest
 
 from helpers import dumpfactory as factory
-from compiledump.cli import main
+from helpers.cli import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def run_cli(capsys, *argv) -> tuple[int, list[str], list[str]]:
-    code = main([str(arg) for arg in argv])
-    captured = capsys.readouterr()
-    return code, captured.out.splitlines(), captured.err.splitlines()
 
 
 def test_inspect_lists_keys_in_order_with_statistics(tmp_path, capsys):
