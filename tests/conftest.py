@@ -2,6 +2,12 @@
 
 TRITON_INTERPRET must be set before triton is imported anywhere: it lets the Triton capture
 kernel run on CPU tensors, which is how the suite checks it without a GPU.
+
+TORCHINDUCTOR_COMPILE_THREADS=1 (unless set): Inductor compiles in the process that traced,
+instead of starting a pool of compile workers in every process that compiles (each pytest
+worker, and each child process the tests start). Under `-n auto` every core already runs a test,
+so the pools only add process start-ups: on 2 cores the compile-heavy tests took 15 % less wall
+time and 19 % less CPU time with one thread.
 """
 
 import dataclasses
@@ -11,6 +17,7 @@ import subprocess
 from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # read when torch._inductor is imported
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
