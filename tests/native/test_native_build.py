@@ -39,16 +39,22 @@ def source(tmp_path):
     return copy
 
 
-@pytest.fixture
-def fake_cmake(tmp_path):
-    """A `cmake` that records its call and fails; returns (environment with it first on PATH, log)."""
+def _stand_in_cmake(tmp_path, then: str) -> tuple[dict, Path]:
+    """A `cmake` that logs its arguments, then runs the shell line `then`; returns (environment
+    with it first on PATH, log)."""
     bin_dir, log = tmp_path / "fake-bin", tmp_path / "cmake-calls"
     bin_dir.mkdir()
-    (bin_dir / "cmake").write_text(f'#!/bin/sh\necho "$@" >> "{log}"\nexit 1\n')
+    (bin_dir / "cmake").write_text(f'#!/bin/sh\necho "$@" >> "{log}"\n{then}\n')
     (bin_dir / "cmake").chmod(0o755)
     env = _env()
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
     return env, log
+
+
+@pytest.fixture
+def fake_cmake(tmp_path):
+    """A `cmake` that records its call and fails; returns (environment with it first on PATH, log)."""
+    return _stand_in_cmake(tmp_path, "exit 1")
 
 
 def _env(**extra):
@@ -104,14 +110,9 @@ def test_opt_in_fails_loudly_when_cmake_fails(source, fake_cmake, tmp_path):
 
 def test_opt_in_wheel_ships_the_library(source, native_build, tmp_path):
     # The stand-in cmake logs its calls; `cmake --build DIR` puts the suite's library in DIR.
-    bin_dir, log = tmp_path / "cmake-bin", tmp_path / "cmake-calls"
-    bin_dir.mkdir()
-    (bin_dir / "cmake").write_text(
-        f'#!/bin/sh\necho "$@" >> "{log}"\n'
-        f'if [ "$1" = "--build" ]; then mkdir -p "$2" && cp "{native_build / Path(LIBRARY).name}" "$2/"; fi\n')
-    (bin_dir / "cmake").chmod(0o755)
-    env = _env(COMPILEDUMP_BUILD_NATIVE="1")
-    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    built = native_build / Path(LIBRARY).name
+    env, log = _stand_in_cmake(tmp_path, f'if [ "$1" = "--build" ]; then mkdir -p "$2" && cp "{built}" "$2/"; fi')
+    env["COMPILEDUMP_BUILD_NATIVE"] = "1"
     out = _wheel(source, tmp_path / "dist", env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     configure, build = log.read_text().splitlines()
@@ -120,8 +121,7 @@ def test_opt_in_wheel_ships_the_library(source, native_build, tmp_path):
     assert build.startswith("--build ") and "--target compiledump_native" in build, build
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     assert not wheel.name.endswith("-none-any.whl"), wheel.name  # platform-specific: it holds a .so
-    built = (native_build / Path(LIBRARY).name).read_bytes()
-    assert zipfile.ZipFile(wheel).read(LIBRARY) == built  # what cmake built, not a stale copy
+    assert zipfile.ZipFile(wheel).read(LIBRARY) == built.read_bytes()  # what cmake built, not a stale copy
 
     # Installed, the existing loader finds it (it loads when the ops, the capture API, are imported).
     site = tmp_path / "site"
