@@ -16,6 +16,7 @@ import pytest
 
 from helpers import dumpfactory as factory
 from helpers.cli import run_cli
+from helpers.reference_metrics import rel_diff
 from compiledump import compare as cmp
 
 def dump_pair(tmp_path: Path, seed: int = 0, source_dtype: str = "bfloat16",
@@ -29,11 +30,6 @@ def dump_pair(tmp_path: Path, seed: int = 0, source_dtype: str = "bfloat16",
                                        manifest=factory.manifest_for(side, source_dtype=source_dtype))
              for name, side in (("ref", ref), ("run", run))]
     return paths[0], paths[1], ref, run
-
-
-def rel_diff(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = a.astype(np.float64), b.astype(np.float64)
-    return float(1 - 2 * a.dot(b) / (a.dot(a) + b.dot(b)))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -17,15 +17,11 @@ import numpy as np
 import pytest
 
 from helpers import dumpfactory as factory
+from helpers.reference_metrics import rel_diff
 from compiledump import compare as cmp
 from compiledump.cli import main
 
 D, FFN, VOCAB, TOKENS, TOPK, LAYERS, STEPS = 12, 16, 20, 3, 2, 3, 2
-
-
-def rel_diff(a, b) -> float:
-    a, b = np.ravel(a).astype(np.float64), np.ravel(b).astype(np.float64)
-    return float(1 - 2 * a.dot(b) / (a.dot(a) + b.dot(b)))
 
 
 # ----------------------------------------------------------------------------------------------

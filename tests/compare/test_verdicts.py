@@ -1,16 +1,12 @@
 """Verdicts a user can trust (issue 13), on synthetic dumps: thresholds that follow the two sides'
-source dtypes, the scale-sensitive norm_diff, values of different phases that are not compared,
-the closest key on a clean run, what the manifests say was not captured, ``--map`` and all-rows
-keys.
+source dtypes, the scale-sensitive norm_diff, the closest key on a clean run, what the manifests say
+was not captured, ``--map`` and all-rows keys. Values of different phases: test_phases.py.
 
 Expected values are computed here with numpy from the formulas in docs/compare.md; data is random,
 never zeros.
 """
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,52 +17,9 @@ from compiledump.compare.metrics import compare_float_arrays, compare_rows
 from compiledump.compare.options import DEFAULT_STEP_THRESHOLDS, DEFAULT_THRESHOLDS, pair_class
 from compiledump.compare.rename import split_map
 from helpers import dumpfactory as factory
-
-
-def run_cli(capsys, *argv) -> tuple[int, list[str], dict]:
-    """`compiledump compare ARGV --json`; (exit status, stdout lines, JSON report)."""
-    report_path = Path(argv[1]).parent.parent / "report.json"
-    code = main(["compare", *[str(arg) for arg in argv], "--json", str(report_path)])
-    out = capsys.readouterr().out.splitlines()
-    return code, out, json.loads(report_path.read_text())
-
-
-def rel_diff(x, y) -> float:
-    x, y = np.asarray(x, np.float64).ravel(), np.asarray(y, np.float64).ravel()
-    return float(np.sum((x - y) ** 2) / (np.sum(x * x) + np.sum(y * y)))
-
-
-def norm_diff(x, y) -> float:
-    x, y = np.asarray(x, np.float64).ravel(), np.asarray(y, np.float64).ravel()
-    return float(abs(np.linalg.norm(y) - np.linalg.norm(x)) / np.linalg.norm(x))
-
-
-def scaled(captures, key: str, factor: float, row: int | None = None):
-    out = []
-    for capture in captures:
-        if capture.key == key:
-            array = capture.array.astype(np.float64).copy()
-            if row is None:
-                array *= factor
-            else:
-                array[row] *= factor
-            capture = factory.replace(capture, array=array.astype(np.float32))
-        out.append(capture)
-    return out
-
-
-def pair(tmp_path: Path, ref, run, ref_dtype: str | None = "float32", run_dtype: str | None = "float32",
-         ref_manifest: dict | None = None, run_manifest: dict | None = None) -> tuple[Path, Path]:
-    """Write REF and RUN; a dtype of None writes that side without a manifest (a legacy file)."""
-    paths = []
-    for side, captures, dtype, manifest in (("ref", ref, ref_dtype, ref_manifest), ("run", run, run_dtype,
-                                                                                    run_manifest)):
-        if dtype is None and manifest is None:
-            paths.append(factory.write_legacy(tmp_path / side, captures))
-        else:
-            paths.append(factory.write_compiledump(
-                tmp_path / side, captures, manifest=manifest or factory.manifest_for(captures, source_dtype=dtype)))
-    return paths[0], paths[1]
+from helpers.cli import compare_json
+from helpers.dumpfactory import scaled, write_pair
+from helpers.reference_metrics import norm_diff, rel_diff
 
 
 @pytest.fixture
@@ -92,8 +45,8 @@ def test_precision_class_is_the_lower_of_the_two_sides(ref, run, expected):
 def test_fp32_pair_names_a_one_percent_scale_that_the_old_default_passed(tmp_path, capsys, captures):
     rng = np.random.default_rng(1)
     run = scaled(factory.perturb(captures, rng, noise=1e-7), "layer2_moe_out", 1.01)
-    ref_path, run_path = pair(tmp_path, captures, run)
-    code, out, report = run_cli(capsys, ref_path, run_path)
+    ref_path, run_path = write_pair(tmp_path, captures, run)
+    code, out, report = compare_json(capsys, ref_path, run_path)
     first = report["first_divergence"]
     assert code == 1 and (first["key"], first["layer"], first["last_good"]) == ("layer2_moe_out", 2, "layer1")
     x = captures[[c.key for c in captures].index("layer2_moe_out")].array
@@ -116,13 +69,13 @@ def test_fp32_pair_names_a_one_percent_scale_that_the_old_default_passed(tmp_pat
 def test_the_same_arrays_as_bf16_or_without_a_manifest_use_looser_defaults(tmp_path, capsys, captures):
     rng = np.random.default_rng(2)
     run = scaled(factory.perturb(captures, rng, noise=1e-7), "layer2_moe_out", 1.01)
-    ref_path, run_path = pair(tmp_path / "bf16", captures, run, "float32", "bfloat16")
-    code, out, report = run_cli(capsys, ref_path, run_path)
+    ref_path, run_path = write_pair(tmp_path / "bf16", captures, run, "float32", "bfloat16")
+    code, out, report = compare_json(capsys, ref_path, run_path)
     assert code == 0 and report["thresholds"][0]["class"] == "bf16"
     assert any(line.startswith("thresholds: float32 vs bfloat16 -> rel_diff <= 2e-03, norm_diff <= 3e-02")
                for line in out)
-    ref_path, run_path = pair(tmp_path / "legacy", captures, run, "float32", None)
-    code, out, report = run_cli(capsys, ref_path, run_path)
+    ref_path, run_path = write_pair(tmp_path / "legacy", captures, run, "float32", None)
+    code, out, report = compare_json(capsys, ref_path, run_path)
     assert code == 0
     uses = {use["rel_source"]: use for use in report["thresholds"]}
     assert sorted(uses) == ["legacy", "legacy decode"]  # decode steps have their own defaults
@@ -136,20 +89,20 @@ def test_the_same_arrays_as_bf16_or_without_a_manifest_use_looser_defaults(tmp_p
 def test_threshold_flags_override_each_metric_and_say_so(tmp_path, capsys, captures):
     rng = np.random.default_rng(3)
     run = scaled(factory.perturb(captures, rng, noise=1e-7), "layer2_moe_out", 1.01)
-    ref_path, run_path = pair(tmp_path, captures, run)
+    ref_path, run_path = write_pair(tmp_path, captures, run)
     # rel_diff loosened alone: norm_diff (0.01 > 1e-5) still catches the scale.
-    code, out, report = run_cli(capsys, ref_path, run_path, "--threshold", "1e-3")
+    code, out, report = compare_json(capsys, ref_path, run_path, "--threshold", "1e-3")
     assert code == 1 and report["first_divergence"]["metric"] == "norm_diff"
     assert report["first_divergence"]["threshold"] == 1e-5
     # both loosened: nothing diverges, and the report says where the numbers come from.
-    code, out, report = run_cli(capsys, ref_path, run_path, "--threshold", "1e-3", "--norm-threshold", "0.05")
+    code, out, report = compare_json(capsys, ref_path, run_path, "--threshold", "1e-3", "--norm-threshold", "0.05")
     assert code == 0
     assert any(line.startswith("thresholds: float32 vs float32 -> rel_diff <= 1e-03, norm_diff <= 5e-02 "
                                "(--threshold, --norm-threshold;") or
                ("rel_diff from --threshold" in line and "norm_diff from --norm-threshold" in line) for line in out)
     assert report["norm_threshold"] == 0.05 and report["threshold"] == 1e-3
     # --threshold-for sets rel_diff for the keys it matches only.
-    code, out, report = run_cli(capsys, ref_path, run_path, "--norm-threshold", "0.05", "--threshold-for",
+    code, out, report = compare_json(capsys, ref_path, run_path, "--norm-threshold", "0.05", "--threshold-for",
                                 "moe_out$=1e-3")
     assert code == 0
     by_key = {record["key"]: record for record in report["keys"]}
@@ -179,8 +132,8 @@ def test_norm_diff_matches_numpy_across_chunks_and_non_finite_positions():
 def test_norm_diff_catches_a_scale_that_rel_diff_misses(tmp_path, capsys, captures):
     rng = np.random.default_rng(5)
     run = scaled(factory.perturb(captures, rng), "layer3", 1.05)
-    ref_path, run_path = pair(tmp_path, captures, run, "bfloat16", "bfloat16")
-    code, out, report = run_cli(capsys, ref_path, run_path)
+    ref_path, run_path = write_pair(tmp_path, captures, run, "bfloat16", "bfloat16")
+    code, out, report = compare_json(capsys, ref_path, run_path)
     x = captures[[c.key for c in captures].index("layer3")].array
     y = run[[c.key for c in run].index("layer3")].array
     assert rel_diff(x, y) < DEFAULT_THRESHOLDS["bf16"][0] < norm_diff(x, y)
@@ -192,101 +145,6 @@ def test_norm_diff_catches_a_scale_that_rel_diff_misses(tmp_path, capsys, captur
 
 
 # ----------------------------------------------------------------------------------------------
-# Phases
-# ----------------------------------------------------------------------------------------------
-
-
-def decode_pair(tmp_path: Path, captures, prompt: int | None, ref_tokens: int, run_tokens: int, diverge_step=None):
-    """REF and RUN whose record keys hold values of different calls (independent random data, so a
-    comparison would diverge); ids hold the prompt's on both sides."""
-    rng = np.random.default_rng(6)
-    run = factory.perturb(captures, rng, noise=1e-7, from_step=diverge_step)
-    run = [factory.replace(c, array=(rng.standard_normal(c.array.shape) * 2).astype(np.float32))
-           if c.kind in ("record",) else c for c in run]
-    ids_tokens = captures[[c.key for c in captures].index("layer0_topk")].array.shape[0]
-    ref_manifest = factory.manifest_for(captures, source_dtype="float32", prompt_tokens=prompt,
-                                        key_fields=factory.call_fields(captures, ref_tokens, ids_tokens, prompt))
-    run_manifest = factory.manifest_for(run, source_dtype="float32", prompt_tokens=prompt,
-                                        key_fields=factory.call_fields(run, run_tokens, ids_tokens, prompt))
-    return pair(tmp_path, captures, run, ref_manifest=ref_manifest, run_manifest=run_manifest), run
-
-
-def test_padded_decode_with_the_gate_off_is_not_comparable_and_says_how_to_fix_it(tmp_path, capsys, captures):
-    # COMPILEDUMP_TOKENS=0 on both sides: no prompt length known; the reference's last write is a
-    # batch-1 decode step, the engine's a padded batch of 4 whose last row is padding.
-    (ref_path, run_path), _ = decode_pair(tmp_path, captures, prompt=None, ref_tokens=1, run_tokens=4)
-    code, out, report = run_cli(capsys, ref_path, run_path)
-    assert code == 3 and report["exit_status"] == 3
-    assert report["first_divergence"] is None and report["prefill_divergence"] is None
-    assert not any(line.startswith(("first divergence", "prefill:")) for line in out)
-    records = [c.key for c in captures if c.kind == "record"]  # record_once (logits) kept the prefill's
-    assert sorted(item["key"] for item in report["not_comparable"]) == sorted(records)
-    item = report["not_comparable"][0]
-    assert (item["tokens_ref"], item["tokens_run"], item["phase_ref"], item["phase_run"]) == (1, 4, None, None)
-    assert item["reason"] == "REF value from a call of 1 token, RUN value from a call of 4 tokens"
-    (line,) = [line for line in out if line.startswith("not comparable:")]
-    assert line.startswith(f"not comparable: {len(records)} keys hold values of different phases or token counts "
-                           f"({len(records)} x REF call of 1 token vs RUN call of 4 tokens)")
-    assert "COMPILEDUMP_TOKENS=<prompt length>" in line and "default auto (not 0) on both sides" in line
-    assert out[-1].startswith(f"no divergence: {report['compared']} keys compared; closest: ")
-    assert f"; {len(records)} keys NOT COMPARABLE (see above)" in out[-1]
-    # Both sides mix phases: their record keys hold decode calls, their ids the prompt's 3 tokens.
-    mixed = [problem for problem in report["problems"] if problem["kind"] == "mixed_phases"]
-    assert [problem["side"] for problem in mixed] == ["REF", "RUN"]
-    assert "12 record keys hold a call of 4 tokens while the ids of their layers hold a call of 3 tokens" in \
-        mixed[1]["detail"]
-    by_key = {record["key"]: record for record in report["keys"]}
-    assert by_key["layer0"]["status"] == "not_comparable" and "rel_diff" not in by_key["layer0"]
-    assert by_key["layer0_topk"]["status"] == "ok"  # ids of the same call on both sides are compared
-    assert by_key["logits"]["status"] == "ok"
-
-
-def test_without_the_phase_fields_the_same_pair_is_a_false_divergence(tmp_path, capsys, captures):
-    """The control for the test above: the manifest fields are what makes the difference."""
-    (ref_path, run_path), _ = decode_pair(tmp_path, captures, prompt=None, ref_tokens=1, run_tokens=4)
-    for path in (ref_path, run_path):
-        manifest = json.loads(path.with_suffix(".json").read_text())
-        for entry in manifest["keys"].values():
-            entry.pop("tokens", None)
-            entry.pop("phase", None)
-        path.with_suffix(".json").write_text(json.dumps(manifest))
-    code, out, report = run_cli(capsys, ref_path, run_path)
-    assert code == 1 and report["not_comparable"] == [] and report["first_divergence"]["key"] == "embed"
-
-
-def test_prefill_against_decode_names_the_phases_and_the_prompt_length(tmp_path, capsys, captures):
-    (ref_path, run_path), _ = decode_pair(tmp_path, captures, prompt=3, ref_tokens=3, run_tokens=4)
-    code, out, report = run_cli(capsys, ref_path, run_path)
-    assert code == 3
-    assert report["not_comparable"][0]["reason"] == ("REF value from the prefill (3 tokens), RUN value from the "
-                                                     "decode (4 tokens)")
-    (line,) = [line for line in out if line.startswith("not comparable:")]
-    assert "REF prefill of 3 tokens vs RUN decode of 4 tokens" in line
-    assert "COMPILEDUMP_TOKENS=3 (the prompt length)" in line
-    mixed = [problem for problem in report["problems"] if problem["kind"] == "mixed_phases"]
-    assert [problem["side"] for problem in mixed] == ["RUN"]  # REF's record keys match its ids
-
-
-def test_a_divergence_among_comparable_keys_still_exits_1(tmp_path, capsys, captures):
-    (ref_path, run_path), _ = decode_pair(tmp_path, captures, prompt=3, ref_tokens=3, run_tokens=4, diverge_step=2)
-    code, out, report = run_cli(capsys, ref_path, run_path)
-    assert code == 1 and report["first_divergence"]["step"] == 2 and len(report["not_comparable"]) > 0
-
-
-def test_steps_are_compared_whatever_their_batch(tmp_path, capsys, captures):
-    # A decode step is one row of its batch by construction: batch 1 against a padded batch is fine.
-    rng = np.random.default_rng(7)
-    run = factory.perturb(captures, rng, noise=1e-7)
-    steps = {c.key: {"tokens": 1} for c in captures if c.kind == "step"}
-    ref_manifest = factory.manifest_for(captures, source_dtype="float32", key_fields=steps)
-    run_manifest = factory.manifest_for(run, source_dtype="float32",
-                                        key_fields={key: {"tokens": 4} for key in steps})
-    ref_path, run_path = pair(tmp_path, captures, run, ref_manifest=ref_manifest, run_manifest=run_manifest)
-    code, _, report = run_cli(capsys, ref_path, run_path)
-    assert code == 0 and report["not_comparable"] == [] and report["compared"] == len(captures)
-
-
-# ----------------------------------------------------------------------------------------------
 # Saying what was and was not compared
 # ----------------------------------------------------------------------------------------------
 
@@ -294,8 +152,8 @@ def test_steps_are_compared_whatever_their_batch(tmp_path, capsys, captures):
 def test_clean_run_ends_with_the_key_closest_to_its_threshold(tmp_path, capsys, captures):
     rng = np.random.default_rng(8)
     run = scaled(factory.perturb(captures, rng, noise=1e-4), "layer4", 1.004)
-    ref_path, run_path = pair(tmp_path, captures, run, "bfloat16", "bfloat16")
-    code, out, report = run_cli(capsys, ref_path, run_path)
+    ref_path, run_path = write_pair(tmp_path, captures, run, "bfloat16", "bfloat16")
+    code, out, report = compare_json(capsys, ref_path, run_path)
     assert code == 0
     rel_limit, norm_limit = DEFAULT_THRESHOLDS["bf16"]
     best = None
@@ -325,8 +183,8 @@ def test_filtered_and_dropped_tags_are_counted_in_one_note(tmp_path, capsys, cap
     run_manifest = factory.manifest_for(run, drops={"token_gate": 40},
                                         filtered_tags={"layer6_topk": "moe_layers", "layer6_moe_out": "moe_layers",
                                                        "layer7_topk": "moe_layers"})
-    ref_path, run_path = pair(tmp_path, captures, run, ref_manifest=ref_manifest, run_manifest=run_manifest)
-    code, out, report = run_cli(capsys, ref_path, run_path)
+    ref_path, run_path = write_pair(tmp_path, captures, run, ref_manifest=ref_manifest, run_manifest=run_manifest)
+    code, out, report = compare_json(capsys, ref_path, run_path)
     assert code == 0
     notes = [line for line in out if line.startswith("note:")]
     assert notes == ["note: not captured: REF 2 tags filtered (2 by COMPILEDUMP_MOE_LAYERS), 1 tags with every call dropped, "
@@ -354,7 +212,7 @@ def test_map_splits_at_the_first_unescaped_equals(text, expected):
 
 @pytest.mark.parametrize("text", ["no_equals", "=x", r"only\=escaped", "(=x", r"a=\2"])
 def test_bad_maps_are_usage_errors(tmp_path, capsys, captures, text):
-    ref_path, run_path = pair(tmp_path, captures, captures)
+    ref_path, run_path = write_pair(tmp_path, captures, captures)
     assert main(["compare", str(ref_path), str(run_path), "--map", text]) == 2
     assert "usage:" in capsys.readouterr().err
 
@@ -374,12 +232,12 @@ def hf_names(captures):
 
 def test_map_pairs_two_differently_tagged_dumps_of_one_run(tmp_path, capsys, captures):
     renamed = hf_names(captures)
-    ref_path, run_path = pair(tmp_path, captures, renamed)
+    ref_path, run_path = write_pair(tmp_path, captures, renamed)
     assert main(["compare", str(ref_path), str(run_path)]) == 2  # no key in common
     assert "no keys in common" in capsys.readouterr().err
     maps = [r"^model\.layers\.(\d+)\.mlp\.=layer\1_", r"^model\.layers\.(\d+)$=layer\1",
             "^model.embed_tokens$=embed", r"^model\.norm$=final_norm", "^lm_head$=logits", r"^model\.(final_)=\1"]
-    code, out, report = run_cli(capsys, ref_path, run_path, *[arg for m in maps for arg in ("--map", m)])
+    code, out, report = compare_json(capsys, ref_path, run_path, *[arg for m in maps for arg in ("--map", m)])
     assert code == 0 and report["problems"] == []
     assert [record["key"] for record in report["keys"]] == [record["key"] for record in
                                                             cmp.compare(ref_path, ref_path).to_json()["keys"]]
@@ -389,7 +247,7 @@ def test_map_pairs_two_differently_tagged_dumps_of_one_run(tmp_path, capsys, cap
     assert report["pairs"][0]["renamed"]["logits_2"] == "lm_head_2"
     assert f"note: RUN: --map renamed {len(captures)} of {len(captures)} keys" in out
     # A partial map: the keys it leaves unpaired are listed, not fatal.
-    code, _, report = run_cli(capsys, ref_path, run_path, "--map", maps[1])
+    code, _, report = compare_json(capsys, ref_path, run_path, "--map", maps[1])
     missing = {problem["key"] for problem in report["problems"] if problem["kind"] == "missing_in_run"}
     extra = {problem["key"] for problem in report["problems"] if problem["kind"] == "extra_in_run"}
     assert code == 0 and {record["key"] for record in report["keys"]} == {f"layer{n}" for n in range(6)}
@@ -398,8 +256,8 @@ def test_map_pairs_two_differently_tagged_dumps_of_one_run(tmp_path, capsys, cap
 
 def test_two_run_keys_mapped_to_one_name_are_a_problem(tmp_path, capsys, captures):
     run = captures + [factory.Capture("layer2_copy", captures[3].array.copy(), "record", "layer2_copy")]
-    ref_path, run_path = pair(tmp_path, captures, run)
-    code, _, report = run_cli(capsys, ref_path, run_path, "--map", "_copy$=_moe_out")
+    ref_path, run_path = write_pair(tmp_path, captures, run)
+    code, _, report = compare_json(capsys, ref_path, run_path, "--map", "_copy$=_moe_out")
     (problem,) = [problem for problem in report["problems"] if problem["kind"] == "map_collision"]
     assert problem["side"] == "RUN" and problem["key"] == "layer2_moe_out"
 
@@ -416,12 +274,12 @@ def test_all_rows_keys_are_judged_per_token_row(tmp_path, capsys, captures):
     run = factory.perturb(ref, rng, noise=1e-7)
     run = scaled(scaled(run, "layer1_h", 1.06, row=2), "layer1_h", 0.95, row=5)
     fields = {"layer1_h": {"rows": "all", "tokens": 7, "phase": "prefill"}}
-    ref_path, run_path = pair(tmp_path, ref, run, ref_manifest=factory.manifest_for(ref, key_fields=fields),
+    ref_path, run_path = write_pair(tmp_path, ref, run, ref_manifest=factory.manifest_for(ref, key_fields=fields),
                               run_manifest=factory.manifest_for(run, key_fields=fields))
     x, y = rows, run[4].array
     # Over the whole key, the two rows are diluted below both bf16 thresholds: only rows tell.
     assert rel_diff(x, y) < 1e-3 and norm_diff(x, y) < 2e-2
-    code, out, report = run_cli(capsys, ref_path, run_path)
+    code, out, report = compare_json(capsys, ref_path, run_path)
     first = report["first_divergence"]
     assert code == 1 and first["key"] == "layer1_h" and first["divergent_rows"] == [2, 5] and first["row_count"] == 7
     assert first["metric"] == "norm_diff"

@@ -92,6 +92,22 @@ def perturb(captures: list[Capture], rng: np.random.Generator, noise: float = 1e
     return out
 
 
+
+def scaled(captures: list[Capture], key: str, factor: float, row: int | None = None) -> list[Capture]:
+    """``captures`` with ``key``'s array (or only its row ``row``) multiplied by ``factor``: the
+    scale error that rel_diff nearly misses and norm_diff names."""
+    out = []
+    for capture in captures:
+        if capture.key == key:
+            array = capture.array.astype(np.float64).copy()
+            if row is None:
+                array *= factor
+            else:
+                array[row] *= factor
+            capture = replace(capture, array=array.astype(np.float32))
+        out.append(capture)
+    return out
+
 def _layer(tag: str) -> int | None:
     if tag.startswith("layer"):
         digits = tag[5:].split("_", 1)[0]
@@ -182,3 +198,20 @@ def write_legacy(directory: Path, captures: list[Capture], rank: int | str = 0, 
     path = directory / f"deepinfer_layers_rank{rank}_pid{pid}.npz"
     np.savez(path, **{capture.key: capture.array for capture in captures})
     return path
+
+
+def write_pair(directory: Path, ref: list[Capture], run: list[Capture], ref_dtype: str | None = "float32",
+               run_dtype: str | None = "float32", ref_manifest: dict | None = None,
+               run_manifest: dict | None = None) -> tuple[Path, Path]:
+    """REF and RUN written under ``directory``/ref and /run, each with ``manifest_for``'s manifest
+    of its source dtype unless a manifest is given; a dtype of None (and no manifest) writes that
+    side as a legacy file."""
+    paths = []
+    for side, captures, dtype, manifest in (("ref", ref, ref_dtype, ref_manifest),
+                                            ("run", run, run_dtype, run_manifest)):
+        if dtype is None and manifest is None:
+            paths.append(write_legacy(directory / side, captures))
+        else:
+            paths.append(write_compiledump(directory / side, captures,
+                                           manifest=manifest or manifest_for(captures, source_dtype=dtype)))
+    return paths[0], paths[1]
