@@ -9,9 +9,10 @@ hooks, and the flush at exit says so when instrumented modules never ran (e.g. a
 compiled before `instrument`).
 
 Default taps follow the names Hugging Face (and vLLM/SGLang) give a decoder-only causal LM:
-`<...>.layers.<i>` with `post_attention_layernorm`, `mlp` (or `block_sparse_moe`) and its
-router `gate`, then the final `norm` and `lm_head`. Hidden states `[batch, seq, hidden]` keep
-batch row `batch_row` (the request of a padded batch), so each position is a token row.
+`<...>.layers.<i>` with a token mixer (`self_attn`, or `linear_attn`/`mamba`/`mixer` in hybrid
+models), the norm before the MLP, `mlp` (or `block_sparse_moe`/`feed_forward`) and its router
+`gate` (or `router`), then the final `norm` and `lm_head`. Hidden states `[batch, seq, hidden]`
+keep batch row `batch_row` (the request of a padded batch), so each position is a token row.
 """
 
 from __future__ import annotations
@@ -35,6 +36,17 @@ LAYER_TAPS = {
     "": "layer output (the tag is layer<i>)",
 }
 _PATH_SIDE = re.compile(r"^(?P<path>[^:]*)(?::(?P<side>input|output))?$")
+# A decoder layer has one of these token mixers (attention, or a hybrid model's linear attention
+# or state-space block).
+MIXERS = ("self_attn", "linear_attn", "mamba", "mixer")
+MLP_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward")
+ROUTERS = ("gate", "router")  # the MoE block's router: Qwen/Mixtral/DeepSeek, gpt-oss/Granite
+# Where the residual stream after attention is a module's input. Pre-norm layers (Llama, Qwen,
+# Mixtral) normalise it in post_attention_layernorm (ffn_norm, pre_ff_layernorm: other names);
+# sandwich-norm layers (Gemma 2/3) use post_attention_layernorm on the attention output before the
+# residual add and pre_feedforward_layernorm after it; post-norm layers (OLMo 2, EXAONE 4: a
+# post_feedforward_layernorm and no norm before the MLP) feed it to the MLP block itself.
+_MLP_NORMS = ("pre_feedforward_layernorm", "pre_ff_layernorm", "ffn_norm")
 
 
 @dataclasses.dataclass
@@ -110,8 +122,8 @@ class Instrumented:
                 self._shape.batch, self._shape.seq = (hidden.shape[0], hidden.shape[1]) if three_d else (None, None)
         self._handles.append(layer.register_forward_pre_hook(pre_hook, with_kwargs=True))
 
-    def _router(self, i: int, block: torch.nn.Module):
-        top_k = next((getattr(m, name) for m in (block, block.gate) for name in ("top_k", "num_experts_per_tok")
+    def _router(self, i: int, block: torch.nn.Module, router: torch.nn.Module):
+        top_k = next((getattr(m, name) for m in (block, router) for name in ("top_k", "num_experts_per_tok")
                       if isinstance(getattr(m, name, None), int)), None)
 
         def capture(output) -> None:
@@ -152,7 +164,8 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
     if defaults:
         if layers is None:
             raise ValueError("compiledump.instrument: no decoder layers found (a ModuleList named 'layers' "
-                             "whose modules have 'self_attn'); pass defaults=False and taps={...}")
+                             f"whose modules each have one of {', '.join(MIXERS)}); pass defaults=False and "
+                             "taps={...}")
         _default_taps(handle, layers_path, layers, modules)
     for tag_pattern, path_pattern in (taps or {}).items():
         match = _PATH_SIDE.match(path_pattern)
@@ -176,16 +189,20 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
     for i, layer in enumerate(layers):
         prefix = f"{layers_path}.{i}"
         handle._track_shape(layer)
-        norm = getattr(layer, "post_attention_layernorm", None)
-        if norm is not None:
-            handle._add(norm, f"layer{i}_attn", f"{prefix}.post_attention_layernorm", "input")
-        block_name = next((name for name in ("mlp", "block_sparse_moe") if hasattr(layer, name)), None)
+        block_name = next((name for name in MLP_BLOCKS if isinstance(getattr(layer, name, None), torch.nn.Module)),
+                          None)
+        attn_input = _residual_after_attention(layer, block_name)
+        if attn_input is not None:
+            handle._add(getattr(layer, attn_input), f"layer{i}_attn", f"{prefix}.{attn_input}", "input")
         if block_name is not None:
             block = getattr(layer, block_name)
-            if isinstance(getattr(block, "gate", None), torch.nn.Module):
-                handle._add(block.gate, f"layer{i}_router", f"{prefix}.{block_name}.gate", "output",
-                            capture=handle._router(i, block))
-                handle.taps[f"layer{i}_topk"] = f"{prefix}.{block_name}.gate"
+            router_name = next((name for name in ROUTERS if isinstance(getattr(block, name, None), torch.nn.Module)),
+                               None)
+            if router_name is not None:
+                router = getattr(block, router_name)
+                handle._add(router, f"layer{i}_router", f"{prefix}.{block_name}.{router_name}", "output",
+                            capture=handle._router(i, block, router))
+                handle.taps[f"layer{i}_topk"] = f"{prefix}.{block_name}.{router_name}"
             handle._add(block, f"layer{i}_mlp", f"{prefix}.{block_name}", "output")
         handle._add(layer, f"layer{i}", prefix, "output")
     parent = layers_path.rpartition(".")[0]
@@ -201,10 +218,23 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
         handle._add(modules["lm_head"], "logits", "lm_head", "output", capture=logits)
 
 
+def _residual_after_attention(layer: torch.nn.Module, block_name: str | None) -> str | None:
+    """The name of `layer`'s child whose input is the residual stream after attention (see
+    _MLP_NORMS), or None when the layer's structure does not say."""
+    for name in _MLP_NORMS:
+        if isinstance(getattr(layer, name, None), torch.nn.Module):
+            return name
+    if isinstance(getattr(layer, "post_feedforward_layernorm", None), torch.nn.Module):
+        return block_name  # post-norm: the MLP block reads the residual stream itself
+    if isinstance(getattr(layer, "post_attention_layernorm", None), torch.nn.Module):
+        return "post_attention_layernorm"
+    return None
+
+
 def _find_layers(model: torch.nn.Module):
     for name, module in model.named_modules():
         if (isinstance(module, torch.nn.ModuleList) and (name == "layers" or name.endswith(".layers"))
-                and len(module) and all(hasattr(layer, "self_attn") for layer in module)):
+                and len(module) and all(any(hasattr(layer, mixer) for mixer in MIXERS) for layer in module)):
             return name, module
     return None, None
 
