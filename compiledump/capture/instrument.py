@@ -11,8 +11,9 @@ compiled before `instrument`).
 Default taps follow the names Hugging Face (and vLLM/SGLang) give a decoder-only causal LM:
 `<...>.layers.<i>` with a token mixer (`self_attn`, or `linear_attn`/`mamba`/`mixer` in hybrid
 models), the norm before the MLP, `mlp` (or `block_sparse_moe`/`feed_forward`) and its router
-`gate` (or `router`), then the final `norm` and `lm_head`. Hidden states `[batch, seq, hidden]`
-keep batch row `batch_row` (the request of a padded batch), so each position is a token row.
+`gate` (or `router`), then the final `norm` (or `final_layernorm`/`norm_f`) and `lm_head`.
+Hidden states `[batch, seq, hidden]` keep batch row `batch_row` (the request of a padded batch),
+so each position is a token row.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ _PATH_SIDE = re.compile(r"^(?P<path>[^:]*)(?::(?P<side>input|output))?$")
 MIXERS = ("self_attn", "linear_attn", "mamba", "mixer")
 MLP_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward")
 ROUTERS = ("gate", "router")  # the MoE block's router: Qwen/Mixtral/DeepSeek, gpt-oss/Granite
+FINAL_NORMS = ("norm", "final_layernorm", "norm_f")  # beside `layers`: most models, Jamba/Falcon-H1, Nemotron-H
 # Where the residual stream after attention is a module's input. Pre-norm layers (Llama, Qwen,
 # Mixtral) normalise it in post_attention_layernorm (ffn_norm, pre_ff_layernorm: other names);
 # sandwich-norm layers (Gemma 2/3) use post_attention_layernorm on the attention output before the
@@ -206,8 +208,9 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
             handle._add(block, f"layer{i}_mlp", f"{prefix}.{block_name}", "output")
         handle._add(layer, f"layer{i}", prefix, "output")
     parent = layers_path.rpartition(".")[0]
-    norm_path = f"{parent}.norm" if parent else "norm"
-    if norm_path in modules:
+    norm_path = next((path for path in (f"{parent}.{name}" if parent else name for name in FINAL_NORMS)
+                      if path in modules), None)
+    if norm_path is not None:
         handle._add(modules[norm_path], "final_norm", norm_path, "output")
     if "lm_head" in modules:
         def logits(output) -> None:

@@ -93,6 +93,7 @@ _REBUILD = {
                                                                          layer.pre_feedforward_layernorm(a))),
     "olmo2": lambda layer, a: a + layer.post_feedforward_layernorm(_mlp(layer, layer.mlp, a)),
     "gpt_oss": lambda layer, a: a + _mlp(layer, layer.mlp, layer.post_attention_layernorm(a)),
+    "jamba": lambda layer, a: a + _mlp(layer, layer.feed_forward, layer.pre_ff_layernorm(a)),
     "qwen3_next": lambda layer, a: a + _mlp(layer, layer.mlp, layer.post_attention_layernorm(a)),
 }
 
@@ -100,13 +101,15 @@ _REBUILD = {
 @pytest.mark.parametrize("name", sorted(_REBUILD))
 def test_default_taps_follow_other_layer_structures(dump_dir, name):
     """Sandwich norms (Gemma 2), post-norms (OLMo 2), a router named `router` (gpt-oss), hybrid
-    linear-attention layers (Qwen3-Next): the same tags, each holding what its name says."""
+    linear-attention layers (Qwen3-Next), Mamba layers with `feed_forward` blocks and a
+    `final_layernorm` (Jamba): the same tags, each holding what its name says."""
     compiledump.configure(moe_layers=4)
     config = transformers.AutoConfig.for_model(
         name, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, vocab_size=211, max_position_embeddings=64, num_experts=4,
         num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        attn_layer_period=4, attn_layer_offset=3)  # Jamba: layer 3 attends, the others are Mamba layers
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     ids = torch.randint(0, 211, (1, 7), generator=torch.Generator().manual_seed(6))
@@ -114,9 +117,12 @@ def test_default_taps_follow_other_layer_structures(dump_dir, name):
     out = _forward(model, ids)
     arrays, _ = _load(compiledump.flush())
     handle.remove()
-    moe = name in ("gpt_oss", "qwen3_next")
-    assert {f"layer1{suffix}" for suffix in ("", "_attn", "_mlp") + (("_router", "_topk") if moe else ())} <= set(arrays)
+    moe = name in ("gpt_oss", "jamba", "qwen3_next")
+    suffixes = ("", "_attn", "_mlp") + (("_router", "_topk") if moe else ())
+    assert {f"layer1{suffix}" for suffix in suffixes} <= set(arrays)
     assert set(arrays) >= {"final_norm", "logits_0"}
+    # The last hidden state Hugging Face returns is the final norm's output (Jamba: final_layernorm).
+    np.testing.assert_allclose(arrays["final_norm"], out.hidden_states[-1][0, -1].numpy(), rtol=1e-6, atol=1e-6)
     for i in range(3):
         np.testing.assert_allclose(arrays[f"layer{i}"], out.hidden_states[i + 1][0, -1].numpy(), rtol=1e-5, atol=1e-5)
         layer, attn = model.model.layers[i], torch.from_numpy(arrays[f"layer{i}_attn"])
@@ -127,15 +133,17 @@ def test_default_taps_follow_other_layer_structures(dump_dir, name):
         logits = model.lm_head(out.hidden_states[-1][0, -1])
     np.testing.assert_allclose(arrays["logits_0"], logits.numpy(), rtol=1e-5, atol=1e-5)
     if moe:
-        router = getattr(model.model.layers[2].mlp, "router", None) or model.model.layers[2].mlp.gate
+        layer = model.model.layers[1]  # an MoE layer in each of them
+        block = getattr(layer, "mlp", None) or layer.feed_forward
+        router = getattr(block, "router", None) or block.gate
         got = []
         hook = router.register_forward_hook(lambda _m, _a, output: got.append(output))
         with torch.no_grad():
             model(input_ids=ids)
         hook.remove()
         logits, _, top = got[0]
-        np.testing.assert_array_equal(arrays["layer2_topk"], top.numpy())
-        np.testing.assert_allclose(arrays["layer2_router"], logits[-1].numpy(), rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(arrays["layer1_topk"], top.numpy())
+        np.testing.assert_allclose(arrays["layer1_router"], logits[-1].numpy(), rtol=1e-6, atol=1e-6)
 
 
 def test_padded_batch_keeps_the_request_row(dump_dir):
