@@ -188,6 +188,7 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
 
 
 def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict) -> None:
+    unrouted = []  # MoE blocks (they hold `experts`) whose router has none of the ROUTERS names
     for i, layer in enumerate(layers):
         prefix = f"{layers_path}.{i}"
         handle._track_shape(layer)
@@ -205,8 +206,16 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
                 handle._add(router, f"layer{i}_router", f"{prefix}.{block_name}.{router_name}", "output",
                             capture=handle._router(i, block, router))
                 handle.taps[f"layer{i}_topk"] = f"{prefix}.{block_name}.{router_name}"
+            elif isinstance(getattr(block, "experts", None), torch.nn.Module):
+                unrouted.append(f"{prefix}.{block_name}")
             handle._add(block, f"layer{i}_mlp", f"{prefix}.{block_name}", "output")
         handle._add(layer, f"layer{i}", prefix, "output")
+    if unrouted:
+        # Without ids, a routing flip would show only as a divergent MLP output, with no root cause.
+        warnings.warn(f"compiledump.instrument: {len(unrouted)} MoE block(s) ({unrouted[0]}, ...) have experts but "
+                      f"no router submodule named {' or '.join(ROUTERS)}: no layer<i>_router/_topk tags. Add them "
+                      f"with taps={{'layer{{i}}_router': '{layers_path}.{{i}}.<block>.<router>'}} (integer outputs "
+                      "are recorded as ids).", RuntimeWarning, stacklevel=3)
     parent = layers_path.rpartition(".")[0]
     norm_path = next((path for path in (f"{parent}.{name}" if parent else name for name in FINAL_NORMS)
                       if path in modules), None)

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -218,6 +219,34 @@ def test_bad_arguments_are_clear_errors(dump_dir):
     with pytest.raises(TypeError, match="expected a torch.nn.Module"):
         compiledump.instrument(lambda x: x)
 
+
+
+def test_an_moe_block_without_a_known_router_is_named_in_a_warning(dump_dir):
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+            self.switch = torch.nn.Linear(8, 3)  # the router, under a name instrument does not know
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn, self.post_attention_layernorm, self.mlp = torch.nn.Identity(), torch.nn.Identity(), Block()
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Layer() for _ in range(2))
+
+    with pytest.warns(RuntimeWarning, match=r"2 MoE block\(s\) \(layers.0.mlp, ...\) have experts but no router "
+                                            r"submodule named gate or router.*taps="):
+        handle = compiledump.instrument(Model())
+    assert "layer0_router" not in handle.taps and {"layer0_attn", "layer0_mlp", "layer1"} <= set(handle.taps)
+    # Hugging Face MoE models' routers are found: no warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in ("qwen3_moe", "mixtral"):
+            assert "layer1_topk" in compiledump.instrument(ex.build_model(name)).taps
 
 def test_a_compiled_model_is_retraced_with_the_hooks(dump_dir):
     class Toy(torch.nn.Module):
