@@ -129,14 +129,21 @@ class Instrumented:
                       if isinstance(getattr(m, name, None), int)), None)
 
         def capture(output) -> None:
-            # Hugging Face 5.x routers return (logits, scores, top-k ids); older ones bare logits.
-            logits = output[0] if isinstance(output, (tuple, list)) else output
-            ids = output[2] if isinstance(output, (tuple, list)) and len(output) >= 3 else None
+            # Hugging Face 5.x routers return (logits, scores, top-k ids, ...); Llama 4's (scores,
+            # logits); older ones bare logits. The checks below are on types and dtypes only, so
+            # dynamo resolves them while tracing (no graph break).
+            if isinstance(output, (tuple, list)):
+                logits = output[1] if len(output) == 2 else output[0]
+                ids = output[2] if len(output) >= 3 else None
+            else:
+                logits, ids = output, None
             self.fired = True
+            if not (isinstance(logits, torch.Tensor) and logits.is_floating_point()):
+                return  # not a router of these conventions (its taps are the user's to add)
             api.record(f"layer{i}_router", self._rows(logits))
             if ids is None and top_k is not None:
                 ids = torch.topk(logits, top_k, dim=-1).indices
-            if ids is not None:
+            if isinstance(ids, torch.Tensor) and not ids.is_floating_point():
                 api.record_ids(f"layer{i}_topk", self._rows(ids))
 
         return capture

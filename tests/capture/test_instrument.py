@@ -84,7 +84,8 @@ def test_default_taps_capture_what_the_model_computes(dump_dir, name):
 
 def _mlp(layer, block, x):
     out = block(x[None, None])
-    return (out[0] if isinstance(out, tuple) else out)[0, 0]  # gpt-oss's MLP returns (out, scores)
+    out = out[0] if isinstance(out, tuple) else out  # gpt-oss's MLP returns (out, scores), Llama 4's (out, logits)
+    return out.reshape(-1, x.shape[-1])[0]  # Llama 4's MoE returns flat [tokens, hidden]
 
 
 # How the layer output follows from the residual stream after attention (`layer<i>_attn`), as each
@@ -95,6 +96,7 @@ _REBUILD = {
     "olmo2": lambda layer, a: a + layer.post_feedforward_layernorm(_mlp(layer, layer.mlp, a)),
     "gpt_oss": lambda layer, a: a + _mlp(layer, layer.mlp, layer.post_attention_layernorm(a)),
     "jamba": lambda layer, a: a + _mlp(layer, layer.feed_forward, layer.pre_ff_layernorm(a)),
+    "llama4_text": lambda layer, a: a + _mlp(layer, layer.feed_forward, layer.post_attention_layernorm(a)),
     "qwen3_next": lambda layer, a: a + _mlp(layer, layer.mlp, layer.post_attention_layernorm(a)),
 }
 
@@ -103,7 +105,8 @@ _REBUILD = {
 def test_default_taps_follow_other_layer_structures(dump_dir, name):
     """Sandwich norms (Gemma 2), post-norms (OLMo 2), a router named `router` (gpt-oss), hybrid
     linear-attention layers (Qwen3-Next), Mamba layers with `feed_forward` blocks and a
-    `final_layernorm` (Jamba): the same tags, each holding what its name says."""
+    `final_layernorm` (Jamba), a router returning (scores, logits) (Llama 4): the same tags, each
+    holding what its name says."""
     compiledump.configure(moe_layers=4)
     config = transformers.AutoConfig.for_model(
         name, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -118,7 +121,7 @@ def test_default_taps_follow_other_layer_structures(dump_dir, name):
     out = _forward(model, ids)
     arrays, _ = _load(compiledump.flush())
     handle.remove()
-    moe = name in ("gpt_oss", "jamba", "qwen3_next")
+    moe = name in ("gpt_oss", "jamba", "llama4_text", "qwen3_next")
     suffixes = ("", "_attn", "_mlp") + (("_router", "_topk") if moe else ())
     assert {f"layer1{suffix}" for suffix in suffixes} <= set(arrays)
     assert set(arrays) >= {"final_norm", "logits_0"}
@@ -142,8 +145,13 @@ def test_default_taps_follow_other_layer_structures(dump_dir, name):
         with torch.no_grad():
             model(input_ids=ids)
         hook.remove()
-        logits, _, top = got[0]
-        np.testing.assert_array_equal(arrays["layer1_topk"], top.numpy())
+        if name == "llama4_text":  # (scores, logits): the scores are 0 but at the experts used
+            scores, logits = got[0]
+            top = np.sort(np.nonzero(scores.numpy())[1].reshape(len(scores), -1), axis=-1)
+            np.testing.assert_array_equal(np.sort(arrays["layer1_topk"], axis=-1), top)
+        else:
+            logits, _, top = got[0]
+            np.testing.assert_array_equal(arrays["layer1_topk"], top.numpy())
         np.testing.assert_allclose(arrays["layer1_router"], logits[-1].numpy(), rtol=1e-6, atol=1e-6)
 
 
