@@ -251,11 +251,16 @@ def _residual_after_attention(layer: torch.nn.Module, block_name: str | None) ->
 
 
 def _find_layers(model: torch.nn.Module):
-    for name, module in model.named_modules():
-        if (isinstance(module, torch.nn.ModuleList) and (name == "layers" or name.endswith(".layers"))
-                and len(module) and all(any(hasattr(layer, mixer) for mixer in MIXERS) for layer in module)):
-            return name, module
-    return None, None
+    """The decoder's `layers`. A vision-language model also has a vision encoder's `layers` (Llava,
+    Gemma 3, Llama 4, Idefics 3), often first in module order: the language model's are the ones
+    beside a token embedding (`embed_tokens`), which vision encoders do not have."""
+    modules = dict(model.named_modules())
+    found = [(name, module) for name, module in modules.items()
+             if isinstance(module, torch.nn.ModuleList) and (name == "layers" or name.endswith(".layers"))
+             and len(module) and all(any(hasattr(layer, mixer) for mixer in MIXERS) for layer in module)]
+    beside_embeddings = [(name, module) for name, module in found
+                         if hasattr(modules[name.rpartition(".")[0]], "embed_tokens")]
+    return (beside_embeddings or found or [(None, None)])[0]
 
 
 def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:

@@ -155,6 +155,28 @@ def test_default_taps_follow_other_layer_structures(dump_dir, name):
         np.testing.assert_allclose(arrays["layer1_router"], logits[-1].numpy(), rtol=1e-6, atol=1e-6)
 
 
+
+def test_a_vision_language_model_is_tapped_in_its_language_model(dump_dir):
+    """Llava's vision encoder also has `layers` with `self_attn`, first in module order; the
+    decoder's are the ones beside `embed_tokens`."""
+    text = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=300, max_position_embeddings=64)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=2, image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=299)).eval()
+    ids = torch.randint(0, 290, (1, 6), generator=torch.Generator().manual_seed(7))
+    handle = compiledump.instrument(model)
+    out = _forward(model, ids)
+    arrays, _ = _load(compiledump.flush())
+    assert handle.taps["layer0"] == "model.language_model.layers.0"
+    assert handle.taps["final_norm"] == "model.language_model.norm"
+    for i in range(2):  # the last hidden state Hugging Face returns is the final norm's output
+        np.testing.assert_allclose(arrays[f"layer{i}"], out.hidden_states[i + 1][0, -1].numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(arrays["final_norm"], out.hidden_states[-1][0, -1].numpy(), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(arrays["logits_0"], out.logits[0, -1].numpy(), rtol=1e-5, atol=1e-5)
+
 def test_padded_batch_keeps_the_request_row(dump_dir):
     model = ex.build_model("qwen3_moe")
     g = torch.Generator().manual_seed(3)
