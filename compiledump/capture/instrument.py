@@ -228,13 +228,17 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
                       if path in modules), None)
     if norm_path is not None:
         handle._add(modules[norm_path], "final_norm", norm_path, "output")
-    if "lm_head" in modules:
+    # The model's own lm_head, else the nearest nested one (Llama 4's multimodal class holds
+    # language_model.lm_head).
+    head_path = "lm_head" if "lm_head" in modules else next((path for path in modules if path.endswith(".lm_head")),
+                                                             None)
+    if head_path is not None:
         def logits(output) -> None:
             handle.fired = True
             # [batch, seq, vocab]: the request's last position; flat [tokens, vocab] (vLLM-style):
             # the row set_gather_rows(step=...) names.
             api.record_step("logits", output[handle.batch_row, -1] if output.dim() == 3 else output)
-        handle._add(modules["lm_head"], "logits", "lm_head", "output", capture=logits)
+        handle._add(modules[head_path], "logits", head_path, "output", capture=logits)
 
 
 def _residual_after_attention(layer: torch.nn.Module, block_name: str | None) -> str | None:

@@ -177,6 +177,25 @@ def test_a_vision_language_model_is_tapped_in_its_language_model(dump_dir):
     np.testing.assert_allclose(arrays["final_norm"], out.hidden_states[-1][0, -1].numpy(), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(arrays["logits_0"], out.logits[0, -1].numpy(), rtol=1e-5, atol=1e-5)
 
+
+def test_a_causal_lm_nested_in_another_module_keeps_its_logits(dump_dir):
+    """Llama 4's multimodal class holds its text model as `language_model` (with `lm_head`)."""
+    class Outer(torch.nn.Module):
+        def __init__(self, language_model):
+            super().__init__()
+            self.language_model = language_model
+
+        def forward(self, **kwargs):
+            return self.language_model(**kwargs)
+
+    inner = ex.build_model("llama")
+    ids = torch.randint(0, inner.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(8))
+    handle = compiledump.instrument(Outer(inner))
+    out = _forward(inner, ids)
+    arrays, _ = _load(compiledump.flush())
+    assert handle.taps["logits"] == "language_model.lm_head" and handle.taps["layer0"] == "language_model.model.layers.0"
+    np.testing.assert_allclose(arrays["logits_0"], out.logits[0, -1].numpy(), rtol=1e-5, atol=1e-5)
+
 def test_padded_batch_keeps_the_request_row(dump_dir):
     model = ex.build_model("qwen3_moe")
     g = torch.Generator().manual_seed(3)
