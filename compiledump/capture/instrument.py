@@ -219,7 +219,8 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
         handle._add(layer, f"layer{i}", prefix, "output")
     if unrouted:
         # Without ids, a routing flip would show only as a divergent MLP output, with no root cause.
-        warnings.warn(f"compiledump.instrument: {len(unrouted)} MoE block(s) ({unrouted[0]}, ...) have experts but "
+        named = ", ".join(unrouted[:3]) + (", ..." if len(unrouted) > 3 else "")
+        warnings.warn(f"compiledump.instrument: {len(unrouted)} MoE block(s) ({named}) have experts but "
                       f"no router submodule named {' or '.join(ROUTERS)}: no layer<i>_router/_topk tags. Add them "
                       f"with taps={{'layer{{i}}_router': '{layers_path}.{{i}}.<block>.<router>'}} (integer outputs "
                       "are recorded as ids).", RuntimeWarning, stacklevel=3)

@@ -193,7 +193,8 @@ def test_a_causal_lm_nested_in_another_module_keeps_its_logits(dump_dir):
     handle = compiledump.instrument(Outer(inner))
     out = _forward(inner, ids)
     arrays, _ = _load(compiledump.flush())
-    assert handle.taps["logits"] == "language_model.lm_head" and handle.taps["layer0"] == "language_model.model.layers.0"
+    assert handle.taps["logits"] == "language_model.lm_head"
+    assert handle.taps["layer0"] == "language_model.model.layers.0"
     np.testing.assert_allclose(arrays["logits_0"], out.logits[0, -1].numpy(), rtol=1e-5, atol=1e-5)
 
 def test_padded_batch_keeps_the_request_row(dump_dir):
@@ -287,8 +288,8 @@ def test_an_moe_block_without_a_known_router_is_named_in_a_warning(dump_dir):
             super().__init__()
             self.layers = torch.nn.ModuleList(Layer() for _ in range(2))
 
-    with pytest.warns(RuntimeWarning, match=r"2 MoE block\(s\) \(layers.0.mlp, ...\) have experts but no router "
-                                            r"submodule named gate or router.*taps="):
+    with pytest.warns(RuntimeWarning, match=r"2 MoE block\(s\) \(layers.0.mlp, layers.1.mlp\) have experts but "
+                                            r"no router submodule named gate or router.*taps="):
         handle = compiledump.instrument(Model())
     assert "layer0_router" not in handle.taps and {"layer0_attn", "layer0_mlp", "layer1"} <= set(handle.taps)
     # Hugging Face MoE models' routers are found: no warning.
