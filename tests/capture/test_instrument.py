@@ -81,8 +81,7 @@ def test_default_taps_capture_what_the_model_computes(dump_dir, name):
     assert manifest["keys"]["layer0"]["tokens"] == 7 and manifest["prompt_tokens"] == 7
 
 
-
-def _mlp(layer, block, x):
+def _mlp(block, x):
     out = block(x[None, None])
     out = out[0] if isinstance(out, tuple) else out  # gpt-oss's MLP returns (out, scores), Llama 4's (out, logits)
     return out.reshape(-1, x.shape[-1])[0]  # Llama 4's MoE returns flat [tokens, hidden]
@@ -91,13 +90,13 @@ def _mlp(layer, block, x):
 # How the layer output follows from the residual stream after attention (`layer<i>_attn`), as each
 # architecture's decoder layer computes it (transformers' modeling files).
 _REBUILD = {
-    "gemma2": lambda layer, a: a + layer.post_feedforward_layernorm(_mlp(layer, layer.mlp,
-                                                                         layer.pre_feedforward_layernorm(a))),
-    "olmo2": lambda layer, a: a + layer.post_feedforward_layernorm(_mlp(layer, layer.mlp, a)),
-    "gpt_oss": lambda layer, a: a + _mlp(layer, layer.mlp, layer.post_attention_layernorm(a)),
-    "jamba": lambda layer, a: a + _mlp(layer, layer.feed_forward, layer.pre_ff_layernorm(a)),
-    "llama4_text": lambda layer, a: a + _mlp(layer, layer.feed_forward, layer.post_attention_layernorm(a)),
-    "qwen3_next": lambda layer, a: a + _mlp(layer, layer.mlp, layer.post_attention_layernorm(a)),
+    "gemma2": lambda layer, a: a + layer.post_feedforward_layernorm(
+        _mlp(layer.mlp, layer.pre_feedforward_layernorm(a))),
+    "olmo2": lambda layer, a: a + layer.post_feedforward_layernorm(_mlp(layer.mlp, a)),
+    "gpt_oss": lambda layer, a: a + _mlp(layer.mlp, layer.post_attention_layernorm(a)),
+    "jamba": lambda layer, a: a + _mlp(layer.feed_forward, layer.pre_ff_layernorm(a)),
+    "llama4_text": lambda layer, a: a + _mlp(layer.feed_forward, layer.post_attention_layernorm(a)),
+    "qwen3_next": lambda layer, a: a + _mlp(layer.mlp, layer.post_attention_layernorm(a)),
 }
 
 
@@ -153,7 +152,6 @@ def test_default_taps_follow_other_layer_structures(dump_dir, name):
             logits, _, top = got[0]
             np.testing.assert_array_equal(arrays["layer1_topk"], top.numpy())
         np.testing.assert_allclose(arrays["layer1_router"], logits[-1].numpy(), rtol=1e-6, atol=1e-6)
-
 
 
 def test_a_vision_language_model_is_tapped_in_its_language_model(dump_dir):
@@ -268,7 +266,6 @@ def test_bad_arguments_are_clear_errors(dump_dir):
         compiledump.instrument(torch.nn.Linear(3, 3))
     with pytest.raises(TypeError, match="expected a torch.nn.Module"):
         compiledump.instrument(lambda x: x)
-
 
 
 def test_an_moe_block_without_a_known_router_is_named_in_a_warning(dump_dir):
