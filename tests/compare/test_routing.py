@@ -94,11 +94,7 @@ def run_side(ref: list, rng: np.random.Generator, ids_rows: dict, large_from_lay
 
 def write_pair(tmp_path: Path, ref: list, run: list, dtype: str, all_rows: bool) -> tuple[Path, Path]:
     fields = {f"layer{layer}_router": {"rows": "all"} for layer in range(LAYERS)} if all_rows else None
-    paths = []
-    for name, captures, source in (("ref", ref, "float32"), ("run", run, dtype)):
-        manifest = factory.manifest_for(captures, source_dtype=source, key_fields=fields)
-        paths.append(factory.write_compiledump(tmp_path / name, captures, manifest=manifest))
-    return paths[0], paths[1]
+    return factory.write_pair(tmp_path, ref, run, "float32", dtype, key_fields=fields)
 
 
 def gap_of(logits: np.ndarray, ref_row: np.ndarray, run_row: np.ndarray) -> float:
@@ -344,12 +340,8 @@ def test_float_keys_after_a_near_tie_are_not_judged_at_that_token_only(tmp_path)
 
     def pair_all_rows(path, run):
         keys = {c.key for c in ref if c.kind == "record" and c.tag.startswith("layer")}
-        fields = {key: {"rows": "all"} for key in keys}
-        paths = []
-        for name, captures, source in (("ref", ref, "float32"), ("run", run, "bfloat16")):
-            manifest = factory.manifest_for(captures, source_dtype=source, key_fields=fields)
-            paths.append(factory.write_compiledump(path / name, captures, manifest=manifest))
-        return paths
+        return factory.write_pair(path, ref, run, "float32", "bfloat16",
+                                  key_fields={key: {"rows": "all"} for key in keys})
 
     report = compare(*pair_all_rows(tmp_path / "a", off([2])))
     by_key = {r.key: r for r in report.keys}

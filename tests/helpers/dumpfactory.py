@@ -92,7 +92,6 @@ def perturb(captures: list[Capture], rng: np.random.Generator, noise: float = 1e
     return out
 
 
-
 def scaled(captures: list[Capture], key: str, factor: float, row: int | None = None) -> list[Capture]:
     """``captures`` with ``key``'s array (or only its row ``row``) multiplied by ``factor``: the
     scale error that rel_diff nearly misses and norm_diff names."""
@@ -107,6 +106,7 @@ def scaled(captures: list[Capture], key: str, factor: float, row: int | None = N
             capture = replace(capture, array=array.astype(np.float32))
         out.append(capture)
     return out
+
 
 def _layer(tag: str) -> int | None:
     if tag.startswith("layer"):
@@ -202,16 +202,16 @@ def write_legacy(directory: Path, captures: list[Capture], rank: int | str = 0, 
 
 def write_pair(directory: Path, ref: list[Capture], run: list[Capture], ref_dtype: str | None = "float32",
                run_dtype: str | None = "float32", ref_manifest: dict | None = None,
-               run_manifest: dict | None = None) -> tuple[Path, Path]:
+               run_manifest: dict | None = None, key_fields: dict[str, dict] | None = None) -> tuple[Path, Path]:
     """REF and RUN written under ``directory``/ref and /run, each with ``manifest_for``'s manifest
-    of its source dtype unless a manifest is given; a dtype of None (and no manifest) writes that
-    side as a legacy file."""
+    of its source dtype (and ``key_fields``, on both sides) unless a manifest is given; a dtype of
+    None (and no manifest) writes that side as a legacy file."""
     paths = []
     for side, captures, dtype, manifest in (("ref", ref, ref_dtype, ref_manifest),
                                             ("run", run, run_dtype, run_manifest)):
         if dtype is None and manifest is None:
             paths.append(write_legacy(directory / side, captures))
         else:
-            paths.append(write_compiledump(directory / side, captures,
-                                           manifest=manifest or manifest_for(captures, source_dtype=dtype)))
+            manifest = manifest or manifest_for(captures, source_dtype=dtype, key_fields=key_fields)
+            paths.append(write_compiledump(directory / side, captures, manifest=manifest))
     return paths[0], paths[1]
