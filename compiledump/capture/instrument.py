@@ -169,7 +169,7 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
     inner = _uncompiled(model)
     handle = Instrumented(inner, batch_row)
     modules = dict(inner.named_modules())
-    layers_path, layers = _find_layers(inner)
+    layers_path, layers = _find_layers(modules)
     if defaults:
         if layers is None:
             raise ValueError("compiledump.instrument: no decoder layers found (a ModuleList named 'layers' "
@@ -199,15 +199,13 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
     for i, layer in enumerate(layers):
         prefix = f"{layers_path}.{i}"
         handle._track_shape(layer)
-        block_name = next((name for name in MLP_BLOCKS if isinstance(getattr(layer, name, None), torch.nn.Module)),
-                          None)
+        block_name = _child(layer, MLP_BLOCKS)
         attn_input = _residual_after_attention(layer, block_name)
         if attn_input is not None:
             handle._add(getattr(layer, attn_input), f"layer{i}_attn", f"{prefix}.{attn_input}", "input")
         if block_name is not None:
             block = getattr(layer, block_name)
-            router_name = next((name for name in ROUTERS if isinstance(getattr(block, name, None), torch.nn.Module)),
-                               None)
+            router_name = _child(block, ROUTERS)
             if router_name is not None:
                 router = getattr(block, router_name)
                 handle._add(router, f"layer{i}_router", f"{prefix}.{block_name}.{router_name}", "output",
@@ -242,24 +240,26 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
         handle._add(modules[head_path], "logits", head_path, "output", capture=logits)
 
 
+def _child(module: torch.nn.Module, names: tuple[str, ...]) -> str | None:
+    """The first of `names` that is a submodule of `module`, or None."""
+    return next((name for name in names if isinstance(getattr(module, name, None), torch.nn.Module)), None)
+
+
 def _residual_after_attention(layer: torch.nn.Module, block_name: str | None) -> str | None:
     """The name of `layer`'s child whose input is the residual stream after attention (see
     _MLP_NORMS), or None when the layer's structure does not say."""
-    for name in _MLP_NORMS:
-        if isinstance(getattr(layer, name, None), torch.nn.Module):
-            return name
-    if isinstance(getattr(layer, "post_feedforward_layernorm", None), torch.nn.Module):
+    if (norm := _child(layer, _MLP_NORMS)) is not None:
+        return norm
+    if _child(layer, ("post_feedforward_layernorm",)) is not None:
         return block_name  # post-norm: the MLP block reads the residual stream itself
-    if isinstance(getattr(layer, "post_attention_layernorm", None), torch.nn.Module):
-        return "post_attention_layernorm"
-    return None
+    return _child(layer, ("post_attention_layernorm",))
 
 
-def _find_layers(model: torch.nn.Module):
-    """The decoder's `layers`. A vision-language model also has a vision encoder's `layers` (Llava,
-    Gemma 3, Llama 4, Idefics 3), often first in module order: the language model's are the ones
-    beside a token embedding (`embed_tokens`), which vision encoders do not have."""
-    modules = dict(model.named_modules())
+def _find_layers(modules: dict[str, torch.nn.Module]):
+    """The decoder's `layers` among `modules` (the model's `named_modules()`). A vision-language
+    model also has a vision encoder's `layers` (Llava, Gemma 3, Llama 4, Idefics 3), often first in
+    module order: the language model's are the ones beside a token embedding (`embed_tokens`),
+    which vision encoders do not have."""
     found = [(name, module) for name, module in modules.items()
              if isinstance(module, torch.nn.ModuleList) and (name == "layers" or name.endswith(".layers"))
              and len(module) and all(any(hasattr(layer, mixer) for mixer in MIXERS) for layer in module)]
