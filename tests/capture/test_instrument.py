@@ -37,8 +37,12 @@ def _forward(model, ids):
 
 
 def _router_ids(model, layer, ids):
+    """What layer `layer`'s router returns for `ids` (its block is `mlp` or `feed_forward`, its
+    router `gate` or `router`)."""
+    block = getattr(model.model.layers[layer], "mlp", None) or model.model.layers[layer].feed_forward
+    router = getattr(block, "router", None) or block.gate
     got = []
-    hook = model.model.layers[layer].mlp.gate.register_forward_hook(lambda _m, _a, out: got.append(out))
+    hook = router.register_forward_hook(lambda _m, _a, out: got.append(out))
     with torch.no_grad():
         model(input_ids=ids)
     hook.remove()
@@ -136,20 +140,13 @@ def test_default_taps_follow_other_layer_structures(dump_dir, name):
         logits = model.lm_head(out.hidden_states[-1][0, -1])
     np.testing.assert_allclose(arrays["logits_0"], logits.numpy(), rtol=1e-5, atol=1e-5)
     if moe:
-        layer = model.model.layers[1]  # an MoE layer in each of them
-        block = getattr(layer, "mlp", None) or layer.feed_forward
-        router = getattr(block, "router", None) or block.gate
-        got = []
-        hook = router.register_forward_hook(lambda _m, _a, output: got.append(output))
-        with torch.no_grad():
-            model(input_ids=ids)
-        hook.remove()
+        output = _router_ids(model, 1, ids)  # layer 1 is an MoE layer in each of them
         if name == "llama4_text":  # (scores, logits): the scores are 0 but at the experts used
-            scores, logits = got[0]
+            scores, logits = output
             top = np.sort(np.nonzero(scores.numpy())[1].reshape(len(scores), -1), axis=-1)
             np.testing.assert_array_equal(np.sort(arrays["layer1_topk"], axis=-1), top)
         else:
-            logits, _, top = got[0]
+            logits, _, top = output
             np.testing.assert_array_equal(arrays["layer1_topk"], top.numpy())
         np.testing.assert_allclose(arrays["layer1_router"], logits[-1].numpy(), rtol=1e-6, atol=1e-6)
 
