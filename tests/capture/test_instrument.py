@@ -192,6 +192,7 @@ def test_a_causal_lm_nested_in_another_module_keeps_its_logits(dump_dir):
     assert handle.taps["layer0"] == "language_model.model.layers.0"
     np.testing.assert_allclose(arrays["logits_0"], out.logits[0, -1].numpy(), rtol=1e-5, atol=1e-5)
 
+
 def test_padded_batch_keeps_the_request_row(dump_dir):
     model = ex.build_model("qwen3_moe")
     g = torch.Generator().manual_seed(3)
@@ -291,6 +292,7 @@ def test_an_moe_block_without_a_known_router_is_named_in_a_warning(dump_dir):
         warnings.simplefilter("error")
         for name in ("qwen3_moe", "mixtral"):
             assert "layer1_topk" in compiledump.instrument(ex.build_model(name)).taps
+
 
 def test_a_compiled_model_is_retraced_with_the_hooks(dump_dir):
     class Toy(torch.nn.Module):
