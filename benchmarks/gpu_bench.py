@@ -22,6 +22,8 @@ Measurements, in run order:
                       replays run clean under torch.cuda.set_sync_debug_mode("error");
   kernel_bandwidth    time per capture vs payload (hc_mult x dim of one row): bytes/s, and the floor
                       (a 1-element capture: graph-node overhead);
+  wide_step           record_step of [64, 32000] and [64, 129280] fp32 logits in a graph: the split
+                      capture (claim launch + copy over every tile) vs one program per capture;
   eager_vs_seed       eager cost per capture call, compiledump vs debug_dump.py (which copies to the
                       host, and so synchronizes, on every call); skipped where that file is absent;
   compiled_host_cost  N captures in a function compiled without CUDA graphs (how engines run large
@@ -282,6 +284,39 @@ def kernel_bandwidth(device, quick, tmp):
     return {"rows": rows, "floor_us": rows[0]["us_per_capture"]}
 
 
+def wide_step(device, quick, tmp):
+    """record_step of wide logits rows inside a CUDA graph: the split capture (a one-program
+    claim launch, then a copy launch over every tile: ops/variants.py SPLIT_MIN_TILES) against
+    the same captures forced to one program, which reads the row tile after tile."""
+    from compiledump.ops import variants
+
+    widths, n, replays = ([10243], 4, 3) if quick else ([32000, 129280], 20, 20)
+    steps = replays + 2  # room for every replay of a round (a full region would write nothing)
+    _fresh(tmp / "w", max_steps=steps, arena_mb=2 * len(widths) * n * steps * max(widths) * 4 // 2**20 + 64)
+    compiledump.init(device)
+    compiledump.set_rows(1)
+    rows = []
+    for width in widths:
+        logits = [torch.randn(64, width, device=device) for _ in range(n)]
+        graphs = {}
+        for name, min_tiles in (("split", variants.SPLIT_MIN_TILES), ("one_program", 1 << 40)):
+            saved, variants.SPLIT_MIN_TILES = variants.SPLIT_MIN_TILES, min_tiles
+            try:  # the launches are fixed when the graph is captured
+                graphs[name] = graph_of(lambda name=name: [compiledump.record_step(f"{name}{width}_{i}", x)
+                                                           for i, x in enumerate(logits)], device)
+            finally:
+                variants.SPLIT_MIN_TILES = saved
+        times = rounds_of(graphs, device, rounds=3 if quick else 10, replays=replays, before=compiledump.clear)
+        split, one = (statistics.median(times[k]) * 1e3 / n for k in ("split", "one_program"))
+        rows.append({"width": width, "us_per_capture_split": split, "us_per_capture_one_program": one,
+                     "speedup": one / split})
+    compiledump.clear()
+    for graph in graphs.values():
+        graph.replay()  # after clear(): each capture of the last width wrote one step
+    passed = _passed(compiledump.flush())
+    return {"ok": passed == 2 * n, "captures_per_graph": n, "rows": rows, "batch": 64, "dtype": "float32"}
+
+
 def eager_vs_seed(device, quick, tmp):
     if not DEBUG_DUMP.exists():
         raise gpu_common.SkipPhase(f"{DEBUG_DUMP} is absent")
@@ -310,6 +345,7 @@ PHASES = {
     "flush_throughput": (flush_throughput, True, 15),
     "graph_equals_eager": (graph_equals_eager, True, 20),
     "kernel_bandwidth": (kernel_bandwidth, True, 30),
+    "wide_step": (wide_step, True, 20),
     "eager_vs_seed": (eager_vs_seed, False, 20),
     "compiled_host_cost": (compiled_host_cost, True, 40),
     "decode_overhead_compiled": (decode_overhead_compiled, True, 180),
@@ -335,6 +371,9 @@ def _key_number(name, r):
     if name == "kernel_bandwidth":
         best = max(r["rows"], key=lambda x: x["GB_per_s"])
         return f"floor {r['floor_us']:.2f} us/capture; best {best['GB_per_s']:.1f} GB/s at {best['hc']}x{best['dim']}"
+    if name == "wide_step":
+        return "; ".join(f"{row['width']} wide: {row['us_per_capture_split']:.2f} us split vs "
+                         f"{row['us_per_capture_one_program']:.2f} one program" for row in r["rows"])
     return f"compiledump {r['compiledump_us']:.1f} us vs debug_dump.py {r['seed_us']:.1f} us per call ({r['speedup']:.1f}x)"
 
 

@@ -142,6 +142,9 @@ TORCH_LIBRARY_IMPL(compiledump, CPU, m) {
   m.impl("table_region_v1", &compiledump::table_region);
 }
 
+// The control block's layout this library was built for (layout.h CONTROL_LAYOUT).
+extern "C" int64_t compiledump_control_layout() { return compiledump::CONTROL_LAYOUT; }
+
 #ifdef COMPILEDUMP_WITH_CUDA
 // The same table for an arena on a GPU: a call from Inductor's generated code (compiled without
 // CUDA graphs, as engines run large prefills) is decided here and launches the CUDA kernel

@@ -32,7 +32,8 @@ constexpr int64_t SLOT_COMMITTED = 9;
 constexpr int64_t SLOT_NONFINITE = 10;
 constexpr int64_t SLOT_BAD_STEP = 11;
 constexpr int64_t SLOT_BAD_TOKENS = 12;
-constexpr int64_t SLOT_WORDS = 13;
+constexpr int64_t SLOT_CLAIM = 13;  // written by the Triton kernel's split launches only
+constexpr int64_t SLOT_WORDS = 14;
 constexpr int64_t NONFINITE_CAP = 1073741824;  // 1 << 30
 
 // Capture kinds.
@@ -46,6 +47,11 @@ constexpr int64_t ROW_FIXED_ZERO = -1;
 constexpr int64_t ROW_ALL = -2;
 
 inline int64_t slot_base(int64_t slot) { return HEADER_WORDS + slot * SLOT_WORDS; }
+
+// What Python checks before it loads the library (compiledump/ops/native.py, exported as
+// `compiledump_control_layout` by capture_table.cpp): a library built from older sources, say an
+// editable install not rebuilt after a pull, would read and write the wrong control-block words.
+constexpr int64_t CONTROL_LAYOUT = HEADER_WORDS * 1000 + SLOT_WORDS;
 
 // The kinds the token gate applies to (ops/geometry.py TOKEN_GATED_KINDS).
 C10_HOST_DEVICE inline bool is_token_gated_kind(int64_t kind) {

@@ -46,7 +46,17 @@ SLOT_NONFINITE = 10
 # call; 0: none yet), and its token count (0 for a tensor stored whole), set once.
 SLOT_BAD_STEP = 11
 SLOT_BAD_TOKENS = 12
-SLOT_WORDS = 13
+# The decision of a capture split into two launches (a wide step or keep-first record, see
+# LAUNCH_* below): the claim launch publishes it here and the copy launch's programs all act on
+# it. Bits 0-28: the call's SLOT_BAD_STEP date (for a written step, its index + 1); bit 29: it
+# writes; bit 30: the whole input is checked for NaN/Inf. Not read by the host.
+SLOT_CLAIM = 13
+CLAIM_WRITES = 1 << 29
+CLAIM_CHECK_ALL = 1 << 30
+SLOT_WORDS = 14
+# A fingerprint of the layout: the native library reports the one it was built for, and is not
+# loaded when it differs (ops/native.py).
+CONTROL_LAYOUT = HEADER_WORDS * 1000 + SLOT_WORDS
 # Kernels add to SLOT_NONFINITE only while it is below this, at most this much at once: it ends
 # in [NONFINITE_CAP, 2^31) once saturated, never past int32 (the manifest says "saturated").
 NONFINITE_CAP = 1 << 30
@@ -74,6 +84,15 @@ KIND_NAMES = {KIND_RECORD: "record", KIND_RECORD_ONCE: "record_once", KIND_STEP:
 # The kinds whose kept captures set SLOT_KEPT_TOKENS.
 RECORD_KINDS = (KIND_RECORD, KIND_RECORD_ONCE, KIND_RECORD_ROWS)
 
+# Launches of the Triton kernel (its `phase` argument; ops/variants.py `launches_for`). Whether and
+# where a step or keep-first record writes depends on the counter value its claim returns, and
+# programs of one launch cannot wait for each other, so such a capture runs one program, or, when
+# its row is wide, two launches: one program claims and publishes the decision (SLOT_CLAIM), then
+# many copy the row as it says. Stream order puts the copy after the claim, in a CUDA graph too.
+LAUNCH_WHOLE = 0  # claim and copy in one launch
+LAUNCH_CLAIM = 1  # one program: the claim, the decision published; copies nothing
+LAUNCH_COPY = 2  # the published decision's copy, its NaN/Inf count and commit; claims nothing
+
 # Geometry modes: how the op views its input as [T, H, D] and which row it takes.
 ROW_FIXED_ZERO = -1  # whole tensor viewed as one row
 ROW_ALL = -2  # every row (KIND_RECORD_ROWS)
@@ -93,3 +112,13 @@ def slot_base(slot: int) -> int:
 def control_words(max_tags: int) -> int:
     """Size of a control block with `max_tags` slots (slot 0 is the shared overflow slot)."""
     return HEADER_WORDS + (max_tags + 1) * SLOT_WORDS
+
+
+def without_claims(ctrl):
+    """A copy of the control block tensor `ctrl` with every slot's SLOT_CLAIM word zeroed: what
+    kernels that never split a capture (the reference, CPU and native CUDA kernels) hold, for
+    comparing their control blocks with the Triton kernel's word for word."""
+    out = ctrl.clone()
+    out[HEADER_WORDS:].view(-1, SLOT_WORDS)[:, SLOT_CLAIM] = 0
+    return out
+

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -48,10 +49,32 @@ def load(path: str | os.PathLike | None = None) -> bool:
         return False
     # RTLD_GLOBAL first: AOTInductor packages that call the library's C shims (kernels/aoti_shim.cpp)
     # resolve them from the global scope when they are loaded.
-    ctypes.CDLL(str(target), mode=ctypes.RTLD_GLOBAL)
+    library = ctypes.CDLL(str(target), mode=ctypes.RTLD_GLOBAL)
+    stale = _stale(library)
+    if stale:
+        message = (f"compiledump: the native library {target} {stale}, so its kernels would read and write the "
+                   "wrong words; rebuild it (pip install -e . again, or CMakeLists.txt)")
+        if required:
+            raise RuntimeError(message)
+        warnings.warn(message + "; using the Python capture path", RuntimeWarning, stacklevel=2)
+        return False
     torch.ops.load_library(str(target))
     _loaded = str(target)
     return True
+
+
+def _stale(library) -> str | None:
+    """Why `library` (a ctypes handle) does not match this package's control-block layout, or None."""
+    from . import layout
+
+    reported = getattr(library, "compiledump_control_layout", None)
+    if reported is None:
+        return "predates the control-layout check (built from older sources)"
+    reported.restype = ctypes.c_int64
+    built = reported()
+    if built != layout.CONTROL_LAYOUT:
+        return f"was built for control layout {built}, this package uses {layout.CONTROL_LAYOUT}"
+    return None
 
 
 # The C shims the library exports for AOTInductor (kernels/aoti_shim.cpp), by op: the declarations

@@ -1,7 +1,8 @@
-"""The capture kernel: one Triton launch per capture call.
+"""The capture kernel: one Triton launch per capture call (two for a wide step, below).
 
-One launch fuses everything a capture needs, so a CUDA graph holds exactly one node per capture
-point and every decision that may change between replays is read from device memory:
+One launch fuses everything a capture needs, so a CUDA graph holds one node per capture point
+(two for a wide step or keep-first record) and every decision that may change between replays
+is read from device memory:
 
 1. read the header registers (enabled flag, rows gate, gather row) from the control block, one
    snapshot that every thread of the program agrees on (`_read_registers`);
@@ -19,9 +20,12 @@ input's 16-byte alignment. All offset math is 64-bit: rows of a `[74900, 4, 7168
 arenas past 8 GiB are addressed exactly.
 
 Speed: the row is cut into tiles of BLOCK columns (one row per tile, every row for all-rows
-records), spread over several programs of NUM_WARPS warps when the write does not depend on the
-claimed counter (record, all-rows record, ids; steps and keep-first records use one program).
-Program 0 alone claims the counter. On the contiguous fast path (VEC > 1) the hints below let
+records), spread over several programs of NUM_WARPS warps. Program 0 alone claims the counter.
+Steps and keep-first records write only if (steps: where) the claimed value says, and programs
+cannot wait for each other, so they run one program, or, for a wide row (a logits step), two
+launches of the same compiled kernel (`phase`): one program claims and publishes its decision
+in the slot (layout.SLOT_CLAIM), then a launch over every tile copies as it says
+(ops/variants.py `launches_for`). On the contiguous fast path (VEC > 1) the hints below let
 Triton emit 16-byte vector loads and stores, and the HC_BLOCK hc rows of a tile are all loaded
 before any is added, so they are in flight together instead of one memory round trip each.
 SASS and PTX: scripts/kernel_ptx.py, benchmarks/RESULTS.md.
@@ -46,13 +50,13 @@ from .variants import (
     NUM_WARPS,
     Variant,
     ensure_prepared,
-    programs_for,
+    launches_for,
     variant_for,
 )
 
 HC_BLOCK = tl.constexpr(4)  # hc rows loaded together (hc_mult is 4 in the models this targets); unrolled below
 INT_ARGS = ["T", "H", "D", "stride_t", "stride_h", "stride_d", "base", "offset", "capacity", "kind", "reason",
-            "row_reg"]
+            "row_reg", "phase"]
 
 
 @triton.jit(do_not_specialize=INT_ARGS)
@@ -72,6 +76,7 @@ def capture_kernel(
     kind: tl.int64,  # layout.KIND_*
     reason: tl.int64,  # host-decided drop counter (0: none)
     row_reg: tl.int64,  # header register holding the row to gather (ROW_FIXED_ZERO: row 0; ROW_ALL: every row)
+    phase: tl.int64,  # layout.LAUNCH_*: the whole capture, or the claim or copy launch of a split one
     MEAN: tl.constexpr,  # average over H (else copy H x D)
     IS_INT: tl.constexpr,  # record_ids: store int32 (any other kind converts to float32)
     VEC: tl.constexpr,  # > 1: stride_d == 1; D, stride_t, stride_h multiples of VEC; x 16-byte aligned
@@ -79,9 +84,11 @@ def capture_kernel(
     HOST_ARENA: tl.constexpr,  # the arena is host-mapped memory (crash-proof capture, one program)
     BLOCK: tl.constexpr,
 ):
-    # Program 0 claims the counter; the other programs (only launched for the kinds whose write
-    # does not depend on the claimed value: record, all-rows record, ids) copy their share.
+    # Program 0 claims the counter; the other programs (launched for the kinds whose write does not
+    # depend on the claimed value: record, all-rows record, ids; or as the copy launch of a split
+    # capture, which acts on the decision its claim launch published) copy their share.
     pid = tl.program_id(0)
+    claimer = (pid == 0) & (phase != L.LAUNCH_COPY)
     programs = tl.num_programs(0)
     enabled, rows_ok, row, check_all = _read_registers(ctrl_ptr, row_reg, BLOCK)
     rows_ok = rows_ok | (kind != L.KIND_STEP)
@@ -96,13 +103,13 @@ def capture_kernel(
     counter = tl.where(enabled, counter, L.CNT_SUSPENDED)
     # Relaxed: the counter only has to be claimed atomically; nothing reads the payload before
     # the kernel has finished (flush synchronizes the device first).
-    old = tl.atomic_add(ctrl_ptr + base + counter, 1, mask=pid == 0, sem="relaxed").to(tl.int64)
-    old = tl.where(pid == 0, old, 0)
+    old = tl.atomic_add(ctrl_ptr + base + counter, 1, mask=claimer, sem="relaxed").to(tl.int64)
+    old = tl.where(claimer, old, 0)
 
     live = counter == L.CNT_WRITTEN
     # Decode steps begun: a step capture raises it past its own index (steps run one program).
     steps_now = tl.load(ctrl_ptr + L.REG_STEPS).to(tl.int64)
-    tl.atomic_max(ctrl_ptr + L.REG_STEPS, (old + 1).to(tl.int32), mask=(pid == 0) & live & (kind == L.KIND_STEP),
+    tl.atomic_max(ctrl_ptr + L.REG_STEPS, (old + 1).to(tl.int32), mask=claimer & live & (kind == L.KIND_STEP),
                   sem="relaxed")
     check_all = enabled & check_all
     # keep-first writes only on the first live call; append only while the region has room.
@@ -112,8 +119,11 @@ def capture_kernel(
     is_record = (kind == L.KIND_RECORD) | (kind == L.KIND_RECORD_ONCE) | (kind == L.KIND_RECORD_ROWS)
     kept_tokens = tl.where(row_reg == L.ROW_FIXED_ZERO, 0, T)  # a tensor stored whole has no token count
     tl.atomic_xchg(ctrl_ptr + base + L.SLOT_KEPT_TOKENS, kept_tokens.to(tl.int32),
-                   mask=write & is_record & (pid == 0), sem="relaxed")
-    step = tl.where(kind == L.KIND_STEP, old, 0)
+                   mask=write & is_record & claimer, sem="relaxed")
+    bad_step = 1 + tl.where(live & (kind == L.KIND_STEP), old, steps_now)  # dates a NaN/Inf (SLOT_BAD_STEP)
+    write, check_all, bad_step = _split_decision(ctrl_ptr + base + L.SLOT_CLAIM, phase, write, check_all, bad_step,
+                                                 row_ok, pid)
+    step = tl.where(kind == L.KIND_STEP, bad_step - 1, 0)  # bad_step is the step's index + 1 when it writes
     row_words = D if MEAN else H * D
     rows = tl.where(row_reg == L.ROW_ALL, T, 1)  # rows stored: all of them, or the one gathered
 
@@ -189,7 +199,6 @@ def capture_kernel(
     tl.atomic_add(ctrl_ptr + base + L.SLOT_NONFINITE, tl.where(seen < L.NONFINITE_CAP, tl.minimum(bad, L.NONFINITE_CAP), 0),
                   mask=has_bad, sem="relaxed")
     # The first call that saw one, set once (atomic_cas has no mask: cmp -1 never matches).
-    bad_step = 1 + tl.where(live & (kind == L.KIND_STEP), old, steps_now)
     first = tl.atomic_cas(ctrl_ptr + base + L.SLOT_BAD_STEP, tl.where(has_bad, 0, -1).to(tl.int32),
                           bad_step.to(tl.int32), sem="relaxed")
     tl.atomic_xchg(ctrl_ptr + base + L.SLOT_BAD_TOKENS, kept_tokens.to(tl.int32), mask=has_bad & (first == 0),
@@ -226,6 +235,25 @@ def _read_registers(ctrl_ptr, row_reg, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _split_decision(claim_ptr, phase, write, check_all, bad_step, row_ok, pid):
+    """A split capture's decision (layout.SLOT_CLAIM): the claim launch publishes its own and
+    copies nothing; every program of the copy launch takes the published one (whether it writes,
+    the whole-input check, the date that is also the step index). Stream order makes the claim
+    launch's word visible to the copy launch, so every program acts on the same claim. A copy
+    program still checks its own gather row (a register write racing on another stream could have
+    moved it out of range): it never reads past the input. A whole capture keeps its own."""
+    bad_step = tl.minimum(bad_step, L.CLAIM_WRITES - 1)
+    published = bad_step | tl.where(write, L.CLAIM_WRITES, 0) | tl.where(check_all, L.CLAIM_CHECK_ALL, 0)
+    tl.atomic_xchg(claim_ptr, published.to(tl.int32), mask=(pid == 0) & (phase == L.LAUNCH_CLAIM), sem="relaxed")
+    copying = phase == L.LAUNCH_COPY
+    claimed = tl.load(claim_ptr, mask=copying, other=0).to(tl.int64)
+    write = tl.where(copying, ((claimed & L.CLAIM_WRITES) != 0) & row_ok, write & (phase != L.LAUNCH_CLAIM))
+    check_all = tl.where(copying, (claimed & L.CLAIM_CHECK_ALL) != 0, check_all & (phase != L.LAUNCH_CLAIM))
+    bad_step = tl.where(copying, claimed & (L.CLAIM_WRITES - 1), bad_step)
+    return write, check_all, bad_step
+
+
+@triton.jit
 def _nonfinite(v):
     """1 where v is NaN or +-Inf (v in fp32), else 0."""
     return (~(tl.abs(v) < float("inf"))).to(tl.int32)
@@ -249,8 +277,11 @@ def launch(x, arena, ctrl, geometry, base, offset, capacity, kind, reason):
     host_arena = bool(variants.MAPPED_ARENAS) and arena.data_ptr() in variants.MAPPED_ARENAS
     v = variant_for(x, geometry, kind, host_arena)
     ensure_prepared(x.device, v, _launch_scratch)
-    _launch(v, programs_for(geometry, kind, host_arena), x, arena, ctrl, T, H, D, st, sh, sd, base, offset, capacity,
-            kind, reason, row_reg)
+    # One launch, or a split capture's claim and copy (the same compiled variant: phase is a
+    # runtime argument).
+    for phase, programs in launches_for(geometry, kind, host_arena):
+        _launch(v, programs, x, arena, ctrl, T, H, D, st, sh, sd, base, offset, capacity, kind, reason, row_reg,
+                phase)
 
 
 def _launch(v, programs, *args):
@@ -269,7 +300,8 @@ def _launch_scratch(device, v) -> None:
     arena = torch.zeros(H * D, dtype=torch.float32, device=device)
     ctrl = torch.zeros(L.control_words(1), dtype=torch.int32, device=device)
     kind = L.KIND_IDS if v.is_int else L.KIND_RECORD
-    _launch(v, 1, x, arena, ctrl, 1, H, D, H * D, D, 1, L.slot_base(1), 0, 1, kind, 0, L.REG_RECORD_ROW)
+    _launch(v, 1, x, arena, ctrl, 1, H, D, H * D, D, 1, L.slot_base(1), 0, 1, kind, 0, L.REG_RECORD_ROW,
+            L.LAUNCH_WHOLE)
 
 
 def prepare(device: torch.device, dtypes) -> None:

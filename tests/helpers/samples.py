@@ -62,6 +62,16 @@ GEOMETRIES = {
     "3d_nonfinite": lambda g, dt: with_nonfinite(torch.randn(6, 37, 4, generator=g).to(dt).transpose(1, 2), g, 9),
     "2d_nonfinite": lambda g, dt: with_nonfinite(torch.randn(5, 23, generator=g).to(dt)[1:, ::3], g, 4),
 }
+# Rows wide enough that the Triton kernel splits a step or keep-first capture into a claim launch
+# and a copy launch over several programs (ops/variants.py SPLIT_MIN_TILES tiles of BLOCK
+# columns), with odd widths, the hc mean, strides and NaN/Inf.
+WIDE_GEOMETRIES = {
+    "2d_logits": lambda g, dt: torch.randn(3, 5 * 2048 + 7, generator=g).to(dt),
+    "3d_hc": lambda g, dt: torch.randn(2, 4, 5 * 2048 + 16, generator=g).to(dt),
+    "2d_strided": lambda g, dt: torch.randn(3, 2 * (5 * 2048 + 1), generator=g).to(dt)[:, ::2],
+    "3d_nonfinite": lambda g, dt: with_nonfinite(torch.randn(2, 6 * 2048, 3, generator=g).to(dt).transpose(1, 2),
+                                                 g, 9),
+}
 REGISTERS = [  # (enabled, rows, record_row, step_row[, check_all])
     (1, 1, -1, 0),
     (1, 1, 2, 3, 1),  # COMPILEDUMP_NONFINITE=all: the whole input is checked
@@ -79,7 +89,7 @@ def run_kernel(kernel, x, kind, registers, calls, reason=0, slot_words=None):
     """`calls` captures of `x` by `kernel` into slot 2 of a fresh control block whose header holds
     `registers` and whose slot words start as `slot_words` ({word: value}, else 0)."""
     enabled, rows, record_row, step_row, check_all = (*registers, 0)[:5]
-    arena_t = torch.full((8192,), float("nan"))  # room for every row of the widest sample
+    arena_t = torch.full((max(8192, 16 + 2 * x.numel()),), float("nan"))  # room for every row of x, twice
     ctrl = torch.zeros(L.control_words(4), dtype=torch.int32)
     for word, value in (slot_words or {}).items():
         ctrl[L.slot_base(2) + word] = value
@@ -101,13 +111,14 @@ def assert_matches_reference(kernel, x, kind, calls) -> None:
     """`kernel` (the reference kernel's signature) against the reference kernel on `x` under every
     REGISTERS setting, `calls` captures each: the control block word for word, the arena bit for
     bit (ids are int32 words; every kernel, the reference included, converts each element to
-    fp32, sums the hc rows in h order and divides once)."""
+    fp32, sums the hc rows in h order and divides once). The Triton kernel's published decisions
+    (SLOT_CLAIM, written only by its split launches) are left out: no other kernel has them."""
     from compiledump.ops.reference import capture_reference
 
     for registers in REGISTERS:
         want_arena, want_ctrl = run_kernel(capture_reference, x, kind, registers, calls)
         got_arena, got_ctrl = run_kernel(kernel, x, kind, registers, calls)
-        assert torch.equal(got_ctrl, want_ctrl), registers
+        assert torch.equal(L.without_claims(got_ctrl), want_ctrl), registers
         assert torch.equal(got_arena.view(torch.int32), want_arena.view(torch.int32)), registers
 
 

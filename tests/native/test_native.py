@@ -72,6 +72,41 @@ def test_native_loader_errors(monkeypatch, tmp_path):
     assert native.load() is False and not native.native_available()
 
 
+@pytest.mark.parametrize("body, why", [
+    ("", "predates the control-layout check"),
+    ('extern "C" long long compiledump_control_layout() { return 8013; }', "built for control layout 8013"),
+])
+def test_a_library_built_for_another_control_layout_is_not_loaded(monkeypatch, tmp_path, body, why):
+    """A library from older sources (an editable install not rebuilt after a pull) would count in
+    the wrong control-block words: it is refused, loudly when required, else with one warning and
+    the Python path; the library the suite built reports this package's layout."""
+    import shutil
+    import subprocess
+
+    compiler = shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    source, stale = tmp_path / "stale.cpp", tmp_path / "libstale.so"
+    source.write_text(body + "\nextern \"C\" int compiledump_unrelated() { return 0; }\n")
+    subprocess.run([compiler, "-shared", "-fPIC", str(source), "-o", str(stale)], check=True, timeout=120)
+    monkeypatch.setattr(native, "_loaded", None)
+    with pytest.raises(RuntimeError, match=why + ".*rebuild it"):
+        native.load(stale)
+    monkeypatch.delenv("COMPILEDUMP_NATIVE", raising=False)  # the library built into the package: optional
+    monkeypatch.setattr(native, "_candidate", lambda: stale)
+    with pytest.warns(RuntimeWarning, match=why + ".*using the Python capture path"):
+        assert native.load() is False
+    assert native._loaded is None
+
+
+def test_the_built_library_reports_this_control_layout(native_library):
+    import ctypes
+
+    reported = ctypes.CDLL(native_library).compiledump_control_layout
+    reported.restype = ctypes.c_int64
+    assert reported() == L.CONTROL_LAYOUT == L.HEADER_WORDS * 1000 + L.SLOT_WORDS
+
+
 # capture_export_v1: (x, kind, payload the region was sized for, tokens, offset, preset reason)
 _EXPORT_CASES = {
     "record_3d": (lambda g: torch.randn(7, 4, 33, generator=g).bfloat16(), L.KIND_RECORD, [33], 7, 16, 0),

@@ -18,6 +18,8 @@ from compiledump.ops import layout as L
 from helpers.samples import (
     DTYPES,
     GEOMETRIES,
+    REGISTERS,
+    WIDE_GEOMETRIES,
     assert_matches_reference,
     assert_nonfinite_count_stops_at_the_cap,
     generator_for,
@@ -85,6 +87,62 @@ def test_triton_matches_cpu_reference(geometry, dtype, kind):
 def test_triton_matches_cpu_reference_ids(name):
     x = int_samples()[name]
     assert_matches_reference(register.capture_triton, x, L.KIND_IDS, calls=2)
+
+
+@pytest.mark.parametrize("geometry, dtype", [
+    ("2d_logits", torch.float32), ("2d_logits", torch.bfloat16), ("3d_hc", torch.bfloat16), ("3d_hc", torch.float16),
+    ("2d_strided", torch.float16), ("3d_nonfinite", torch.float32), ("3d_nonfinite", torch.bfloat16)])
+@pytest.mark.parametrize("kind", [L.KIND_STEP, L.KIND_RECORD_ONCE])
+def test_triton_split_capture_matches_cpu_reference(geometry, dtype, kind, monkeypatch):
+    """A wide step or keep-first record runs as two launches (one program claims and publishes
+    its decision, then every tile's program copies as it says) and writes what the reference
+    kernel writes, under every register setting: suspended, gated, out-of-range rows, a full
+    region (three calls into two steps), NaN/Inf counted in the row or the whole input."""
+    from compiledump.ops import triton_kernel
+
+    grids = []
+    real_launch = triton_kernel._launch
+    monkeypatch.setattr(triton_kernel, "_launch", lambda v, programs, *args: (grids.append((args[-1], programs)),
+                                                                              real_launch(v, programs, *args)))
+    g = generator_for("wide", geometry, str(dtype), kind)
+    x = WIDE_GEOMETRIES[geometry](g, dtype)
+    assert_matches_reference(register.capture_triton, x, kind, calls=3)
+    tiles = -(-x.shape[-1] // triton_kernel.BLOCK)
+    # Each call: the claim, then the copy over every tile, in stream order (the other launches are
+    # the first call's preparation of the variants, on scratch buffers).
+    assert tiles >= 5 and [grid for grid in grids if grid[0] != L.LAUNCH_WHOLE] == (
+        [(L.LAUNCH_CLAIM, 1), (L.LAUNCH_COPY, tiles)] * len(REGISTERS) * 3)
+
+
+def test_triton_split_copy_acts_on_the_published_claim():
+    """The copy launch's programs take the claim launch's decision, not their own reads: a copy
+    launched after its claim, with the device flag turned off in between (as a register write
+    racing on another stream would), still writes the claimed step and commits it once."""
+    from compiledump.ops import triton_kernel
+    from compiledump.ops.geometry import geometry
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 6 * 2048 + 5, generator=g)
+    src, geo = geometry(x, L.KIND_STEP)
+    (claim, _), (copy, programs) = triton_kernel.launches_for(geo, L.KIND_STEP)
+    arena_t = torch.full((8 + 3 * x.shape[1],), float("nan"))
+    ctrl = torch.zeros(L.control_words(4), dtype=torch.int32)
+    ctrl[L.REG_ENABLED], ctrl[L.REG_ROWS], ctrl[L.REG_MAX_ROWS], ctrl[L.REG_STEP_ROW] = 1, 1, 1, 1
+    T, H, D, st, sh, sd, row_reg, _ = geo
+    v = triton_kernel.variant_for(src, geo, L.KIND_STEP)
+    base = L.slot_base(2)
+    args = (src, arena_t, ctrl, T, H, D, st, sh, sd, base, 8, 3, L.KIND_STEP, 0, row_reg)
+    for step in range(2):
+        triton_kernel._launch(v, 1, *args, claim)
+        ctrl[L.REG_ENABLED] = 0  # a racing write: the copy must not change its mind
+        triton_kernel._launch(v, programs, *args, copy)
+        ctrl[L.REG_ENABLED] = 1
+    assert int(ctrl[base + L.CNT_WRITTEN]) == 2 and int(ctrl[base + L.SLOT_COMMITTED]) == 2
+    assert int(ctrl[base + L.CNT_SUSPENDED]) == 0 and int(ctrl[L.REG_STEPS]) == 2
+    assert int(ctrl[base + L.SLOT_CLAIM]) == L.CLAIM_WRITES | 2  # step 1 (+1), writes
+    rows = arena_t[8 : 8 + 2 * x.shape[1]].view(2, -1)
+    assert torch.equal(rows[0], x[1]) and torch.equal(rows[1], x[1])
+    assert torch.isnan(arena_t[8 + 2 * x.shape[1] :]).all()  # the third step's room: untouched
 
 
 @pytest.mark.parametrize("reason", [L.CNT_TOKEN_GATE, L.CNT_SHAPE_CHANGED, L.CNT_ARENA_FULL])

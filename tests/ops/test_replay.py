@@ -45,6 +45,8 @@ def _buffers():
         "out": torch.randn(33, 5, generator=g).t(),  # non-contiguous [5, 33]
         "logits": torch.randn(4, 50, generator=g).to(torch.float16),
         "ids": torch.randint(0, 64, (6, 2), generator=g),
+        # Wide enough that the Triton kernel splits its step into a claim and a copy launch.
+        "wide_logits": torch.randn(4, 5 * 2048 + 3, generator=g).to(torch.bfloat16),
     }
 
 
@@ -54,6 +56,7 @@ def _forward(b):
     compiledump.record("logits", b["logits"], once=True)
     compiledump.record_step("logits", b["logits"])
     compiledump.record_ids("layer0_topk", b["ids"])
+    compiledump.record_step("wide_logits", b["wide_logits"])
 
 
 def _change(b, i):
@@ -103,7 +106,7 @@ def test_replayed_launches_equal_eager_calls(dump_dir, monkeypatch, recorded_fro
     monkeypatch.setattr(register, "_triton_launch", recorder)
     forward = torch.compile(_forward, fullgraph=True) if recorded_from == "compiled" else _forward
     forward(b)  # "capture": records the launches, runs nothing
-    assert len(recorder.launches) == 5
+    assert len(recorder.launches) == 6
     assert int(STATE.runtime.ctrl[L.HEADER_WORDS :].abs().sum()) == 0  # nothing ran yet
     for i in range(N):
         with _change(b, i):
@@ -116,4 +119,4 @@ def test_replayed_launches_equal_eager_calls(dump_dir, monkeypatch, recorded_fro
     for counter in (L.CNT_WRITTEN, L.CNT_SUSPENDED, L.CNT_ROWS_GATE, L.CNT_ROW_OUT_OF_RANGE):
         assert counters[counter] > 0, counter
     flushed = np.load(compiledump.flush())
-    assert "logits" in flushed.files and "logits_0" in flushed.files
+    assert "logits" in flushed.files and "logits_0" in flushed.files and "wide_logits_0" in flushed.files

@@ -274,9 +274,21 @@ def test_variant_choice():
     slow = variants.Variant(torch.bfloat16, True, False, 1, False)
     assert variants.variant_for(unaligned, geo, L.KIND_RECORD) == slow
     assert variants.variant_for(aligned, (5, 4, 63, 252, 63, 1, L.REG_RECORD_ROW, True), L.KIND_RECORD).vec == 1
-    assert variants.programs_for((3, 4, 4100, 0, 0, 1, L.REG_RECORD_ROW, True), L.KIND_RECORD) == 3
-    assert variants.programs_for((9, 4, 2100, 0, 0, 1, L.ROW_ALL, True), L.KIND_RECORD_ROWS) == 18
-    assert variants.programs_for((3, 1, 4500, 0, 0, 1, L.REG_STEP_ROW, False), L.KIND_STEP) == 1
+    whole, claim, copy = L.LAUNCH_WHOLE, L.LAUNCH_CLAIM, L.LAUNCH_COPY
+    assert variants.launches_for((3, 4, 4100, 0, 0, 1, L.REG_RECORD_ROW, True), L.KIND_RECORD) == ((whole, 3),)
+    assert variants.launches_for((9, 4, 2100, 0, 0, 1, L.ROW_ALL, True), L.KIND_RECORD_ROWS) == ((whole, 18),)
+    # Steps and keep-first records: one program claims; a wide row (5 tiles or more) is copied by a
+    # second launch over every tile. A 129280-wide logits row: 64 programs.
+    assert variants.launches_for((3, 1, 4500, 0, 0, 1, L.REG_STEP_ROW, False), L.KIND_STEP) == ((whole, 1),)
+    assert variants.launches_for((3, 1, 8192, 0, 0, 1, L.REG_STEP_ROW, False), L.KIND_STEP) == ((whole, 1),)
+    assert variants.launches_for((3, 1, 8193, 0, 0, 1, L.REG_STEP_ROW, False), L.KIND_STEP) == ((claim, 1), (copy, 5))
+    assert variants.launches_for((64, 1, 129280, 0, 0, 1, L.REG_STEP_ROW, False), L.KIND_STEP) == (
+        (claim, 1), (copy, 64))
+    assert variants.launches_for((3, 4, 10000, 0, 0, 1, L.REG_RECORD_ROW, True), L.KIND_RECORD_ONCE) == (
+        (claim, 1), (copy, 5))
+    # Into a host-mapped arena: one program, whatever the width.
+    assert variants.launches_for((64, 1, 129280, 0, 0, 1, L.REG_STEP_ROW, False), L.KIND_STEP, True) == ((whole, 1),)
+    assert variants.launches_for((3, 4, 4100, 0, 0, 1, L.REG_RECORD_ROW, True), L.KIND_RECORD, True) == ((whole, 1),)
 
 
 # --- what Triton emits for sm_90 ----------------------------------------------------------
