@@ -241,7 +241,9 @@ def _split_decision(claim_ptr, phase, write, check_all, bad_step, row_ok, pid):
     the whole-input check, the date that is also the step index). Stream order makes the claim
     launch's word visible to the copy launch, so every program acts on the same claim. A copy
     program still checks its own gather row (a register write racing on another stream could have
-    moved it out of range): it never reads past the input. A whole capture keeps its own."""
+    moved it out of range): it never reads past the input. A whole capture keeps its own.
+    The word is per slot: two split captures of one tag in flight at once on two streams can
+    cross (docs/compiling.md says so and names the fix, a tag per stream)."""
     bad_step = tl.minimum(bad_step, L.CLAIM_WRITES - 1)
     published = bad_step | tl.where(write, L.CLAIM_WRITES, 0) | tl.where(check_all, L.CLAIM_CHECK_ALL, 0)
     tl.atomic_xchg(claim_ptr, published.to(tl.int32), mask=(pid == 0) & (phase == L.LAUNCH_CLAIM), sem="relaxed")

@@ -10,6 +10,7 @@ import time
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -221,7 +222,7 @@ def test_gpu_run_sh_without_cuda_prints_the_plans_and_exits_0(tmp_path):
         pytest.skip("needs bash")
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: gpu_run.sh would run the real thing")
-    env = {**os.environ, "OUT": str(tmp_path)}
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}  # this interpreter, not PATH's python3
     run = subprocess.run(["bash", str(REPO / "scripts" / "gpu_run.sh")], env=env, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
