@@ -121,4 +121,3 @@ def without_claims(ctrl):
     out = ctrl.clone()
     out[HEADER_WORDS:].view(-1, SLOT_WORDS)[:, SLOT_CLAIM] = 0
     return out
-

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .. import config
-from . import schemas  # defines the schemas the library registers kernels for
+from . import layout, schemas  # schemas: defines the schemas the library registers kernels for
 
 LIBRARY_NAME = "libcompiledump_native.so"
 _loaded: str | None = None  # path of the loaded library
@@ -65,8 +65,6 @@ def load(path: str | os.PathLike | None = None) -> bool:
 
 def _stale(library) -> str | None:
     """Why `library` (a ctypes handle) does not match this package's control-block layout, or None."""
-    from . import layout
-
     reported = getattr(library, "compiledump_control_layout", None)
     if reported is None:
         return "predates the control-layout check (built from older sources)"

@@ -107,7 +107,7 @@ def capture_kernel(
     old = tl.where(claimer, old, 0)
 
     live = counter == L.CNT_WRITTEN
-    # Decode steps begun: a step capture raises it past its own index (steps run one program).
+    # Decode steps begun: a step capture raises it past its own index (its claiming program does).
     steps_now = tl.load(ctrl_ptr + L.REG_STEPS).to(tl.int64)
     tl.atomic_max(ctrl_ptr + L.REG_STEPS, (old + 1).to(tl.int32), mask=claimer & live & (kind == L.KIND_STEP),
                   sem="relaxed")
@@ -244,8 +244,8 @@ def _split_decision(claim_ptr, phase, write, check_all, bad_step, row_ok, pid):
     moved it out of range): it never reads past the input. A whole capture keeps its own.
     The word is per slot: two split captures of one tag in flight at once on two streams can
     cross (docs/compiling.md says so and names the fix, a tag per stream)."""
-    bad_step = tl.minimum(bad_step, L.CLAIM_WRITES - 1)
-    published = bad_step | tl.where(write, L.CLAIM_WRITES, 0) | tl.where(check_all, L.CLAIM_CHECK_ALL, 0)
+    published = (tl.minimum(bad_step, L.CLAIM_WRITES - 1) | tl.where(write, L.CLAIM_WRITES, 0)
+                 | tl.where(check_all, L.CLAIM_CHECK_ALL, 0))
     tl.atomic_xchg(claim_ptr, published.to(tl.int32), mask=(pid == 0) & (phase == L.LAUNCH_CLAIM), sem="relaxed")
     copying = phase == L.LAUNCH_COPY
     claimed = tl.load(claim_ptr, mask=copying, other=0).to(tl.int64)
