@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import sys
 import tempfile
@@ -56,24 +55,13 @@ for _path in (str(_HERE.parent / "scripts"), str(_HERE), str(_HERE.parent)):
 
 import compiledump  # noqa: E402
 import gpu_common  # noqa: E402
-from gpu_timing import graph_of, ms_per_replay, rounds_of  # noqa: E402
+from gpu_kernel_bench import kernel_bandwidth, wide_step  # noqa: E402
+from gpu_timing import fresh_dump, graph_of, passed_captures, rounds_of  # noqa: E402
 from harness import DEBUG_DUMP, interleaved, load_debug_dump, machine  # noqa: E402
 
 
-def _fresh(directory, **settings):
-    torch._dynamo.reset()
-    compiledump.reset()
-    compiledump.configure(dir=str(directory), **{"tokens": 0, **settings})
-
-
-def _passed(npz_path) -> int:
-    """Captures that passed every gate, summed over the tags of a flushed dump (its manifest)."""
-    manifest = json.loads(Path(npz_path).with_suffix(".json").read_text())
-    return sum(tag.get("passed") or 0 for tag in manifest["tags"].values())
-
-
 def graph_capture_cost(device, quick, tmp):
-    _fresh(tmp / "g", max_steps=4)
+    fresh_dump(tmp / "g", max_steps=4)
     compiledump.init(device)
     n, shape = (20, (8, 4, 256)) if quick else (200, (64, 4, 7168))
     xs = [torch.randn(shape, device=device, dtype=torch.bfloat16) for _ in range(n)]
@@ -94,7 +82,7 @@ def graph_capture_cost(device, quick, tmp):
     base, added = (statistics.median(times[k]) for k in ("without", "with"))
     compiledump.clear()
     graphs["with"].replay()  # one replay after clear(): each of the n captures must have written
-    passed = _passed(compiledump.flush())
+    passed = passed_captures(compiledump.flush())
     return {"ok": passed == n, "captures": n, "shape": list(shape), "dtype": "bfloat16",
             "replays_per_round": replays, "graph_ms_without": base, "graph_ms_with": added,
             "us_per_capture": (added - base) * 1e3 / n, "captures_passed_per_replay": passed, "goal_us": 1.0,
@@ -104,7 +92,7 @@ def graph_capture_cost(device, quick, tmp):
 def compiled_host_cost(device, quick, tmp):
     """N captures inside one compiled function run without CUDA graphs (as engines run large
     prefills), against the same function without them: host microseconds per capture call."""
-    _fresh(tmp / "h", max_steps=4, moe_layers=10**6)
+    fresh_dump(tmp / "h", max_steps=4, moe_layers=10**6)
     compiledump.init(device)
     n, dim = (6, 64) if quick else (64, 7168)
     x = torch.randn(8, 4, dim, device=device, dtype=torch.bfloat16)
@@ -156,7 +144,7 @@ def _decode_model(device, quick):
 def _decode_overhead(device, quick, tmp, compiled):
     from compiledump.demo.model import NO_DUMP
 
-    _fresh(tmp / "d", moe_layers=1000, max_steps=256)  # every layer's taps; clear() keeps steps < 256
+    fresh_dump(tmp / "d", moe_layers=1000, max_steps=256)  # every layer's taps; clear() keeps steps < 256
     compiledump.init(device)
     model, cfg, batch = _decode_model(device, quick)
     step = torch.compile(model, fullgraph=True) if compiled else model
@@ -192,7 +180,7 @@ def flush_throughput(device, quick, tmp):
     from compiledump.capture.state import STATE
 
     steps, width = (8, 32000) if quick else (256, 129280)  # full: 132 MB of logits steps
-    _fresh(tmp / "f", max_steps=steps)
+    fresh_dump(tmp / "f", max_steps=steps)
     compiledump.set_rows(1)
     logits = torch.randn(8, width, device=device)
     for _ in range(steps):
@@ -229,7 +217,7 @@ def graph_equals_eager(device, quick, tmp):
     g = torch.Generator(device=device).manual_seed(1)
     tokens = torch.randint(0, cfg.vocab, (steps, batch), generator=g, device=device)
     states = torch.randn(steps, cfg.layers, batch, cfg.dim, generator=g, device=device).bfloat16()
-    _fresh(tmp / "eq", moe_layers=1000)
+    fresh_dump(tmp / "eq", moe_layers=1000)
     compiledump.init(device)
     compiledump.set_rows(1)
     model.dump = compiledump
@@ -266,61 +254,10 @@ def graph_equals_eager(device, quick, tmp):
             "sync_debug": "not checked (no CUDA)" if device.type != "cuda" else sync_error or "clean"}
 
 
-def kernel_bandwidth(device, quick, tmp):
-    _fresh(tmp / "k")
-    compiledump.init(device)
-    rows = []
-    sizes = [(4, 1)] + ([(4, 1024), (4, 7168)] if quick else [(4, 256), (4, 1024), (4, 7168), (8, 7168), (4, 16384)])
-    n = 10 if quick else 100
-    for hc, dim in sizes:
-        xs = [torch.randn(64, hc, dim, device=device, dtype=torch.bfloat16) for _ in range(n)]
-        graph = graph_of(lambda: [compiledump.record(f"bw{hc}x{dim}_{i}", x) for i, x in enumerate(xs)], device)
-        graph.replay()
-        ms = statistics.median(ms_per_replay(graph, 3 if quick else 20, device) for _ in range(5))
-        per = ms * 1e3 / n
-        read, written = hc * dim * 2, dim * 4  # one bf16 row in, one fp32 row out
-        rows.append({"hc": hc, "dim": dim, "us_per_capture": per, "bytes": read + written,
-                     "GB_per_s": (read + written) / (per * 1e-6) / 1e9})
-    return {"rows": rows, "floor_us": rows[0]["us_per_capture"]}
-
-
-def wide_step(device, quick, tmp):
-    """record_step of wide logits rows inside a CUDA graph: the split capture (a one-program
-    claim launch, then a copy launch over every tile: ops/variants.py SPLIT_MIN_TILES) against
-    the same captures forced to one program, which reads the row tile after tile."""
-    from compiledump.ops import variants
-
-    widths, n, replays = ([10243], 4, 3) if quick else ([32000, 129280], 20, 20)
-    steps = replays + 2  # room for every replay of a round (a full region would write nothing)
-    _fresh(tmp / "w", max_steps=steps, arena_mb=2 * len(widths) * n * steps * max(widths) * 4 // 2**20 + 64)
-    compiledump.init(device)
-    compiledump.set_rows(1)
-    rows = []
-    for width in widths:
-        logits = [torch.randn(64, width, device=device) for _ in range(n)]
-        graphs = {}
-        for name, min_tiles in (("split", variants.SPLIT_MIN_TILES), ("one_program", 1 << 40)):
-            saved, variants.SPLIT_MIN_TILES = variants.SPLIT_MIN_TILES, min_tiles
-            try:  # the launches are fixed when the graph is captured
-                graphs[name] = graph_of(lambda name=name: [compiledump.record_step(f"{name}{width}_{i}", x)
-                                                           for i, x in enumerate(logits)], device)
-            finally:
-                variants.SPLIT_MIN_TILES = saved
-        times = rounds_of(graphs, device, rounds=3 if quick else 10, replays=replays, before=compiledump.clear)
-        split, one = (statistics.median(times[k]) * 1e3 / n for k in ("split", "one_program"))
-        rows.append({"width": width, "us_per_capture_split": split, "us_per_capture_one_program": one,
-                     "speedup": one / split})
-    compiledump.clear()
-    for graph in graphs.values():
-        graph.replay()  # after clear(): each capture of the last width wrote one step
-    passed = _passed(compiledump.flush())
-    return {"ok": passed == 2 * n, "captures_per_graph": n, "rows": rows, "batch": 64, "dtype": "float32"}
-
-
 def eager_vs_seed(device, quick, tmp):
     if not DEBUG_DUMP.exists():
         raise gpu_common.SkipPhase(f"{DEBUG_DUMP} is absent")
-    _fresh(tmp / "e", max_steps=1 << 20)
+    fresh_dump(tmp / "e", max_steps=1 << 20)
     seed = load_debug_dump(tmp / "seed", moe_layers=8)
     x = torch.randn(8, 4, 1024 if quick else 7168, device=device, dtype=torch.bfloat16)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

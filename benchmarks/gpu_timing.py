@@ -3,12 +3,15 @@
 ``graph_of`` warms a function up on a side stream and captures it, both under ``profiling()``;
 ``ms_per_replay`` times one graph's replays; ``rounds_of`` times several graphs in interleaved
 rounds. On CPU (``--emulate``) eager calls stand in for the replays, so the code paths run in the
-suite; the numbers mean nothing.
+suite; the numbers mean nothing. ``fresh_dump`` starts each measurement's dump and
+``passed_captures`` reads back how many of its captures wrote.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -68,3 +71,16 @@ def rounds_of(graphs: dict, device, rounds: int, replays: int, before=None) -> d
                 before()
             per_round[name].append(ms_per_replay(graphs[name], replays, device))
     return per_round
+
+
+def fresh_dump(directory, **settings):
+    """A new dump in `directory`: dynamo and compiledump reset, the token gate off unless given."""
+    torch._dynamo.reset()
+    compiledump.reset()
+    compiledump.configure(dir=str(directory), **{"tokens": 0, **settings})
+
+
+def passed_captures(npz_path) -> int:
+    """Captures that passed every gate, summed over the tags of a flushed dump (its manifest)."""
+    manifest = json.loads(Path(npz_path).with_suffix(".json").read_text())
+    return sum(tag.get("passed") or 0 for tag in manifest["tags"].values())

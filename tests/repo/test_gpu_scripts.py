@@ -76,7 +76,7 @@ def test_gpu_bench_cpu_parts(tmp_path, dump_dir, capsys):
     phases = json.loads(out.read_text())["phases"]
     assert phases["eager_vs_seed"]["compiledump_us"] > 0 and phases["eager_vs_seed"]["seed_us"] > 0
     for name in ("graph_capture_cost", "decode_overhead", "flush_throughput", "graph_equals_eager",
-                 "kernel_bandwidth", "decode_overhead_compiled"):
+                 "kernel_bandwidth", "wide_step", "decode_overhead_compiled"):
         assert phases[name]["status"] == "skip" and phases[name]["skipped"] == "needs a CUDA device"
     printed = capsys.readouterr().out
     assert printed.count("| status | key number") == 1
@@ -88,7 +88,7 @@ def test_gpu_bench_graph_phases_emulated(tmp_path, dump_dir):
     (the compiled decode variant, which only adds torch.compile, is left out: a long compile)."""
     out = tmp_path / "bench.json"
     phases = ["graph_capture_cost", "decode_overhead", "flush_throughput", "graph_equals_eager", "kernel_bandwidth",
-              "compiled_host_cost"]
+              "wide_step", "compiled_host_cost"]
     assert _load("gpu_bench").main(["--device", "cpu", "--quick", "--emulate", "--out", str(out), "--only", *phases]) == 0
     result = json.loads(out.read_text())
     assert result["emulated"] is True and list(result["phases"]) == phases
@@ -98,6 +98,7 @@ def test_gpu_bench_graph_phases_emulated(tmp_path, dump_dir):
     assert r["flush_throughput"]["bytes"] >= 8 * 32000 * 4 and r["flush_throughput"]["efficiency"] > 0
     assert r["graph_equals_eager"]["max_rel_err"] == 0.0 and r["graph_equals_eager"]["keys"] == 4 * 5 + 4
     assert r["kernel_bandwidth"]["floor_us"] > 0
+    assert r["wide_step"]["rows"][0]["width"] == 10243 and r["wide_step"]["status"] == "ok"  # every capture wrote
     assert r["compiled_host_cost"]["captures"] == 6 and r["compiled_host_cost"]["call_us_instrumented"] > 0
 
 

@@ -1,0 +1,63 @@
+"""The kernel-level GPU measurements of benchmarks/gpu_bench.py (which runs them as phases):
+time per capture against payload size, and wide steps split into a claim and a copy launch
+against one program per capture."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+import compiledump
+from gpu_timing import fresh_dump, graph_of, ms_per_replay, passed_captures, rounds_of
+
+
+def kernel_bandwidth(device, quick, tmp):
+    fresh_dump(tmp / "k")
+    compiledump.init(device)
+    rows = []
+    sizes = [(4, 1)] + ([(4, 1024), (4, 7168)] if quick else [(4, 256), (4, 1024), (4, 7168), (8, 7168), (4, 16384)])
+    n = 10 if quick else 100
+    for hc, dim in sizes:
+        xs = [torch.randn(64, hc, dim, device=device, dtype=torch.bfloat16) for _ in range(n)]
+        graph = graph_of(lambda: [compiledump.record(f"bw{hc}x{dim}_{i}", x) for i, x in enumerate(xs)], device)
+        graph.replay()
+        ms = statistics.median(ms_per_replay(graph, 3 if quick else 20, device) for _ in range(5))
+        per = ms * 1e3 / n
+        read, written = hc * dim * 2, dim * 4  # one bf16 row in, one fp32 row out
+        rows.append({"hc": hc, "dim": dim, "us_per_capture": per, "bytes": read + written,
+                     "GB_per_s": (read + written) / (per * 1e-6) / 1e9})
+    return {"rows": rows, "floor_us": rows[0]["us_per_capture"]}
+
+
+def wide_step(device, quick, tmp):
+    """record_step of wide logits rows inside a CUDA graph: the split capture (a one-program
+    claim launch, then a copy launch over every tile: ops/variants.py SPLIT_MIN_TILES) against
+    the same captures forced to one program, which reads the row tile after tile."""
+    from compiledump.ops import variants
+
+    widths, n, replays = ([10243], 4, 3) if quick else ([32000, 129280], 20, 20)
+    steps = replays + 2  # room for every replay of a round (a full region would write nothing)
+    fresh_dump(tmp / "w", max_steps=steps, arena_mb=2 * len(widths) * n * steps * max(widths) * 4 // 2**20 + 64)
+    compiledump.init(device)
+    compiledump.set_rows(1)
+    rows = []
+    for width in widths:
+        logits = [torch.randn(64, width, device=device) for _ in range(n)]
+        graphs = {}
+        for name, min_tiles in (("split", variants.SPLIT_MIN_TILES), ("one_program", 1 << 40)):
+            saved, variants.SPLIT_MIN_TILES = variants.SPLIT_MIN_TILES, min_tiles
+            try:  # the launches are fixed when the graph is captured
+                graphs[name] = graph_of(lambda name=name: [compiledump.record_step(f"{name}{width}_{i}", x)
+                                                           for i, x in enumerate(logits)], device)
+            finally:
+                variants.SPLIT_MIN_TILES = saved
+        times = rounds_of(graphs, device, rounds=3 if quick else 10, replays=replays, before=compiledump.clear)
+        split, one = (statistics.median(times[k]) * 1e3 / n for k in ("split", "one_program"))
+        rows.append({"width": width, "us_per_capture_split": split, "us_per_capture_one_program": one,
+                     "speedup": one / split})
+    compiledump.clear()
+    for graph in graphs.values():
+        graph.replay()  # after clear(): each capture of the last width wrote one step
+    passed = passed_captures(compiledump.flush())
+    return {"ok": passed == 2 * n, "captures_per_graph": n, "rows": rows, "batch": 64, "dtype": "float32"}
