@@ -168,7 +168,8 @@ def check_native_cuda_kernel(device) -> dict:
             results.append((arena.cpu(), ctrl.cpu()))
         (a1, c1), (a2, c2) = results
         # SLOT_CLAIM: written only by the Triton kernel's split launches (step_2d is one).
-        if not (torch.equal(L.without_claims(c1), L.without_claims(c2)) and torch.equal(a1.view(torch.int32), a2.view(torch.int32))):
+        same_ctrl = torch.equal(L.without_claims(c1), L.without_claims(c2))
+        if not (same_ctrl and torch.equal(a1.view(torch.int32), a2.view(torch.int32))):
             mismatched.append(name)
     return {"ok": not mismatched, "keys": len(samples) + 1, "mismatched": mismatched}
 

@@ -132,7 +132,7 @@ def test_triton_split_copy_acts_on_the_published_claim():
     v = triton_kernel.variant_for(src, geo, L.KIND_STEP)
     base = L.slot_base(2)
     args = (src, arena_t, ctrl, T, H, D, st, sh, sd, base, 8, 3, L.KIND_STEP, 0, row_reg)
-    for step in range(2):
+    for _ in range(2):
         triton_kernel._launch(v, 1, *args, claim)
         ctrl[L.REG_ENABLED] = 0  # a racing write: the copy must not change its mind
         triton_kernel._launch(v, programs, *args, copy)
