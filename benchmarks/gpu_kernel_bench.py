@@ -32,9 +32,9 @@ def kernel_bandwidth(device, quick, tmp):
 
 def wide_step(device, quick, tmp):
     """record_step of wide logits rows inside a CUDA graph: the split capture (a one-program
-    claim launch, then a copy launch over every tile: ops/variants.py SPLIT_MIN_TILES) against
+    claim launch, then a copy launch over every tile: ops/layout.py SPLIT_MIN_COLUMNS) against
     the same captures forced to one program, which reads the row tile after tile."""
-    from compiledump.ops import variants
+    from compiledump.ops import layout as L
 
     widths, n, replays = ([10243], 4, 3) if quick else ([32000, 129280], 20, 20)
     steps = replays + 2  # room for every replay of a round (a full region would write nothing)
@@ -45,13 +45,13 @@ def wide_step(device, quick, tmp):
     for width in widths:
         logits = [torch.randn(64, width, device=device) for _ in range(n)]
         graphs = {}
-        for name, min_tiles in (("split", variants.SPLIT_MIN_TILES), ("one_program", 1 << 40)):
-            saved, variants.SPLIT_MIN_TILES = variants.SPLIT_MIN_TILES, min_tiles
+        for name, min_columns in (("split", L.SPLIT_MIN_COLUMNS), ("one_program", 1 << 40)):
+            saved, L.SPLIT_MIN_COLUMNS = L.SPLIT_MIN_COLUMNS, min_columns
             try:  # the launches are fixed when the graph is captured
                 graphs[name] = graph_of(lambda name=name: [compiledump.record_step(f"{name}{width}_{i}", x)
                                                            for i, x in enumerate(logits)], device)
             finally:
-                variants.SPLIT_MIN_TILES = saved
+                L.SPLIT_MIN_COLUMNS = saved
         times = rounds_of(graphs, device, rounds=3 if quick else 10, replays=replays, before=compiledump.clear)
         split, one = (statistics.median(times[k]) * 1e3 / n for k in ("split", "one_program"))
         rows.append({"width": width, "us_per_capture_split": split, "us_per_capture_one_program": one,

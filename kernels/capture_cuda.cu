@@ -9,16 +9,18 @@
 // 1. thread 0 of block 0 reads the header registers, picks exactly one counter of the slot and
 //    bumps it with one atomicAdd (the old written-counter is the step index, or says whether a
 //    record_once capture is the first), then broadcasts the decision through shared memory;
-// 2. the grid gathers the row (strided, read in place; every row for an all-rows record),
-//    averages over H in fp32 or copies it, and stores it into the arena;
+// 2. the grid gathers the row (strided, read in place; every row for an all-rows record; 16 bytes
+//    per load where the rows are contiguous and aligned), averages over H in fp32 or copies it,
+//    and stores it into the arena;
 // 3. each block's thread 0 records the NaN/Inf values its block read (or, with REG_CHECK_ALL,
 //    found in the whole input): their count and the first call's step; then block 0 commits the
 //    write (SLOT_COMMITTED; at system scope into a host-mapped arena).
 //
 // The host never reads `ctrl` and never synchronises, so a capture is one graph-capturable
-// kernel node. No grid-wide synchronisation: block 0 claims, and the other blocks (launched only
-// when the write does not depend on the claimed value) decide from the same registers
-// (capture_device.h, `blocks_for`).
+// kernel node (two for a wide step or keep-first record). No grid-wide synchronisation: block 0
+// claims, and the other blocks (launched only when the write does not depend on the claimed value)
+// decide from the same registers; a wide step's copy launch acts on what its claim launch
+// published (capture_device.h, `launches_for`).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -44,12 +46,7 @@ __global__ void capture_kernel(const scalar_t* __restrict__ x, float* __restrict
                                int32_t* __restrict__ ctrl, KernelArgs a) {
   __shared__ BlockDecision s;
   const bool first_block = blockIdx.x == 0;
-  if (threadIdx.x == 0) {
-    if (first_block)
-      claim(ctrl, a, s);
-    else
-      observe(ctrl, a, s);
-  }
+  if (threadIdx.x == 0) decide(ctrl, a, s, first_block);
   __syncthreads();
   const int64_t bad = write_share(x, arena, a, s, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
                                   static_cast<int64_t>(gridDim.x) * blockDim.x);
@@ -102,17 +99,26 @@ void capture_kernel_cuda(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctr
 
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const KernelArgs args{kind, base, offset, capacity, reason, T, H, D, st, sh, sd, row_reg, mean,
-                        in_host_memory(arena.const_data_ptr())};
+  KernelArgs args{kind, base, offset, capacity, reason, T, H, D, st, sh, sd, row_reg, mean,
+                  in_host_memory(arena.const_data_ptr())};
+  args.vector = vector_path(x.const_data_ptr(), x.element_size(), args);
   // The dtypes the Triton kernel takes (every real dtype Triton has a pointer type for): the
   // usual floats and ints, bool, uint8..uint64 and the four fp8 formats. Converted to fp32 by
   // c10's (host and device) conversions. The pointer is taken untyped: data_ptr<T> is not
   // instantiated for every one of these types.
   AT_DISPATCH_V2(x.scalar_type(), "capture_kernel_cuda", AT_WRAP([&] {
     // Always launched (at least one block): even a dropped call bumps its counter on the device.
-    capture_kernel<scalar_t><<<blocks_for(args), THREADS, 0, stream>>>(
-        static_cast<const scalar_t*>(x.const_data_ptr()), arena.data_ptr<float>(), ctrl.data_ptr<int32_t>(), args);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    // A wide step or keep-first record is a claim launch, then a copy launch (stream order).
+    Launch launches[2];
+    const int count = launches_for(args, args.vector ? vector_width<scalar_t>() : 1, launches);
+    for (int i = 0; i < count; ++i) {
+      KernelArgs launch_args = args;
+      launch_args.phase = launches[i].phase;
+      capture_kernel<scalar_t><<<launches[i].blocks, THREADS, 0, stream>>>(
+          static_cast<const scalar_t*>(x.const_data_ptr()), arena.data_ptr<float>(), ctrl.data_ptr<int32_t>(),
+          launch_args);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
   }), AT_EXPAND(AT_ALL_TYPES), at::kHalf, at::kBFloat16, at::kBool, AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES),
       at::kFloat8_e4m3fn, at::kFloat8_e4m3fnuz, at::kFloat8_e5m2, at::kFloat8_e5m2fnuz);
 }

@@ -1,35 +1,41 @@
 // The CUDA capture kernel's body (kernels/capture_cuda.cu), in its three phases, written once for
 // nvcc and for a host C++ compiler: tests/native/test_cuda_kernel_emulated.py compiles it for the
 // CPU and runs it thread by thread, phase by phase, so the kernel's arithmetic, indexing, gates
-// and counters are checked against the reference kernel without a GPU. Under nvcc the helpers
-// below are the device intrinsics; on the host they are plain C++ (one thread at a time, so
-// plain read-modify-writes are the atomics; IEEE add and division round to nearest as
-// __fadd_rn and __fdiv_rn do). The native CPU kernel (capture_cpu.cpp) runs `claim` and `commit`
-// too, around its own one-thread copy loops, so both native kernels decide alike.
+// and counters are checked against the reference kernel without a GPU (the device operations it
+// uses, and their host stand-ins: device_intrinsics.h). The native CPU kernel (capture_cpu.cpp)
+// runs `claim` and `commit` too, around its own one-thread copy loops, so both native kernels
+// decide alike.
 //
-//   claim  (thread 0 of block 0): pick exactly one counter of the slot, bump it (the claim),
-//                      decide whether and where the block writes; the result goes to the block's
-//                      shared state. The other blocks' thread 0 `observe`s the same registers
-//                      instead (only launched when the write does not depend on the claimed value);
+//   decide (thread 0 of each block): block 0 claims (picks exactly one counter of the slot, bumps
+//                      it, decides whether and where the block writes); the other blocks
+//                      `observe` the same registers (only launched when the write does not depend
+//                      on the claimed value); the result goes to the block's shared state;
 //   write  (every thread of the grid): its share of the row(s): gather, average over H in fp32 or
 //                      copy, store, and count the NaN/Inf values read (or, with REG_CHECK_ALL, in
 //                      the whole input);
 //   commit (thread 0 of each block): the block's NaN/Inf bookkeeping, then, in block 0, the commit
 //                      counter (system scope into a host-mapped arena).
 //
-// The grid (`blocks_for`): one block when whether or where the capture writes depends on the
-// claimed counter value (steps, keep-first records) or the arena is host-mapped (the commit must
-// follow every store); otherwise enough blocks of THREADS threads for one element of the payload
-// per thread, so a wide row is read by many SMs with its loads in flight together, as the Triton
-// kernel spreads it over programs. Block 0's commit is then ordered only with its own stores: the
-// other blocks' are complete when the kernel is (what a reader after a synchronize sees).
+// The launches (`launches_for`, the Triton kernel's rule, ops/variants.py): one launch of one
+// block when whether or where the capture writes depends on the claimed counter value (steps,
+// keep-first records) or the arena is host-mapped (the commit must follow every store);
+// otherwise one launch of enough blocks for one vector (or element) of the payload per thread, so
+// a wide row is read by many SMs with its loads in flight together. A step or keep-first record of
+// a wide row (layout.h SPLIT_MIN_COLUMNS) is two launches: a claim launch of one block publishes
+// its decision in the slot (SLOT_CLAIM, the Triton kernel's encoding), then every block of a copy
+// launch acts on it; so both device kernels leave the same control block. Block 0's commit is
+// ordered only with its own stores: the other blocks' are complete when the kernel is (what a
+// reader after a synchronize sees).
+//
+// The fast path (`vector_path`, decided on the host like the Triton kernel's VEC): an input whose
+// rows are contiguous and 16-byte aligned is read 16 bytes per load, one vector of elements per
+// thread, its hc rows loaded four at a time before any is added (in flight together).
 #pragma once
 #include <c10/macros/Macros.h>
 
-#include <atomic>
-#include <cmath>
 #include <cstdint>
 
+#include "device_intrinsics.h"
 #include "gates.h"
 #include "layout.h"
 
@@ -37,12 +43,15 @@ namespace compiledump {
 
 constexpr int64_t THREADS = 256;      // threads per block
 constexpr int64_t MAX_BLOCKS = 1024;  // a larger payload is looped over by the grid
+constexpr int64_t HC_BLOCK = 4;       // hc rows loaded together on the fast path
 
-// A capture's arguments: what the host decided (kind, region, drop reason) and the [T, H, D]
-// geometry (ops/geometry.py).
+// A capture's arguments: what the host decided (kind, region, drop reason, launch, fast path) and
+// the [T, H, D] geometry (ops/geometry.py).
 struct KernelArgs {
   int64_t kind, base, offset, capacity, reason, T, H, D, st, sh, sd, row_reg;
   bool mean, host_arena;
+  int64_t phase = LAUNCH_WHOLE;  // layout.h LAUNCH_*
+  bool vector = false;           // the fast path: see vector_path
 };
 
 // What thread 0 decides and every thread reads after the barrier (the block's shared memory).
@@ -52,47 +61,21 @@ struct BlockDecision {
   unsigned long long bad;  // NaN/Inf values the block found (summed after the write phase)
 };
 
-#if defined(__CUDACC__)
-#define CD_DEVICE __device__
-__device__ inline int32_t cd_atomic_add(int32_t* p, int32_t v) { return atomicAdd(p, v); }
-__device__ inline void cd_atomic_max(int32_t* p, int32_t v) { atomicMax(p, v); }
-__device__ inline void cd_atomic_exch(int32_t* p, int32_t v) { atomicExch(p, v); }
-__device__ inline int32_t cd_atomic_cas(int32_t* p, int32_t expected, int32_t v) { return atomicCAS(p, expected, v); }
-__device__ inline float cd_add(float a, float b) { return __fadd_rn(a, b); }
-__device__ inline float cd_div(float a, float b) { return __fdiv_rn(a, b); }
-__device__ inline bool cd_isfinite(float v) { return isfinite(v); }
-__device__ inline void cd_commit(int32_t* p, bool host_arena) {
-  // Device scope orders the stores for readers on the GPU. An arena in host memory (crash-proof
-  // capture) is read by the host, possibly after the context died: a system-scope fence and a
-  // system-scope atomic, so the payload reaches host memory before the commit does.
-  if (host_arena) {
-    __threadfence_system();
-    atomicAdd_system(p, 1);
-  } else {
-    __threadfence();
-    atomicAdd(p, 1);
-  }
+// Elements of scalar_t in one 16-byte vector.
+template <typename scalar_t>
+C10_HOST_DEVICE constexpr int64_t vector_width() {
+  return sizeof(scalar_t) >= 16 ? 1 : static_cast<int64_t>(16 / sizeof(scalar_t));
 }
-#else
-#define CD_DEVICE
-inline int32_t cd_atomic_add(int32_t* p, int32_t v) { const int32_t old = *p; *p = old + v; return old; }
-inline void cd_atomic_max(int32_t* p, int32_t v) { if (v > *p) *p = v; }
-inline void cd_atomic_exch(int32_t* p, int32_t v) { *p = v; }
-inline int32_t cd_atomic_cas(int32_t* p, int32_t expected, int32_t v) {
-  const int32_t old = *p;
-  if (old == expected) *p = v;
-  return old;
+
+// Whether a capture takes the fast path (the Triton kernel's VEC > 1, ops/variants.py
+// variant_for): the input at `x` (elements of `itemsize` bytes) is 16-byte aligned, contiguous
+// along D, its row and hc strides and D are multiples of a vector, and the region's first word
+// allows stores of a vector's worth of words (regions are REGION_ALIGN_WORDS-aligned). Host only.
+inline bool vector_path(const void* x, int64_t itemsize, const KernelArgs& a) {
+  const int64_t width = itemsize >= 16 ? 1 : 16 / itemsize, store = width < REGION_ALIGN_WORDS ? width : 4;
+  return width > 1 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && a.sd == 1 && a.D % width == 0 &&
+         a.st % width == 0 && (a.H == 1 || a.sh % width == 0) && a.offset % store == 0;
 }
-inline float cd_add(float a, float b) { return a + b; }
-inline float cd_div(float a, float b) { return a / b; }
-inline bool cd_isfinite(float v) { return std::isfinite(v); }
-inline void cd_commit(int32_t* p, bool) {
-  // The commit after the payload: the compiler must not move the stores before it past it (a
-  // process killed between the two leaves a claimed, uncommitted write, which recover drops).
-  std::atomic_signal_fence(std::memory_order_seq_cst);
-  *p += 1;
-}
-#endif
 
 C10_HOST_DEVICE inline int32_t kept_tokens_of(const KernelArgs& a) {
   // The record kinds note the token count of the capture the dump now holds (0: a tensor stored
@@ -100,11 +83,12 @@ C10_HOST_DEVICE inline int32_t kept_tokens_of(const KernelArgs& a) {
   return a.row_reg == ROW_FIXED_ZERO ? 0 : static_cast<int32_t>(a.T);
 }
 
-// Thread 0 of block 0, before the barrier.
+C10_HOST_DEVICE inline int64_t row_words(const KernelArgs& a) { return a.mean ? a.D : a.H * a.D; }
+
+// Block 0's thread 0 of a whole or claim launch, before the barrier.
 CD_DEVICE inline void claim(int32_t* ctrl, const KernelArgs& a, BlockDecision& s) {
   // Same gates and precedence as the CPU kernel: exactly one counter per call.
   const Gate gate = choose_counter(ctrl, a.kind, a.reason, a.T, a.row_reg);
-  const int64_t words = a.mean ? a.D : a.H * a.D;
   // The one atomic (the claim): concurrent captures of a slot (other streams) each get their own step.
   const int64_t old = cd_atomic_add(ctrl + a.base + gate.counter, 1);
   const bool live = gate.counter == CNT_WRITTEN;
@@ -116,14 +100,14 @@ CD_DEVICE inline void claim(int32_t* ctrl, const KernelArgs& a, BlockDecision& s
   s.check_all = gate.counter != CNT_SUSPENDED && ctrl[REG_CHECK_ALL] != 0 && a.kind != KIND_IDS;
   if (s.write && is_record_kind(a.kind)) cd_atomic_exch(ctrl + a.base + SLOT_KEPT_TOKENS, kept_tokens_of(a));
   s.row = gate.row;
-  s.dest = a.offset + (a.kind == KIND_STEP ? old : 0) * words;
+  s.dest = a.offset + (a.kind == KIND_STEP ? old : 0) * row_words(a);
   s.bad_step = 1 + (live && a.kind == KIND_STEP ? old : steps_now);
   s.bad = 0;
 }
 
-// Thread 0 of every other block, before the barrier: the decision `claim` makes, for the kinds
-// launched on several blocks (record, all-rows record, ids), whose write does not depend on the
-// claimed counter value. Reads the same registers; counts nothing.
+// Thread 0 of every other block of a whole launch, before the barrier: the decision `claim`
+// makes, for the kinds launched on several blocks (record, all-rows record, ids), whose write
+// does not depend on the claimed counter value. Reads the same registers; counts nothing.
 CD_DEVICE inline void observe(const int32_t* ctrl, const KernelArgs& a, BlockDecision& s) {
   const Gate gate = choose_counter(ctrl, a.kind, a.reason, a.T, a.row_reg);
   s.write = gate.counter == CNT_WRITTEN;
@@ -134,12 +118,69 @@ CD_DEVICE inline void observe(const int32_t* ctrl, const KernelArgs& a, BlockDec
   s.bad = 0;
 }
 
-// The grid: see the top of this file.
-C10_HOST_DEVICE inline int64_t blocks_for(const KernelArgs& a) {
-  if (a.kind == KIND_STEP || a.kind == KIND_RECORD_ONCE || a.host_arena) return 1;
-  const int64_t rows = a.row_reg == ROW_ALL ? a.T : 1, words = a.mean ? a.D : a.H * a.D;
-  const int64_t blocks = (rows * words + THREADS - 1) / THREADS;
-  return blocks < 1 ? 1 : blocks > MAX_BLOCKS ? MAX_BLOCKS : blocks;
+// The claim launch's block, after `claim`: the decision goes to the slot's SLOT_CLAIM word (the
+// date, clamped to its 29 bits; whether it writes; whether the whole input is checked) for the
+// copy launch, and this launch reads and writes no payload.
+CD_DEVICE inline void publish(int32_t* ctrl, const KernelArgs& a, BlockDecision& s) {
+  const int64_t date = s.bad_step < CLAIM_WRITES - 1 ? s.bad_step : CLAIM_WRITES - 1;
+  cd_atomic_exch(ctrl + a.base + SLOT_CLAIM,
+                 static_cast<int32_t>(date | (s.write ? CLAIM_WRITES : 0) | (s.check_all ? CLAIM_CHECK_ALL : 0)));
+  s.write = s.check_all = false;
+}
+
+// Thread 0 of every block of a copy launch: the decision its claim launch published (stream order
+// makes it visible). The block still checks its own gather row, so a register write racing on
+// another stream can never make it read past the input.
+CD_DEVICE inline void take_published(const int32_t* ctrl, const KernelArgs& a, BlockDecision& s) {
+  const int64_t claimed = ctrl[a.base + SLOT_CLAIM];
+  const Gate gate = choose_counter(ctrl, a.kind, a.reason, a.T, a.row_reg);
+  s.write = (claimed & CLAIM_WRITES) != 0 && gate.row >= 0 && gate.row < a.T;
+  s.check_all = (claimed & CLAIM_CHECK_ALL) != 0;
+  s.bad_step = claimed & (CLAIM_WRITES - 1);  // a written step's index + 1
+  s.row = gate.row;
+  s.dest = a.offset + (a.kind == KIND_STEP ? s.bad_step - 1 : 0) * row_words(a);
+  s.bad = 0;
+}
+
+// Thread 0 of each block, before the barrier.
+CD_DEVICE inline void decide(int32_t* ctrl, const KernelArgs& a, BlockDecision& s, bool first_block) {
+  if (a.phase == LAUNCH_COPY) {
+    take_published(ctrl, a, s);
+  } else if (first_block) {
+    claim(ctrl, a, s);
+    if (a.phase == LAUNCH_CLAIM) publish(ctrl, a, s);
+  } else {
+    observe(ctrl, a, s);
+  }
+}
+
+// One launch of a capture: its phase (layout.h LAUNCH_*) and blocks.
+struct Launch {
+  int64_t phase, blocks;
+};
+
+// The launches of one capture, in stream order, into `out`; returns how many (1 or 2). See the top
+// of this file; `width` is the elements each thread reads at once (vector_width, or 1 off the fast
+// path). Host only.
+inline int launches_for(const KernelArgs& a, int64_t width, Launch out[2]) {
+  const int64_t rows = a.row_reg == ROW_ALL ? a.T : 1, units = rows * row_words(a) / width;
+  int64_t blocks = (units + THREADS - 1) / THREADS;  // a vector (or element) of the payload per thread
+  blocks = blocks < 1 ? 1 : blocks > MAX_BLOCKS ? MAX_BLOCKS : blocks;
+  if (a.host_arena) {
+    out[0] = {LAUNCH_WHOLE, 1};
+    return 1;
+  }
+  if (a.kind == KIND_STEP || a.kind == KIND_RECORD_ONCE) {
+    if (a.D >= SPLIT_MIN_COLUMNS) {
+      out[0] = {LAUNCH_CLAIM, 1};
+      out[1] = {LAUNCH_COPY, blocks};
+      return 2;
+    }
+    out[0] = {LAUNCH_WHOLE, 1};
+    return 1;
+  }
+  out[0] = {LAUNCH_WHOLE, blocks};
+  return 1;
 }
 
 // One row for thread `tid` of `threads`: `src` is row r of x, `dest` its first word in the arena.
@@ -147,7 +188,7 @@ C10_HOST_DEVICE inline int64_t blocks_for(const KernelArgs& a) {
 template <typename scalar_t>
 CD_DEVICE int64_t store_row(const scalar_t* src, float* arena, int64_t dest, const KernelArgs& a, int64_t tid,
                             int64_t threads) {
-  const int64_t H = a.H, D = a.D, sh = a.sh, sd = a.sd, words = a.mean ? D : H * D;
+  const int64_t H = a.H, D = a.D, sh = a.sh, sd = a.sd, words = row_words(a);
   int64_t bad = 0;
   if (a.kind == KIND_IDS) {
     // ids keep their integer bits: stored as int32 in the float32 arena.
@@ -181,6 +222,66 @@ CD_DEVICE int64_t store_row(const scalar_t* src, float* arena, int64_t dest, con
   return bad;
 }
 
+// The fast path's share of every stored row: one vector of V elements per thread and step of the
+// grid-strided loop (unit u: row u / per_row, vector u % per_row of it). The same values, order
+// and rounding as store_row. Returns this thread's count of non-finite values read.
+template <typename scalar_t>
+CD_DEVICE int64_t store_rows_vector(const scalar_t* x, float* arena, const KernelArgs& a, const BlockDecision& s,
+                                    int64_t rows, int64_t tid, int64_t threads) {
+  constexpr int64_t V = vector_width<scalar_t>();
+  const int64_t words = row_words(a), per_row = words / V, per_hc_row = a.D / V;
+  int64_t bad = 0;
+  for (int64_t u = tid; u < rows * per_row; u += threads) {
+    const int64_t r = rows == 1 ? 0 : u / per_row, c = u - r * per_row;
+    const scalar_t* src = x + (s.row + r) * a.st;
+    const int64_t dest = s.dest + r * words + c * V;
+    if (a.mean) {
+      // HC_BLOCK hc rows loaded before any is added; each element summed in h order from 0.0f.
+      float acc[V];
+      CD_UNROLL
+      for (int64_t e = 0; e < V; ++e) acc[e] = 0.0f;
+      for (int64_t h0 = 0; h0 < a.H; h0 += HC_BLOCK) {
+        Pack<scalar_t, V> q[HC_BLOCK];
+        CD_UNROLL
+        for (int64_t k = 0; k < HC_BLOCK; ++k)
+          if (h0 + k < a.H) q[k] = load_pack<scalar_t, V>(src + (h0 + k) * a.sh + c * V);
+        CD_UNROLL
+        for (int64_t k = 0; k < HC_BLOCK; ++k) {
+          if (h0 + k >= a.H) break;
+          CD_UNROLL
+          for (int64_t e = 0; e < V; ++e) {
+            const float v = static_cast<float>(q[k].v[e]);
+            bad += !cd_isfinite(v);
+            acc[e] = cd_add(acc[e], v);
+          }
+        }
+      }
+      CD_UNROLL
+      for (int64_t e = 0; e < V; ++e) acc[e] = cd_div(acc[e], static_cast<float>(a.H));
+      store_words(arena + dest, acc);
+    } else {
+      // A vector never straddles two hc rows: D is a multiple of V.
+      const int64_t h = a.H == 1 ? 0 : c / per_hc_row;
+      const Pack<scalar_t, V> q = load_pack<scalar_t, V>(src + h * a.sh + (c - h * per_hc_row) * V);
+      if (a.kind == KIND_IDS) {
+        int32_t ids[V];
+        CD_UNROLL
+        for (int64_t e = 0; e < V; ++e) ids[e] = static_cast<int32_t>(q.v[e]);
+        store_words(reinterpret_cast<int32_t*>(arena) + dest, ids);
+      } else {
+        float vals[V];
+        CD_UNROLL
+        for (int64_t e = 0; e < V; ++e) {
+          vals[e] = static_cast<float>(q.v[e]);
+          bad += !cd_isfinite(vals[e]);
+        }
+        store_words(arena + dest, vals);
+      }
+    }
+  }
+  return bad;
+}
+
 // Every thread of the grid (`tid` of `threads`), between the barriers: returns its NaN/Inf count.
 template <typename scalar_t>
 CD_DEVICE int64_t write_share(const scalar_t* x, float* arena, const KernelArgs& a, const BlockDecision& s,
@@ -197,9 +298,13 @@ CD_DEVICE int64_t write_share(const scalar_t* x, float* arena, const KernelArgs&
   int64_t read_bad = 0;
   if (s.write) {  // uniform across the block: read after the barrier
     // All-rows records store every row, one after the other; everything else one row.
-    const int64_t rows = a.row_reg == ROW_ALL ? a.T : 1, words = a.mean ? a.D : a.H * a.D;
-    for (int64_t r = 0; r < rows; ++r)
-      read_bad += store_row(x + (s.row + r) * a.st, arena, s.dest + r * words, a, tid, threads);
+    const int64_t rows = a.row_reg == ROW_ALL ? a.T : 1, words = row_words(a);
+    if (a.vector) {
+      read_bad = store_rows_vector(x, arena, a, s, rows, tid, threads);
+    } else {
+      for (int64_t r = 0; r < rows; ++r)
+        read_bad += store_row(x + (s.row + r) * a.st, arena, s.dest + r * words, a, tid, threads);
+    }
   }
   return s.check_all ? bad : read_bad;
 }

@@ -32,7 +32,9 @@ constexpr int64_t SLOT_COMMITTED = 9;
 constexpr int64_t SLOT_NONFINITE = 10;
 constexpr int64_t SLOT_BAD_STEP = 11;
 constexpr int64_t SLOT_BAD_TOKENS = 12;
-constexpr int64_t SLOT_CLAIM = 13;  // written by the Triton kernel's split launches only
+constexpr int64_t SLOT_CLAIM = 13;  // written by the split launches of the device kernels only
+constexpr int64_t CLAIM_WRITES = 536870912;      // 1 << 29
+constexpr int64_t CLAIM_CHECK_ALL = 1073741824;  // 1 << 30
 constexpr int64_t SLOT_WORDS = 14;
 constexpr int64_t NONFINITE_CAP = 1073741824;  // 1 << 30
 
@@ -43,8 +45,18 @@ constexpr int64_t KIND_STEP = 2;
 constexpr int64_t KIND_IDS = 3;
 constexpr int64_t KIND_RECORD_ROWS = 4;
 
+// Launches of a capture (layout.py LAUNCH_*): whole, or a wide step or keep-first record split
+// into a claim launch and a copy launch from SPLIT_MIN_COLUMNS on.
+constexpr int64_t LAUNCH_WHOLE = 0;
+constexpr int64_t LAUNCH_CLAIM = 1;
+constexpr int64_t LAUNCH_COPY = 2;
+constexpr int64_t SPLIT_MIN_COLUMNS = 8193;  // 4 * 2048 + 1
+
 constexpr int64_t ROW_FIXED_ZERO = -1;
 constexpr int64_t ROW_ALL = -2;
+
+// Arena regions start on a multiple of this many words (16 bytes).
+constexpr int64_t REGION_ALIGN_WORDS = 4;
 
 inline int64_t slot_base(int64_t slot) { return HEADER_WORDS + slot * SLOT_WORDS; }
 

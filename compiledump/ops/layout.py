@@ -84,7 +84,8 @@ KIND_NAMES = {KIND_RECORD: "record", KIND_RECORD_ONCE: "record_once", KIND_STEP:
 # The kinds whose kept captures set SLOT_KEPT_TOKENS.
 RECORD_KINDS = (KIND_RECORD, KIND_RECORD_ONCE, KIND_RECORD_ROWS)
 
-# Launches of the Triton kernel (its `phase` argument; ops/variants.py `launches_for`). Whether and
+# Launches of the device kernels (the Triton kernel's `phase` argument, ops/variants.py
+# `launches_for`; the native CUDA kernel's, kernels/capture_device.h `launches_for`). Whether and
 # where a step or keep-first record writes depends on the counter value its claim returns, and
 # programs of one launch cannot wait for each other, so such a capture runs one program, or, when
 # its row is wide, two launches: one program claims and publishes the decision (SLOT_CLAIM), then
@@ -92,6 +93,12 @@ RECORD_KINDS = (KIND_RECORD, KIND_RECORD_ONCE, KIND_RECORD_ROWS)
 LAUNCH_WHOLE = 0  # claim and copy in one launch
 LAUNCH_CLAIM = 1  # one program: the claim, the decision published; copies nothing
 LAUNCH_COPY = 2  # the published decision's copy, its NaN/Inf count and commit; claims nothing
+# A step or keep-first record is split from this row width (D, in elements) on: five of the Triton
+# kernel's 2048-column tiles. One rule for both device kernels, so their control blocks (SLOT_CLAIM
+# included) agree word for word. One more kernel node (about a launch's latency) against a row read
+# by one program or block; chosen from the latencies, not measured yet: benchmarks/gpu_bench.py
+# `wide_step` times both sides of it.
+SPLIT_MIN_COLUMNS = 4 * 2048 + 1
 
 # Geometry modes: how the op views its input as [T, H, D] and which row it takes.
 ROW_FIXED_ZERO = -1  # whole tensor viewed as one row
@@ -116,8 +123,8 @@ def control_words(max_tags: int) -> int:
 
 def without_claims(ctrl):
     """A copy of the control block tensor `ctrl` with every slot's SLOT_CLAIM word zeroed: what
-    kernels that never split a capture (the reference, CPU and native CUDA kernels) hold, for
-    comparing their control blocks with the Triton kernel's word for word."""
+    kernels that never split a capture (the reference and the CPU kernels) hold, for comparing
+    their control blocks with a device kernel's word for word."""
     out = ctrl.clone()
     out[HEADER_WORDS:].view(-1, SLOT_WORDS)[:, SLOT_CLAIM] = 0
     return out

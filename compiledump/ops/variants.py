@@ -77,20 +77,13 @@ def variant_for(x: torch.Tensor, geometry: tuple, kind: int, host_arena: bool = 
 MAPPED_ARENAS: set[int] = set()
 
 
-# A step or keep-first record of at least this many tiles is split into a claim launch and a copy
-# launch over many programs: one more kernel node (about a launch's latency) against a row read
-# tile after tile by one program (a 129280-wide fp32 logits row is 64 tiles). Chosen from the
-# latencies, not measured yet: benchmarks/gpu_bench.py `wide_step` times both sides of it.
-SPLIT_MIN_TILES = 5
-
-
 def launches_for(geometry: tuple, kind: int, host_arena: bool = False) -> tuple[tuple[int, int], ...]:
     """The launches of one capture, in stream order: (layout.LAUNCH_* phase, programs) each.
 
     One program per (row, column block) tile, up to MAX_PROGRAMS, in one launch. Steps and
     keep-first records write only if (and, for steps, where) the counter value they claim says, so
-    one program claims: alone, or, for a row of SPLIT_MIN_TILES tiles or more, in a launch of its
-    own that publishes the decision for a second launch over all the tiles. Captures into a
+    one program claims: alone, or, for a row of layout.SPLIT_MIN_COLUMNS or more, in a launch of
+    its own that publishes the decision for a second launch over all the tiles. Captures into a
     host-mapped arena run one program (its commit follows every store of the capture)."""
     T, _H, D, *_rest, row_reg, _mean = geometry
     rows = T if row_reg == L.ROW_ALL else 1
@@ -98,7 +91,7 @@ def launches_for(geometry: tuple, kind: int, host_arena: bool = False) -> tuple[
     if host_arena:
         return ((L.LAUNCH_WHOLE, 1),)
     if kind in (L.KIND_STEP, L.KIND_RECORD_ONCE):
-        if tiles >= SPLIT_MIN_TILES:
+        if D >= L.SPLIT_MIN_COLUMNS:  # read at call time: benchmarks/gpu_kernel_bench.py varies it
             return ((L.LAUNCH_CLAIM, 1), (L.LAUNCH_COPY, tiles))
         return ((L.LAUNCH_WHOLE, 1),)
     return ((L.LAUNCH_WHOLE, tiles),)
