@@ -1,0 +1,154 @@
+"""Compile the native CUDA capture kernel (kernels/capture_cuda.cu) for sm_90 without a GPU and
+report what its PTX and SASS say, one line per input type.
+
+    python scripts/native_kernel_sass.py           # table: loads, stores, registers, spills
+    python scripts/native_kernel_sass.py --check   # exit 1 unless every instantiation has 16-byte
+                                                   # vector loads (the fast path), spills nothing and
+                                                   # multiplies no offset in 32 bits
+
+Needs nvcc (CUDA 12 or newer) and cuobjdump (on PATH, or the one Triton bundles); torch's headers
+come from the installed torch. The CPU wheel ships c10's CUDA headers without the one CMake
+generates for a CUDA build (c10/cuda/impl/cuda_cmake_macros.h), so the script supplies that one.
+The twin for the Triton kernel is scripts/kernel_ptx.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCE = REPO / "kernels" / "capture_cuda.cu"
+# Itanium-mangled template arguments of capture_kernel<scalar_t>, by the dtype they stand for.
+TYPES = {"f": "float32", "d": "float64", "N3c104HalfE": "float16", "N3c108BFloat16E": "bfloat16",
+         "l": "int64", "i": "int32", "s": "int16", "a": "int8", "h": "uint8", "t": "uint16", "j": "uint32",
+         "m": "uint64", "b": "bool", "N3c1013Float8_e4m3fnE": "float8_e4m3fn", "N3c1011Float8_e5m2E": "float8_e5m2",
+         "N3c1015Float8_e4m3fnuzE": "float8_e4m3fnuz", "N3c1015Float8_e5m2fnuzE": "float8_e5m2fnuz"}
+# The C10 CUDA build's generated macros header (cuda_cmake_macros.h.in, as a shared-library build).
+CMAKE_MACROS = "#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n"
+
+
+def tools() -> tuple[str | None, str | None]:
+    """(nvcc, cuobjdump), each None where not found."""
+    cuobjdump = shutil.which("cuobjdump")
+    if cuobjdump is None:
+        try:
+            import triton
+
+            bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+            cuobjdump = str(bundled) if bundled.exists() else None
+        except ImportError:
+            pass
+    return shutil.which("nvcc"), cuobjdump
+
+
+def compile_kernel(nvcc: str, tmp: Path) -> tuple[str, Path]:
+    """The kernel's PTX text and the path of its cubin for sm_90 (one nvcc run, -keep'ing the PTX)."""
+    import torch.utils.cpp_extension
+
+    include = [Path(p) for p in torch.utils.cpp_extension.include_paths()]
+    stub = tmp / "include"
+    if not any((p / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").exists() for p in include):
+        (stub / "c10" / "cuda" / "impl").mkdir(parents=True)
+        (stub / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").write_text(CMAKE_MACROS)
+    # The flags CMakeLists.txt gives nvcc for this file.
+    cubin = tmp / "capture.cubin"
+    command = [nvcc, "-std=c++20", "--expt-relaxed-constexpr", "-O3", "-arch=sm_90", "-cubin", "-keep",
+               f"-keep-dir={tmp}", f"-I{stub}", *(f"-I{p}" for p in include),
+               f"-I{REPO / 'kernels'}", str(SOURCE), "-o", str(cubin)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=tmp)
+    if done.returncode != 0:
+        raise RuntimeError(f"nvcc failed:\n{done.stderr[-4000:]}")
+    (ptx,) = tmp.glob("*.ptx")
+    return ptx.read_text(), cubin
+
+
+def _sections(text: str, start: str) -> dict[str, str]:
+    """The text of each kernel instantiation, by dtype: `start` begins a kernel's section."""
+    out, name = {}, None
+    for line in text.splitlines():
+        if start in line:
+            found = re.search(r"capture_kernelI(.+?)EEvPKT_", line)
+            name = TYPES.get(found.group(1), found.group(1)) if found else None
+            out.setdefault(name, [])
+        if name is not None:
+            out[name].append(line)
+    return {k: "\n".join(v) for k, v in out.items() if k is not None}
+
+
+def unguarded_32bit_multiplies(ptx: str) -> int:
+    """32-bit multiplies other than nvcc's own 64-bit division fast path (a div.u32 taken when
+    both operands fit in 32 bits, then mul.lo.s32 and sub.s32 for the remainder)."""
+    lines = ptx.splitlines()
+    return sum(1 for i, line in enumerate(lines) if "mul.lo.s32" in line and not (i and "div.u32" in lines[i - 1]))
+
+
+def describe(ptx: str, cubin: Path, cuobjdump: str) -> dict[str, dict]:
+    sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    usage = subprocess.run([cuobjdump, "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
+                           check=True).stdout
+    ptx_of, sass_of, usage_of = _sections(ptx, ".entry"), _sections(sass, "Function :"), _sections(usage, "Function ")
+    report = {}
+    for dtype in sorted(sass_of):
+        ops = re.findall(r"\b((?:LDG|STG)[A-Z0-9._]*)", sass_of[dtype])
+        resources = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", usage_of.get(dtype, "")))
+        report[dtype] = {
+            "loads": {op: ops.count(op) for op in sorted(set(ops)) if op.startswith("LDG")},
+            "stores": {op: ops.count(op) for op in sorted(set(ops)) if op.startswith("STG")},
+            "registers": int(resources.get("REG", -1)),
+            "spilled_bytes": int(resources.get("STACK", 0)) + int(resources.get("LOCAL", 0)),
+            "mul.lo.s32 (unguarded)": unguarded_32bit_multiplies(ptx_of.get(dtype, "")),
+        }
+    return report
+
+
+def problems(report: dict[str, dict]) -> list[str]:
+    """What --check refuses."""
+    out = []
+    for dtype, info in report.items():
+        if not any(".128" in op for op in info["loads"]):
+            out.append(f"{dtype}: no 16-byte vector load (the fast path): {info['loads']}")
+        if info["spilled_bytes"]:
+            out.append(f"{dtype}: {info['spilled_bytes']} bytes of stack/local memory (spills)")
+        if info["mul.lo.s32 (unguarded)"]:
+            out.append(f"{dtype}: {info['mul.lo.s32 (unguarded)']} 32-bit multiplies (offset math must be 64-bit)")
+    if len(report) < 13:
+        out.append(f"only {len(report)} instantiations found: {sorted(report)}")
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 unless every instantiation vectorizes, "
+                        "spills nothing and keeps its offsets 64-bit")
+    args = parser.parse_args(argv)
+    nvcc, cuobjdump = tools()
+    if nvcc is None or cuobjdump is None:
+        print(f"native_kernel_sass.py: needs nvcc and cuobjdump (found nvcc={nvcc}, cuobjdump={cuobjdump})",
+              file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = compile_kernel(nvcc, Path(tmp))
+        report = describe(ptx, cubin, cuobjdump)
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    print(f"{SOURCE.relative_to(REPO)} for sm_90 ({version})")
+    for dtype, info in report.items():
+        print(f"{dtype:>16}: registers {info['registers']}, spilled {info['spilled_bytes']} B, "
+              f"unguarded mul.lo.s32 {info['mul.lo.s32 (unguarded)']}; loads {info['loads']}; "
+              f"stores {info['stores']}")
+    found = problems(report)
+    for problem in found:
+        print(f"  {problem}")
+    if not found:
+        print(f"{len(report)} instantiations: 16-byte loads on the fast path, no spills, 64-bit offsets")
+    return 1 if found and args.check else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
