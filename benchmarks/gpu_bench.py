@@ -22,8 +22,9 @@ Measurements, in run order:
                       replays run clean under torch.cuda.set_sync_debug_mode("error");
   kernel_bandwidth    time per capture vs payload (hc_mult x dim of one row): bytes/s, and the floor
                       (a 1-element capture: graph-node overhead);
-  wide_step           record_step of [64, 32000] and [64, 129280] fp32 logits in a graph: the split
-                      capture (claim launch + copy over every tile) vs one program per capture;
+  wide_step           record_step in a graph of [64, 4, 7168] and [64, 7168] bf16 and of [64, 32000]
+                      and [64, 129280] fp32 logits: split (claim launch + copy over every tile) vs one
+                      program per capture, each forced (where should layout.SPLIT_MIN_COLUMNS be?);
   eager_vs_seed       eager cost per capture call, compiledump vs debug_dump.py (which copies to the
                       host, and so synchronizes, on every call); skipped where that file is absent;
   compiled_host_cost  N captures in a function compiled without CUDA graphs (how engines run large
@@ -282,7 +283,7 @@ PHASES = {
     "flush_throughput": (flush_throughput, True, 15),
     "graph_equals_eager": (graph_equals_eager, True, 20),
     "kernel_bandwidth": (kernel_bandwidth, True, 30),
-    "wide_step": (wide_step, True, 20),
+    "wide_step": (wide_step, True, 30),
     "eager_vs_seed": (eager_vs_seed, False, 20),
     "compiled_host_cost": (compiled_host_cost, True, 40),
     "decode_overhead_compiled": (decode_overhead_compiled, True, 180),
@@ -309,8 +310,8 @@ def _key_number(name, r):
         best = max(r["rows"], key=lambda x: x["GB_per_s"])
         return f"floor {r['floor_us']:.2f} us/capture; best {best['GB_per_s']:.1f} GB/s at {best['hc']}x{best['dim']}"
     if name == "wide_step":
-        return "; ".join(f"{row['width']} wide: {row['us_per_capture_split']:.2f} us split vs "
-                         f"{row['us_per_capture_one_program']:.2f} one program" for row in r["rows"])
+        return "; ".join(f"{'x'.join(map(str, row['shape']))} {row['dtype']}: {row['us_per_capture_split']:.2f} us "
+                         f"split vs {row['us_per_capture_one_program']:.2f} one program" for row in r["rows"])
     return f"compiledump {r['compiledump_us']:.1f} us vs debug_dump.py {r['seed_us']:.1f} us per call ({r['speedup']:.1f}x)"
 
 

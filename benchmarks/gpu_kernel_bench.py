@@ -30,34 +30,45 @@ def kernel_bandwidth(device, quick, tmp):
     return {"rows": rows, "floor_us": rows[0]["us_per_capture"]}
 
 
+# Steps that decide where a split pays: a decode step of hc rows and of a hidden state (one program
+# by today's rule), and logits rows (split). (shape, dtype) each.
+STEP_CASES = [((64, 4, 7168), torch.bfloat16), ((64, 7168), torch.bfloat16), ((64, 32000), torch.float32),
+              ((64, 129280), torch.float32)]
+QUICK_STEP_CASES = [((8, 4, 256), torch.bfloat16), ((64, 10243), torch.float32)]
+
+
 def wide_step(device, quick, tmp):
-    """record_step of wide logits rows inside a CUDA graph: the split capture (a one-program
-    claim launch, then a copy launch over every tile: ops/layout.py SPLIT_MIN_COLUMNS) against
-    the same captures forced to one program, which reads the row tile after tile."""
+    """record_step inside a CUDA graph, per shape: forced into a claim launch and a copy launch over
+    every tile (ops/layout.py SPLIT_MIN_COLUMNS set to 1) against forced into one program, which
+    reads the row tile after tile; `split_by_default` says which the rule picks today."""
     from compiledump.ops import layout as L
 
-    widths, n, replays = ([10243], 4, 3) if quick else ([32000, 129280], 20, 20)
+    cases, n, replays = (QUICK_STEP_CASES, 4, 3) if quick else (STEP_CASES, 20, 20)
     steps = replays + 2  # room for every replay of a round (a full region would write nothing)
-    fresh_dump(tmp / "w", max_steps=steps, arena_mb=2 * len(widths) * n * steps * max(widths) * 4 // 2**20 + 64)
+    words = max(torch.Size(shape[1:]).numel() for shape, _ in cases)
+    fresh_dump(tmp / "w", max_steps=steps, arena_mb=2 * len(cases) * n * steps * words * 4 // 2**20 + 64)
     compiledump.init(device)
     compiledump.set_rows(1)
     rows = []
-    for width in widths:
-        logits = [torch.randn(64, width, device=device) for _ in range(n)]
+    for shape, dtype in cases:
+        xs = [torch.randn(*shape, device=device).to(dtype) for _ in range(n)]
+        label = "x".join(map(str, shape))
         graphs = {}
-        for name, min_columns in (("split", L.SPLIT_MIN_COLUMNS), ("one_program", 1 << 40)):
+        for name, min_columns in (("split", 1), ("one_program", 1 << 40)):
             saved, L.SPLIT_MIN_COLUMNS = L.SPLIT_MIN_COLUMNS, min_columns
             try:  # the launches are fixed when the graph is captured
-                graphs[name] = graph_of(lambda name=name: [compiledump.record_step(f"{name}{width}_{i}", x)
-                                                           for i, x in enumerate(logits)], device)
+                graphs[name] = graph_of(lambda name=name: [compiledump.record_step(f"{name}{label}_{i}", x)
+                                                           for i, x in enumerate(xs)], device)
             finally:
                 L.SPLIT_MIN_COLUMNS = saved
         times = rounds_of(graphs, device, rounds=3 if quick else 10, replays=replays, before=compiledump.clear)
         split, one = (statistics.median(times[k]) * 1e3 / n for k in ("split", "one_program"))
-        rows.append({"width": width, "us_per_capture_split": split, "us_per_capture_one_program": one,
-                     "speedup": one / split})
+        rows.append({"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "width": shape[-1],
+                     "split_by_default": shape[-1] >= L.SPLIT_MIN_COLUMNS, "us_per_capture_split": split,
+                     "us_per_capture_one_program": one, "speedup": one / split})
     compiledump.clear()
     for graph in graphs.values():
-        graph.replay()  # after clear(): each capture of the last width wrote one step
+        graph.replay()  # after clear(): each capture of the last case wrote one step
     passed = passed_captures(compiledump.flush())
-    return {"ok": passed == 2 * n, "captures_per_graph": n, "rows": rows, "batch": 64, "dtype": "float32"}
+    return {"ok": passed == 2 * n, "captures_per_graph": n, "rows": rows,
+            "split_min_columns": L.SPLIT_MIN_COLUMNS}

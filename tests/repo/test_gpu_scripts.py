@@ -98,7 +98,9 @@ def test_gpu_bench_graph_phases_emulated(tmp_path, dump_dir):
     assert r["flush_throughput"]["bytes"] >= 8 * 32000 * 4 and r["flush_throughput"]["efficiency"] > 0
     assert r["graph_equals_eager"]["max_rel_err"] == 0.0 and r["graph_equals_eager"]["keys"] == 4 * 5 + 4
     assert r["kernel_bandwidth"]["floor_us"] > 0
-    assert r["wide_step"]["rows"][0]["width"] == 10243 and r["wide_step"]["status"] == "ok"  # every capture wrote
+    assert [row["shape"] for row in r["wide_step"]["rows"]] == [[8, 4, 256], [64, 10243]]
+    assert [row["split_by_default"] for row in r["wide_step"]["rows"]] == [False, True]
+    assert r["wide_step"]["status"] == "ok"  # every capture wrote
     assert r["compiled_host_cost"]["captures"] == 6 and r["compiled_host_cost"]["call_us_instrumented"] > 0
 
 
