@@ -133,3 +133,27 @@ def assert_nonfinite_count_stops_at_the_cap(kernel) -> None:
         _, ctrl = run_kernel(kernel, x, L.KIND_STEP, (1, 1, 0, 0, 1), calls,
                              slot_words={L.SLOT_NONFINITE: L.NONFINITE_CAP - 3})
         assert int(ctrl[L.slot_base(2) + L.SLOT_NONFINITE]) == L.NONFINITE_CAP - 3 + bad, calls
+
+
+def assert_copy_acts_on_the_published_claim(x, launch) -> None:
+    """A split step capture's copy launch takes its claim launch's decision, not its own reads: two
+    captures of `x` (2 rows, a row of layout.SPLIT_MIN_COLUMNS or more; step row 1), each a claim
+    launch, then the device flag turned off (as a register write racing on another stream would),
+    then the copy launch, still write the claimed steps and commit each once.
+    `launch(phase, x, arena, ctrl, base, offset, capacity)` runs one launch (LAUNCH_CLAIM or
+    LAUNCH_COPY) of the kernel under test."""
+    arena_t = torch.full((8 + 3 * x.shape[1],), float("nan"))
+    ctrl = torch.zeros(L.control_words(4), dtype=torch.int32)
+    ctrl[L.REG_ENABLED], ctrl[L.REG_ROWS], ctrl[L.REG_MAX_ROWS], ctrl[L.REG_STEP_ROW] = 1, 1, 1, 1
+    base = L.slot_base(2)
+    for _ in range(2):
+        launch(L.LAUNCH_CLAIM, x, arena_t, ctrl, base, 8, 3)
+        ctrl[L.REG_ENABLED] = 0  # a racing write: the copy must not change its mind
+        launch(L.LAUNCH_COPY, x, arena_t, ctrl, base, 8, 3)
+        ctrl[L.REG_ENABLED] = 1
+    assert int(ctrl[base + L.CNT_WRITTEN]) == 2 and int(ctrl[base + L.SLOT_COMMITTED]) == 2
+    assert int(ctrl[base + L.CNT_SUSPENDED]) == 0 and int(ctrl[L.REG_STEPS]) == 2
+    assert int(ctrl[base + L.SLOT_CLAIM]) == L.CLAIM_WRITES | 2  # step 1 (+1), writes
+    rows = arena_t[8 : 8 + 2 * x.shape[1]].view(2, -1)
+    assert torch.equal(rows[0], x[1]) and torch.equal(rows[1], x[1])
+    assert torch.isnan(arena_t[8 + 2 * x.shape[1] :]).all()  # the third step's room: untouched

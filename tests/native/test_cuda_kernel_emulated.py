@@ -23,8 +23,8 @@ from compiledump.ops import reference
 from compiledump.ops.geometry import geometry
 
 from helpers.samples import (DTYPES, GEOMETRIES, REGISTERS, WIDE_GEOMETRIES, assert_matches_reference,
-                             assert_nonfinite_count_stops_at_the_cap, generator_for, int_samples, run_kernel,
-                             with_nonfinite)
+                             assert_copy_acts_on_the_published_claim, assert_nonfinite_count_stops_at_the_cap,
+                             generator_for, int_samples, run_kernel, with_nonfinite)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -238,23 +238,11 @@ def test_cuda_kernel_split_control_block_equals_triton(kernel_on_cpu):
 
 
 def test_cuda_kernel_split_copy_acts_on_the_published_claim(kernel_on_cpu):
-    """The copy launch's blocks take the claim launch's decision, not their own reads: with the
-    device flag turned off between the two (as a register write racing on another stream would),
-    the copy still writes the claimed step and commits it once."""
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 6 * 2048 + 4, generator=g)
-    arena_t = torch.full((8 + 3 * x.shape[1],), float("nan"))
-    ctrl = torch.zeros(L.control_words(4), dtype=torch.int32)
-    ctrl[L.REG_ENABLED], ctrl[L.REG_ROWS], ctrl[L.REG_MAX_ROWS], ctrl[L.REG_STEP_ROW] = 1, 1, 1, 1
-    base = L.slot_base(2)
-    for _ in range(2):
-        kernel_on_cpu.kernel(256, L.LAUNCH_CLAIM)(x, arena_t, ctrl, L.KIND_STEP, base, 8, 3, 0)
-        ctrl[L.REG_ENABLED] = 0  # a racing write: the copy must not change its mind
-        kernel_on_cpu.kernel(256, L.LAUNCH_COPY)(x, arena_t, ctrl, L.KIND_STEP, base, 8, 3, 0)
-        ctrl[L.REG_ENABLED] = 1
-    assert int(ctrl[base + L.CNT_WRITTEN]) == 2 and int(ctrl[base + L.SLOT_COMMITTED]) == 2
-    assert int(ctrl[base + L.CNT_SUSPENDED]) == 0 and int(ctrl[L.REG_STEPS]) == 2
-    assert int(ctrl[base + L.SLOT_CLAIM]) == L.CLAIM_WRITES | 2  # step 1 (+1), writes
-    rows = arena_t[8 : 8 + 2 * x.shape[1]].view(2, -1)
-    assert torch.equal(rows[0], x[1]) and torch.equal(rows[1], x[1])
-    assert torch.isnan(arena_t[8 + 2 * x.shape[1] :]).all()  # the third step's room: untouched
+    """The copy launch's blocks act on the claim launch's decision (helpers.samples), on the fast path."""
+    x = torch.randn(2, 6 * 2048 + 4, generator=torch.Generator().manual_seed(3))
+
+    def launch(phase, x, arena, ctrl, base, offset, capacity):
+        kernel_on_cpu.kernel(256, phase)(x, arena, ctrl, L.KIND_STEP, base, offset, capacity, 0)
+
+    assert_copy_acts_on_the_published_claim(x, launch)
+    assert kernel_on_cpu.last()[0]

@@ -20,6 +20,7 @@ from helpers.samples import (
     GEOMETRIES,
     REGISTERS,
     WIDE_GEOMETRIES,
+    assert_copy_acts_on_the_published_claim,
     assert_matches_reference,
     assert_nonfinite_count_stops_at_the_cap,
     generator_for,
@@ -115,34 +116,19 @@ def test_triton_split_capture_matches_cpu_reference(geometry, dtype, kind, monke
 
 
 def test_triton_split_copy_acts_on_the_published_claim():
-    """The copy launch's programs take the claim launch's decision, not their own reads: a copy
-    launched after its claim, with the device flag turned off in between (as a register write
-    racing on another stream would), still writes the claimed step and commits it once."""
+    """The copy launch's programs act on the claim launch's decision (helpers.samples)."""
     from compiledump.ops import triton_kernel
     from compiledump.ops.geometry import geometry
 
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 6 * 2048 + 5, generator=g)
-    src, geo = geometry(x, L.KIND_STEP)
-    (claim, _), (copy, programs) = triton_kernel.launches_for(geo, L.KIND_STEP)
-    arena_t = torch.full((8 + 3 * x.shape[1],), float("nan"))
-    ctrl = torch.zeros(L.control_words(4), dtype=torch.int32)
-    ctrl[L.REG_ENABLED], ctrl[L.REG_ROWS], ctrl[L.REG_MAX_ROWS], ctrl[L.REG_STEP_ROW] = 1, 1, 1, 1
-    T, H, D, st, sh, sd, row_reg, _ = geo
-    v = triton_kernel.variant_for(src, geo, L.KIND_STEP)
-    base = L.slot_base(2)
-    args = (src, arena_t, ctrl, T, H, D, st, sh, sd, base, 8, 3, L.KIND_STEP, 0, row_reg)
-    for _ in range(2):
-        triton_kernel._launch(v, 1, *args, claim)
-        ctrl[L.REG_ENABLED] = 0  # a racing write: the copy must not change its mind
-        triton_kernel._launch(v, programs, *args, copy)
-        ctrl[L.REG_ENABLED] = 1
-    assert int(ctrl[base + L.CNT_WRITTEN]) == 2 and int(ctrl[base + L.SLOT_COMMITTED]) == 2
-    assert int(ctrl[base + L.CNT_SUSPENDED]) == 0 and int(ctrl[L.REG_STEPS]) == 2
-    assert int(ctrl[base + L.SLOT_CLAIM]) == L.CLAIM_WRITES | 2  # step 1 (+1), writes
-    rows = arena_t[8 : 8 + 2 * x.shape[1]].view(2, -1)
-    assert torch.equal(rows[0], x[1]) and torch.equal(rows[1], x[1])
-    assert torch.isnan(arena_t[8 + 2 * x.shape[1] :]).all()  # the third step's room: untouched
+    def launch(phase, x, arena, ctrl, base, offset, capacity):
+        src, geo = geometry(x, L.KIND_STEP)
+        T, H, D, st, sh, sd, row_reg, _ = geo
+        programs = dict(triton_kernel.launches_for(geo, L.KIND_STEP))[phase]
+        triton_kernel._launch(triton_kernel.variant_for(src, geo, L.KIND_STEP), programs, src, arena, ctrl, T, H, D,
+                              st, sh, sd, base, offset, capacity, L.KIND_STEP, 0, row_reg, phase)
+
+    assert_copy_acts_on_the_published_claim(torch.randn(2, 6 * 2048 + 5, generator=torch.Generator().manual_seed(3)),
+                                            launch)
 
 
 @pytest.mark.parametrize("reason", [L.CNT_TOKEN_GATE, L.CNT_SHAPE_CHANGED, L.CNT_ARENA_FULL])
