@@ -46,7 +46,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "a journal of the tags live in files under `<dir>/<stem>.live/`, so a killed or crashed process loses "
            "nothing captured (`compiledump recover DIR` turns them into a dump; a normal exit removes them). "
            "`auto`: on for CPU, off for CUDA; `1`: on, and on CUDA a host-mapped arena the kernels write over "
-           "PCIe; `0`: off (the arena lives in process or device memory only)", "persist"),
+           "PCIe (on Linux 6.5 and later the directory must be on a tmpfs such as /dev/shm, else it falls back "
+           "with a warning); `0`: off (the arena lives in process or device memory only)", "persist"),
     EnvVar("COMPILEDUMP_NONFINITE", "read", "NaN/Inf detection (the manifest's `first_nonfinite`): `read` "
            "counts them in what each kept capture reads; `all` in the whole input of every call outside "
            "`profiling()`, kept or not (one more pass over each captured tensor)", "nonfinite"),

@@ -82,15 +82,20 @@ class LiveFiles:
         # being traced or exported).
         self._arena_words = _mapped(self.path / LIVE_ARENA, np.float32, arena_words)
         self.host_arena = torch.from_numpy(self._arena_words)
+        self.host_ctrl = torch.from_numpy(_mapped(self.path / LIVE_CTRL, np.int32, ctrl_words))
         # Disk blocks are reserved before a mapped page is first written: a full disk is then an
         # error here (ENOSPC), never a SIGBUS inside a step.
-        self._arena_fd = os.open(self.path / LIVE_ARENA, os.O_RDWR)
-        self.host_ctrl = torch.from_numpy(_mapped(self.path / LIVE_CTRL, np.int32, ctrl_words))
         _reserve(self.path / LIVE_CTRL, 0, ctrl_words * 4)
         if device.type == "cuda":
-            self.arena, self.ctrl = _map_to_device(self.host_arena, device), _map_to_device(self.host_ctrl, device)
+            self.arena = _map_to_device(self.host_arena, device)
+            try:
+                self.ctrl = _map_to_device(self.host_ctrl, device)
+            except BaseException:
+                _unmap_from_device(self.host_arena, self.arena)
+                raise
         else:
             self.arena, self.ctrl = self.host_arena, self.host_ctrl
+        self._arena_fd = os.open(self.path / LIVE_ARENA, os.O_RDWR)  # touch() reserves regions through it
         self._journal = os.open(self.path / LIVE_JOURNAL, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._fault = None
         if not faulthandler.is_enabled():
@@ -149,17 +154,36 @@ def _reserve(path: Path, offset: int, length: int) -> None:
             os.close(fd)
 
 
+class CudaErrorNotCleared(Exception):
+    """A failed CUDA call left the runtime's last error set and it could not be reset: the next
+    kernel launch in this process would raise it (not a RuntimeError, so open_live does not
+    fall back past it)."""
+
+
 def _map_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A CUDA tensor aliasing the mapped file `host`: registered as mapped pinned memory, so the
     kernels read and write it over PCIe (with unified addressing its device address is its host
-    address). The host tensor must outlive the result."""
+    address). The host tensor must outlive the result.
+
+    Raises RuntimeError (open_live then falls back to a device arena) where the registration is
+    refused: Linux 6.5 and later refuse the long-term pin the NVIDIA driver takes for a writable
+    file mapping unless the file is on tmpfs or hugetlbfs (mm/gup.c writable_file_mapping_allowed)."""
     cudart = torch.cuda.cudart()
     nbytes = host.numel() * host.element_size()
     flags = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped
     err = cudart.cudaHostRegister(host.data_ptr(), nbytes, flags)
     if int(err) != 0:
+        # torch's binding returns the error without resetting the runtime's last error, which
+        # torch's next kernel-launch check would raise as its own.
+        if not _clear_cuda_error():
+            raise CudaErrorNotCleared(
+                f"compiledump: COMPILEDUMP_PERSIST=1: cudaHostRegister failed ({int(err)}) and the CUDA runtime's "
+                "error could not be reset (libcudart not found among the loaded libraries); set "
+                "COMPILEDUMP_PERSIST=0, or put COMPILEDUMP_DIR on a tmpfs such as /dev/shm")
         raise RuntimeError(f"compiledump: COMPILEDUMP_PERSIST=1: cudaHostRegister of {nbytes} bytes failed "
-                           f"({err}); set COMPILEDUMP_PERSIST=0 to keep the arena in device memory")
+                           f"(cudaError {int(err)}); Linux 6.5 and later pin writable file mappings only on tmpfs or "
+                           "hugetlbfs: put COMPILEDUMP_DIR on a tmpfs such as /dev/shm, or set COMPILEDUMP_PERSIST=0 "
+                           "to keep the arena in device memory")
     typestr = {torch.float32: "<f4", torch.int32: "<i4"}[host.dtype]
 
     # The CUDA array interface: how torch wraps device memory it did not allocate.
@@ -170,6 +194,28 @@ def _map_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
         mapped = torch.as_tensor(interface, device=device)
     variants.MAPPED_ARENAS.add(mapped.data_ptr())
     return mapped
+
+
+def _unmap_from_device(host: torch.Tensor, mapped: torch.Tensor) -> None:
+    """Undo _map_to_device (the files could not all be mapped)."""
+    variants.MAPPED_ARENAS.discard(mapped.data_ptr())
+    if int(torch.cuda.cudart().cudaHostUnregister(host.data_ptr())) != 0:
+        _clear_cuda_error()
+
+
+def _clear_cuda_error() -> bool:
+    """Reset the CUDA runtime's last error (cudaGetLastError) in every libcudart this process
+    loaded (torch's, found in /proc/self/maps); False where none is found."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libcudart.so" in line}
+    except OSError:
+        return False
+    for path in paths:
+        ctypes.CDLL(path).cudaGetLastError()  # the library already loaded: the same handle
+    return bool(paths)
 
 
 def note_exception(live: LiveFiles | None, exc_type, exc) -> None:
