@@ -10,7 +10,8 @@ stream and graph capture under `compiledump.profiling()`, then replays with capt
 gate is off (`tokens=0`), so every capture in a replay writes. Times are CUDA events around many
 replays, rounds interleaved, medians.
 
-Measurements, in run order:
+Measurements, in run order (what issue 16's goals and the open decisions need first; a short
+--time-limit drops the last ones):
   graph_capture_cost  N `record`s of a [64, 4, 7168] bf16 tensor inside one CUDA graph, replayed,
                       vs the same graph without them: added device microseconds per capture (goal <= 1);
   decode_overhead     the built-in model at dim 7168, 40 layers x 5 taps + logits, decode batch 64,
@@ -20,16 +21,16 @@ Measurements, in run order:
                       `pinned.copy_(arena, non_blocking=True)` + sync of the same bytes (goal >= 80%);
   graph_equals_eager  the decode model's dump from graph replays equals its eager dump, and the
                       replays run clean under torch.cuda.set_sync_debug_mode("error");
-  kernel_bandwidth    time per capture vs payload (hc_mult x dim of one row): bytes/s, and the floor
-                      (a 1-element capture: graph-node overhead);
   wide_step           record_step in a graph of [64, 4, 7168] and [64, 7168] bf16 and of [64, 32000]
                       and [64, 129280] fp32 logits: split (claim launch + copy over every tile) vs one
                       program per capture, each forced (where should layout.SPLIT_MIN_COLUMNS be?);
-  eager_vs_seed       eager cost per capture call, compiledump vs debug_dump.py (which copies to the
-                      host, and so synchronizes, on every call); skipped where that file is absent;
   compiled_host_cost  N captures in a function compiled without CUDA graphs (how engines run large
                       prefills) vs the same function without them: host microseconds per capture
                       call (goal <= 5);
+  kernel_bandwidth    time per capture vs payload (hc_mult x dim of one row): bytes/s, and the floor
+                      (a 1-element capture: graph-node overhead);
+  eager_vs_seed       eager cost per capture call, compiledump vs debug_dump.py (which copies to the
+                      host, and so synchronizes, on every call); skipped where that file is absent;
   decode_overhead_compiled  decode_overhead with torch.compile(fullgraph=True) inside the graphs
                       (last: its compiles take minutes; --time-limit skips it when time is short).
 Each phase is wrapped: a failure is recorded (error, the traceback's last line) and the next phase
@@ -282,10 +283,10 @@ PHASES = {
     "decode_overhead": (decode_overhead, True, 40),
     "flush_throughput": (flush_throughput, True, 15),
     "graph_equals_eager": (graph_equals_eager, True, 20),
-    "kernel_bandwidth": (kernel_bandwidth, True, 30),
     "wide_step": (wide_step, True, 30),
-    "eager_vs_seed": (eager_vs_seed, False, 20),
     "compiled_host_cost": (compiled_host_cost, True, 40),
+    "kernel_bandwidth": (kernel_bandwidth, True, 30),
+    "eager_vs_seed": (eager_vs_seed, False, 20),
     "decode_overhead_compiled": (decode_overhead_compiled, True, 180),
 }
 

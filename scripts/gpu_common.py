@@ -111,7 +111,7 @@ def print_plan(name: str, device: torch.device, spec: str, note: str | None, out
 def metadata(device: torch.device) -> dict:
     meta = {"date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "device": str(device), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "python": platform.python_version(), "argv": sys.argv}
+            "python": platform.python_version(), "kernel": platform.release(), "argv": sys.argv}
     try:
         import triton
 
@@ -122,6 +122,29 @@ def metadata(device: torch.device) -> dict:
         meta["gpu"] = torch.cuda.get_device_name(device)
         meta["capability"] = list(torch.cuda.get_device_capability(device))
     return meta
+
+
+def filesystem_of(path) -> str:
+    """The type of the filesystem holding `path` (Linux: /proc/self/mountinfo), or "unknown"."""
+    target, best, kind = os.path.realpath(path), "", "unknown"
+    try:
+        with open("/proc/self/mountinfo") as mounts:
+            for line in mounts:
+                fields, _, rest = line.partition(" - ")
+                mount_point = fields.split()[4]
+                inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
+                if inside and len(mount_point) >= len(best):
+                    best, kind = mount_point, rest.split()[0]
+    except (OSError, IndexError):
+        pass
+    return kind
+
+
+def tmpfs_directory() -> str | None:
+    """A writable directory on tmpfs (/dev/shm), where the NVIDIA driver may pin a file mapping
+    long-term on any Linux (docs/crashes.md), or None."""
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) and filesystem_of(shm) == "tmpfs" else None
 
 
 def _process_start() -> float:
@@ -203,6 +226,10 @@ class Runner:
         self.results["phases"][phase] = entry
         self.write()
         return entry
+
+    def seconds_left(self, default: float) -> float:
+        """Seconds until the time limit, or `default` without one (a child process's timeout)."""
+        return default if self.deadline is None else max(1.0, self.deadline - time.monotonic())
 
     def run(self, phase: str, fn, needs_cuda: bool = False, estimate_s: float = 0.0) -> dict:
         """Run `fn()` (returns a dict; `"ok": False` in it makes the phase fail) unless it cannot run."""

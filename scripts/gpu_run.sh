@@ -25,7 +25,7 @@
 # path), $OUT/gpu_native_bench_<...>.json, $OUT/gpu_run_<...>.log.
 # Without a usable CUDA device it prints both scripts' plans (--dry-run) and exits 0.
 # Settings (environment): OUT; GPU_RUN_BUDGET (seconds for everything, default 450);
-# GPU_RUN_RESERVE_S (kept for the native path's phases, default 200); GPU_RUN_BUILD_S (the
+# GPU_RUN_RESERVE_S (kept for the native path's phases, default 200; 0 when it cannot be built); GPU_RUN_BUILD_S (the
 # build's limit, default 240, counted from the start); GPU_RUN_DEVICE (default cuda; cpu runs both
 # scripts on the CPU, gpu_bench with --quick); PYTHON (default python3, else python).
 # Exit status: 0 when both scripts ran and no phase failed, 1 otherwise (0 without CUDA).
@@ -78,6 +78,8 @@ command -v git >/dev/null && git rev-parse --short HEAD 2>/dev/null | sed 's/^/c
 NVCC=$(command -v nvcc || { [ -x /usr/local/cuda/bin/nvcc ] && echo /usr/local/cuda/bin/nvcc; })
 [ -n "$NVCC" ] && "$NVCC" --version | tail -n 2
 command -v cmake >/dev/null && cmake --version | head -n 1
+# The crash-proof CUDA arena needs tmpfs on Linux 6.5+ (docs/crashes.md): the kernel and filesystems.
+echo "kernel $(uname -r); /tmp on $(stat -f -c %T /tmp 2>/dev/null); /dev/shm on $(stat -f -c %T /dev/shm 2>/dev/null)"
 
 if [ "$DEVICE" != cpu ] && ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
     echo "== no usable CUDA device here (torch $TORCH_V): the GPU phases cannot run; the plans:"
@@ -144,6 +146,8 @@ else
     BUILD_STARTED=$SECONDS
 fi
 
+# Nothing to keep time for when the native path cannot run: the two scripts share it.
+[ "${NATIVE#skipped}" != "$NATIVE" ] && RESERVE_S=0
 run_script gpu_check scripts/gpu_check.py 50
 run_script gpu_bench benchmarks/gpu_bench.py 100 $QUICK
 

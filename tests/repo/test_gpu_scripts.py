@@ -87,8 +87,8 @@ def test_gpu_bench_graph_phases_emulated(tmp_path, dump_dir):
     """Every GPU measurement's code path, on CPU with eager calls standing in for graph replays
     (the compiled decode variant, which only adds torch.compile, is left out: a long compile)."""
     out = tmp_path / "bench.json"
-    phases = ["graph_capture_cost", "decode_overhead", "flush_throughput", "graph_equals_eager", "kernel_bandwidth",
-              "wide_step", "compiled_host_cost"]
+    phases = ["graph_capture_cost", "decode_overhead", "flush_throughput", "graph_equals_eager", "wide_step",
+              "compiled_host_cost", "kernel_bandwidth"]  # the run order
     assert _load("gpu_bench").main(["--device", "cpu", "--quick", "--emulate", "--out", str(out), "--only", *phases]) == 0
     result = json.loads(out.read_text())
     assert result["emulated"] is True and list(result["phases"]) == phases
@@ -215,6 +215,19 @@ def test_the_time_limit_skips_phases_that_would_not_fit(tmp_path):
     assert runner.run("short", lambda: {}, estimate_s=1)["status"] == "ok"
     skipped = runner.run("long", lambda: {}, estimate_s=60)
     assert skipped["status"] == "skip" and skipped["skipped"].startswith("time limit:")
+    # What a child process may still take (the persist phase's timeout): within the limit.
+    assert 25 < runner.seconds_left(300) <= 30
+    unlimited = common.Runner("u", torch.device("cpu"), str(tmp_path / "u.json"), time_limit=0, results={})
+    assert unlimited.seconds_left(300) == 300
+
+
+def test_filesystem_of_reads_the_mount_table(tmp_path):
+    """Where the persist phase puts its files: tmpfs if there is one (docs/crashes.md)."""
+    common = _load().gpu_common
+    assert common.filesystem_of("/proc/self") == "proc"
+    assert common.filesystem_of(tmp_path / "not" / "made") == common.filesystem_of(tmp_path)  # its mount
+    shm = common.tmpfs_directory()
+    assert shm is None or (shm == "/dev/shm" and common.filesystem_of(shm) == "tmpfs")
 
 
 # The one command ---------------------------------------------------------------------------------
