@@ -69,12 +69,14 @@ C10_HOST_DEVICE constexpr int64_t vector_width() {
 
 // Whether a capture takes the fast path (the Triton kernel's VEC > 1, ops/variants.py
 // variant_for): the input at `x` (elements of `itemsize` bytes) is 16-byte aligned, contiguous
-// along D, its row and hc strides and D are multiples of a vector, and the region's first word
-// allows stores of a vector's worth of words (regions are REGION_ALIGN_WORDS-aligned). Host only.
-inline bool vector_path(const void* x, int64_t itemsize, const KernelArgs& a) {
+// along D, its row and hc strides and D are multiples of a vector, and the arena and the region's
+// first word allow stores of a vector's worth of words (regions are REGION_ALIGN_WORDS-aligned).
+// A misaligned vector access would be a device fault that kills the CUDA context. Host only.
+inline bool vector_path(const void* x, int64_t itemsize, const void* arena, const KernelArgs& a) {
   const int64_t width = itemsize >= 16 ? 1 : 16 / itemsize, store = width < REGION_ALIGN_WORDS ? width : 4;
-  return width > 1 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && a.sd == 1 && a.D % width == 0 &&
-         a.st % width == 0 && (a.H == 1 || a.sh % width == 0) && a.offset % store == 0;
+  return width > 1 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(arena) % 16 == 0 &&
+         a.sd == 1 && a.D % width == 0 && a.st % width == 0 && (a.H == 1 || a.sh % width == 0) &&
+         a.offset % store == 0;
 }
 
 C10_HOST_DEVICE inline int32_t kept_tokens_of(const KernelArgs& a) {

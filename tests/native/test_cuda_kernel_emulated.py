@@ -204,6 +204,17 @@ def test_cuda_kernel_slow_path_where_the_fast_one_would_misread(kernel_on_cpu):
     for name, x in short.items():
         assert_matches_reference(kernel_on_cpu(64), x, L.KIND_RECORD, calls=2)
         assert not kernel_on_cpu.last()[0], name
+    # An aligned input into an arena that is not 16-byte aligned (a view one word in).
+    x = torch.randn(5, 4, 48, generator=g)
+    arenas = {}
+    for name, kernel in (("reference", reference.capture_reference), ("cuda", kernel_on_cpu(64))):
+        arena_t = torch.full((8 + 4 * 48 + 1,), float("nan"))[1:]
+        ctrl = torch.zeros(L.control_words(4), dtype=torch.int32)
+        ctrl[L.REG_ENABLED], ctrl[L.REG_MAX_ROWS], ctrl[L.REG_RECORD_ROW] = 1, 1, -1
+        kernel(x, arena_t, ctrl, L.KIND_RECORD, L.slot_base(2), 8, 1, 0)
+        arenas[name] = arena_t
+    assert not kernel_on_cpu.last()[0]
+    assert torch.equal(arenas["cuda"].view(torch.int32), arenas["reference"].view(torch.int32))
 
 
 @pytest.mark.parametrize("geometry_name, dtype", [
