@@ -101,7 +101,6 @@ void capture_kernel_cuda(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctr
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   KernelArgs args{kind, base, offset, capacity, reason, T, H, D, st, sh, sd, row_reg, mean,
                   in_host_memory(arena.const_data_ptr())};
-  args.vector = vector_path(x.const_data_ptr(), x.element_size(), arena.const_data_ptr(), args);
   // The dtypes the Triton kernel takes (every real dtype Triton has a pointer type for): the
   // usual floats and ints, bool, uint8..uint64 and the four fp8 formats. Converted to fp32 by
   // c10's (host and device) conversions. The pointer is taken untyped: data_ptr<T> is not
@@ -109,6 +108,7 @@ void capture_kernel_cuda(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctr
   AT_DISPATCH_V2(x.scalar_type(), "capture_kernel_cuda", AT_WRAP([&] {
     // Always launched (at least one block): even a dropped call bumps its counter on the device.
     // A wide step or keep-first record is a claim launch, then a copy launch (stream order).
+    args.vector = vector_path<scalar_t>(x.const_data_ptr(), arena.const_data_ptr(), args);
     Launch launches[2];
     const int count = launches_for(args, args.vector ? vector_width<scalar_t>() : 1, launches);
     for (int i = 0; i < count; ++i) {

@@ -67,13 +67,14 @@ C10_HOST_DEVICE constexpr int64_t vector_width() {
   return sizeof(scalar_t) >= 16 ? 1 : static_cast<int64_t>(16 / sizeof(scalar_t));
 }
 
-// Whether a capture takes the fast path (the Triton kernel's VEC > 1, ops/variants.py
-// variant_for): the input at `x` (elements of `itemsize` bytes) is 16-byte aligned, contiguous
-// along D, its row and hc strides and D are multiples of a vector, and the arena and the region's
-// first word allow stores of a vector's worth of words (regions are REGION_ALIGN_WORDS-aligned).
-// A misaligned vector access would be a device fault that kills the CUDA context. Host only.
-inline bool vector_path(const void* x, int64_t itemsize, const void* arena, const KernelArgs& a) {
-  const int64_t width = itemsize >= 16 ? 1 : 16 / itemsize, store = width < REGION_ALIGN_WORDS ? width : 4;
+// Whether a capture of scalar_t elements takes the fast path (the Triton kernel's VEC > 1,
+// ops/variants.py variant_for): the input at `x` is 16-byte aligned, contiguous along D, its row
+// and hc strides and D are multiples of a vector, and the arena and the region's first word allow
+// stores of a vector's worth of words (regions are REGION_ALIGN_WORDS-aligned). A misaligned
+// vector access would be a device fault that kills the CUDA context. Host only.
+template <typename scalar_t>
+inline bool vector_path(const void* x, const void* arena, const KernelArgs& a) {
+  constexpr int64_t width = vector_width<scalar_t>(), store = width < REGION_ALIGN_WORDS ? width : 4;
   return width > 1 && reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(arena) % 16 == 0 &&
          a.sd == 1 && a.D % width == 0 && a.st % width == 0 && (a.H == 1 || a.sh % width == 0) &&
          a.offset % store == 0;

@@ -316,7 +316,8 @@ def main(argv=None) -> int:
             if "reference" not in ctx:
                 raise gpu_common.SkipPhase("no eager reference (the eager phase failed)")
             # The child's timeout ends inside this script's time limit (its own outer timeout).
-            return phase_persist(args, device, out_dir, ctx["reference"], timeout=max(10.0, runner.seconds_left(300) - 5))
+            timeout = max(10.0, runner.seconds_left(300) - 5)
+            return phase_persist(args, device, out_dir, ctx["reference"], timeout)
 
         runs = {
             "eager": eager,
