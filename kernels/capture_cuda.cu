@@ -108,9 +108,8 @@ void capture_kernel_cuda(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctr
   AT_DISPATCH_V2(x.scalar_type(), "capture_kernel_cuda", AT_WRAP([&] {
     // Always launched (at least one block): even a dropped call bumps its counter on the device.
     // A wide step or keep-first record is a claim launch, then a copy launch (stream order).
-    args.vector = vector_path<scalar_t>(x.const_data_ptr(), arena.const_data_ptr(), args);
     Launch launches[2];
-    const int count = launches_for(args, args.vector ? vector_width<scalar_t>() : 1, launches);
+    const int count = launches_for<scalar_t>(x.const_data_ptr(), arena.const_data_ptr(), args, launches);
     for (int i = 0; i < count; ++i) {
       KernelArgs launch_args = args;
       launch_args.phase = launches[i].phase;

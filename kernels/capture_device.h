@@ -162,10 +162,14 @@ struct Launch {
   int64_t phase, blocks;
 };
 
-// The launches of one capture, in stream order, into `out`; returns how many (1 or 2). See the top
-// of this file; `width` is the elements each thread reads at once (vector_width, or 1 off the fast
-// path). Host only.
-inline int launches_for(const KernelArgs& a, int64_t width, Launch out[2]) {
+// What the host decides for one capture of scalar_t elements from `x` into `arena`: whether it
+// takes the fast path (sets a.vector) and its launches, in stream order, into `out`; returns how
+// many (1 or 2). See the top of this file. capture_cuda.cu and the tests' CPU harness both call
+// it, so the harness launches exactly what the CUDA launcher does. Host only.
+template <typename scalar_t>
+inline int launches_for(const void* x, const void* arena, KernelArgs& a, Launch out[2]) {
+  a.vector = vector_path<scalar_t>(x, arena, a);
+  const int64_t width = a.vector ? vector_width<scalar_t>() : 1;  // elements each thread reads at once
   const int64_t rows = a.row_reg == ROW_ALL ? a.T : 1, units = rows * row_words(a) / width;
   int64_t blocks = (units + THREADS - 1) / THREADS;  // a vector (or element) of the payload per thread
   blocks = blocks < 1 ? 1 : blocks > MAX_BLOCKS ? MAX_BLOCKS : blocks;

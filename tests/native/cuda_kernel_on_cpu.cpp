@@ -24,9 +24,8 @@ bool last_vector = false;
 // capture's claim and copy launches apart, to change the registers between them).
 template <typename scalar_t>
 void run_launches(const void* x, float* arena, int32_t* ctrl, KernelArgs a, int64_t threads, int64_t only_phase) {
-  a.vector = vector_path<scalar_t>(x, arena, a);
   Launch launches[2];
-  last_count = launches_for(a, a.vector ? vector_width<scalar_t>() : 1, launches);
+  last_count = launches_for<scalar_t>(x, arena, a, launches);
   last_vector = a.vector;
   for (int i = 0; i < last_count; ++i) {
     last_launches[2 * i] = launches[i].phase;
