@@ -2,8 +2,9 @@
 
     python scripts/kernel_ptx.py            # table: loads, stores, 32-bit multiplies, atomics, registers
     python scripts/kernel_ptx.py --check    # exit 1 unless the fast paths use 16-byte vector loads
-                                            # and stores, no offset is multiplied in 32 bits and
-                                            # the registers are agreed block-wide before the claim
+                                            # and stores, no offset is multiplied in 32 bits, the
+                                            # registers are agreed block-wide before the claim and
+                                            # a clean call branches around the NaN/Inf atomics
     python scripts/kernel_ptx.py --all      # also compile every input type and layout class
 
 Run it without TRITON_INTERPRET (the test suite does, in a subprocess). Triton's bundled ptxas
@@ -75,6 +76,17 @@ def _sass(cubin: bytes) -> dict:
     return {"registers": int(regs.group(1)) if regs else None, "sass": {op: ops.count(op) for op in sorted(set(ops))}}
 
 
+def _branched_around(ptx: str, instruction: str) -> bool:
+    """True if every `instruction` in the PTX lies between a conditional branch and the label it
+    jumps to, further down: a call that takes the branch never issues it (nor waits for it)."""
+    lines = ptx.splitlines()
+    found = [i for i, line in enumerate(lines) if instruction in line]
+    labels = {line.split(":")[0].strip(): i for i, line in enumerate(lines) if re.match(r"\s*\$L__BB\w+:", line)}
+    branches = [(i, labels.get(m.group(1), -1)) for i, line in enumerate(lines)
+                if (m := re.search(r"@!?%p\d+\s+bra\s+(\$L__BB\w+);", line))]
+    return bool(found) and all(any(b < i < target for b, target in branches) for i in found)
+
+
 def describe(kernel) -> dict:
     ptx = kernel.asm["ptx"]
     return {
@@ -86,6 +98,7 @@ def describe(kernel) -> dict:
         # The header registers are agreed block-wide (a reduction through shared memory, so a
         # bar.sync) before the claim, the first atomic: no thread acts on its own racing read.
         "registers agreed before the claim": -1 < ptx.find("bar.sync") < ptx.find("atom.global"),
+        "clean call skips the NaN/Inf bookkeeping": _branched_around(ptx, "atom.global.relaxed.gpu.cas"),
         **_sass(kernel.asm.get("cubin", b"")),
     }
 
@@ -129,13 +142,16 @@ def main(argv=None) -> int:
         if not info["registers agreed before the claim"]:
             ok = False
             print(f"  EACH THREAD DECIDES FROM ITS OWN REGISTER READS: {variant}")
+        if not info["clean call skips the NaN/Inf bookkeeping"]:
+            ok = False
+            print(f"  EVERY CALL WAITS FOR THE NaN/Inf COMPARE-AND-SWAP: {variant}")
         host_arena = len(variant) > 5 and variant[5]
         if host_arena and not any(".sys" in a for a in info["atomics"]):
             ok = False
             print(f"  COMMIT NOT AT SYSTEM SCOPE: {variant} atomics {info['atomics']}")
     if ok:
         print("fast paths vectorized, offsets 64-bit, host-mapped commit at system scope, "
-              "one register snapshot per program")
+              "one register snapshot per program, no NaN/Inf atomics on a clean call")
     return 0 if ok or not args.check else 1
 
 

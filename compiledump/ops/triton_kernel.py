@@ -194,15 +194,17 @@ def capture_kernel(
             v = tl.load(x_ptr + t * stride_t + (th - t * H) * stride_h + cols * stride_d, mask=cols < D, other=0.0)
             bad_all += _nonfinite(v.to(tl.float32))
     bad = tl.sum(tl.where(check_all, bad_all, bad_read), axis=0)
-    has_bad = bad > 0
-    seen = tl.load(ctrl_ptr + base + L.SLOT_NONFINITE)
-    tl.atomic_add(ctrl_ptr + base + L.SLOT_NONFINITE, tl.where(seen < L.NONFINITE_CAP, tl.minimum(bad, L.NONFINITE_CAP), 0),
-                  mask=has_bad, sem="relaxed")
-    # The first call that saw one, set once (atomic_cas has no mask: cmp -1 never matches).
-    first = tl.atomic_cas(ctrl_ptr + base + L.SLOT_BAD_STEP, tl.where(has_bad, 0, -1).to(tl.int32),
-                          bad_step.to(tl.int32), sem="relaxed")
-    tl.atomic_xchg(ctrl_ptr + base + L.SLOT_BAD_TOKENS, kept_tokens.to(tl.int32), mask=has_bad & (first == 0),
-                   sem="relaxed")
+    # A branch, not masks: a clean call (nearly all of them) then issues none of these memory
+    # operations, and above all does not wait for the compare-and-swap's round trip to L2 (which
+    # a mask cannot skip: atomic_cas has none), as the native kernel's `if (s.bad)`.
+    if bad > 0:
+        seen = tl.load(ctrl_ptr + base + L.SLOT_NONFINITE)
+        tl.atomic_add(ctrl_ptr + base + L.SLOT_NONFINITE, tl.minimum(bad, L.NONFINITE_CAP),
+                      mask=seen < L.NONFINITE_CAP, sem="relaxed")
+        # The first call that saw one, set once.
+        first = tl.atomic_cas(ctrl_ptr + base + L.SLOT_BAD_STEP, 0, bad_step.to(tl.int32), sem="relaxed")
+        tl.atomic_xchg(ctrl_ptr + base + L.SLOT_BAD_TOKENS, kept_tokens.to(tl.int32), mask=first == 0,
+                       sem="relaxed")
     # The commit, after this program's stores (the other programs' are ordered by kernel end).
     # In a host-mapped arena the reader is the host, possibly after the context died: system
     # scope, so the payload reaches host memory before the commit does.
