@@ -82,6 +82,7 @@ def capture_kernel(
     VEC: tl.constexpr,  # > 1: stride_d == 1; D, stride_t, stride_h multiples of VEC; x 16-byte aligned
     STORE_VEC: tl.constexpr,  # what the arena offset of a row is known to be a multiple of
     HOST_ARENA: tl.constexpr,  # the arena is host-mapped memory (crash-proof capture, one program)
+    RELEASE: tl.constexpr,  # the commit is a release (ops/variants.py COMMIT_RELEASE), else relaxed
     BLOCK: tl.constexpr,
 ):
     # Program 0 claims the counter; the other programs (launched for the kinds whose write does not
@@ -211,8 +212,10 @@ def capture_kernel(
     tl.debug_barrier()
     if HOST_ARENA:
         tl.atomic_add(ctrl_ptr + base + L.SLOT_COMMITTED, 1, mask=write & (pid == 0), sem="release", scope="sys")
-    else:
+    elif RELEASE:
         tl.atomic_add(ctrl_ptr + base + L.SLOT_COMMITTED, 1, mask=write & (pid == 0), sem="release")
+    else:
+        tl.atomic_add(ctrl_ptr + base + L.SLOT_COMMITTED, 1, mask=write & (pid == 0), sem="relaxed")
 
 
 @triton.jit
@@ -291,7 +294,7 @@ def launch(x, arena, ctrl, geometry, base, offset, capacity, kind, reason):
 def _launch(v, programs, *args):
     capture_kernel[(programs,)](
         *args, MEAN=v.mean, IS_INT=v.is_int, VEC=v.vec, STORE_VEC=min(v.vec, ALIGN_WORDS), HOST_ARENA=v.host_arena,
-        BLOCK=BLOCK, num_warps=NUM_WARPS,
+        RELEASE=v.release, BLOCK=BLOCK, num_warps=NUM_WARPS,
     )
 
 
@@ -318,4 +321,5 @@ def prepare(device: torch.device, dtypes) -> None:
                 # Floats: records with and without an hc mean, steps; integers: record_ids.
                 layouts = [(True, False), (False, False)] if dtype.is_floating_point else [(False, True)]
                 for mean, is_int in layouts:
-                    ensure_prepared(device, Variant(dtype, mean, is_int, 1, True, host_arena), _launch_scratch)
+                    ensure_prepared(device, Variant(dtype, mean, is_int, 1, True, host_arena,
+                                                    variants.COMMIT_RELEASE or host_arena), _launch_scratch)

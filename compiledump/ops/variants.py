@@ -9,7 +9,9 @@ what still selects a variant is decided here, on the host, from facts a model ke
 - the layout class: hc mean or copy, int or float store;
 - VEC: the contiguous fast path (16-byte vector loads), when the input is 16-byte aligned,
   has unit column stride and row/hc strides and width that are multiples of a vector;
-- the input's 16-byte alignment, which Triton specializes pointers on by itself.
+- the input's 16-byte alignment, which Triton specializes pointers on by itself;
+- the commit's memory order: system scope into a host-mapped arena, else a release (a relaxed
+  one only while a benchmark sets COMMIT_RELEASE off).
 
 A CUDA graph capture must not compile or load a kernel ("operation not permitted when stream
 is capturing"). So the first launch of a (device, dtype, layout class) family outside a capture
@@ -44,6 +46,7 @@ class Variant:
     vec: int  # elements per 16-byte vector on the fast path, else 1
     aligned: bool  # input pointer 16-byte aligned
     host_arena: bool = False  # the arena is host memory (crash-proof capture): commit at system scope
+    release: bool = True  # a device arena's commit orders the payload before it (COMMIT_RELEASE)
 
     def family(self) -> Variant:
         """The fast-path member of this variant's family (same dtype and layout class)."""
@@ -68,7 +71,16 @@ def variant_for(x: torch.Tensor, geometry: tuple, kind: int, host_arena: bool = 
     width = vector_width(x.dtype)
     fast = (aligned and width > 1 and stride_d == 1 and D % width == 0 and stride_t % width == 0
             and (H == 1 or stride_h % width == 0))
-    return Variant(x.dtype, bool(mean), kind == L.KIND_IDS, width if fast else 1, aligned, host_arena)
+    return Variant(x.dtype, bool(mean), kind == L.KIND_IDS, width if fast else 1, aligned, host_arena,
+                   COMMIT_RELEASE or host_arena)
+
+
+# A capture's commit (layout.SLOT_COMMITTED) into a device arena is a release: its payload is
+# visible before the commit is, for a flush that copies the control block while replays run on
+# another thread. That is one memory fence per capture; benchmarks/gpu_bench.py graph_capture_cost
+# sets this to False for one graph to time what the fence costs (read at call time; a commit into
+# a host-mapped arena is always a system-scope release).
+COMMIT_RELEASE = True
 
 
 # Data pointers of arenas in host-mapped memory (crash-proof capture on CUDA, capture/persist.py):

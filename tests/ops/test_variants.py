@@ -17,10 +17,12 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -216,6 +218,37 @@ def test_capture_of_an_unprepared_variant_fails_on_the_host(simulated_cuda):
     with compiledump.profiling(), torch.cuda.graph(torch.cuda.CUDAGraph()):
         compiledump.record("h", torch.randn(3, 4, 16, dtype=torch.float16))
     _assert_capture_compiles_nothing(simulated_cuda)
+
+
+def test_a_relaxed_commit_is_a_variant_of_its_own_prepared_before_the_capture(simulated_cuda, monkeypatch):
+    """gpu_bench's graph with relaxed commits (variants.COMMIT_RELEASE off while it is warmed up
+    and captured): its launches are another compiled variant (RELEASE=False), prepared by the
+    warm-up like any other, that stores and counts what the release variant does."""
+    compiledump.configure(tokens=0)
+    compiledump.init(torch.device("cpu"))
+    x = torch.randn(5, 4, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    geometry = (5, 4, 64, 256, 64, 1, L.REG_RECORD_ROW, True)
+    assert variants.variant_for(x, geometry, L.KIND_RECORD).release
+    results = {}
+    for release in (True, False):
+        monkeypatch.setattr(variants, "COMMIT_RELEASE", release)
+        assert variants.variant_for(x, geometry, L.KIND_RECORD).release == release
+        assert variants.variant_for(x, geometry, L.KIND_RECORD, host_arena=True).release  # always
+        compiledump.clear()
+        with torch.cuda.stream(torch.cuda.Stream()), compiledump.profiling():
+            compiledump.record("h", x)  # the warm-up
+        with compiledump.profiling(), torch.cuda.graph(torch.cuda.CUDAGraph()):
+            compiledump.record("h", x)
+        compiledump.record("h", x)  # what a replay would store (the stand-in graph replays nothing)
+        with np.load(compiledump.flush()) as data:
+            results[release] = data["h"]
+    _assert_capture_compiles_nothing(simulated_cuda)
+    # The captures launched two compiled kernels: (HOST_ARENA, RELEASE), the constexprs before BLOCK.
+    launched = {tuple(re.findall(r"\('constexpr', (\w+)\)", key)[-3:-1]) for key in simulated_cuda.during}
+    assert launched == {("False", "True"), ("False", "False")}
+    want = x[-1].float().mean(0).numpy()
+    np.testing.assert_array_equal(results[True], results[False])
+    np.testing.assert_allclose(results[False], want, rtol=1e-6)
 
 
 # --- every layout class equals the reference kernel -------------------------------------------
