@@ -13,6 +13,7 @@
 // decides it, runs the kernel and pushes what it learned.
 #include <ATen/ATen.h>
 #include <torch/library.h>
+#include <torch/version.h>
 
 #include <mutex>
 #include <unordered_map>
@@ -144,6 +145,15 @@ TORCH_LIBRARY_IMPL(compiledump, CPU, m) {
 
 // The control block's layout this library was built for (layout.h CONTROL_LAYOUT).
 extern "C" int64_t compiledump_control_layout() { return compiledump::CONTROL_LAYOUT; }
+
+// The torch release this library was built against, as text in the file: compiledump/ops/native.py
+// reads it before loading the library, because a library built against another torch either
+// fails to load (undefined symbols) or, worse, loads and disagrees with it on the C++ ABI.
+#define COMPILEDUMP_STR2(x) #x
+#define COMPILEDUMP_STR(x) COMPILEDUMP_STR2(x)
+extern "C" __attribute__((used, visibility("default"))) const char compiledump_built_for_torch[] =
+    "compiledump-built-for-torch=" COMPILEDUMP_STR(TORCH_VERSION_MAJOR) "." COMPILEDUMP_STR(
+        TORCH_VERSION_MINOR) "." COMPILEDUMP_STR(TORCH_VERSION_PATCH) ";";
 
 #ifdef COMPILEDUMP_WITH_CUDA
 // The same table for an arena on a GPU: a call from Inductor's generated code (compiled without

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -47,20 +48,54 @@ def load(path: str | os.PathLike | None = None) -> bool:
         if required:
             raise RuntimeError(f"compiledump: native library not found at {target}; build it with CMakeLists.txt")
         return False
-    # RTLD_GLOBAL first: AOTInductor packages that call the library's C shims (kernels/aoti_shim.cpp)
-    # resolve them from the global scope when they are loaded.
-    library = ctypes.CDLL(str(target), mode=ctypes.RTLD_GLOBAL)
+    built_for, release = built_for_torch(target), _torch_release()
+    if built_for is not None and release is not None and built_for != release:
+        built = ".".join(map(str, built_for))
+        return _refuse(target, f"was built for torch {built}, and this is torch {torch.__version__}", required)
+    try:
+        # RTLD_GLOBAL first: AOTInductor packages that call the library's C shims
+        # (kernels/aoti_shim.cpp) resolve them from the global scope when they are loaded.
+        library = ctypes.CDLL(str(target), mode=ctypes.RTLD_GLOBAL)
+    except OSError as error:  # e.g. built against another torch, before the version stamp
+        return _refuse(target, f"cannot be loaded ({error})", required)
     stale = _stale(library)
     if stale:
-        message = (f"compiledump: the native library {target} {stale}, so its kernels would read and write the "
-                   "wrong words; rebuild it (pip install -e . again, or CMakeLists.txt)")
-        if required:
-            raise RuntimeError(message)
-        warnings.warn(message + "; using the Python capture path", RuntimeWarning, stacklevel=2)
-        return False
+        return _refuse(target, f"{stale}, so its kernels would read and write the wrong words", required)
     torch.ops.load_library(str(target))
     _loaded = str(target)
     return True
+
+
+def _refuse(target: Path, why: str, required: bool) -> bool:
+    """Raise (COMPILEDUMP_NATIVE=1 or a path) or warn once that the library at `target` is not
+    used, and why; False: capture takes the Python path."""
+    message = f"compiledump: the native library {target} {why}; rebuild it (pip install -e . again, or CMakeLists.txt)"
+    if required:
+        raise RuntimeError(message)
+    warnings.warn(message + "; using the Python capture path", RuntimeWarning, stacklevel=3)
+    return False
+
+
+_MARK = b"compiledump-built-for-torch="
+
+
+def built_for_torch(path: str | os.PathLike) -> tuple[int, int, int] | None:
+    """The torch release (major, minor, patch) the library file at `path` was built against, read
+    from the file without loading it (kernels/capture_table.cpp), or None for a library built
+    before it said."""
+    data = Path(path).read_bytes()
+    start = data.find(_MARK)
+    if start < 0:
+        return None
+    text = data[start + len(_MARK): data.find(b";", start)].decode("ascii", "replace")
+    parts = text.split(".")
+    return tuple(int(p) for p in parts) if len(parts) == 3 and all(p.isdigit() for p in parts) else None
+
+
+def _torch_release() -> tuple[int, int, int] | None:
+    """This torch's (major, minor, patch): `2.11.0+cu130` and `2.11.0a0+git...` give (2, 11, 0)."""
+    match = re.match(r"(\d+)\.(\d+)\.(\d+)", torch.__version__)
+    return tuple(int(g) for g in match.groups()) if match else None
 
 
 def _stale(library) -> str | None:

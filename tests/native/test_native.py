@@ -2,6 +2,7 @@
 matches the Python reference kernel on every sample (skipped where no compiler/cmake exists)."""
 
 import importlib
+import re
 
 import pytest
 import torch
@@ -75,11 +76,18 @@ def test_native_loader_errors(monkeypatch, tmp_path):
 @pytest.mark.parametrize("body, why", [
     ("", "predates the control-layout check"),
     ('extern "C" long long compiledump_control_layout() { return 8013; }', "built for control layout 8013"),
+    # Built against another torch: refused before it is loaded (it might load, with another ABI).
+    ('extern "C" const char compiledump_built_for_torch[] = "compiledump-built-for-torch=1.0.0;";',
+     rf"was built for torch 1\.0\.0, and this is torch {re.escape(torch.__version__)}"),
+    # A library that cannot be loaded at all (before the version stamp: torch's symbols missing).
+    ('extern "C" void compiledump_gone(); extern "C" void compiledump_calls() { compiledump_gone(); }',
+     r"cannot be loaded \(.*undefined symbol: compiledump_gone"),
 ])
-def test_a_library_built_for_another_control_layout_is_not_loaded(monkeypatch, tmp_path, body, why):
+def test_a_library_built_for_another_control_layout_or_torch_is_not_loaded(monkeypatch, tmp_path, body, why):
     """A library from older sources (an editable install not rebuilt after a pull) would count in
-    the wrong control-block words: it is refused, loudly when required, else with one warning and
-    the Python path; the library the suite built reports this package's layout."""
+    the wrong control-block words, and one built against another torch would not load or would
+    disagree with it on the C++ ABI: it is refused, loudly when required, else with one warning
+    and the Python path; the library the suite built reports this package's layout and torch."""
     import shutil
     import subprocess
 
@@ -105,6 +113,8 @@ def test_the_built_library_reports_this_control_layout(native_library):
     reported = ctypes.CDLL(native_library).compiledump_control_layout
     reported.restype = ctypes.c_int64
     assert reported() == L.CONTROL_LAYOUT == L.HEADER_WORDS * 1000 + L.SLOT_WORDS
+    release = tuple(int(part) for part in re.match(r"(\d+)\.(\d+)\.(\d+)", torch.__version__).groups())
+    assert native.built_for_torch(native_library) == release
 
 
 # capture_export_v1: (x, kind, payload the region was sized for, tokens, offset, preset reason)
