@@ -14,10 +14,10 @@ from ..format.reader import Dump, Member
 from .facts import SideFacts
 from .key_record import KeyRecord, MergeInfo, RankPart
 from .metrics import RowMetrics, Workspace, compare_float_arrays, compare_id_arrays, compare_rows
-from .options import PRECISION_ORDER, CompareOptions, Thresholds, pair_class
+from .options import PRECISION_ORDER, CompareOptions, Thresholds, judged_class, pair_class
 from .phases import not_comparable_reason
 from .report import Problem
-from .routing import judge_routing, router_key_for
+from .routing import judge_routing, router_key_for, top_k_counterexample
 
 
 def logits_tags(infos: list[KeyInfo], members: dict[str, Member]) -> set[str]:
@@ -49,6 +49,9 @@ def float_class(ref: Dump, run: Dump, keys) -> str:
     return "fp32"
 
 
+_UNREAD = object()
+
+
 class KeyMeasurer:
     """Measures the keys of one pair; holds what every key shares (settings, buffers)."""
 
@@ -60,6 +63,7 @@ class KeyMeasurer:
         self.logits = logits
         self.workspace = workspace
         self.klass = klass  # the pair's class from its float keys (float_class)
+        self._not_top_k: str | None | object = _UNREAD
 
     def record(self, info: KeyInfo, problems: list[Problem]) -> KeyRecord:
         """Compare ``info.key`` (present on both sides); problems met go to ``problems``."""
@@ -72,7 +76,7 @@ class KeyMeasurer:
                            phase=info.phase, shape_ref=list(ref_member.shape), shape_run=list(run_member.shape),
                            dtype_ref=str(ref_member.dtype), dtype_run=str(run_member.dtype), sides=sides,
                            limits=self.options.thresholds_for(key, ref_info.source_dtype, run_info.source_dtype,
-                                                              info.phase))
+                                                              info.phase, self.klass))
         reason = not_comparable_reason(info.kind, ref_info, run_info)
         if reason is not None:
             # Values of different phases or token counts: comparing them could only mislead.
@@ -147,10 +151,34 @@ class KeyMeasurer:
                              near_tie_epsilon=self.options.near_tie_epsilon(floats.margins.ref.top1))
         return record
 
+    def not_top_k(self) -> str | None:
+        """A reference row, of any ids key beside router logits, whose ids are not the top-k of
+        those logits (``layer2_topk row 3``), or None. Routing is one function of the whole model,
+        so one such row anywhere means logit gaps judge no row of any layer (read once per pair)."""
+        if self._not_top_k is _UNREAD:
+            self._not_top_k = None
+            for key in sorted(self.ref.members):
+                router_key = router_key_for(key)
+                if not self.ref.members[key].is_integer or router_key not in self.ref.members \
+                        or self.ref.members[router_key].is_integer:
+                    continue
+                try:
+                    (ids,), (router,) = self.ref.replicas(key), self.ref.replicas(router_key)
+                    ids, router = np.asarray(ids.whole()), np.asarray(router.whole())
+                except (OSError, ValueError, zipfile.BadZipFile, EOFError):
+                    continue  # unreadable or several replicas: judge_ids says so for its own key
+                router_info = self.ref.infos.get(router_key)
+                row = top_k_counterexample(ids, router, bool(router_info and router_info.all_rows))
+                if row is not None:
+                    self._not_top_k = f"{key} row {row}"
+                    break
+        return self._not_top_k
+
     def judge_ids(self, record: KeyRecord, info: KeyInfo, x: np.ndarray, y: np.ndarray) -> KeyRecord:
         """``record`` (ids that differ) judged by the routing rule (compare/routing.py): the
         reference's router logits of the same layer decide near tie or divergence; the class
-        comes from the router key's source dtypes, else from the pair's float keys."""
+        comes from the router key's source dtypes (no finer than the pair's float keys: a float32
+        router of a bfloat16 model flips as bfloat16 does), else from the pair's float keys."""
         router_key = router_key_for(info.key)
         router = unavailable = None
         klass, class_from = self.klass, "pair"
@@ -158,8 +186,8 @@ class KeyMeasurer:
             router_info, ids_info = self.ref.infos.get(router_key), self.ref.infos.get(info.key)
             if router_key in self.run.members and not self.run.members[router_key].is_integer:
                 run_info = self.run.infos.get(router_key)
-                klass = pair_class(router_info.source_dtype if router_info else None,
-                                   run_info.source_dtype if run_info else None)
+                klass = judged_class(pair_class(router_info.source_dtype if router_info else None,
+                                                run_info.source_dtype if run_info else None), self.klass)
                 class_from = "router"
             tokens = (router_info.tokens if router_info else None, ids_info.tokens if ids_info else None)
             if None not in tokens and tokens[0] != tokens[1]:
@@ -173,7 +201,7 @@ class KeyMeasurer:
                     unavailable = f"REF {router_key} could not be read: {exc}"
         all_rows = bool(router_key and router_key in self.ref.infos and self.ref.infos[router_key].all_rows)
         routing = judge_routing(x, y, router, router_key, all_rows, klass, class_from, self.options.near_tie,
-                                self.options.near_tie_ulps, unavailable)
+                                self.options.near_tie_ulps, unavailable, self.not_top_k())
         status = "mismatch" if routing.divergent else routing.verdict
         return replace(record, routing=routing, status=status, divergent=routing.divergent)
 

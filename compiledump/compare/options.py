@@ -75,6 +75,16 @@ def pair_class(ref_dtype: str | None, run_dtype: str | None) -> str:
     return min(classes, key=PRECISION_ORDER.index)
 
 
+def judged_class(klass: str, computes_in: str | None) -> str:
+    """The class a key of class ``klass`` is judged in, in a pair of dumps that computes in
+    ``computes_in`` (measure.float_class): the lower of the two, when both are known. A float32
+    value computed from bfloat16 ones (a router or logits the model upcasts) carries their
+    rounding, not float32's."""
+    if klass in PRECISION_ORDER and computes_in in PRECISION_ORDER:
+        return min(klass, computes_in, key=PRECISION_ORDER.index)
+    return klass
+
+
 @dataclass(frozen=True)
 class Thresholds:
     """The thresholds one key is judged by, and where they come from."""
@@ -116,10 +126,11 @@ class CompareOptions:
     chunk_elements: int = CHUNK_ELEMENTS
 
     def thresholds_for(self, key: str, ref_dtype: str | None = None, run_dtype: str | None = None,
-                       phase: str = "prefill") -> Thresholds:
+                       phase: str = "prefill", computes_in: str | None = None) -> Thresholds:
         """The thresholds of ``key`` (of ``phase``: ``decode`` for step keys) whose sides' source
-        dtypes are ``ref_dtype`` and ``run_dtype``."""
-        klass = pair_class(ref_dtype, run_dtype)
+        dtypes are ``ref_dtype`` and ``run_dtype``, in a pair of dumps whose float keys say they
+        compute in precision class ``computes_in`` (``judged_class``)."""
+        klass = judged_class(pair_class(ref_dtype, run_dtype), computes_in)
         default_rel, default_norm = phase_thresholds(klass, phase)
         origin = "legacy" if klass == "legacy" else "calibrated"
         if phase == "decode" and klass in DEFAULT_STEP_THRESHOLDS:

@@ -82,6 +82,7 @@ class Routing:
     router_key: str | None  # the reference logits used, None when absent
     router_rows: list[int]  # the ids rows the reference logits cover
     rows: list[RoutingRow] = field(default_factory=list)
+    not_top_k: str | None = None  # a REF row (any layer) whose ids are not the top-k of its logits
     verdict: str = "divergence"
 
     @property
@@ -139,7 +140,7 @@ class Routing:
                 "router_key": self.router_key, "router_rows": self.router_rows[:MAX_LISTED_ROWS],
                 "differing_rows": len(self.rows), "near_tie_rows": self.near_tie_rows[:MAX_LISTED_ROWS],
                 "far_rows": self.far_rows[:MAX_LISTED_ROWS], "not_judged_rows": self.not_judged_rows[:MAX_LISTED_ROWS],
-                "after_near_tie_rows": self.after_near_tie_rows[:MAX_LISTED_ROWS],
+                "after_near_tie_rows": self.after_near_tie_rows[:MAX_LISTED_ROWS], "not_top_k": self.not_top_k,
                 "rows": [row.to_json() for row in self.rows[:MAX_LISTED_ROWS]]}
 
 
@@ -174,6 +175,30 @@ def router_rows(ids_rows: int, router: np.ndarray | None, all_rows: bool) -> dic
     return {}
 
 
+def _slack(scores: np.ndarray) -> float:
+    # float32 softmax/top-k may order logits this close either way
+    return 1e-6 * float(np.max(np.abs(scores[np.isfinite(scores)]), initial=0.0))
+
+
+def is_top_k(logits: np.ndarray, ids) -> bool:
+    """Whether ``ids`` (valid indices into ``logits``) are the experts with the largest logits."""
+    scores = np.asarray(logits, np.float64)
+    chosen = {int(i) for i in ids}
+    others = [i for i in range(scores.shape[0]) if i not in chosen]
+    return not others or min(scores[sorted(chosen)]) >= max(scores[others]) - _slack(scores)
+
+
+def top_k_counterexample(ids: np.ndarray, router: np.ndarray, all_rows: bool) -> int | None:
+    """A row whose reference ids are not the top-k of its router logits (None: every row the
+    logits cover is top-k routing, as far as these rows tell)."""
+    a = _rows(np.asarray(ids))
+    for row, logits in router_rows(a.shape[0], np.asarray(router), all_rows).items():
+        logits = np.asarray(logits, np.float64)
+        if np.all((0 <= a[row]) & (a[row] < logits.shape[0])) and not is_top_k(logits, a[row]):
+            return row
+    return None
+
+
 def row_gap(logits: np.ndarray, ref_row: np.ndarray, run_row: np.ndarray) -> tuple[float | None, str | None]:
     """The tie gap of one differing row (see :class:`RoutingRow`), or (None, why) when the
     logits cannot judge it: ids outside the logits, or reference ids that are not the top-k of
@@ -184,10 +209,8 @@ def row_gap(logits: np.ndarray, ref_row: np.ndarray, run_row: np.ndarray) -> tup
     if any(not 0 <= i < experts for i in ref_ids + run_ids):
         return None, f"ids outside the {experts} router logits"
     chosen = set(ref_ids)
-    others = [i for i in range(experts) if i not in chosen]
-    scale = float(np.max(np.abs(scores[np.isfinite(scores)]), initial=0.0))
-    slack = 1e-6 * scale  # float32 softmax/top-k may order logits this close either way
-    if others and min(scores[ref_ids]) < max(scores[others]) - slack:
+    slack = _slack(scores)
+    if not is_top_k(scores, ref_ids):
         return None, "the reference ids are not the top-k of its router logits"
     displaced = [i for i in ref_ids if i not in set(run_ids)]
     instead = [i for i in run_ids if i not in chosen]
@@ -208,10 +231,12 @@ def row_gap(logits: np.ndarray, ref_row: np.ndarray, run_row: np.ndarray) -> tup
 
 def judge_routing(ref_ids: np.ndarray, run_ids: np.ndarray, router: np.ndarray | None, router_key: str | None,
                   all_rows: bool, klass: str, class_from: str, near_tie: float | None, near_tie_ulps: float,
-                  unavailable: str | None = None) -> Routing:
+                  unavailable: str | None = None, not_top_k: str | None = None) -> Routing:
     """Judge the differing rows of an ids key (equal sizes on both sides) by the reference's
     router logits ``router`` (None when absent; ``unavailable`` then says why) under the
-    precision class ``klass``."""
+    precision class ``klass``. ``not_top_k`` names a row of the reference (of any layer) whose
+    ids are not the top-k of its router logits: the model routes by more than those logits (a
+    bias, or DeepSeek-V3's group-limited top-k), so their gaps judge no row."""
     a = _rows(np.asarray(ref_ids))
     b = np.asarray(run_ids).reshape(a.shape)
     covered = router_rows(a.shape[0], None if router is None else np.asarray(router), all_rows)
@@ -222,11 +247,15 @@ def judge_routing(ref_ids: np.ndarray, run_ids: np.ndarray, router: np.ndarray |
                               else "no router logits recorded beside these ids (<prefix>_router for <prefix>_topk)")
     else:
         why = f"REF {router_key} holds row{'s' if len(covered) > 1 else ''} {_row_list(sorted(covered))} only"
-    routing = Routing(klass, class_from, router_key if router is not None else None, sorted(covered))
+    routing = Routing(klass, class_from, router_key if router is not None else None, sorted(covered),
+                      not_top_k=not_top_k)
     for row in np.flatnonzero(np.any(a != b, axis=1)).tolist():
         ref_set, run_set = set(a[row].tolist()), set(b[row].tolist())
         entry = RoutingRow(row, len(ref_set & run_set), len(ref_set))
-        if row in covered:
+        if row in covered and not_top_k is not None:
+            entry.reason = (f"REF routes by more than its router logits ({not_top_k}: ids not their top-k; a bias "
+                            "or a grouped top-k, as DeepSeek-V3's), so their gaps cannot tell a near tie")
+        elif row in covered:
             logits = np.asarray(covered[row], np.float64)
             entry.gap, entry.reason = row_gap(logits, a[row], b[row])
             if entry.gap is not None:

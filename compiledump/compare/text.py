@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from .facts import threshold_uses
+from .options import pair_class
 from .phases import fix_hint, tokens_text
 from .key_record import KeyRecord, MergeInfo
 from .report import Divergence, PairResult, Report
@@ -248,8 +249,11 @@ def threshold_lines(pair: PairResult) -> list[str]:
     lines = []
     for use in threshold_uses(pair.keys):
         sides = f"{use['ref_dtype'] or 'unknown'} vs {use['run_dtype'] or 'unknown'}"
-        origin = {"calibrated": f"{use['class']} defaults, calibrated: docs/compare.md",
-                  "calibrated decode": f"{use['class']} decode-step defaults, calibrated: docs/compare.md",
+        # A key judged below its own dtypes' class: the rest of the pair computes in that one.
+        lowered = use["class"] != pair_class(use["ref_dtype"], use["run_dtype"])
+        computed = f", as the pair's other keys are {use['class']}" if lowered else ""
+        origin = {"calibrated": f"{use['class']} defaults{computed}, calibrated: docs/compare.md",
+                  "calibrated decode": f"{use['class']} decode-step defaults{computed}, calibrated: docs/compare.md",
                   "legacy": "legacy default: a side has no source dtype (no manifest)",
                   "legacy decode": "legacy decode-step default: a side has no source dtype (no manifest)"}
         if use["rel_source"] == use["norm_source"]:

@@ -166,10 +166,15 @@ def analyse_pair(pair: PairResult) -> None:
     for record in differing:
         verdict = record.routing.verdict if record.routing is not None else "divergence"
         if verdict == "not_judged":
+            routing = record.routing
+            # Rows the reference's logits do not cover (one-row mode keeps the last row only), in a
+            # model whose logits could judge them.
+            uncovered = routing.router_key is not None and routing.not_top_k is None and any(
+                row not in routing.router_rows for row in routing.not_judged_rows)
+            hint = "; the router logits of every row (rows=\"all\") would judge each row" if uncovered else ""
             pair.problems.append(Problem(
-                "ids_not_judged", pair.rank, f"{_ids_text(record)}: {describe_routing(record.routing)} by itself "
-                f"(a float divergence after it names it as the likely root cause); the router logits of every "
-                f"row (rows=\"all\") would judge each row", record.key))
+                "ids_not_judged", pair.rank, f"{_ids_text(record)}: {describe_routing(routing)} by itself "
+                f"(a float divergence after it names it as the likely root cause){hint}", record.key))
         elif verdict == "near_tie":
             pair.notes.append(f"{record.key}: {_ids_text(record)}: {describe_routing(record.routing)}")
         if record.key in excused:

@@ -118,7 +118,7 @@ NOT_COMPARABLE = {"key", "rank", "reason", "source_dtype_ref", "source_dtype_run
 NOT_CAPTURED = {"filtered_tags", "filtered", "tags_none_kept", "drops"}
 DECODE_MARGINS = {"tags", "steps", "argmax_agree", "compared", "flips", "smallest_ref_margin"}
 ROUTING_FIELDS = {"verdict", "class", "class_from", "router_key", "router_rows", "differing_rows", "near_tie_rows",
-                  "far_rows", "not_judged_rows", "after_near_tie_rows", "rows"}
+                  "far_rows", "not_judged_rows", "after_near_tie_rows", "not_top_k", "rows"}
 ROUTING_ROW = {"row", "overlap", "k", "gap", "epsilon", "near_tie", "reason", "after_near_tie"}
 
 

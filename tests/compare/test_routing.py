@@ -270,8 +270,37 @@ def test_reference_ids_that_are_not_the_top_k_of_its_logits_are_not_judged(tmp_p
     run = run_side(ref, rng, {(1, TOKENS - 1): new})
     report = compare(*write_pair(tmp_path, ref, run, "bfloat16", all_rows=False))
     (row,) = next(r for r in report.keys if r.key == "layer1_topk").routing.rows
-    assert row.gap is None and "not the top-k" in row.reason
+    assert row.gap is None and "layer1_topk row 5: ids not their top-k" in row.reason
     assert report.exit_status == 3 and report.problems[0].kind == "ids_not_judged"
+    assert "rows=\"all\"" not in report.problems[0].detail  # all rows would not help: the logits cannot judge
+
+
+def test_one_layer_routed_by_more_than_its_logits_leaves_no_layer_judged_by_them(tmp_path):
+    """Routing is one function of the model: DeepSeek-V3's group-limited top-k can swap a whole
+    group for a near tie in the group scores, whose experts' logits are far apart. One reference
+    row whose ids are not the top-k of its logits (here in layer 0) means no layer's logit gaps
+    judge a flip; before, layer 1's swap was called a divergence (gap far above epsilon)."""
+    rng = np.random.default_rng(11)
+    plain = moe_captures(rng, all_rows=True)  # every reference row takes the top-k of its logits
+    by_key = {c.key: c for c in plain}
+    logits1 = by_key["layer1_router"].array.astype(np.float64)
+    new = by_key["layer1_topk"].array[4].copy()
+    new[0] = int(np.argsort(logits1[4], kind="stable")[0])  # the lowest-scored expert: far from any tie
+    run = run_side(plain, rng, {(1, 4): new})
+    grouped = [factory.replace(c, array=c.array.copy()) for c in plain]
+    logits0 = by_key["layer0_router"].array.astype(np.float64)
+    next(c for c in grouped if c.key == "layer0_topk").array[2] = np.argsort(logits0[2], kind="stable")[:TOPK]
+    report = compare(*write_pair(tmp_path / "grouped", grouped, run, "bfloat16", all_rows=True))
+    record = next(r for r in report.keys if r.key == "layer1_topk")
+    (row,) = record.routing.rows
+    assert row.gap is None and "layer0_topk row 2: ids not their top-k" in row.reason
+    assert record.routing.verdict == "not_judged" and not record.divergent
+    assert record.routing.to_json()["not_top_k"] == "layer0_topk row 2"
+    # The same swap where every reference row is top-k routing: far from a tie, a divergence.
+    report = compare(*write_pair(tmp_path / "plain", plain, run, "bfloat16", all_rows=True))
+    record = next(r for r in report.keys if r.key == "layer1_topk")
+    (row,) = record.routing.rows
+    assert record.routing.verdict == "divergence" and row.gap > row.epsilon
 
 
 def test_without_router_keys_the_pair_class_decides(tmp_path):

@@ -66,6 +66,35 @@ def test_fp32_pair_names_a_one_percent_scale_that_the_old_default_passed(tmp_pat
     assert by_key["layer0_topk"]["source_dtype_ref"] == "int64"
 
 
+def test_a_float32_key_of_a_bf16_run_is_judged_in_bf16(tmp_path, capsys, captures):
+    """A bf16 model that upcasts one value (DeepSeek-V3's router, logits an engine casts to
+    float32) stores it as float32 with bf16's error in it: judged in the precision the pair
+    computes in, not by float32's 1e-8, and the report says why. A bf16-sized bug in that key is
+    still named; in an all-float32 pair the same key keeps float32's thresholds."""
+    rng = np.random.default_rng(3)
+    noisy = factory.perturb(captures, rng, noise=3e-3)  # bf16-like rounding everywhere
+    upcast = {"layer2_moe_out": {"source_dtype": "float32"}}
+    paths = write_pair(tmp_path / "clean", captures, noisy, "float32", "bfloat16", key_fields=None,
+                       run_manifest=factory.manifest_for(noisy, source_dtype="bfloat16", key_fields=upcast))
+    code, out, report = compare_json(capsys, *paths)
+    by_key = {record["key"]: record for record in report["keys"]}
+    x = captures[[c.key for c in captures].index("layer2_moe_out")].array
+    y = noisy[[c.key for c in noisy].index("layer2_moe_out")].array
+    assert DEFAULT_THRESHOLDS["fp32"][0] < rel_diff(x, y) < DEFAULT_THRESHOLDS["bf16"][0]
+    assert by_key["layer2_moe_out"]["source_dtype_run"] == "float32"
+    assert by_key["layer2_moe_out"]["threshold_class"] == "bf16" and code == 0
+    assert ("thresholds: float32 vs float32 -> rel_diff <= 2e-03, norm_diff <= 3e-02 (bf16 defaults, as the pair's "
+            "other keys are bf16, calibrated: docs/compare.md; 1 key)") in out
+    broken = scaled(noisy, "layer2_moe_out", 1.1)
+    paths = write_pair(tmp_path / "bug", captures, broken, "float32", "bfloat16",
+                       run_manifest=factory.manifest_for(broken, source_dtype="bfloat16", key_fields=upcast))
+    code, out, report = compare_json(capsys, *paths)
+    assert code == 1 and report["first_divergence"]["key"] == "layer2_moe_out"
+    paths = write_pair(tmp_path / "fp32", captures, noisy, "float32", "float32")
+    code, out, report = compare_json(capsys, *paths)
+    assert code == 1 and {record["key"]: record for record in report["keys"]}["layer2_moe_out"]["threshold_class"] == "fp32"
+
+
 def test_the_same_arrays_as_bf16_or_without_a_manifest_use_looser_defaults(tmp_path, capsys, captures):
     rng = np.random.default_rng(2)
     run = scaled(factory.perturb(captures, rng, noise=1e-7), "layer2_moe_out", 1.01)
