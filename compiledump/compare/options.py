@@ -77,11 +77,12 @@ def pair_class(ref_dtype: str | None, run_dtype: str | None) -> str:
 
 def judged_class(klass: str, computes_in: str | None) -> str:
     """The class a key of class ``klass`` is judged in, in a pair of dumps that computes in
-    ``computes_in`` (measure.float_class): the lower of the two, when both are known. A float32
-    value computed from bfloat16 ones (a router or logits the model upcasts) carries their
-    rounding, not float32's."""
-    if klass in PRECISION_ORDER and computes_in in PRECISION_ORDER:
-        return min(klass, computes_in, key=PRECISION_ORDER.index)
+    ``computes_in`` (measure.float_class: its float keys' lowest class). A float32 key takes that
+    class: a float32 value computed from bfloat16 ones (a router or logits the model upcasts)
+    carries their rounding, not float32's. Low-precision keys keep their own (a bf16 key beside an
+    fp8 one is not loosened to fp8)."""
+    if klass == "fp32" and computes_in in PRECISION_ORDER:
+        return computes_in
     return klass
 
 

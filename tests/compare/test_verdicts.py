@@ -93,6 +93,13 @@ def test_a_float32_key_of_a_bf16_run_is_judged_in_bf16(tmp_path, capsys, capture
     paths = write_pair(tmp_path / "fp32", captures, noisy, "float32", "float32")
     code, out, report = compare_json(capsys, *paths)
     assert code == 1 and {record["key"]: record for record in report["keys"]}["layer2_moe_out"]["threshold_class"] == "fp32"
+    # One fp8 key in a bf16 run: the float32 key takes fp8, the bf16 keys stay bf16 (not loosened).
+    fp8 = {**upcast, "layer1_moe_out": {"source_dtype": "float8_e4m3fn"}}
+    paths = write_pair(tmp_path / "fp8", captures, noisy, "float32", "bfloat16",
+                       run_manifest=factory.manifest_for(noisy, source_dtype="bfloat16", key_fields=fp8))
+    code, out, report = compare_json(capsys, *paths)
+    classes = {record["key"]: record["threshold_class"] for record in report["keys"] if record.get("threshold_class")}
+    assert (classes["layer2_moe_out"], classes["layer1_moe_out"], classes["layer2"]) == ("fp8", "fp8", "bf16")
 
 
 def test_the_same_arrays_as_bf16_or_without_a_manifest_use_looser_defaults(tmp_path, capsys, captures):
