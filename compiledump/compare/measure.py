@@ -177,8 +177,8 @@ class KeyMeasurer:
     def judge_ids(self, record: KeyRecord, info: KeyInfo, x: np.ndarray, y: np.ndarray) -> KeyRecord:
         """``record`` (ids that differ) judged by the routing rule (compare/routing.py): the
         reference's router logits of the same layer decide near tie or divergence; the class
-        comes from the router key's source dtypes (no finer than the pair's float keys: a float32
-        router of a bfloat16 model flips as bfloat16 does), else from the pair's float keys."""
+        comes from the router key's source dtypes (a float32 router takes the pair's class: the
+        float32 router of a bfloat16 model flips as bfloat16 does), else from the pair's float keys."""
         router_key = router_key_for(info.key)
         router = unavailable = None
         klass, class_from = self.klass, "pair"

@@ -322,4 +322,4 @@ def prepare(device: torch.device, dtypes) -> None:
                 layouts = [(True, False), (False, False)] if dtype.is_floating_point else [(False, True)]
                 for mean, is_int in layouts:
                     ensure_prepared(device, Variant(dtype, mean, is_int, 1, True, host_arena,
-                                                    variants.COMMIT_RELEASE or host_arena), _launch_scratch)
+                                                    variants.commit_is_release(host_arena)), _launch_scratch)

@@ -72,7 +72,7 @@ def variant_for(x: torch.Tensor, geometry: tuple, kind: int, host_arena: bool = 
     fast = (aligned and width > 1 and stride_d == 1 and D % width == 0 and stride_t % width == 0
             and (H == 1 or stride_h % width == 0))
     return Variant(x.dtype, bool(mean), kind == L.KIND_IDS, width if fast else 1, aligned, host_arena,
-                   COMMIT_RELEASE or host_arena)
+                   commit_is_release(host_arena))
 
 
 # A capture's commit (layout.SLOT_COMMITTED) into a device arena is a release: its payload is
@@ -81,6 +81,11 @@ def variant_for(x: torch.Tensor, geometry: tuple, kind: int, host_arena: bool = 
 # sets this to False for one graph to time what the fence costs (read at call time; a commit into
 # a host-mapped arena is always a system-scope release).
 COMMIT_RELEASE = True
+
+
+def commit_is_release(host_arena: bool) -> bool:
+    """Whether a capture into a host-mapped (`host_arena`) or a device arena commits with a release."""
+    return COMMIT_RELEASE or host_arena
 
 
 # Data pointers of arenas in host-mapped memory (crash-proof capture on CUDA, capture/persist.py):
