@@ -85,7 +85,7 @@ def summarise(pairs: list, bug_layer: int) -> dict:
     for pair in pairs:
         if pair.bug is None:
             continue
-        entry = bugs.setdefault(f"{pair.model}: {pair.engine} {pair.bug}", {
+        entry = bugs.setdefault(f"{pair.model}: {pair.engine} rows={pair.rows} {pair.bug}", {
             "class": pair.klass, "rel": [], "norm": [], "named": 0, "runs": 0, "misses": []})
         at_layer = [value for value in pair.values if value.layer == bug_layer]
         entry["rel"].append(max((value.rel for value in at_layer), default=0.0))
@@ -95,7 +95,7 @@ def summarise(pairs: list, bug_layer: int) -> dict:
         entry["named"] += int(named)
         if not named:
             entry["misses"].append({"pair": pair.label, "first": pair.first, "root_cause": pair.root_cause,
-                                    "excused": pair.excused})
+                                    "excused": pair.excused, "exit_status": pair.exit_status})
     return {"bug_layer": bug_layer, "noise": noise, "flagged": flagged, "honest": len(honest),
             "unjudged": sum(1 for pair in honest if pair.exit_status == 3), "ties": ties, "routing": routing, "bugs": bugs,
             "honest_pairs": len(honest), "honest_by_class": {k: sum(1 for p in honest if p.klass == k)
@@ -130,7 +130,7 @@ def print_summary(summary: dict, graphs: dict, elapsed: float, args) -> None:
                           if key.startswith("rounding init=")))
     print()
     print("routing flips (router hooks; pairs with a flip in the prefill / in a decode step),")
-    print("and float keys the comparator did not judge at tokens a near tie routed elsewhere:")
+    print("and float keys the comparator did not judge at or after tokens whose expert ids differ:")
     for klass, entry in summary["routing"].items():
         print(f"  {klass}: {entry['pairs']} logged pairs, {entry['with_prefill_flip']} with a prefill flip, "
               f"{entry['with_decode_flip']} with a decode flip; {entry['excused_keys']} keys excused")
@@ -146,7 +146,7 @@ def print_summary(summary: dict, graphs: dict, elapsed: float, args) -> None:
           f"{sum(1 for t in ties if t['gap'] is not None)}")
     for tie in ties:
         if tie["gap"] is not None:
-            row = (f"already routed elsewhere by the near tie at {tie['after']}" if tie["after"]
+            row = (f"reached by the near tie at {tie['after']}" if tie["after"]
                    else "near tie" if tie["gap"] <= tie["epsilon"] else "FAR from a tie")
             print(f"  {tie['pair']} {tie['key']} row {tie['row']}: gap {tie['gap']:.3g} epsilon {tie['epsilon']:.3g} "
                   f"(gap/epsilon {tie['gap'] / tie['epsilon']:.2f}): {row} [{tie['class']} key: {tie['verdict']}]")
@@ -158,15 +158,15 @@ def print_summary(summary: dict, graphs: dict, elapsed: float, args) -> None:
         print("  rows without reference router logits (one-row mode): "
               + ", ".join(f"{klass} {verdict}: {count}" for (klass, verdict), count in sorted(not_judged.items())))
     print()
-    print(f"{'bug (value at layer ' + str(bug_layer) + ', min..max)':<58} {'class':<5} {'rel_diff':>19} "
+    print(f"{'bug (value at layer ' + str(bug_layer) + ', min..max)':<67} {'class':<5} {'rel_diff':>19} "
           f"{'norm_diff':>19}  named at layer {bug_layer}")
     for name, entry in summary["bugs"].items():
         rel = f"{min(entry['rel']):.1e}..{max(entry['rel']):.1e}"
         norm = f"{min(entry['norm']):.1e}..{max(entry['norm']):.1e}"
-        print(f"{name:<58} {entry['class']:<5} {rel:>19} {norm:>19}  {entry['named']}/{entry['runs']}")
+        print(f"{name:<67} {entry['class']:<5} {rel:>19} {norm:>19}  {entry['named']}/{entry['runs']}")
         for miss in entry["misses"]:
-            print(f"    missed: {miss['pair']}: first {miss['first']}, root cause {miss['root_cause']}, "
-                  f"{miss['excused']} keys excused")
+            print(f"    missed: {miss['pair']}: exit {miss['exit_status']}, first {miss['first']}, root cause "
+                  f"{miss['root_cause']}, {miss['excused']} keys excused")
     print()
     print(f"compiled graphs per engine (2 = prefill + decode, no recompile over the sessions): "
           f"{sorted(set(graphs.values()))} over {len(graphs)} engines")

@@ -83,7 +83,9 @@ class KeyRecord:
     shape_run: list[int]
     dtype_ref: str
     dtype_run: str
-    status: str = "ok"  # ok | divergent | mismatch | skipped | not_comparable
+    # ok | divergent | mismatch | skipped | not_comparable; ids: near_tie | not_judged;
+    # floats after a routing flip (flips.py): after_near_tie | after_unjudged
+    status: str = "ok"
     divergent: bool = False
     threshold: float | None = None  # rel_diff threshold (limits.rel_diff)
     limits: Thresholds | None = None  # both thresholds, the precision class and where they come from
@@ -102,12 +104,13 @@ class KeyRecord:
     rows: RowMetrics | None = None  # all-rows keys: per token row
     divergent_rows: list[int] | None = None
     routing: Routing | None = None  # ids that differ: near tie or divergence (compare/routing.py)
-    # Token rows not judged because a near tie in an earlier ids key sent them to other experts,
-    # that ids key, and the metric/value that crossed in those rows (measure.excuse_near_ties).
+    # Token rows not judged because a routing flip in an earlier ids key reaches them (flips.py),
+    # that ids key, and the metric/value that crossed in those rows (flips.excuse_flips).
     excused_rows: list[int] | None = None
     excused_by: list[str] | None = None
     excused_metric: str | None = None
     excused_value: float | None = None
+    excused_near_tie: bool = True  # every excused row is reached by a near tie (else: "after_unjudged")
 
     @property
     def ids_differ(self) -> bool:
@@ -163,7 +166,8 @@ class KeyRecord:
                 out.update(metric=self.metric, value=self.value)
             if self.excused_rows:
                 out.update(excused_rows=self.excused_rows, excused_by=self.excused_by,
-                           excused_metric=self.excused_metric, excused_value=self.excused_value)
+                           excused_metric=self.excused_metric, excused_value=self.excused_value,
+                           excused_near_tie=self.excused_near_tie)
             if self.argmax_equal is not None:
                 out.update(argmax_equal=self.argmax_equal, near_tie_epsilon=self.near_tie_epsilon)
         elif self.ids is not None:

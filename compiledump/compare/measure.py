@@ -140,7 +140,7 @@ class KeyMeasurer:
             record = replace(record, status="divergent", divergent=True, metric="nonfinite",
                              value=floats.nonfinite_mismatch)
         elif rows is not None:
-            record = _judge_rows(record, rows, limits)
+            record = judge_rows(record, rows, limits)
         else:
             _, metric = limits.ratio(floats.rel_diff, floats.norm_diff)
             if floats.rel_diff > limits.rel_diff or (floats.norm_diff or 0.0) > limits.norm_diff:
@@ -253,7 +253,7 @@ class KeyMeasurer:
         return replace(worst, merge=merge)
 
 
-def _judge_rows(record: KeyRecord, rows: RowMetrics, limits: Thresholds, skip=frozenset()) -> KeyRecord:
+def judge_rows(record: KeyRecord, rows: RowMetrics, limits: Thresholds, skip=frozenset()) -> KeyRecord:
     """An all-rows key diverges when any token row (but those in ``skip``) crosses a threshold;
     it names those rows and the metric with the largest value/threshold among them."""
     bad = [index for index, (rel, norm) in enumerate(zip(rows.rel_diff, rows.norm_diff))
@@ -265,64 +265,6 @@ def _judge_rows(record: KeyRecord, rows: RowMetrics, limits: Thresholds, skip=fr
     values = rows.rel_diff if metric == "rel_diff" else rows.norm_diff
     value = max((values[index] or 0.0) for index in range(len(values)) if index not in skip)
     return replace(record, status="divergent", divergent=True, metric=metric, value=value, divergent_rows=bad)
-
-
-def excuse_near_ties(records: list[KeyRecord]) -> dict[str, list[str]]:
-    """Prefill float keys that cross a threshold only in token rows whose expert ids differed
-    by a near tie in an earlier ids key of a low-precision class: those rows went to other
-    experts, so their later values are not compared (docs/compare.md, "Expert ids and near
-    ties"); nor are those rows' ids in later ids keys (``Routing.excuse``). Changes the records
-    in place (status ``after_near_tie`` when no row is left, else the rows left) and returns
-    {ids key: [excused float keys]}.
-
-    One-row keys hold the last row of the call (that of the ids' last row); all-rows keys a row
-    per token. Non-finite mismatches are never excused."""
-    tied: dict[int, str] = {}  # token row -> the first ids key whose near tie routed it elsewhere
-    calls: dict[str, int | None] = {}  # ids key -> its row count (the call's tokens)
-    excused: dict[str, list[str]] = {}
-    for index, record in enumerate(records):
-        if record.phase != "prefill":
-            continue
-        routing = record.routing
-        if record.ids_differ and routing is not None:
-            if tied and any(row in tied for row in routing.differing_rows):
-                # Tokens an earlier near tie sent elsewhere: their ids here are a consequence.
-                routing.excuse(tied)
-                status = "mismatch" if routing.divergent else routing.verdict
-                records[index] = record = replace(record, status=status, divergent=routing.divergent)
-            if not routing.divergent:
-                for row in routing.near_tie_rows:
-                    tied.setdefault(row, record.key)
-                calls[record.key] = record.ids.rows
-            continue
-        if not tied or record.floats is None or not record.divergent or record.metric == "nonfinite":
-            continue
-        metric, value = record.metric, record.value
-        if record.rows is not None and record.divergent_rows:
-            # Token rows are the ids' rows only when both hold a call of as many tokens.
-            same_call = len(record.rows.rel_diff) in calls.values()
-            skip = {row for row in record.divergent_rows if row in tied} if same_call else set()
-            judged = _judge_rows(record, record.rows, record.limits, skip) if skip else None
-            values = record.rows.rel_diff if metric == "rel_diff" else record.rows.norm_diff
-            value = max((values[row] or 0.0) for row in skip) if skip else value  # the excused rows' worst
-        else:
-            # A one-row key holds the last row of its call: that of the ids' call of as many tokens.
-            tokens = record.sides.tokens_ref if record.sides is not None else None
-            rows = [count for count in calls.values() if count is not None]
-            last = (tokens if tokens is not None else (rows[0] if rows else 0)) - 1
-            skip = {last} if last in tied and (tokens is None or tokens in rows) else set()
-            judged = replace(record, status="ok", divergent=False, metric=None, value=None) if skip else None
-        if judged is None:
-            continue
-        by = sorted({tied[row] for row in skip})
-        judged = replace(judged, excused_rows=sorted(skip), excused_by=by, excused_metric=metric,
-                         excused_value=value)
-        if not judged.divergent:
-            judged.status = "after_near_tie"
-        records[index] = judged
-        for key in by:
-            excused.setdefault(key, []).append(record.key)
-    return excused
 
 
 def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -16,7 +16,7 @@ The rule (docs/compare.md, "Expert ids and near ties"):
   (``far``). When every differing row is a near tie, or some rows have no reference logits to
   judge them by (``not_judged``: one-row mode keeps the last row only), the mismatch is reported
   but is not itself a divergence; any float key that diverges after it still names it as the
-  likely root cause.
+  likely root cause. What such a flip reaches in later keys is not judged (compare/flips.py).
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ class RoutingRow:
     gap: float | None = None
     epsilon: float | None = None
     reason: str | None = None  # why the row was not judged
-    after_near_tie: str | None = None  # an earlier ids key whose near tie already sent this token elsewhere
+    after_near_tie: str | None = None  # an earlier ids key whose near tie reaches this token (flips.py)
+    after_unjudged: str | None = None  # else one whose rows no reference logits judge reaches it
 
     @property
     def judged(self) -> bool:
@@ -66,7 +67,13 @@ class RoutingRow:
 
     def to_json(self) -> dict:
         return {"row": self.row, "overlap": self.overlap, "k": self.k, "gap": self.gap, "epsilon": self.epsilon,
-                "near_tie": self.near_tie, "reason": self.reason, "after_near_tie": self.after_near_tie}
+                "near_tie": self.near_tie, "reason": self.reason, "after_near_tie": self.after_near_tie,
+                "after_unjudged": self.after_unjudged}
+
+    @property
+    def reached(self) -> bool:
+        """An earlier routing flip reaches this token: its ids here are not judged by themselves."""
+        return self.after_near_tie is not None or self.after_unjudged is not None
 
 
 @dataclass
@@ -91,19 +98,22 @@ class Routing:
 
     @property
     def near_tie_rows(self) -> list[int]:
-        return [row.row for row in self.rows if row.near_tie is True and row.after_near_tie is None]
+        return [row.row for row in self.rows if row.near_tie is True and not row.reached]
 
     @property
     def far_rows(self) -> list[int]:
-        return [row.row for row in self.rows if row.near_tie is False and row.after_near_tie is None]
+        return [row.row for row in self.rows if row.near_tie is False and not row.reached]
 
     @property
     def not_judged_rows(self) -> list[int]:
-        return [row.row for row in self.rows if not row.judged and row.after_near_tie is None]
+        """Rows without reference logits to judge them, and rows an earlier unjudged flip reaches."""
+        return [row.row for row in self.rows
+                if row.after_near_tie is None and (not row.judged or row.after_unjudged is not None)]
 
     @property
     def after_near_tie_rows(self) -> list[int]:
-        """Rows an earlier near tie had already routed elsewhere: their ids here are a consequence."""
+        """Rows an earlier near tie reaches (routed elsewhere, or attending to a token that was):
+        their ids here are a consequence."""
         return [row.row for row in self.rows if row.after_near_tie is not None]
 
     def decide(self) -> None:
@@ -115,14 +125,21 @@ class Routing:
         else:
             self.verdict = "near_tie"
 
-    def excuse(self, earlier: dict[int, str]) -> None:
-        """Rows that an earlier ids key's near tie had routed elsewhere ({row: that key}) are
-        not judged here (low-precision classes only); the verdict is decided again."""
+    @property
+    def after_unjudged_rows(self) -> list[int]:
+        """Rows an earlier flip that no reference logits judge reaches: whether these differ
+        honestly cannot be told."""
+        return [row.row for row in self.rows if row.after_near_tie is None and row.after_unjudged is not None]
+
+    def excuse(self, near_ties: dict[int, str], unjudged: dict[int, str]) -> None:
+        """Rows an earlier routing flip reaches (flips.py: {row: that ids key}) are not judged here
+        (low-precision classes only): those of a near tie are a consequence, those of an
+        unjudged flip may be. The verdict is decided again."""
         if self.klass in STRICT_CLASSES:
             return
         for row in self.rows:
-            if row.row in earlier:
-                row.after_near_tie = earlier[row.row]
+            row.after_near_tie = near_ties.get(row.row)
+            row.after_unjudged = unjudged.get(row.row) if row.after_near_tie is None else None
         self.decide()
 
     @property
@@ -140,7 +157,8 @@ class Routing:
                 "router_key": self.router_key, "router_rows": self.router_rows[:MAX_LISTED_ROWS],
                 "differing_rows": len(self.rows), "near_tie_rows": self.near_tie_rows[:MAX_LISTED_ROWS],
                 "far_rows": self.far_rows[:MAX_LISTED_ROWS], "not_judged_rows": self.not_judged_rows[:MAX_LISTED_ROWS],
-                "after_near_tie_rows": self.after_near_tie_rows[:MAX_LISTED_ROWS], "not_top_k": self.not_top_k,
+                "after_near_tie_rows": self.after_near_tie_rows[:MAX_LISTED_ROWS],
+                "after_unjudged_rows": self.after_unjudged_rows[:MAX_LISTED_ROWS], "not_top_k": self.not_top_k,
                 "rows": [row.to_json() for row in self.rows[:MAX_LISTED_ROWS]]}
 
 
@@ -290,15 +308,20 @@ def describe_routing(routing: Routing) -> str:
     if routing.after_near_tie_rows:
         rows = routing.after_near_tie_rows
         earlier = sorted({row.after_near_tie for row in routing.rows if row.after_near_tie is not None})
-        parts.append(f"row{'s' if len(rows) > 1 else ''} {_row_list(rows)} already routed elsewhere by the near "
-                     f"tie at {', '.join(earlier)}")
+        parts.append(f"row{'s' if len(rows) > 1 else ''} {_row_list(rows)} at or after a token the near tie at "
+                     f"{', '.join(earlier)} routed elsewhere")
     if routing.near_tie_rows:
         ties = [row for row in routing.rows if row.row in routing.near_tie_rows]
         top = max(ties, key=lambda row: _ratio(row.gap, row.epsilon))
         parts.append(f"near tie at row{'s' if len(ties) > 1 else ''} {_row_list(routing.near_tie_rows)} "
                      f"(router logit gap {top.gap:.3g} <= epsilon {top.epsilon:.3g})")
-    if routing.not_judged_rows:
-        reasons = sorted({row.reason for row in routing.rows if not row.judged})
-        rows = routing.not_judged_rows
+    if routing.after_unjudged_rows:
+        rows = routing.after_unjudged_rows
+        earlier = sorted({row.after_unjudged for row in routing.rows if row.row in rows})
+        parts.append(f"row{'s' if len(rows) > 1 else ''} {_row_list(rows)} at or after a token whose expert ids "
+                     f"differ at {', '.join(earlier)} where no reference router logits judge them")
+    rows = [row for row in routing.not_judged_rows if row not in routing.after_unjudged_rows]
+    if rows:
+        reasons = sorted({row.reason for row in routing.rows if not row.judged and row.row in rows})
         parts.append(f"row{'s' if len(rows) > 1 else ''} {_row_list(rows)} not judged ({'; '.join(reasons)})")
     return "; ".join(parts) + f"; not a divergence in the {routing.klass} class"

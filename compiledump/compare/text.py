@@ -68,7 +68,7 @@ ROUTING_WORDS = {"near_tie": "near tie", "not_judged": "not judged"}
 def _rows_text(rows: list[int], count: int | None) -> str:
     """``tokens 2, 5 of 7`` (0-based token positions of an all-rows key)."""
     shown = ", ".join(str(row) for row in rows[:12]) + (f", ... ({len(rows) - 12} more)" if len(rows) > 12 else "")
-    return f"token{'s' if len(rows) > 1 else ''} {shown} of {count}"
+    return f"token{'s' if len(rows) > 1 else ''} {shown}" + (f" of {count}" if count is not None else "")
 
 
 def _worst_rank_text(merge: MergeInfo) -> str:
@@ -106,9 +106,12 @@ def _note_for(record: KeyRecord) -> str:
         what = ""
         if record.excused_metric in ("rel_diff", "norm_diff") and record.excused_value is not None:
             what = f"{record.excused_metric} {record.excused_value:.3e} "
-        count = len(record.rows.rel_diff) if record.rows is not None else None
-        parts.append(f"{what}not judged at {_rows_text(record.excused_rows, count)}: routed to other experts by "
-                     f"the near tie at {', '.join(record.excused_by)}")
+        count = (len(record.rows.rel_diff) if record.rows is not None else
+                 record.sides.tokens_ref if record.sides is not None else None)  # a one-row key: its call's
+        by = ", ".join(record.excused_by)
+        why = (f"the near tie at {by} routed to other experts" if record.excused_near_tie else
+               f"whose expert ids differ at {by} where no reference router logits judge them")
+        parts.append(f"{what}not judged at {_rows_text(record.excused_rows, count)}: at or after a token {why}")
     ids = record.ids
     if ids is not None:
         if ids.ids_equal:
@@ -145,7 +148,8 @@ def format_table(records: list[KeyRecord]) -> list[str]:
     header = (f"  {'key':<{width}} {'layer':>5} {'step':>5} {'shape':<14} {'rel_diff':>10} {'norm_diff':>10} "
               f"{'cosine':>10} {'max_abs':>10} {'mean_abs':>10} {'rel_l2':>9} {'nan':>7} {'inf':>7}  note")
     lines = [header]
-    marks = {"skipped": "?", "not_comparable": "~", "near_tie": "*", "not_judged": "*", "after_near_tie": "*"}
+    marks = {"skipped": "?", "not_comparable": "~", "near_tie": "*", "not_judged": "*", "after_near_tie": "*",
+             "after_unjudged": "*"}
     for record in records:
         mark = "!" if record.divergent else marks.get(record.status, " ")
         shape = "x".join(str(n) for n in record.shape_ref) or "scalar"
@@ -317,7 +321,7 @@ def final_line(report: Report) -> str:
             routed = f"; expert ids differ without a divergence: {verdicts}{more}"
             excused = sum(1 for record in report.keys if record.excused_rows)
             if excused:
-                routed += f" ({excused} keys not judged at the tokens a near tie routed elsewhere)"
+                routed += f" ({excused} keys not judged at or after the tokens whose expert ids differ)"
         return f"no divergence: {compared} keys compared{near}{skipped}{routed}{tie}{extra}"
     rank = f" [rank {first.rank}]" if len(report.pairs) > 1 else ""
     last = f"; last good: {first.last_good}" if first.last_good else ""

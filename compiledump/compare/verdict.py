@@ -11,7 +11,8 @@ from pathlib import Path
 
 from ..format.keys import order_key_infos
 from ..format.reader import Dump, DumpError, rank_sort_key
-from .measure import KeyMeasurer, excuse_near_ties, float_class, logits_tags
+from .flips import excuse_flips
+from .measure import KeyMeasurer, float_class, logits_tags
 from .metrics import Workspace
 from .options import CompareOptions
 from .pairing import find_pairs
@@ -152,7 +153,7 @@ def _first_in_phase(floats: list[KeyRecord], phase: str) -> Divergence | None:
 def analyse_pair(pair: PairResult) -> None:
     """Fill in ``pair``'s findings from its key records."""
     records = pair.keys
-    excused = excuse_near_ties(records)
+    excused = excuse_flips(records)
     floats = [record for record in records if record.floats is not None]
     pair.prefill_divergence = _first_in_phase(floats, "prefill")
     pair.decode_divergence = _first_in_phase(floats, "decode")
@@ -165,6 +166,8 @@ def analyse_pair(pair: PairResult) -> None:
     divergent_ids = next((_divergence(record, None) for record in differing if record.divergent), None)
     for record in differing:
         verdict = record.routing.verdict if record.routing is not None else "divergence"
+        keys = excused.get(record.key, [])
+        shown = ", ".join(keys[:8]) + (f", ... ({len(keys) - 8} more)" if len(keys) > 8 else "")
         if verdict == "not_judged":
             routing = record.routing
             # Rows the reference's logits do not cover (one-row mode keeps the last row only), in a
@@ -172,16 +175,17 @@ def analyse_pair(pair: PairResult) -> None:
             uncovered = routing.router_key is not None and routing.not_top_k is None and any(
                 row not in routing.router_rows for row in routing.not_judged_rows)
             hint = "; the router logits of every row (rows=\"all\") would judge each row" if uncovered else ""
+            reached = (f"; nor are the {len(keys)} float keys after it that cross a threshold only at or after "
+                       f"those tokens: {shown}" if keys else "")
             pair.problems.append(Problem(
-                "ids_not_judged", pair.rank, f"{_ids_text(record)}: {describe_routing(routing)} by itself "
-                f"(a float divergence after it names it as the likely root cause){hint}", record.key))
+                "ids_not_judged", pair.rank, f"{_ids_text(record)}: {describe_routing(routing)} by itself"
+                f"{reached}{hint}", record.key))
         elif verdict == "near_tie":
             pair.notes.append(f"{record.key}: {_ids_text(record)}: {describe_routing(record.routing)}")
-        if record.key in excused:
-            keys = excused[record.key]
-            shown = ", ".join(keys[:8]) + (f", ... ({len(keys) - 8} more)" if len(keys) > 8 else "")
-            pair.notes.append(f"{record.key}: the tokens routed elsewhere by its near tie are not judged in the "
-                              f"{len(keys)} keys after it that crossed a threshold only there: {shown}")
+        if keys and verdict == "near_tie":
+            pair.notes.append(f"{record.key}: the tokens its near tie routed elsewhere (and, from the next layer "
+                              f"on, the tokens after them) are not judged in the {len(keys)} keys after it that "
+                              f"crossed a threshold only there: {shown}")
     flips = [record for record in records if record.margin_analysis and record.argmax_equal is False]
     if flips:
         flip = flips[0]

@@ -43,7 +43,7 @@ IDS_DIFFER = {"first_mismatch_row", "first_mismatch_index", "mismatched_rows", "
               "ref_ids", "run_ids"}
 MERGE = {"merge", "merged_ranks", "ranks", "divergent_ranks", "worst_rank"}
 ROUTING = {"routing"}  # ids that differ, unless a side is merged (judged strictly)
-EXCUSED = {"excused_rows", "excused_by", "excused_metric", "excused_value"}
+EXCUSED = {"excused_rows", "excused_by", "excused_metric", "excused_value", "excused_near_tie"}
 
 # (metric_kind, status, margins computed, merged, worst rank named, all rows) -> the record's fields;
 # the records with token rows excused by a near tie are in EXCUSED_RECORDS.
@@ -71,6 +71,8 @@ RECORDS = {
 EXCUSED_RECORDS = {
     ("float", "after_near_tie", False, False, False, False): BASE | FLOAT | EXCUSED,
     ("float", "after_near_tie", False, False, False, True): BASE | FLOAT | ROWS | EXCUSED,
+    ("float", "after_unjudged", False, False, False, False): BASE | FLOAT | EXCUSED,
+    ("float", "after_unjudged", True, False, False, False): BASE | FLOAT | MARGINS | EXCUSED,  # the prefill logits
     ("float", "divergent", False, False, False, True): BASE | FLOAT | CROSSED | ROWS | EXCUSED,
 }
 RANK_PARTS = {
@@ -118,8 +120,8 @@ NOT_COMPARABLE = {"key", "rank", "reason", "source_dtype_ref", "source_dtype_run
 NOT_CAPTURED = {"filtered_tags", "filtered", "tags_none_kept", "drops"}
 DECODE_MARGINS = {"tags", "steps", "argmax_agree", "compared", "flips", "smallest_ref_margin"}
 ROUTING_FIELDS = {"verdict", "class", "class_from", "router_key", "router_rows", "differing_rows", "near_tie_rows",
-                  "far_rows", "not_judged_rows", "after_near_tie_rows", "not_top_k", "rows"}
-ROUTING_ROW = {"row", "overlap", "k", "gap", "epsilon", "near_tie", "reason", "after_near_tie"}
+                  "far_rows", "not_judged_rows", "after_near_tie_rows", "after_unjudged_rows", "not_top_k", "rows"}
+ROUTING_ROW = {"row", "overlap", "k", "gap", "epsilon", "near_tie", "reason", "after_near_tie", "after_unjudged"}
 
 
 def write_tp2(directory: Path, captures: list[factory.Capture], shards: dict[str, dict],
@@ -179,7 +181,7 @@ def reports(tmp_path: Path) -> list[dict]:
     ref = factory.model_captures(rng, layers=5, dim=31, steps=4, vocab=101)
     ref_path = factory.write_compiledump(tmp_path / "ref", ref)
     # One pair: float and id divergences, a root cause, prefill and decode logits, key problems.
-    changed = factory.perturb(ref, rng, from_layer=3, from_step=2, ids_layer=1)
+    changed = factory.perturb(ref, rng, from_layer=3, from_step=2, ids_layer=3)  # flip and divergence in one layer: not reached
     changed = [c for c in changed if c.key != "layer0"]
     changed.append(factory.Capture("probe", np.ones(3, np.float32) + 0.25, "record", "probe"))
     changed = [factory.replace(c, array=np.concatenate([c.array, c.array[:1]])) if c.key == "layer2" else c

@@ -1,0 +1,110 @@
+"""How often does an honest low-precision MoE pair exit 1? A sweep over many random models.
+
+Each pair is a Hugging Face model built from a small config with random weights (nothing is
+downloaded): the float32 model eager is the reference, the same weights in bfloat16 eager the
+engine; one 7-token prompt per model, no KV cache, every MoE layer recorded
+(``COMPILEDUMP_MOE_LAYERS=4``), dumped with ``compiledump.instrument`` in one-row and in all-rows
+mode, and compared with ``compiledump.compare.compare`` and the defaults, exactly as ``compiledump
+compare`` does. Nothing is wrong in any pair, so every exit 1 is a false divergence; exit 3 means
+the comparator could not tell (expert ids differ where no reference router logits judge them).
+
+Models (4 layers, hidden 64, 8 experts top-2, ``initializer_range`` 0.1): Qwen3-MoE, Mixtral and
+DeepSeek-V3 with one expert group (plain top-k of sigmoid scores, so its flips can be judged; one
+shared expert, layer 0 dense). benchmarks/calibrate.py calibrates the thresholds themselves; this
+sweep counts verdicts over more random models than it can afford (docs/compare.md, "Expert ids
+and near ties").
+
+Usage: python benchmarks/sweep_routing.py [--seeds 30] [--models qwen3_moe,mixtral,deepseek_v3]
+       [--rows one,all] [--verbose]
+(about 4 minutes for the defaults on a 2-core CPU box; results in benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import transformers
+
+import compiledump
+from compiledump.compare import compare, format_report
+
+PROMPT_TOKENS = 7
+COMMON = dict(vocab_size=211, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+              max_position_embeddings=64, initializer_range=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+              num_experts_per_tok=2)
+CONFIGS = {
+    "qwen3_moe": dict(intermediate_size=96, moe_intermediate_size=48, num_experts=8, head_dim=16),
+    "mixtral": dict(intermediate_size=96, num_local_experts=8),
+    "deepseek_v3": dict(intermediate_size=96, moe_intermediate_size=48, n_routed_experts=8, n_shared_experts=1,
+                        first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8),
+}
+
+
+def build(model: str, seed: int) -> torch.nn.Module:
+    """The float32 model ``model`` with random weights from ``seed``, eval mode."""
+    config = transformers.AutoConfig.for_model(model, **CONFIGS[model], **COMMON)
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def dump(model: torch.nn.Module, directory: Path, ids: torch.Tensor, rows: str) -> None:
+    compiledump.reset()
+    compiledump.configure(dir=str(directory), moe_layers=COMMON["num_hidden_layers"], rows=rows)
+    handle = compiledump.instrument(model)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the token gate's drops are deliberate
+        compiledump.flush()
+    handle.remove()
+    compiledump.reset()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=30, help="random models per architecture (default 30)")
+    parser.add_argument("--models", default=",".join(CONFIGS), help="comma-separated subset")
+    parser.add_argument("--rows", default="one,all", help="recording modes (default one,all)")
+    parser.add_argument("--verbose", action="store_true", help="print the report of every pair that exits 1")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    counts: dict[tuple[str, str], collections.Counter] = {}
+    with tempfile.TemporaryDirectory(prefix="compiledump_sweep_") as tmp:
+        for model in args.models.split(","):
+            for seed in range(args.seeds):
+                reference = build(model, seed)
+                engine = copy.deepcopy(reference).to(torch.bfloat16)
+                ids = torch.randint(3, COMMON["vocab_size"], (1, PROMPT_TOKENS),
+                                    generator=torch.Generator().manual_seed(seed + 1))
+                for rows in args.rows.split(","):
+                    root = Path(tmp) / f"{model}_{seed}_{rows}"
+                    dump(reference, root / "ref", ids, rows)
+                    dump(engine, root / "run", ids, rows)
+                    report = compare(root / "ref", root / "run")
+                    lines = format_report(report)
+                    counts.setdefault((model, rows), collections.Counter())[report.exit_status] += 1
+                    print(f"{model} rows={rows} seed={seed}: exit {report.exit_status} | {lines[-1]}", flush=True)
+                    if args.verbose and report.exit_status == 1:
+                        print("\n".join("    " + line for line in lines if line[:1] in "!*" or ":" in line[:20]))
+    compiledump.configure(dir=None)
+    print()
+    print(f"{'model':<12} {'rows':<4} {'pairs':>5} {'exit 0':>7} {'exit 1':>7} {'exit 3':>7}")
+    for (model, rows), counter in counts.items():
+        print(f"{model:<12} {rows:<4} {sum(counter.values()):>5} {counter[0]:>7} {counter[1]:>7} {counter[3]:>7}")
+    print(f"elapsed {time.perf_counter() - started:.0f} s; torch {torch.__version__}; transformers "
+          f"{transformers.__version__}; seeds {args.seeds}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
