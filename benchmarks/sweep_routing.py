@@ -14,9 +14,9 @@ shared expert, layer 0 dense). benchmarks/calibrate.py calibrates the thresholds
 sweep counts verdicts over more random models than it can afford (docs/compare.md, "Expert ids
 and near ties").
 
-Usage: python benchmarks/sweep_routing.py [--seeds 30] [--models qwen3_moe,mixtral,deepseek_v3]
+Usage: python benchmarks/sweep_routing.py [--seeds 100] [--models qwen3_moe,mixtral,deepseek_v3]
        [--rows one,all] [--verbose]
-(about 4 minutes for the defaults on a 2-core CPU box; results in benchmarks/RESULTS.md).
+(about 30 seconds for the defaults on a 2-core CPU box; results in benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def dump(model: torch.nn.Module, directory: Path, ids: torch.Tensor, rows: str) 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", type=int, default=30, help="random models per architecture (default 30)")
+    parser.add_argument("--seeds", type=int, default=100, help="random models per architecture (default 100)")
     parser.add_argument("--models", default=",".join(CONFIGS), help="comma-separated subset")
     parser.add_argument("--rows", default="one,all", help="recording modes (default one,all)")
     parser.add_argument("--verbose", action="store_true", help="print the report of every pair that exits 1")

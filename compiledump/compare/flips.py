@@ -78,12 +78,14 @@ def excuse_flips(records: list[KeyRecord]) -> dict[str, list[str]]:
             continue
         routing = record.routing
         if record.ids_differ and routing is not None:
+            # The run's router noise, over the rows no earlier flip reaches, widens the epsilon.
+            routing.widen_by_noise([row for row in routing.row_errors if not flips.reach([row], record.layer)])
             reached = flips.reach(routing.differing_rows, record.layer) if flips else {}
             if reached:
                 routing.excuse({row: flip.key for row, flip in reached.items() if flip.near_tie},
                                {row: flip.key for row, flip in reached.items() if not flip.near_tie})
-                status = "mismatch" if routing.divergent else routing.verdict
-                records[index] = record = replace(record, status=status, divergent=routing.divergent)
+            status = "mismatch" if routing.divergent else routing.verdict
+            records[index] = record = replace(record, status=status, divergent=routing.divergent)
             if not routing.divergent:
                 for row in routing.near_tie_rows:
                     flips.add(row, Flip(record.key, record.layer, near_tie=True))

@@ -174,6 +174,18 @@ class KeyMeasurer:
                     break
         return self._not_top_k
 
+    def _run_router(self, router_key: str) -> np.ndarray | None:
+        """RUN's router logits beside the ids (for the run's router noise), when it has one float
+        copy of them; None otherwise (the epsilon then stays the ulps rule)."""
+        member = self.run.members.get(router_key)
+        if member is None or member.is_integer:
+            return None
+        try:
+            (copy,) = self.run.replicas(router_key)
+            return np.asarray(copy.whole())
+        except (OSError, ValueError, zipfile.BadZipFile, EOFError):
+            return None
+
     def judge_ids(self, record: KeyRecord, info: KeyInfo, x: np.ndarray, y: np.ndarray) -> KeyRecord:
         """``record`` (ids that differ) judged by the routing rule (compare/routing.py): the
         reference's router logits of the same layer decide near tie or divergence; the class
@@ -201,7 +213,8 @@ class KeyMeasurer:
                     unavailable = f"REF {router_key} could not be read: {exc}"
         all_rows = bool(router_key and router_key in self.ref.infos and self.ref.infos[router_key].all_rows)
         routing = judge_routing(x, y, router, router_key, all_rows, klass, class_from, self.options.near_tie,
-                                self.options.near_tie_ulps, unavailable, self.not_top_k())
+                                self.options.near_tie_ulps, unavailable, self.not_top_k(),
+                                self._run_router(router_key) if router is not None else None)
         status = "mismatch" if routing.divergent else routing.verdict
         return replace(record, routing=routing, status=status, divergent=routing.divergent)
 

@@ -62,6 +62,12 @@ class RoutingRow:
         return self.gap is not None
 
     @property
+    def reordered(self) -> bool:
+        """The same experts in another order: the MoE output is the same weighted sum (only the
+        order of its rounding may differ), so this is no routing change, whatever the scores."""
+        return self.k > 0 and self.overlap == self.k
+
+    @property
     def near_tie(self) -> bool | None:
         return None if self.gap is None else self.gap <= self.epsilon
 
@@ -91,24 +97,37 @@ class Routing:
     rows: list[RoutingRow] = field(default_factory=list)
     not_top_k: str | None = None  # a REF row (any layer) whose ids are not the top-k of its logits
     verdict: str = "divergence"
+    # The largest |REF - RUN| router logit of each covered row (RUN's logits of the same shape).
+    row_errors: dict[int, float] = field(default_factory=dict)
+    logit_noise: float | None = None  # the largest of them over quiet rows (widen_by_noise)
+    fixed_epsilon: bool = False  # --near-tie EPS: the epsilon stays as given
 
     @property
     def differing_rows(self) -> list[int]:
         return [row.row for row in self.rows]
 
+    def _flipped(self, row: RoutingRow) -> bool:
+        """A row whose experts may have changed: in the low-precision classes a reorder is none."""
+        return self.klass in STRICT_CLASSES or not row.reordered
+
+    @property
+    def reordered_rows(self) -> list[int]:
+        """The same experts in another order (low-precision classes; not a routing flip)."""
+        return [row.row for row in self.rows if not self._flipped(row) and not row.reached]
+
     @property
     def near_tie_rows(self) -> list[int]:
-        return [row.row for row in self.rows if row.near_tie is True and not row.reached]
+        return [row.row for row in self.rows if row.near_tie is True and self._flipped(row) and not row.reached]
 
     @property
     def far_rows(self) -> list[int]:
-        return [row.row for row in self.rows if row.near_tie is False and not row.reached]
+        return [row.row for row in self.rows if row.near_tie is False and self._flipped(row) and not row.reached]
 
     @property
     def not_judged_rows(self) -> list[int]:
         """Rows without reference logits to judge them, and rows an earlier unjudged flip reaches."""
-        return [row.row for row in self.rows
-                if row.after_near_tie is None and (not row.judged or row.after_unjudged is not None)]
+        return [row.row for row in self.rows if row.after_near_tie is None and self._flipped(row)
+                and (not row.judged or row.after_unjudged is not None)]
 
     @property
     def after_near_tie_rows(self) -> list[int]:
@@ -130,6 +149,23 @@ class Routing:
         """Rows an earlier flip that no reference logits judge reaches: whether these differ
         honestly cannot be told."""
         return [row.row for row in self.rows if row.after_near_tie is None and row.after_unjudged is not None]
+
+    def widen_by_noise(self, quiet_rows) -> None:
+        """Measure the run's router noise in this layer: the largest logit error over
+        ``quiet_rows`` (rows no earlier flip reaches) whose ids agree. Two logits each that far
+        off can swap experts whose reference logits differ by twice as much, so each judged
+        row's epsilon is at least twice the noise (unless --near-tie fixed it). Decides again."""
+        if self.fixed_epsilon or self.klass in STRICT_CLASSES:
+            return
+        differing = set(self.differing_rows)
+        quiet = [error for row, error in self.row_errors.items() if row in quiet_rows and row not in differing]
+        if not quiet:
+            return
+        self.logit_noise = max(quiet)
+        for row in self.rows:
+            if row.gap is not None:
+                row.epsilon = max(row.epsilon, 2 * self.logit_noise)
+        self.decide()
 
     def excuse(self, near_ties: dict[int, str], unjudged: dict[int, str]) -> None:
         """Rows an earlier routing flip reaches (flips.py: {row: that ids key}) are not judged here
@@ -158,7 +194,9 @@ class Routing:
                 "differing_rows": len(self.rows), "near_tie_rows": self.near_tie_rows[:MAX_LISTED_ROWS],
                 "far_rows": self.far_rows[:MAX_LISTED_ROWS], "not_judged_rows": self.not_judged_rows[:MAX_LISTED_ROWS],
                 "after_near_tie_rows": self.after_near_tie_rows[:MAX_LISTED_ROWS],
-                "after_unjudged_rows": self.after_unjudged_rows[:MAX_LISTED_ROWS], "not_top_k": self.not_top_k,
+                "after_unjudged_rows": self.after_unjudged_rows[:MAX_LISTED_ROWS],
+                "reordered_rows": self.reordered_rows[:MAX_LISTED_ROWS], "not_top_k": self.not_top_k,
+                "logit_noise": self.logit_noise,
                 "rows": [row.to_json() for row in self.rows[:MAX_LISTED_ROWS]]}
 
 
@@ -249,12 +287,15 @@ def row_gap(logits: np.ndarray, ref_row: np.ndarray, run_row: np.ndarray) -> tup
 
 def judge_routing(ref_ids: np.ndarray, run_ids: np.ndarray, router: np.ndarray | None, router_key: str | None,
                   all_rows: bool, klass: str, class_from: str, near_tie: float | None, near_tie_ulps: float,
-                  unavailable: str | None = None, not_top_k: str | None = None) -> Routing:
+                  unavailable: str | None = None, not_top_k: str | None = None,
+                  run_router: np.ndarray | None = None) -> Routing:
     """Judge the differing rows of an ids key (equal sizes on both sides) by the reference's
     router logits ``router`` (None when absent; ``unavailable`` then says why) under the
     precision class ``klass``. ``not_top_k`` names a row of the reference (of any layer) whose
     ids are not the top-k of its router logits: the model routes by more than those logits (a
-    bias, or DeepSeek-V3's group-limited top-k), so their gaps judge no row."""
+    bias, or DeepSeek-V3's group-limited top-k), so their gaps judge no row. ``run_router``
+    (RUN's logits, when of the same shape) gives each covered row's logit error, from which
+    ``Routing.widen_by_noise`` measures the run's noise once the rows earlier flips reach are known."""
     a = _rows(np.asarray(ref_ids))
     b = np.asarray(run_ids).reshape(a.shape)
     covered = router_rows(a.shape[0], None if router is None else np.asarray(router), all_rows)
@@ -266,7 +307,14 @@ def judge_routing(ref_ids: np.ndarray, run_ids: np.ndarray, router: np.ndarray |
     else:
         why = f"REF {router_key} holds row{'s' if len(covered) > 1 else ''} {_row_list(sorted(covered))} only"
     routing = Routing(klass, class_from, router_key if router is not None else None, sorted(covered),
-                      not_top_k=not_top_k)
+                      not_top_k=not_top_k, fixed_epsilon=near_tie is not None)
+    if run_router is not None and router is not None and np.shape(run_router) == np.shape(router):
+        run_covered = router_rows(a.shape[0], np.asarray(run_router), all_rows)
+        for row, logits in covered.items():
+            error = np.abs(np.asarray(logits, np.float64) - np.asarray(run_covered[row], np.float64))
+            finite = error[np.isfinite(error)]
+            if finite.size:
+                routing.row_errors[row] = float(finite.max())
     for row in np.flatnonzero(np.any(a != b, axis=1)).tolist():
         ref_set, run_set = set(a[row].tolist()), set(b[row].tolist())
         entry = RoutingRow(row, len(ref_set & run_set), len(ref_set))
@@ -310,11 +358,16 @@ def describe_routing(routing: Routing) -> str:
         earlier = sorted({row.after_near_tie for row in routing.rows if row.after_near_tie is not None})
         parts.append(f"row{'s' if len(rows) > 1 else ''} {_row_list(rows)} at or after a token the near tie at "
                      f"{', '.join(earlier)} routed elsewhere")
+    if routing.reordered_rows:
+        rows = routing.reordered_rows
+        parts.append(f"row{'s' if len(rows) > 1 else ''} {_row_list(rows)}: the same experts in another order")
     if routing.near_tie_rows:
         ties = [row for row in routing.rows if row.row in routing.near_tie_rows]
         top = max(ties, key=lambda row: _ratio(row.gap, row.epsilon))
+        noise = (", twice the run's router noise in this layer" if routing.logit_noise is not None
+                 and top.epsilon == 2 * routing.logit_noise else "")
         parts.append(f"near tie at row{'s' if len(ties) > 1 else ''} {_row_list(routing.near_tie_rows)} "
-                     f"(router logit gap {top.gap:.3g} <= epsilon {top.epsilon:.3g})")
+                     f"(router logit gap {top.gap:.3g} <= epsilon {top.epsilon:.3g}{noise})")
     if routing.after_unjudged_rows:
         rows = routing.after_unjudged_rows
         earlier = sorted({row.after_unjudged for row in routing.rows if row.row in rows})

@@ -197,12 +197,15 @@ def analyse_pair(pair: PairResult) -> None:
             margin_run=run_top.margin, argmax_ref=ref_top.argmax, argmax_run=run_top.argmax, epsilon=epsilon,
             position=flip.position)
     float_first = pair.prefill_divergence or pair.decode_divergence
-    if float_first is not None and first_ids is not None and first_ids.position < float_first.position:
+    # The same experts in another order change no token's experts: no root cause.
+    cause = next((item for item in pair.id_mismatches
+                  if item.routing is None or len(item.routing.reordered_rows) < len(item.routing.rows)), None)
+    if float_first is not None and cause is not None and cause.position < float_first.position:
         reason = "integer ids differ before the first float divergence"
-        if first_ids.routing_verdict in ("near_tie", "not_judged"):
-            reason += f" ({'a near tie' if first_ids.routing_verdict == 'near_tie' else 'not judged'}: "
+        if cause.routing_verdict in ("near_tie", "not_judged"):
+            reason += f" ({'a near tie' if cause.routing_verdict == 'near_tie' else 'not judged'}: "
             reason += "the tokens went to other experts, and the floats after them differ)"
-        pair.root_cause = replace(first_ids, reason=reason)
+        pair.root_cause = replace(cause, reason=reason)
     first = float_first or divergent_ids
     flip = pair.first_argmax_flip
     if first is None and flip is not None and flip.kind == "divergence":

@@ -120,7 +120,8 @@ NOT_COMPARABLE = {"key", "rank", "reason", "source_dtype_ref", "source_dtype_run
 NOT_CAPTURED = {"filtered_tags", "filtered", "tags_none_kept", "drops"}
 DECODE_MARGINS = {"tags", "steps", "argmax_agree", "compared", "flips", "smallest_ref_margin"}
 ROUTING_FIELDS = {"verdict", "class", "class_from", "router_key", "router_rows", "differing_rows", "near_tie_rows",
-                  "far_rows", "not_judged_rows", "after_near_tie_rows", "after_unjudged_rows", "not_top_k", "rows"}
+                  "far_rows", "not_judged_rows", "after_near_tie_rows", "after_unjudged_rows", "reordered_rows", "not_top_k",
+                  "logit_noise", "rows"}
 ROUTING_ROW = {"row", "overlap", "k", "gap", "epsilon", "near_tie", "reason", "after_near_tie", "after_unjudged"}
 
 
@@ -269,7 +270,8 @@ def moe_pair(rng: np.random.Generator, mode: str) -> tuple[list, list, dict]:
     """REF/RUN captures (bf16 manifests) of two MoE layers of 5 tokens: router logits (the last
     row, or every row), top-2 ids (the top-2 of the logits), MoE and layer output. RUN: layer 0's
     ids swap the 2nd and 3rd expert of row 4 (one mode) or row 2 (all mode) after REF's logits
-    there were made a near tie (gap 1e-3); layer 1's ids differ in row 0 (no logits in one mode);
+    there were made a near tie (gap 1e-3); layer 1's ids take row 0's lowest-scored expert (no logits
+    in one mode);
     the floats of layer 0 and after are 30 % off in that token (all mode: also in token 3 of
     ``layer0_mlp``)."""
     tokens, experts, dim = 5, 8, 16
@@ -285,7 +287,7 @@ def moe_pair(rng: np.random.Generator, mode: str) -> tuple[list, list, dict]:
         if layer == 0:
             run_ids[tie_row, 1] = np.argsort(-logits[tie_row], kind="stable")[2]
         else:
-            run_ids[0] = run_ids[0][::-1]
+            run_ids[0, 1] = np.argsort(-logits[0], kind="stable")[-1]  # the lowest-scored expert: far from a tie
         router = logits if mode == "all" else logits[-1]
         shape = (tokens, dim) if mode == "all" else (dim,)
         mlp, out = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)

@@ -21,6 +21,7 @@ import pytest
 from helpers import dumpfactory as factory
 from compiledump.cli import main
 from compiledump.compare import CompareOptions, compare, format_report
+from compiledump.compare.routing import describe_routing
 
 EXPERTS, TOPK, TOKENS, DIM, LAYERS = 8, 2, 6, 32, 3
 
@@ -188,7 +189,7 @@ def test_rows_without_reference_logits_are_reported_not_named(tmp_path, capsys):
     by_key = {c.key: c for c in ref}
     ids = by_key["layer1_topk"].array
     flipped = {(1, 0): np.array([ids[0][0], next(e for e in range(EXPERTS) if e not in ids[0])], np.int32),
-               (1, 2): ids[2][::-1].copy()}
+               (1, 2): np.array([next(e for e in range(EXPERTS) if e not in ids[2]), ids[2][1]], np.int32)}
     run = run_side(ref, rng, flipped)
     ref_path, run_path = write_pair(tmp_path, ref, run, "bfloat16", all_rows=False)
     code = main(["compare", str(ref_path), str(run_path), "--json", str(tmp_path / "r.json")])
@@ -311,7 +312,7 @@ def test_without_router_keys_the_pair_class_decides(tmp_path):
     rng = np.random.default_rng(8)
     ref = [c for c in moe_captures(rng, all_rows=False) if not c.key.endswith("_router")]
     ids = next(c for c in ref if c.key == "layer0_topk").array
-    new = ids[3][::-1].copy()
+    new = np.array([ids[3][0], next(e for e in range(EXPERTS) if e not in ids[3])], np.int32)
     run = run_side(ref, rng, {(0, 3): new})
     strict = compare(*write_pair(tmp_path / "a", ref, run, "float32", all_rows=False))
     assert strict.exit_status == 1 and strict.first_divergence.routing.class_from == "pair"
@@ -396,3 +397,84 @@ def test_float_keys_after_a_near_tie_are_not_judged_at_that_token_only(tmp_path)
     first = report.first_divergence
     assert report.exit_status == 1 and (first.key, first.divergent_rows) == ("layer0_mlp", [4])
     assert report.root_cause.key == "layer0_topk" and report.root_cause.routing_verdict == "near_tie"
+
+
+def test_the_same_experts_in_another_order_are_no_routing_flip(tmp_path):
+    """A row whose run lists the reference's experts in another order computes the same weighted
+    sum: in a low-precision class it is no divergence however far apart their scores are, with
+    or without logits to judge it, and it reaches nothing after it. fp32 keeps any mismatch a
+    divergence."""
+    rng = np.random.default_rng(13)
+    for all_rows in (True, False):
+        ref = moe_captures(np.random.default_rng(12), all_rows=all_rows)
+        ids = next(c for c in ref if c.key == "layer0_topk").array[3]
+        logits = moe_captures(np.random.default_rng(12), all_rows=True)[1].array[3].astype(np.float64)
+        assert logits[ids[0]] - logits[ids[1]] > epsilon_of(logits)  # the new order contradicts the scores, far from a tie
+        reordered = {(0, 3): ids[::-1].copy()}
+        report = compare(*write_pair(tmp_path / f"bf16_{all_rows}", ref, run_side(ref, rng, reordered), "bfloat16",
+                                     all_rows=all_rows))
+        record = next(r for r in report.keys if r.key == "layer0_topk")
+        assert record.ids_differ and record.routing.reordered_rows == [3] and record.routing.verdict == "near_tie"
+        assert report.exit_status == 0 and not any(r.excused_rows for r in report.keys)
+        assert "row 3: the same experts in another order" in describe_routing(record.routing)
+        # Nothing after it is excused: a bug from layer 1 on diverges.
+        report = compare(*write_pair(tmp_path / f"bug_{all_rows}", ref, run_side(ref, rng, reordered, large_from_layer=1),
+                                     "bfloat16", all_rows=all_rows))
+        assert report.exit_status == 1 and report.first_divergence.layer == 1
+    strict = compare(*write_pair(tmp_path / "fp32", ref, run_side(ref, rng, reordered), "float32", all_rows=False))
+    assert strict.exit_status == 1 and strict.first_divergence.key == "layer0_topk"
+
+
+def _with_router_noise(run: list, layer: int, rows: list[int], size: float) -> list:
+    """RUN with ``layer``'s router logit of expert 0 off by ``size`` in ``rows``."""
+    out = []
+    for capture in run:
+        if capture.key == f"layer{layer}_router":
+            array = capture.array.copy()
+            array[rows, 0] += np.float32(size)
+            capture = factory.replace(capture, array=array)
+        out.append(capture)
+    return out
+
+
+@pytest.mark.parametrize("noise_over_gap,near", [(0.6, True), (0.4, False)])
+def test_the_runs_router_noise_widens_epsilon(tmp_path, noise_over_gap, near):
+    """All rows: a swap 3 x the ulps epsilon from a tie is a near tie when the run's router logits
+    are off by more than half of it in the layer's other rows (two logits that far off can swap
+    it), and a divergence when they are not; --near-tie EPS keeps its epsilon."""
+    rng = np.random.default_rng(14)
+    base = moe_captures(rng, all_rows=True)
+    logits = next(c for c in base if c.key == "layer0_router").array[2].astype(np.float64)
+    gap = 3 * epsilon_of(logits)
+    ref = with_near_tie(base, layer=0, row=2, gap=gap, all_rows=True)
+    _, _, swapped = swap_runner_up(ref, 0, 2, all_rows=True)
+    noise = noise_over_gap * gap
+    run = _with_router_noise(run_side(ref, rng, {(0, 2): swapped}), 0, [4], noise)
+    report = compare(*write_pair(tmp_path / "a", ref, run, "bfloat16", all_rows=True))
+    record = next(r for r in report.keys if r.key == "layer0_topk")
+    (row,) = record.routing.rows
+    assert row.gap == pytest.approx(gap, rel=1e-3) and row.gap > epsilon_of(logits)
+    assert record.routing.logit_noise == pytest.approx(noise, rel=1e-2)
+    assert row.epsilon == pytest.approx(max(epsilon_of(logits), 2 * noise), rel=1e-2)
+    assert record.routing.verdict == ("near_tie" if near else "divergence")
+    assert report.exit_status == (0 if near else 1)
+    fixed = compare(*write_pair(tmp_path / "b", ref, run, "bfloat16", all_rows=True),
+                    CompareOptions(near_tie=epsilon_of(logits)))
+    assert fixed.exit_status == 1 and fixed.id_mismatches[0].routing.logit_noise is None
+
+
+def test_router_noise_is_measured_where_no_flip_reaches(tmp_path):
+    """Layer 0's near tie in token 1 reaches tokens 1-5 of layer 1, whose router logits then differ
+    by far more than rounding: that is not the run's noise. Layer 1's swap in token 0, 3 x the
+    ulps epsilon from a tie, is judged by the ulps epsilon and diverges."""
+    rng = np.random.default_rng(15)
+    ref = with_near_tie(moe_captures(rng, all_rows=True), layer=0, row=1, gap=0.002, all_rows=True)
+    logits = next(c for c in ref if c.key == "layer1_router").array[0].astype(np.float64)
+    ref = with_near_tie(ref, layer=1, row=0, gap=3 * epsilon_of(logits), all_rows=True)
+    _, _, tie = swap_runner_up(ref, 0, 1, all_rows=True)
+    _, _, far = swap_runner_up(ref, 1, 0, all_rows=True)
+    run = _with_router_noise(run_side(ref, rng, {(0, 1): tie, (1, 0): far}), 1, [1, 2, 3, 4, 5], 0.5)
+    report = compare(*write_pair(tmp_path, ref, run, "bfloat16", all_rows=True))
+    record = next(r for r in report.keys if r.key == "layer1_topk")
+    assert record.routing.far_rows == [0] and record.routing.logit_noise is None
+    assert report.exit_status == 1 and report.first_divergence.key == "layer1_topk"
