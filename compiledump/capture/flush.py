@@ -103,6 +103,7 @@ def _flush(wait_for_captures: bool) -> str | None:
                 st.lock.release()
         _warn_drops(manifest)
         path = writer.write_dump(st.config.dir, dump_stem(), arrays, manifest)
+        st.dumps_written += 1
         return str(path)
     finally:
         if got_flush_lock:
@@ -179,8 +180,8 @@ def silence_note() -> str | None:
                 "instrument(), or it ran code compiled before instrument() (dynamo does not re-trace for new "
                 "hooks); call instrument() before torch.compile")
     rt = st.runtime
-    if rt is not None and rt.slots:
-        return None
+    if (rt is not None and rt.slots) or st.dumps_written:
+        return None  # captured, or a dump was written before reset()/clear()
     filtered = f"; {len(st.filtered_tags)} tag(s) were filtered by COMPILEDUMP_MOE_LAYERS" if st.filtered_tags else ""
     return (f"COMPILEDUMP_DIR is {st.config.dir!r} but nothing was captured: no record/record_step/record_ids call "
             f"ran with capture on{filtered} (compiledump.instrument(model) adds them to a model without editing it)")

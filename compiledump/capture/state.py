@@ -42,6 +42,7 @@ class State:
     instruments: list = field(default_factory=list)  # instrument() handles not removed
     dist_seen: dict = field(default_factory=lambda: {"rank": None, "world_size": None})  # kept
     atexit_registered: bool = False  # kept
+    dumps_written: int = 0  # kept: flushes that wrote a dump (the exit note is for runs with none)
     lock: threading.Lock = field(default_factory=threading.Lock)  # kept
     flush_lock: threading.RLock = field(default_factory=threading.RLock)  # kept
 
@@ -51,7 +52,7 @@ class State:
         if live is not None:
             live.remove()  # its crash-proof files: what they hold is being forgotten
         kept = {name: getattr(self, name)
-                for name in ("config", "dist_seen", "atexit_registered", "lock", "flush_lock")}
+                for name in ("config", "dist_seen", "atexit_registered", "dumps_written", "lock", "flush_lock")}
         self.__dict__.update(State(**kept).__dict__)
 
 

@@ -355,3 +355,19 @@ def test_silence_is_reported_at_exit(tmp_path, case, script, expected):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert expected in out.stderr, out.stderr[-2000:]
+
+
+def test_no_silence_note_after_a_dump_was_written(tmp_path):
+    """A script that flushed its dump and then called reset() (tests, notebooks, one dump per
+    request) captured plenty: the exit note "nothing was captured" would be false."""
+    code = textwrap.dedent(f"""
+        import torch, compiledump
+        compiledump.configure(dir={str(tmp_path)!r})
+        compiledump.record("h", torch.randn(3, 8))
+        print(compiledump.flush())
+        compiledump.reset()
+        """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert Path(out.stdout.strip()).exists()
+    assert "nothing was captured" not in out.stderr, out.stderr[-2000:]
