@@ -27,7 +27,6 @@ import copy
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -35,6 +34,10 @@ import transformers
 
 import compiledump
 from compiledump.compare import compare, format_report
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+from helpers.hf_dump import dump_prefill  # noqa: E402  (the tests' way of dumping one prefill)
 
 PROMPT_TOKENS = 7
 COMMON = dict(vocab_size=211, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
@@ -56,19 +59,6 @@ def build(model: str, seed: int) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-def dump(model: torch.nn.Module, directory: Path, ids: torch.Tensor, rows: str) -> None:
-    compiledump.reset()
-    compiledump.configure(dir=str(directory), moe_layers=COMMON["num_hidden_layers"], rows=rows)
-    handle = compiledump.instrument(model)
-    with torch.no_grad():
-        model(input_ids=ids, use_cache=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # the token gate's drops are deliberate
-        compiledump.flush()
-    handle.remove()
-    compiledump.reset()
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=100, help="random models per architecture (default 100)")
@@ -88,8 +78,8 @@ def main() -> int:
                                     generator=torch.Generator().manual_seed(seed + 1))
                 for rows in args.rows.split(","):
                     root = Path(tmp) / f"{model}_{seed}_{rows}"
-                    dump(reference, root / "ref", ids, rows)
-                    dump(engine, root / "run", ids, rows)
+                    dump_prefill(reference, root / "ref", ids, rows, COMMON["num_hidden_layers"])
+                    dump_prefill(engine, root / "run", ids, rows, COMMON["num_hidden_layers"])
                     report = compare(root / "ref", root / "run")
                     lines = format_report(report)
                     counts.setdefault((model, rows), collections.Counter())[report.exit_status] += 1

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import copy
 import re
-import warnings
 
 import numpy as np
 import pytest
 import torch
 
-import compiledump
+from helpers.hf_dump import dump_prefill
 from compiledump.compare import compare
 
 transformers = pytest.importorskip("transformers")
@@ -38,19 +37,6 @@ def _model(arch: str, seed: int):
         config = transformers.AutoConfig.for_model("mixtral", num_local_experts=8, **common)
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
-
-
-def _dump(model, directory, ids, rows: str) -> None:
-    compiledump.reset()
-    compiledump.configure(dir=str(directory), moe_layers=4, rows=rows)
-    handle = compiledump.instrument(model)
-    with torch.no_grad():
-        model(input_ids=ids, use_cache=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # the token gate's drops
-        compiledump.flush()
-    handle.remove()
-    compiledump.reset()
 
 
 def _arrays(directory) -> dict[str, np.ndarray]:
@@ -78,7 +64,7 @@ def test_an_honest_near_tie_reaches_later_tokens_through_attention(arch, seed, t
     engine = copy.deepcopy(reference).to(torch.bfloat16)
     ids = torch.randint(3, 211, (1, 7), generator=torch.Generator().manual_seed(seed + 1))
     for side, model in (("ref", reference), ("run", engine)):
-        _dump(model, tmp_path / side, ids, "all")
+        dump_prefill(model, tmp_path / side, ids, "all")
     report = compare(tmp_path / "ref", tmp_path / "run")
     ref, run = _arrays(tmp_path / "ref"), _arrays(tmp_path / "run")
 
@@ -112,7 +98,7 @@ def test_an_honest_near_tie_reaches_later_tokens_through_attention(arch, seed, t
     # One-row mode: the earlier rows' flips have no reference logits to judge them; what they
     # reach is not judged either, and the comparison says it could not tell (exit 3, not 1).
     for side, model in (("ref1", reference), ("run1", engine)):
-        _dump(model, tmp_path / side, ids, "one")
+        dump_prefill(model, tmp_path / side, ids, "one")
     one_row = compare(tmp_path / "ref1", tmp_path / "run1")
     assert one_row.exit_status in (0, 3) and one_row.first_divergence is None
     if any(record.status == "after_unjudged" for record in one_row.keys):
@@ -128,7 +114,7 @@ def test_a_swap_within_the_runs_router_noise_is_a_near_tie(tmp_path):
     engine = copy.deepcopy(reference).to(torch.bfloat16)
     ids = torch.randint(3, 211, (1, 7), generator=torch.Generator().manual_seed(25))
     for side, model in (("ref", reference), ("run", engine)):
-        _dump(model, tmp_path / side, ids, "all")
+        dump_prefill(model, tmp_path / side, ids, "all")
     ref, run = _arrays(tmp_path / "ref"), _arrays(tmp_path / "run")
     flipped = np.flatnonzero((ref["layer0_topk"] != run["layer0_topk"]).any(1)).tolist()
     assert flipped == [1], "the sweep's seed no longer flips token 1 alone at layer 0 (re-pick it)"

@@ -9,12 +9,11 @@ tests/compare/test_routing.py judges."""
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
 
-import compiledump
+from helpers.hf_dump import dump_prefill
 from compiledump.compare import CompareOptions, compare, format_report
 
 transformers = pytest.importorskip("transformers")
@@ -31,19 +30,6 @@ def _deepseek_v3():
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-def _dump(model, directory, ids) -> None:
-    compiledump.reset()
-    compiledump.configure(dir=str(directory), moe_layers=4)
-    handle = compiledump.instrument(model)
-    with torch.no_grad():
-        model(input_ids=ids, use_cache=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # the token gate's drops
-        compiledump.flush()
-    handle.remove()
-    compiledump.reset()
-
-
 @pytest.fixture(scope="module")
 def models():
     reference = _deepseek_v3()
@@ -54,8 +40,8 @@ def models():
 def test_a_float32_router_of_a_bf16_model_is_judged_in_bf16(models, tmp_path):
     reference, engine = models
     ids = torch.randint(0, 211, (1, 7), generator=torch.Generator().manual_seed(1))
-    _dump(reference, tmp_path / "ref", ids)
-    _dump(engine, tmp_path / "run", ids)
+    dump_prefill(reference, tmp_path / "ref", ids)
+    dump_prefill(engine, tmp_path / "run", ids)
     report = compare(tmp_path / "ref", tmp_path / "run")
     text = "\n".join(format_report(report))
     # Layer 1 is the first MoE layer: no routing flip comes before its router, so its difference

@@ -1,0 +1,27 @@
+"""One prefill of a Hugging Face model dumped with `compiledump.instrument`, as the tests that
+compare real models against their float32 reference need it (nothing else is configured)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+import compiledump
+
+
+def dump_prefill(model: torch.nn.Module, directory: Path, ids: torch.Tensor, rows: str = "one",
+                 moe_layers: int = 4) -> None:
+    """Run ``model`` on ``ids`` once (no KV cache) with every MoE layer's ids recorded, and flush
+    the dump into ``directory``; compiledump is reset before and after."""
+    compiledump.reset()
+    compiledump.configure(dir=str(directory), moe_layers=moe_layers, rows=rows)
+    handle = compiledump.instrument(model)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the token gate's drops are deliberate
+        compiledump.flush()
+    handle.remove()
+    compiledump.reset()
