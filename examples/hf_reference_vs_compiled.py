@@ -1,7 +1,7 @@
 """A Hugging Face model as a reference and as a compiled engine, dumped with `compiledump.instrument`
 and nothing else, then compared.
 
-    python examples/hf_reference_vs_compiled.py [OUT] [--model qwen3_moe|mixtral|llama] [--batch 4]
+    python examples/hf_reference_vs_compiled.py [OUT] [--model qwen3_moe|mixtral|llama|deepseek_v3] [--batch 4]
         [--steps 6] [--dtype float32|bfloat16|float16] [--rows one|all]
         [--inject-bug LAYER [--bug norm|experts|expert]]
 
@@ -31,7 +31,8 @@ import warnings
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, MixtralConfig, Qwen3MoeConfig, StaticCache
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, DynamicCache, LlamaConfig, MixtralConfig,
+                          Qwen3MoeConfig, StaticCache)
 
 import compiledump
 from compiledump.compare import CompareOptions, compare, format_report
@@ -44,6 +45,13 @@ CONFIGS = {
     "qwen3_moe": lambda: Qwen3MoeConfig(**SIZES, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2),
     "mixtral": lambda: MixtralConfig(**SIZES, num_local_experts=8, num_experts_per_tok=2),
     "llama": lambda: LlamaConfig(**SIZES),
+    # One expert group: a plain top-k of sigmoid scores, so the comparator can judge its routing
+    # flips (DeepSeek-V3's own 8 groups are not judged: docs/compare.md); one shared expert.
+    "deepseek_v3": lambda: DeepseekV3Config(**{**SIZES, "head_dim": 8, "num_key_value_heads": 4},
+                                            moe_intermediate_size=48, n_routed_experts=8, num_experts_per_tok=2,
+                                            n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                                            kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                            v_head_dim=16),
 }
 BUGS = ("norm", "experts", "expert")
 PROMPT_LEN = 7
