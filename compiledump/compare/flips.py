@@ -48,16 +48,25 @@ class RoutingFlips:
 
     def reach(self, rows, layer: int | None) -> dict[int, Flip]:
         """{row: the flip that reaches it} for the token ``rows`` of a later key of ``layer``
-        (a near tie first, when several do). Within the flip's layer only the flipped token
-        itself: the experts and the residual add work token by token. From the next layer on
-        (and at keys outside the numbered layers, or after an ids key without a layer number)
-        every later token too: causal attention reads the flipped token."""
+        (a near tie first, when several do; else the earliest). Within the flip's layer only the
+        flipped token itself: the experts and the residual add work token by token. From the next
+        layer on (and at keys outside the numbered layers, or after an ids key without a layer
+        number) every later token too: causal attention reads the flipped token."""
+        attending = sorted((tied, flip) for tied, flip in self._flips.items()
+                           if layer is None or flip.layer is None or layer > flip.layer)
+        first_any = attending[0] if attending else None
+        first_tie = next(((tied, flip) for tied, flip in attending if flip.near_tie), None)
         reached = {}
         for row in rows:
-            found = [flip for tied, flip in sorted(self._flips.items())
-                     if row == tied or (row > tied and (layer is None or flip.layer is None or layer > flip.layer))]
-            if found:
-                reached[row] = next((flip for flip in found if flip.near_tie), found[0])
+            own = self._flips.get(row)
+            if first_tie is not None and first_tie[0] < row:
+                reached[row] = first_tie[1]
+            elif own is not None and own.near_tie:
+                reached[row] = own
+            elif first_any is not None and first_any[0] < row:
+                reached[row] = first_any[1]
+            elif own is not None:
+                reached[row] = own
         return reached
 
 
@@ -79,7 +88,8 @@ def excuse_flips(records: list[KeyRecord]) -> dict[str, list[str]]:
         routing = record.routing
         if record.ids_differ and routing is not None:
             # The run's router noise, over the rows no earlier flip reaches, widens the epsilon.
-            routing.widen_by_noise([row for row in routing.row_errors if not flips.reach([row], record.layer)])
+            reached = flips.reach(routing.row_errors, record.layer)
+            routing.widen_by_noise([row for row in routing.row_errors if row not in reached])
             reached = flips.reach(routing.differing_rows, record.layer) if flips else {}
             if reached:
                 routing.excuse({row: flip.key for row, flip in reached.items() if flip.near_tie},

@@ -478,3 +478,29 @@ def test_router_noise_is_measured_where_no_flip_reaches(tmp_path):
     record = next(r for r in report.keys if r.key == "layer1_topk")
     assert record.routing.far_rows == [0] and record.routing.logit_noise is None
     assert report.exit_status == 1 and report.first_divergence.key == "layer1_topk"
+
+
+def test_reach_matches_its_definition_on_random_flips():
+    """RoutingFlips.reach against the rule written out plainly: a flip of token t in layer L
+    reaches token t at any later key, and every token after t at keys of later layers (or keys
+    without a layer, or after an ids key without one); a near tie wins over an unjudged flip,
+    else the earliest token's flip."""
+    from compiledump.compare.flips import Flip, RoutingFlips
+
+    rng = np.random.default_rng(16)
+    for _ in range(300):
+        flips, added = RoutingFlips(), {}
+        for row in rng.choice(40, size=rng.integers(1, 8), replace=False).tolist():
+            layer = None if rng.random() < 0.1 else int(rng.integers(0, 5))
+            flip = Flip(f"layer{layer}_topk row {row}", layer, near_tie=bool(rng.random() < 0.5))  # one per row
+            flips.add(row, flip)
+            added[row] = flip
+        layer = None if rng.random() < 0.1 else int(rng.integers(0, 6))
+        rows = range(40)
+        expected = {}
+        for row in rows:
+            found = [flip for tied, flip in sorted(added.items())
+                     if row == tied or (row > tied and (layer is None or flip.layer is None or layer > flip.layer))]
+            if found:
+                expected[row] = next((flip for flip in found if flip.near_tie), found[0])
+        assert flips.reach(rows, layer) == expected
