@@ -15,7 +15,7 @@ sweep counts verdicts over more random models than it can afford (docs/compare.m
 and near ties").
 
 Usage: python benchmarks/sweep_routing.py [--seeds 100] [--models qwen3_moe,mixtral,deepseek_v3]
-       [--rows one,all] [--verbose]
+       [--rows one,all] [--tokens 7] [--verbose]
 (about 30 seconds for the defaults on a 2-core CPU box; results in benchmarks/RESULTS.md).
 """
 
@@ -64,6 +64,7 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=100, help="random models per architecture (default 100)")
     parser.add_argument("--models", default=",".join(CONFIGS), help="comma-separated subset")
     parser.add_argument("--rows", default="one,all", help="recording modes (default one,all)")
+    parser.add_argument("--tokens", type=int, default=PROMPT_TOKENS, help=f"prompt length (default {PROMPT_TOKENS})")
     parser.add_argument("--verbose", action="store_true", help="print the report of every pair that exits 1")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -74,7 +75,7 @@ def main() -> int:
             for seed in range(args.seeds):
                 reference = build(model, seed)
                 engine = copy.deepcopy(reference).to(torch.bfloat16)
-                ids = torch.randint(3, COMMON["vocab_size"], (1, PROMPT_TOKENS),
+                ids = torch.randint(3, COMMON["vocab_size"], (1, args.tokens),
                                     generator=torch.Generator().manual_seed(seed + 1))
                 for rows in args.rows.split(","):
                     root = Path(tmp) / f"{model}_{seed}_{rows}"
