@@ -113,7 +113,7 @@ class Routing:
     @property
     def reordered_rows(self) -> list[int]:
         """The same experts in another order (low-precision classes; not a routing flip)."""
-        return [row.row for row in self.rows if not self._flipped(row) and not row.reached]
+        return [row.row for row in self.rows if not self._flipped(row)]
 
     @property
     def near_tie_rows(self) -> list[int]:
@@ -174,8 +174,9 @@ class Routing:
         if self.klass in STRICT_CLASSES:
             return
         for row in self.rows:
-            row.after_near_tie = near_ties.get(row.row)
-            row.after_unjudged = unjudged.get(row.row) if row.after_near_tie is None else None
+            if self._flipped(row):  # a reorder stays a reorder, reached or not
+                row.after_near_tie = near_ties.get(row.row)
+                row.after_unjudged = unjudged.get(row.row) if row.after_near_tie is None else None
         self.decide()
 
     @property

@@ -65,6 +65,15 @@ def describe_divergence(item: Divergence) -> str:
 ROUTING_WORDS = {"near_tie": "near tie", "not_judged": "not judged"}
 
 
+def _routing_word(item) -> str:
+    """How an ids mismatch is summed up in the last line: its verdict, or that its rows only
+    list the same experts in another order."""
+    routing = item.routing
+    if routing is not None and routing.rows and len(routing.reordered_rows) == len(routing.rows):
+        return "same experts, reordered"
+    return ROUTING_WORDS.get(item.routing_verdict, "divergence")
+
+
 def _rows_text(rows: list[int], count: int | None) -> str:
     """``tokens 2, 5 of 7`` (0-based token positions of an all-rows key)."""
     shown = ", ".join(str(row) for row in rows[:12]) + (f", ... ({len(rows) - 12} more)" if len(rows) > 12 else "")
@@ -315,7 +324,7 @@ def final_line(report: Report) -> str:
         ids = report.id_mismatches
         routed = ""
         if ids:
-            verdicts = ", ".join(f"{item.key} ({ROUTING_WORDS.get(item.routing_verdict, 'divergence')})"
+            verdicts = ", ".join(f"{item.key} ({_routing_word(item)})"
                                  for item in ids[:4])
             more = f", ... ({len(ids) - 4} more)" if len(ids) > 4 else ""
             routed = f"; expert ids differ without a divergence: {verdicts}{more}"

@@ -168,7 +168,13 @@ def analyse_pair(pair: PairResult) -> None:
         verdict = record.routing.verdict if record.routing is not None else "divergence"
         keys = excused.get(record.key, [])
         shown = ", ".join(keys[:8]) + (f", ... ({len(keys) - 8} more)" if len(keys) > 8 else "")
-        if verdict == "not_judged":
+        consequence = verdict == "not_judged" and set(record.routing.not_judged_rows) <= set(
+            record.routing.after_unjudged_rows)
+        if consequence:
+            # Every row it cannot judge is one an earlier unjudged flip reaches: that flip's
+            # problem already says so.
+            pair.notes.append(f"{record.key}: {_ids_text(record)}: {describe_routing(record.routing)}")
+        elif verdict == "not_judged":
             routing = record.routing
             # Rows the reference's logits do not cover (one-row mode keeps the last row only), in a
             # model whose logits could judge them.

@@ -417,6 +417,7 @@ def test_the_same_experts_in_another_order_are_no_routing_flip(tmp_path):
         assert record.ids_differ and record.routing.reordered_rows == [3] and record.routing.verdict == "near_tie"
         assert report.exit_status == 0 and not any(r.excused_rows for r in report.keys)
         assert "row 3: the same experts in another order" in describe_routing(record.routing)
+        assert "layer0_topk (same experts, reordered)" in format_report(report)[-1]
         # Nothing after it is excused: a bug from layer 1 on diverges.
         report = compare(*write_pair(tmp_path / f"bug_{all_rows}", ref, run_side(ref, rng, reordered, large_from_layer=1),
                                      "bfloat16", all_rows=all_rows))
@@ -504,3 +505,25 @@ def test_reach_matches_its_definition_on_random_flips():
             if found:
                 expected[row] = next((flip for flip in found if flip.near_tie), found[0])
         assert flips.reach(rows, layer) == expected
+
+
+def test_ids_an_unjudged_flip_reaches_are_a_note_and_reorders_stay_reorders(tmp_path):
+    """One row: layer 0's flip in token 1 has no reference logits; layer 1's ids then differ in
+    token 3 (reached: a consequence, listed as a note, not a second problem) and list token 2's
+    experts in another order (reached too, but still no routing flip)."""
+    rng = np.random.default_rng(17)
+    ref = moe_captures(rng, all_rows=False)
+    ids0 = next(c for c in ref if c.key == "layer0_topk").array
+    ids1 = next(c for c in ref if c.key == "layer1_topk").array
+    other = lambda row: next(e for e in range(EXPERTS) if e not in row)  # noqa: E731
+    run = run_side(ref, rng, {(0, 1): np.array([ids0[1][0], other(ids0[1])], np.int32),
+                              (1, 3): np.array([other(ids1[3]), ids1[3][1]], np.int32),
+                              (1, 2): ids1[2][::-1].copy()})
+    report = compare(*write_pair(tmp_path, ref, run, "bfloat16", all_rows=False))
+    assert report.exit_status == 3 and report.first_divergence is None
+    assert [problem.key for problem in report.problems] == ["layer0_topk"]
+    layer1 = next(r for r in report.keys if r.key == "layer1_topk").routing
+    assert layer1.after_unjudged_rows == [3] and layer1.reordered_rows == [2] and layer1.verdict == "not_judged"
+    assert any(note.startswith("layer1_topk: expert ids differ in 2/6 rows: row 2: the same experts in another "
+                               "order; row 3 at or after a token whose expert ids differ at layer0_topk")
+               for note in report.pairs[0].notes)
