@@ -88,8 +88,8 @@ def excuse_flips(records: list[KeyRecord]) -> dict[str, list[str]]:
         routing = record.routing
         if record.ids_differ and routing is not None:
             # The run's router noise, over the rows no earlier flip reaches, widens the epsilon.
-            reached = flips.reach(routing.row_errors, record.layer)
-            routing.widen_by_noise([row for row in routing.row_errors if row not in reached])
+            disturbed = flips.reach(routing.row_errors, record.layer)
+            routing.widen_by_noise([row for row in routing.row_errors if row not in disturbed])
             reached = flips.reach(routing.differing_rows, record.layer) if flips else {}
             if reached:
                 routing.excuse({row: flip.key for row, flip in reached.items() if flip.near_tie},
