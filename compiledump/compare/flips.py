@@ -90,7 +90,7 @@ def excuse_flips(records: list[KeyRecord]) -> dict[str, list[str]]:
             # The run's router noise, over the rows no earlier flip reaches, widens the epsilon.
             disturbed = flips.reach(routing.row_errors, record.layer)
             routing.widen_by_noise([row for row in routing.row_errors if row not in disturbed])
-            reached = flips.reach(routing.differing_rows, record.layer) if flips else {}
+            reached = flips.reach(routing.differing_rows, record.layer)
             if reached:
                 routing.excuse({row: flip.key for row, flip in reached.items() if flip.near_tie},
                                {row: flip.key for row, flip in reached.items() if not flip.near_tie})

@@ -4,6 +4,7 @@ ranks, also each rank's share, so the worst rank can be named."""
 
 from __future__ import annotations
 
+import functools
 import zipfile
 from dataclasses import replace
 
@@ -49,7 +50,11 @@ def float_class(ref: Dump, run: Dump, keys) -> str:
     return "fp32"
 
 
-_UNREAD = object()
+def _whole(dump: Dump, key: str) -> np.ndarray:
+    """The one copy of ``key`` on ``dump``, read whole (ValueError when it has several replicas;
+    OSError and the zip errors when it cannot be read)."""
+    (copy,) = dump.replicas(key)
+    return np.asarray(copy.whole())
 
 
 class KeyMeasurer:
@@ -63,7 +68,6 @@ class KeyMeasurer:
         self.logits = logits
         self.workspace = workspace
         self.klass = klass  # the pair's class from its float keys (float_class)
-        self._not_top_k: str | None | object = _UNREAD
 
     def record(self, info: KeyInfo, problems: list[Problem]) -> KeyRecord:
         """Compare ``info.key`` (present on both sides); problems met go to ``problems``."""
@@ -151,28 +155,25 @@ class KeyMeasurer:
                              near_tie_epsilon=self.options.near_tie_epsilon(floats.margins.ref.top1))
         return record
 
+    @functools.cached_property
     def not_top_k(self) -> str | None:
         """A reference row, of any ids key beside router logits, whose ids are not the top-k of
         those logits (``layer2_topk row 3``), or None. Routing is one function of the whole model,
         so one such row anywhere means logit gaps judge no row of any layer (read once per pair)."""
-        if self._not_top_k is _UNREAD:
-            self._not_top_k = None
-            for key in sorted(self.ref.members):
-                router_key = router_key_for(key)
-                if not self.ref.members[key].is_integer or router_key not in self.ref.members \
-                        or self.ref.members[router_key].is_integer:
-                    continue
-                try:
-                    (ids,), (router,) = self.ref.replicas(key), self.ref.replicas(router_key)
-                    ids, router = np.asarray(ids.whole()), np.asarray(router.whole())
-                except (OSError, ValueError, zipfile.BadZipFile, EOFError):
-                    continue  # unreadable or several replicas: judge_ids says so for its own key
-                router_info = self.ref.infos.get(router_key)
-                row = top_k_counterexample(ids, router, bool(router_info and router_info.all_rows))
-                if row is not None:
-                    self._not_top_k = f"{key} row {row}"
-                    break
-        return self._not_top_k
+        for key in sorted(self.ref.members):
+            router_key = router_key_for(key)
+            if not self.ref.members[key].is_integer or router_key not in self.ref.members \
+                    or self.ref.members[router_key].is_integer:
+                continue
+            try:
+                ids, router = _whole(self.ref, key), _whole(self.ref, router_key)
+            except (OSError, ValueError, zipfile.BadZipFile, EOFError):
+                continue  # unreadable or several replicas: judge_ids says so for its own key
+            router_info = self.ref.infos.get(router_key)
+            row = top_k_counterexample(ids, router, bool(router_info and router_info.all_rows))
+            if row is not None:
+                return f"{key} row {row}"
+        return None
 
     def _run_router(self, router_key: str) -> np.ndarray | None:
         """RUN's router logits beside the ids (for the run's router noise), when it has one float
@@ -181,8 +182,7 @@ class KeyMeasurer:
         if member is None or member.is_integer:
             return None
         try:
-            (copy,) = self.run.replicas(router_key)
-            return np.asarray(copy.whole())
+            return _whole(self.run, router_key)
         except (OSError, ValueError, zipfile.BadZipFile, EOFError):
             return None
 
@@ -207,13 +207,12 @@ class KeyMeasurer:
                                f"{tokens[1]}")
             else:
                 try:
-                    (router_copy,) = self.ref.replicas(router_key)
-                    router = np.asarray(router_copy.whole())
+                    router = _whole(self.ref, router_key)
                 except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
                     unavailable = f"REF {router_key} could not be read: {exc}"
         all_rows = bool(router_key and router_key in self.ref.infos and self.ref.infos[router_key].all_rows)
         routing = judge_routing(x, y, router, router_key, all_rows, klass, class_from, self.options.near_tie,
-                                self.options.near_tie_ulps, unavailable, self.not_top_k(),
+                                self.options.near_tie_ulps, unavailable, self.not_top_k,
                                 self._run_router(router_key) if router is not None else None)
         status = "mismatch" if routing.divergent else routing.verdict
         return replace(record, routing=routing, status=status, divergent=routing.divergent)

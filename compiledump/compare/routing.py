@@ -51,6 +51,7 @@ class RoutingRow:
     row: int
     overlap: int
     k: int
+    same_set: bool = False  # RUN lists exactly REF's experts (in another order)
     gap: float | None = None
     epsilon: float | None = None
     reason: str | None = None  # why the row was not judged
@@ -65,7 +66,7 @@ class RoutingRow:
     def reordered(self) -> bool:
         """The same experts in another order: the MoE output is the same weighted sum (only the
         order of its rounding may differ), so this is no routing change, whatever the scores."""
-        return self.k > 0 and self.overlap == self.k
+        return self.same_set
 
     @property
     def near_tie(self) -> bool | None:
@@ -114,6 +115,11 @@ class Routing:
     def reordered_rows(self) -> list[int]:
         """The same experts in another order (low-precision classes; not a routing flip)."""
         return [row.row for row in self.rows if not self._flipped(row)]
+
+    @property
+    def reorder_only(self) -> bool:
+        """Every differing row lists the same experts in another order: no token's experts changed."""
+        return bool(self.rows) and len(self.reordered_rows) == len(self.rows)
 
     @property
     def near_tie_rows(self) -> list[int]:
@@ -318,7 +324,7 @@ def judge_routing(ref_ids: np.ndarray, run_ids: np.ndarray, router: np.ndarray |
                 routing.row_errors[row] = float(finite.max())
     for row in np.flatnonzero(np.any(a != b, axis=1)).tolist():
         ref_set, run_set = set(a[row].tolist()), set(b[row].tolist())
-        entry = RoutingRow(row, len(ref_set & run_set), len(ref_set))
+        entry = RoutingRow(row, len(ref_set & run_set), len(ref_set), same_set=ref_set == run_set)
         if row in covered and not_top_k is not None:
             entry.reason = (f"REF routes by more than its router logits ({not_top_k}: ids not their top-k; a bias "
                             "or a grouped top-k, as DeepSeek-V3's), so their gaps cannot tell a near tie")

@@ -68,8 +68,7 @@ ROUTING_WORDS = {"near_tie": "near tie", "not_judged": "not judged"}
 def _routing_word(item) -> str:
     """How an ids mismatch is summed up in the last line: its verdict, or that its rows only
     list the same experts in another order."""
-    routing = item.routing
-    if routing is not None and routing.rows and len(routing.reordered_rows) == len(routing.rows):
+    if item.routing is not None and item.routing.reorder_only:
         return "same experts, reordered"
     return ROUTING_WORDS.get(item.routing_verdict, "divergence")
 

@@ -204,8 +204,7 @@ def analyse_pair(pair: PairResult) -> None:
             position=flip.position)
     float_first = pair.prefill_divergence or pair.decode_divergence
     # The same experts in another order change no token's experts: no root cause.
-    cause = next((item for item in pair.id_mismatches
-                  if item.routing is None or len(item.routing.reordered_rows) < len(item.routing.rows)), None)
+    cause = next((item for item in pair.id_mismatches if item.routing is None or not item.routing.reorder_only), None)
     if float_first is not None and cause is not None and cause.position < float_first.position:
         reason = "integer ids differ before the first float divergence"
         if cause.routing_verdict in ("near_tie", "not_judged"):

@@ -527,3 +527,15 @@ def test_ids_an_unjudged_flip_reaches_are_a_note_and_reorders_stay_reorders(tmp_
     assert any(note.startswith("layer1_topk: expert ids differ in 2/6 rows: row 2: the same experts in another "
                                "order; row 3 at or after a token whose expert ids differ at layer0_topk")
                for note in report.pairs[0].notes)
+
+
+def test_a_reorder_needs_exactly_the_same_experts():
+    """Overlap k/k alone is not a reorder when one side repeats an expert: REF [3, 3] against RUN
+    [3, 5] brings in expert 5 (the reference ids, not a plain top-k, cannot be judged by logits)."""
+    from compiledump.compare.routing import judge_routing
+
+    ref = np.array([[3, 3], [1, 2]], np.int32)
+    for run, reordered in ((np.array([[3, 5], [1, 2]], np.int32), []), (np.array([[3, 3], [2, 1]], np.int32), [1])):
+        routing = judge_routing(ref, run, None, None, False, "bf16", "pair", None, 4.0)
+        assert routing.reordered_rows == reordered
+        assert routing.reorder_only == (reordered == routing.differing_rows)
