@@ -83,7 +83,7 @@ class MergedDump(Dump):
             return
         self._replicas[key] = replicas
         first = members[0]
-        self.members[key] = Member(key, first.dtype, tuple(merged_shape), False, "", None)
+        self.members[key] = Member(key, first.dtype, tuple(merged_shape), False, "", None, first.ids_in_floats)
 
     def _shard_replicas(self, key: str, spec: ShardInfo, holders) -> list[Replica] | None:
         rank_name = "world_rank" if spec.group == "world" else f"{spec.group}_rank"

@@ -14,7 +14,7 @@ import json
 import math
 import struct
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +42,9 @@ class Member:
     # Byte offset of the raw array data inside the npz when the member is stored uncompressed;
     # None for compressed members, which must be decompressed through zipfile.
     data_offset: int | None
+    # A `record_step` of an integer tensor (expert ids of each decode step): stored as float32,
+    # exact below 2**24, and read back as int32 ids (the manifest's integer `source_dtype` says so).
+    ids_in_floats: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -53,7 +56,7 @@ class Member:
 
     @property
     def is_integer(self) -> bool:
-        return bool(np.issubdtype(self.dtype, np.integer) or self.dtype == np.bool_)
+        return self.ids_in_floats or bool(np.issubdtype(self.dtype, np.integer) or self.dtype == np.bool_)
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,10 @@ class DumpFile(Dump):
         self._read_members()
         self.manifest = self._read_manifest()
         self.infos = self._key_infos()
+        for key, info in self.infos.items():
+            member = self.members[key]
+            if info.kind == "step" and spec.is_integer_source(info.source_dtype) and member.dtype == np.float32:
+                self.members[key] = replace(member, ids_in_floats=True)
 
     def _read_members(self) -> None:
         if not self.path.exists():
@@ -263,8 +270,13 @@ class DumpFile(Dump):
 
     def array(self, key: str) -> np.ndarray:
         """The array stored under ``key``: a read-only memory map for large stored members, an
-        in-memory copy for small or compressed ones."""
+        in-memory copy for small or compressed ones; int32 for a step of ids stored as floats."""
         member = self.members[key]
+        if member.ids_in_floats:
+            return self._stored(key, member).astype(np.int32)
+        return self._stored(key, member)
+
+    def _stored(self, key: str, member: Member) -> np.ndarray:
         order = "F" if member.fortran_order else "C"
         if member.data_offset is None:
             with zipfile.ZipFile(self.path) as archive, archive.open(member.zip_name) as handle:

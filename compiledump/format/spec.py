@@ -80,3 +80,13 @@ def layer_of(tag: str) -> int | None:
     """Layer number of a tag `layer<N>` or `layer<N>_<x>`, else None."""
     match = _LAYER_TAG.match(tag)
     return int(match.group(1)) if match else None
+
+
+# A `record_step` of an integer tensor (expert ids of each decode step) is stored as int32, like
+# `record_ids`, so every reader treats it as ids; the arena holds it as float32 (exact below 2**24).
+_INTEGER_SOURCE = re.compile(r"^(?:u?int(?:8|16|32|64)|bool)$")
+
+
+def is_integer_source(source_dtype: str | None) -> bool:
+    """Whether a manifest `source_dtype` (``int64``, ``bfloat16``, ...) names an integer dtype."""
+    return bool(source_dtype and _INTEGER_SOURCE.match(source_dtype))

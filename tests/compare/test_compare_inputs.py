@@ -221,6 +221,31 @@ def _malformed_cases(tmp_path: Path) -> dict[str, tuple[Path, Path]]:
     }
 
 
+def test_a_step_of_an_integer_tensor_is_read_as_ids(tmp_path):
+    """`record_step` stores an integer tensor (a step's expert ids) as float32; the manifest's
+    integer source dtype makes the reader give it back as int32 ids (docs/format.md). Without a
+    manifest, or with a float source dtype, a float32 step stays floats."""
+    rng = np.random.default_rng(11)
+    ids = rng.choice(300, size=6, replace=False).astype(np.float32)  # exact in float32
+    logits = rng.standard_normal(6).astype(np.float32)
+    captures = [factory.Capture("moe_topk_0", ids, "step", "moe_topk", 0),
+                factory.Capture("moe_topk_1", ids[::-1].copy(), "step", "moe_topk", 1),
+                factory.Capture("logits_0", logits, "step", "logits", 0),
+                factory.Capture("logits_1", logits, "step", "logits", 1)]
+    fields = {key: {"source_dtype": dtype} for key, dtype in
+              (("moe_topk_0", "int64"), ("moe_topk_1", "uint8"))}
+    path = factory.write_compiledump(tmp_path / "m", captures, manifest=factory.manifest_for(captures, key_fields=fields))
+    dump = DumpFile(path, "REF")
+    for key in ("moe_topk_0", "moe_topk_1"):
+        assert dump.members[key].is_integer
+        array = dump.array(key)
+        assert array.dtype == np.int32
+        np.testing.assert_array_equal(array, captures[int(key[-1])].array.astype(np.int64))
+    assert not dump.members["logits_0"].is_integer and dump.array("logits_0").dtype == np.float32
+    legacy = DumpFile(factory.write_legacy(tmp_path / "l", captures), "REF")
+    assert not legacy.members["moe_topk_0"].is_integer and legacy.array("moe_topk_0").dtype == np.float32
+
+
 def test_malformed_input_exits_2_with_one_line(tmp_path, capsys):
     for name, (ref, run) in _malformed_cases(tmp_path).items():
         code, out, err = run_cli(capsys, "compare", ref, run)
