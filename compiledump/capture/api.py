@@ -263,17 +263,19 @@ def record(tag: str, tensor: torch.Tensor, once: bool = False, *, rows: str | No
     _capture(tag, tensor, kind, True, declared)
 
 
-def record_step(tag: str, tensor: torch.Tensor) -> None:
+def record_step(tag: str, tensor: torch.Tensor, *, moe_filtered: bool = False) -> None:
     """Append row 0 of `tensor` (the whole tensor if it has < 2 dims) as `<tag>_<n>`.
 
     n counts this tag's kept captures from 0. Skipped (counted) while the last `set_rows`
     value exceeds `max_rows`. The row is chosen by `set_gather_rows(step=...)` (default 0: the
-    first real request of a padded decode batch). Stored as float32, shape `tensor.shape[1:]`.
+    first real request of a padded decode batch). Stored as float32, shape `tensor.shape[1:]`;
+    an integer tensor (a step's expert ids) is read back as int32 ids. With `moe_filtered` the
+    tag is subject to the MoE layer filter, as `record_ids` is (instrument's per-step routing).
     """
     if not STATE.config.active:
         return
     _check_tensor(tensor, "record_step")
-    _capture(tag, tensor, L.KIND_STEP, False, False)
+    _capture(tag, tensor, L.KIND_STEP, moe_filtered, False)
 
 
 def record_ids(tag: str, tensor: torch.Tensor) -> None:

@@ -33,6 +33,8 @@ LAYER_TAPS = {
     "attn": "residual stream after attention (input of post_attention_layernorm)",
     "router": "router logits (MoE layers)",
     "topk": "top-k expert ids (MoE layers)",
+    "step_router": "router logits of each step's logits row, as steps (MoE layers under COMPILEDUMP_MOE_LAYERS)",
+    "step_topk": "top-k expert ids of each step's logits row, as steps (MoE layers under COMPILEDUMP_MOE_LAYERS)",
     "mlp": "MLP / MoE output",
     "": "layer output (the tag is layer<i>)",
 }
@@ -64,9 +66,10 @@ class Instrumented:
     """What `instrument` attached: `taps` ({tag: "module.path[:input]"}), `fired` (a hook ran
     with capture on), and `remove()` to detach every hook."""
 
-    def __init__(self, model: torch.nn.Module, batch_row: int):
+    def __init__(self, model: torch.nn.Module, batch_row: int, step_routing: bool = True):
         self.model = model
         self.batch_row = batch_row
+        self.step_routing = step_routing
         self.taps: dict[str, str] = {}
         self.fired = False
         self._handles: list = []
@@ -91,6 +94,12 @@ class Instrumented:
         if tensor.dim() == 2 and shape.batch is not None:
             return tensor.reshape(shape.batch, shape.seq, tensor.shape[-1])[self.batch_row]
         return tensor
+
+    def _step_row(self, rows: torch.Tensor) -> torch.Tensor:
+        """The row a step tag keeps of a call, as the `logits` step does: the request's last
+        position when the hidden states were `[batch, seq, ...]`, else the flat tensor (the row
+        `set_gather_rows(step=...)` names)."""
+        return rows[-1] if self._shape.batch is not None and rows.dim() == 2 else rows
 
     def _capture(self, tag: str, value) -> None:
         tensor = value[0] if isinstance(value, (tuple, list)) else value
@@ -140,23 +149,34 @@ class Instrumented:
             self.fired = True
             if not (isinstance(logits, torch.Tensor) and logits.is_floating_point()):
                 return  # not a router of these conventions (its taps are the user's to add)
-            api.record(f"layer{i}_router", self._rows(logits))
+            rows = self._rows(logits)
+            api.record(f"layer{i}_router", rows)
+            # Each step's routing of the token whose logits `logits_<n>` holds (the same row), so
+            # that the comparator can tell a decode step's routing flip from a bug.
+            if self.step_routing:
+                api.record_step(f"layer{i}_step_router", self._step_row(rows), moe_filtered=True)
             if ids is None and top_k is not None:
                 ids = torch.topk(logits, top_k, dim=-1).indices
             if isinstance(ids, torch.Tensor) and not ids.is_floating_point():
-                api.record_ids(f"layer{i}_topk", self._rows(ids))
+                rows = self._rows(ids)
+                api.record_ids(f"layer{i}_topk", rows)
+                if self.step_routing:
+                    api.record_step(f"layer{i}_step_topk", self._step_row(rows), moe_filtered=True)
 
         return capture
 
 
 def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, defaults: bool = True,
-               batch_row: int = 0) -> Instrumented:
+               batch_row: int = 0, step_routing: bool = True) -> Instrumented:
     """Attach capture points to `model`'s modules; returns a handle with `.remove()`.
 
     With `defaults`, a decoder-only causal LM gets, per layer i, `layer<i>_attn` (the residual
     stream after attention), `layer<i>_router` and `layer<i>_topk` (MoE layers), `layer<i>_mlp`
     and `layer<i>`; then `final_norm`, and the logits of the last position as steps (`logits_<n>`:
-    one per forward, prefill included). `taps` adds more: `{"layer{i}_q":
+    one per forward, prefill included), with the routing of that position in each MoE layer the
+    MoE layer filter keeps (`layer<i>_step_router_<n>`, `layer<i>_step_topk_<n>`: two captures
+    per such layer and forward, which `step_routing=False` leaves out; without them the
+    comparator cannot tell a decode step's routing flip from a bug). `taps` adds more: `{"layer{i}_q":
     "model.layers.{i}.self_attn.q_proj"}` (a `{i}` in both expands over the layers; paths are
     relative to `model`; append `:input` for the module's first input instead of its output).
     Integer tensors are captured with `record_ids`, others with `record`. Hidden states
@@ -167,7 +187,7 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
     says so) so that the hooks take effect.
     """
     inner = _uncompiled(model)
-    handle = Instrumented(inner, batch_row)
+    handle = Instrumented(inner, batch_row, step_routing)
     modules = dict(inner.named_modules())
     layers_path, layers = _find_layers(modules)
     if defaults:
@@ -210,7 +230,9 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
                 router = getattr(block, router_name)
                 handle._add(router, f"layer{i}_router", f"{prefix}.{block_name}.{router_name}", "output",
                             capture=handle._router(i, block, router))
-                handle.taps[f"layer{i}_topk"] = f"{prefix}.{block_name}.{router_name}"
+                steps = (f"layer{i}_step_router", f"layer{i}_step_topk") if handle.step_routing else ()
+                for tag in (f"layer{i}_topk", *steps):
+                    handle.taps[tag] = f"{prefix}.{block_name}.{router_name}"
             elif isinstance(getattr(block, "experts", None), torch.nn.Module):
                 unrouted.append(f"{prefix}.{block_name}")
             handle._add(block, f"layer{i}_mlp", f"{prefix}.{block_name}", "output")

@@ -18,6 +18,7 @@ import torch
 import transformers
 
 import compiledump
+from compiledump.format.reader import DumpFile
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("hf_example", REPO / "examples" / "hf_reference_vs_compiled.py")
@@ -61,8 +62,9 @@ def test_default_taps_capture_what_the_model_computes(dump_dir, name):
     moe = name != "llama"
     expected_tags = {f"layer{i}{suffix}" for i in range(4) for suffix in
                      ("", "_attn", "_mlp") + (("_router", "_topk") if moe else ())}
-    assert set(handle.taps) == expected_tags | {"final_norm", "logits"}
-    assert set(arrays) == expected_tags | {"final_norm", "logits_0"}
+    step_tags = {f"layer{i}_step_{what}" for i in range(4) for what in ("router", "topk")} if moe else set()
+    assert set(handle.taps) == expected_tags | step_tags | {"final_norm", "logits"}
+    assert set(arrays) == expected_tags | {f"{tag}_0" for tag in step_tags} | {"final_norm", "logits_0"}
     for i in range(3):  # hidden_states[i + 1] is layer i's output, last position (the last one is normed)
         np.testing.assert_allclose(arrays[f"layer{i}"], out.hidden_states[i + 1][0, -1].numpy(), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(arrays["final_norm"], out.hidden_states[4][0, -1].numpy(), rtol=1e-6, atol=1e-6)
@@ -82,6 +84,10 @@ def test_default_taps_capture_what_the_model_computes(dump_dir, name):
         logits, _, top = _router_ids(model, 2, ids)
         np.testing.assert_array_equal(arrays["layer2_topk"], top.numpy())  # every prompt token: ids are whole
         np.testing.assert_allclose(arrays["layer2_router"], logits[-1].numpy(), rtol=1e-6, atol=1e-6)
+        # Step 0 (the prompt's last position, as logits_0) holds that token's routing too.
+        np.testing.assert_allclose(arrays["layer2_step_router_0"], logits[-1].numpy(), rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(arrays["layer2_step_topk_0"], top[-1].numpy())
+        assert manifest["keys"]["layer2_step_topk_0"]["source_dtype"] == "int64"
     assert manifest["keys"]["layer0"]["tokens"] == 7 and manifest["prompt_tokens"] == 7
 
 
@@ -235,6 +241,48 @@ def test_decode_steps_are_token_gated_and_logits_are_steps(dump_dir):
     assert sorted(k for k in arrays if k.startswith("logits")) == ["logits_0", "logits_1", "logits_2", "logits_3"]
     assert manifest["tags"]["layer0"]["drops"] == {"token_gate": 3}
     assert manifest["keys"]["layer0"]["phase"] == "prefill"
+
+
+def test_each_step_records_the_routing_of_its_logits_row(dump_dir):
+    """`layer<i>_step_router_<n>`/`_step_topk_<n>` hold the routing of the token whose logits
+    `logits_<n>` holds (the request, row 0 of a padded batch), read from the router itself, in
+    the MoE layers the filter keeps (the default 2 here)."""
+    model = ex.build_model("qwen3_moe")
+    inputs = ex.Inputs(model.config.vocab_size, steps=3, batch=2)
+    seen: dict[int, list] = {1: [], 3: []}
+    hooks = [model.model.layers[i].mlp.gate.register_forward_hook(
+        lambda _m, _a, out, i=i: seen[i].append((out[0].clone(), out[2].clone()))) for i in seen]
+    first = compiledump.instrument(model)
+    cache = ex.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=inputs.prefill(), past_key_values=cache, use_cache=True)
+        for n in range(3):
+            model(input_ids=inputs.step(n), past_key_values=cache, use_cache=True)
+    for hook in hooks:
+        hook.remove()
+    path = compiledump.flush()
+    arrays, manifest = _load(path)
+    prompt = inputs.prompt.shape[1]
+    for step, (logits, top) in enumerate(seen[1]):
+        # The router sees [batch * seq, experts]: the request's last position is row seq - 1.
+        row = prompt - 1 if step == 0 else 0
+        np.testing.assert_allclose(arrays[f"layer1_step_router_{step}"], logits[row].numpy(), rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(arrays[f"layer1_step_topk_{step}"], top[row].numpy())
+    assert not any(key.startswith("layer3_step") for key in arrays)
+    assert manifest["filtered_tags"]["layer3_step_topk"] == "moe_layers"
+    # Stored as float32; the reader gives a step of an integer tensor back as int32 ids.
+    dump = DumpFile(path, "REF")
+    assert dump.members["layer1_step_topk_2"].is_integer and dump.array("layer1_step_topk_2").dtype == np.int32
+    # step_routing=False: no step routing, and nothing else missing.
+    first.remove()
+    compiledump.reset()
+    handle = compiledump.instrument(model, step_routing=False)
+    with torch.no_grad():
+        model(input_ids=inputs.prefill())
+    handle.remove()
+    arrays_without, _ = _load(compiledump.flush())
+    assert set(arrays_without) == {key for key in arrays if "_step_" not in key and not key.endswith(("_1", "_2", "_3"))}
+    assert not any("_step_" in tag for tag in handle.taps)
 
 
 def test_explicit_taps_inputs_and_remove(dump_dir):
