@@ -43,7 +43,7 @@ class Closest:
     def of(records: list) -> Closest | None:
         """The closest of ``records`` (report.KeyRecord), or None without compared float keys."""
         rated = [(record.closeness, record) for record in records
-                 if record.floats is not None and record.status != "not_comparable"]
+                 if record.floats is not None and record.status not in ("not_comparable", "shown")]
         if not rated:
             return None
         (ratio, metric, value, threshold), record = max(rated, key=lambda item: item[0][0])

@@ -13,7 +13,10 @@ ties"):
   differ honestly cannot be told (status ``after_unjudged``; the flip itself keeps the pair's
   exit status at 3, "could not tell");
 * a float key is judged in the rows no flip reaches, and diverges as before when one of those
-  crosses; non-finite mismatches are never excused.
+  crosses; non-finite mismatches are never excused;
+* a decode step holds one token after the prompt's: its expert ids (``layer<N>_step_topk_<n>``)
+  follow the same reach, its float keys are excused by its own flip only (the decode-step
+  thresholds allow for what reaches a step through attention).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass, replace
 
 from .key_record import KeyRecord
 from .measure import judge_rows
+from ..format.keys import router_key_for
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,11 @@ class RoutingFlips:
 
     def add(self, row: int, flip: Flip) -> None:
         self._flips.setdefault(row, flip)
+
+    def own(self, row: int) -> Flip | None:
+        """The flip of token ``row`` itself, which reaches every later key of that token (the
+        rest of the flip's layer included), else None."""
+        return self._flips.get(row)
 
     def reach(self, rows, layer: int | None) -> dict[int, Flip]:
         """{row: the flip that reaches it} for the token ``rows`` of a later key of ``layer``
@@ -71,36 +80,44 @@ class RoutingFlips:
 
 
 def excuse_flips(records: list[KeyRecord]) -> dict[str, list[str]]:
-    """Marks, in model order, the prefill keys whose differences only a routing flip before them
+    """Marks, in model order, the keys whose differences only a routing flip before them
     explains (module docstring). Changes ``records`` in place: an ids key's reached rows are
     not judged (``Routing.excuse``); a float key that crossed only in reached rows gets status
     ``after_near_tie`` or ``after_unjudged`` and ``excused_rows``/``excused_by``. Returns
     {ids key: [the float keys whose crossing it excused]}.
 
-    One-row keys hold the last row of the call (that of the ids' last row); all-rows keys a row
-    per token."""
-    flips = RoutingFlips()
-    calls: dict[str, int | None] = {}  # ids key -> its row count (the call's tokens)
+    Prefill: one-row keys hold the last row of the call (that of the ids' last row); all-rows
+    keys a row per token. Decode steps: each step's keys hold one token, after the prompt's,
+    whose routing the step's ids keys (``layer<N>_step_topk_<n>``) record (docs/compare.md,
+    "Decode steps")."""
     excused: dict[str, list[str]] = {}
+    flips = RoutingFlips()
+    prompt, noise = _excuse_prefill(records, flips, excused)
+    _excuse_steps(records, flips, prompt, noise, excused)
+    return excused
+
+
+def _excuse_prefill(records: list[KeyRecord], flips: RoutingFlips,
+                    excused: dict[str, list[str]]) -> tuple[int, dict[int | None, float]]:
+    """The prefill part of :func:`excuse_flips` (its flips go to ``flips``); returns the
+    prompt's row count (0 without prefill ids) and the run's router noise per layer where the
+    prefill measured it."""
+    calls: dict[str, int | None] = {}  # ids key -> its row count (the call's tokens)
+    noise: dict[int | None, float] = {}
+    prompt = 0
     for index, record in enumerate(records):
         if record.phase != "prefill":
             continue
         routing = record.routing
+        if record.ids is not None and record.ids.rows is not None:
+            prompt = max(prompt, record.ids.rows)
         if record.ids_differ and routing is not None:
             # The run's router noise, over the rows no earlier flip reaches, widens the epsilon.
             disturbed = flips.reach(routing.row_errors, record.layer)
             routing.widen_by_noise([row for row in routing.row_errors if row not in disturbed])
-            reached = flips.reach(routing.differing_rows, record.layer)
-            if reached:
-                routing.excuse({row: flip.key for row, flip in reached.items() if flip.near_tie},
-                               {row: flip.key for row, flip in reached.items() if not flip.near_tie})
-            status = "mismatch" if routing.divergent else routing.verdict
-            records[index] = record = replace(record, status=status, divergent=routing.divergent)
-            if not routing.divergent:
-                for row in routing.near_tie_rows:
-                    flips.add(row, Flip(record.key, record.layer, near_tie=True))
-                for row in routing.not_judged_rows:
-                    flips.add(row, Flip(record.key, record.layer, near_tie=False))
+            if routing.logit_noise is not None:
+                noise[record.layer] = routing.logit_noise
+            if _judge_flip(records, index, flips):
                 calls[record.key] = record.ids.rows
             continue
         if not flips or record.floats is None or not record.divergent or record.metric == "nonfinite":
@@ -119,16 +136,100 @@ def excuse_flips(records: list[KeyRecord]) -> dict[str, list[str]]:
             rows = [count for count in calls.values() if count is not None]
             last = (tokens if tokens is not None else (rows[0] if rows else 0)) - 1
             reached = flips.reach([last], record.layer) if tokens is None or tokens in rows else {}
-            judged = replace(record, status="ok", divergent=False, metric=None, value=None) if reached else None
-        if judged is None:
+            judged = _cleared(record) if reached else None
+        if judged is not None:
+            _excuse(records, index, judged, reached, metric, value, excused)
+    return prompt, noise
+
+
+def _excuse_steps(records: list[KeyRecord], flips: RoutingFlips, prompt: int, noise: dict[int | None, float],
+                  excused: dict[str, list[str]]) -> None:
+    """The decode-step part of :func:`excuse_flips`. Step n's keys hold one token, taken as row
+    ``prompt + n`` after the prompt's rows: its ids are not judged where a flip reaches them
+    (its own in an earlier layer, or through attention one of any earlier token, prompt or
+    step, in an earlier layer), as in the prefill; its float keys are not judged where its own
+    flip reaches them, and keep the decode-step thresholds, which allow for what reaches a step
+    through attention, otherwise. A step's ids take the run's router noise of their layer: in
+    the prefill, and in the steps whose routing nothing can have disturbed (_quiet_step_noise)."""
+    step_noise = _quiet_step_noise(records)
+    for index, record in enumerate(records):
+        if record.phase != "decode" or record.step is None:
             continue
-        by = sorted({flip.key for flip in reached.values()})
-        near_tie = all(flip.near_tie for flip in reached.values())
-        judged = replace(judged, excused_rows=sorted(reached), excused_by=by, excused_metric=metric,
-                         excused_value=value, excused_near_tie=near_tie)
-        if not judged.divergent:
-            judged.status = "after_near_tie" if near_tie else "after_unjudged"
-        records[index] = judged
-        for key in by:
-            excused.setdefault(key, []).append(record.key)
-    return excused
+        row = prompt + record.step
+        routing = record.routing
+        if record.ids_differ and routing is not None:
+            widest = max((value for value in (noise.get(record.layer), step_noise.get(record.layer))
+                          if value is not None), default=None)
+            if widest is not None:
+                routing.take_noise(widest)
+            _judge_flip(records, index, flips, first_row=row)
+            continue
+        if not flips or record.floats is None or not record.divergent or record.metric == "nonfinite":
+            continue
+        own = flips.own(row)
+        if own is not None:
+            _excuse(records, index, _cleared(record), {row: own}, record.metric, record.value, excused)
+
+
+def _judge_flip(records: list[KeyRecord], index: int, flips: RoutingFlips, first_row: int = 0) -> bool:
+    """Judges the differing ids of ``records[index]`` after the flips before it (their reached
+    rows are not judged), updates the record, and adds its own flips to ``flips``. Its row r is
+    token row ``first_row + r`` (a decode step's one row follows the prompt's). Returns whether
+    the ids flipped without a divergence."""
+    record = records[index]
+    routing = record.routing
+    reached = flips.reach([first_row + row for row in routing.differing_rows], record.layer)
+    if reached:
+        routing.excuse({row - first_row: flip.key for row, flip in reached.items() if flip.near_tie},
+                       {row - first_row: flip.key for row, flip in reached.items() if not flip.near_tie})
+    status = "mismatch" if routing.divergent else routing.verdict
+    records[index] = record = replace(record, status=status, divergent=routing.divergent)
+    if routing.divergent:
+        return False
+    for row in routing.near_tie_rows:
+        flips.add(first_row + row, Flip(record.key, record.layer, near_tie=True))
+    for row in routing.not_judged_rows:
+        flips.add(first_row + row, Flip(record.key, record.layer, near_tie=False))
+    return True
+
+
+def _quiet_step_noise(records: list[KeyRecord]) -> dict[int | None, float]:
+    """{layer: the largest router logit error of a decode step whose routing nothing can have
+    disturbed}: the step's ids agree in that layer, and no ids differ in an earlier layer in the
+    prompt or in that or an earlier step (whatever the verdict). A step's router key holds one
+    row, so its ``max_abs`` is that row's error."""
+    floats = {record.key: record for record in records if record.floats is not None}
+    lowest = min((record.layer for record in records if record.phase == "prefill" and record.ids_differ
+                  and record.layer is not None), default=None)
+    noise: dict[int | None, float] = {}
+    for record in sorted((r for r in records if r.phase == "decode" and r.ids is not None and r.step is not None),
+                         key=lambda r: (r.step, r.position)):
+        if record.ids_differ and record.layer is not None:
+            lowest = record.layer if lowest is None else min(lowest, record.layer)
+            continue
+        router = floats.get(router_key_for(record.key) or "")
+        quiet = lowest is None or record.layer is None or record.layer <= lowest
+        if record.ids_differ or not quiet or router is None or router.floats.max_abs is None:
+            continue
+        noise[record.layer] = max(noise.get(record.layer, 0.0), router.floats.max_abs)
+    return noise
+
+
+def _cleared(record: KeyRecord) -> KeyRecord:
+    """A one-row key whose only row a flip reaches: nothing of it is judged."""
+    return replace(record, status="ok", divergent=False, metric=None, value=None)
+
+
+def _excuse(records: list[KeyRecord], index: int, judged: KeyRecord, reached: dict[int, Flip], metric, value,
+            excused: dict[str, list[str]]) -> None:
+    """Stores ``judged`` (``records[index]`` judged without the ``reached`` rows) with what was
+    excused and by which flips."""
+    by = sorted({flip.key for flip in reached.values()})
+    near_tie = all(flip.near_tie for flip in reached.values())
+    judged = replace(judged, excused_rows=sorted(reached), excused_by=by, excused_metric=metric,
+                     excused_value=value, excused_near_tie=near_tie)
+    if not judged.divergent:
+        judged.status = "after_near_tie" if near_tie else "after_unjudged"
+    records[index] = judged
+    for key in by:
+        excused.setdefault(key, []).append(records[index].key)

@@ -84,7 +84,8 @@ class KeyRecord:
     dtype_ref: str
     dtype_run: str
     # ok | divergent | mismatch | skipped | not_comparable; ids: near_tie | not_judged;
-    # floats after a routing flip (flips.py): after_near_tie | after_unjudged
+    # floats after a routing flip (flips.py): after_near_tie | after_unjudged; a decode step's
+    # router logits, read to judge its ids and not judged themselves: shown
     status: str = "ok"
     divergent: bool = False
     threshold: float | None = None  # rel_diff threshold (limits.rel_diff)

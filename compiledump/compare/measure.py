@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..format.keys import KeyInfo
+from ..format.keys import KeyInfo, is_step_router, router_key_for
 from ..format.reader import Dump, Member
 from .facts import SideFacts
 from .key_record import KeyRecord, MergeInfo, RankPart
@@ -18,7 +18,7 @@ from .metrics import RowMetrics, Workspace, compare_float_arrays, compare_id_arr
 from .options import PRECISION_ORDER, CompareOptions, Thresholds, judged_class, pair_class
 from .phases import not_comparable_reason
 from .report import Problem
-from .routing import judge_routing, router_key_for, top_k_counterexample
+from .routing import judge_routing, top_k_counterexample
 
 
 def logits_tags(infos: list[KeyInfo], members: dict[str, Member]) -> set[str]:
@@ -110,6 +110,10 @@ class KeyMeasurer:
                 result = self.measure(record, x, y, info)
                 if result.ids is not None and not result.ids.ids_equal:
                     result = self.judge_ids(result, info, x, y)
+                elif result.floats is not None and is_step_router(key, self.ref.members):
+                    # 8-wide rows in the decode-step noise, reached by flips in earlier tokens;
+                    # what moves them moves the step's later keys too.
+                    result = replace(result, status="shown", divergent=False, metric=None, value=None)
                 return result
             # A merged side's ids are judged strictly (any mismatch diverges): no routing analysis.
             return self._measure_merged(record, info)

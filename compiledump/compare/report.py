@@ -107,7 +107,7 @@ class ArgmaxFlip:
     key: str
     tag: str
     rank: str
-    kind: str  # near-tie | within-thresholds | divergence
+    kind: str  # near-tie | after-routing-flip | within-thresholds | divergence
     margin_ref: float
     margin_run: float
     argmax_ref: int

@@ -33,13 +33,6 @@ STRICT_CLASSES = ("fp32",)
 MAX_LISTED_ROWS = 64
 
 
-def router_key_for(key: str) -> str | None:
-    """The router-logits key recorded beside an ids key: ``layer3_topk`` -> ``layer3_router``."""
-    if key.endswith("_topk"):
-        return key[: -len("topk")] + "router"
-    return None
-
-
 @dataclass
 class RoutingRow:
     """One differing row of an ids key, judged against the reference's router logits.
@@ -165,12 +158,19 @@ class Routing:
             return
         differing = set(self.differing_rows)
         quiet = [error for row, error in self.row_errors.items() if row in quiet_rows and row not in differing]
-        if not quiet:
+        if quiet:
+            self.take_noise(max(quiet))
+
+    def take_noise(self, noise: float) -> None:
+        """Widen each judged row's epsilon to twice ``noise``, the run's router noise in this
+        layer (measured here, or in the prefill rows of the same layer for a decode step's ids:
+        flips.py). Decides again."""
+        if self.fixed_epsilon or self.klass in STRICT_CLASSES:
             return
-        self.logit_noise = max(quiet)
+        self.logit_noise = noise
         for row in self.rows:
             if row.gap is not None:
-                row.epsilon = max(row.epsilon, 2 * self.logit_noise)
+                row.epsilon = max(row.epsilon, 2 * noise)
         self.decide()
 
     def excuse(self, near_ties: dict[int, str], unjudged: dict[int, str]) -> None:

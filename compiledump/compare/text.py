@@ -223,6 +223,9 @@ def format_report(report: Report, table: str = "all") -> list[str]:
         within = ""
         if flip.kind == "within-thresholds":
             within = " (the step's logits stay within the decode-step thresholds: not a divergence)"
+        elif flip.kind == "after-routing-flip":
+            within = (" (the step's token went to other experts in an earlier layer without a divergence: its "
+                      "logits are not judged)")
         lines.append(
             f"first argmax flip: step {flip.step} ({flip.key}): {flip.kind} -- reference margin "
             f"{fmt_value(flip.margin_ref, '.4g')} {relation} epsilon {flip.epsilon:.3g} "

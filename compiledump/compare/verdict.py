@@ -234,11 +234,15 @@ def analyse_pair(pair: PairResult) -> None:
 
 
 def _flip_kind(record: KeyRecord, margin: float, epsilon: float) -> str:
-    """``near-tie`` (reference margin below epsilon), ``within-thresholds`` (the step's logits
-    stay within the decode-step defaults of a low-precision class, which an unrecorded routing
-    flip of the decoded token reaches: docs/compare.md) or ``divergence``."""
+    """``near-tie`` (reference margin below epsilon), ``after-routing-flip`` (the step's token
+    went to other experts in an earlier layer without a divergence: its logits are not judged,
+    compare/flips.py), ``within-thresholds`` (the step's logits stay within the decode-step
+    defaults of a low-precision class, which an unrecorded routing flip of the decoded token
+    reaches: docs/compare.md) or ``divergence``."""
     if margin < epsilon:
         return "near-tie"
+    if record.status in ("after_near_tie", "after_unjudged"):
+        return "after-routing-flip"
     limits = record.limits
     if (not record.divergent and limits is not None and limits.rel_source.endswith(" decode")
             and limits.norm_source.endswith(" decode")):

@@ -6,7 +6,9 @@ experts by a near tie in some layer; from the next layer on, every later token a
 token, and some of their values cross the bf16 thresholds. Judged as they were, the pair
 "diverged" (exit 1) although nothing is wrong. The comparator excuses exactly the rows the flip
 reaches (compare/flips.py); the crossings are found here again with numpy from the dumped
-arrays, and each must be reached: the flipped token, or a later one in a later layer.
+arrays, and each must be reached: the flipped token, or a later one in a later layer. A flip of
+the last prompt token reaches its logits (DeepSeek-V3: step 0, whose routing is recorded beside
+them).
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ def _model(arch: str, seed: int):
     if arch == "qwen3_moe":
         config = transformers.AutoConfig.for_model("qwen3_moe", moe_intermediate_size=48, num_experts=8, head_dim=16,
                                                    **common)
+    elif arch == "deepseek_v3":  # one expert group: plain top-k of sigmoid scores, so flips can be judged
+        config = transformers.AutoConfig.for_model(
+            "deepseek_v3", moe_intermediate_size=48, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1,
+            n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=16, head_dim=8, **common)
     else:
         config = transformers.AutoConfig.for_model("mixtral", num_local_experts=8, **common)
     torch.manual_seed(seed)
@@ -130,3 +137,33 @@ def test_a_swap_within_the_runs_router_noise_is_a_near_tie(tmp_path):
     record = next(r for r in report.keys if r.key == "layer0_topk")
     assert record.routing.logit_noise == pytest.approx(noise, rel=1e-6)
     assert record.routing.verdict == "near_tie" and report.exit_status == 0
+
+
+@pytest.mark.parametrize("rows", ["all", "one"])
+def test_a_near_tie_of_the_last_prompt_token_reaches_its_logits(rows, tmp_path):
+    """DeepSeek-V3 random seed 92 (found by benchmarks/sweep_routing.py), bf16 against fp32:
+    rounding flips the last prompt token's experts at layer 2 by a near tie, and its logits
+    (`logits_0`, the prompt's last position as step 0) then cross even the decode-step
+    thresholds (numpy, from the dumped arrays). The step's own routing, recorded beside them
+    (`layer2_step_topk_0`), shows the flip: the comparator does not judge those logits, in
+    either mode (before it did, the pair 'diverged' at logits_0)."""
+    reference = _model("deepseek_v3", 92)
+    engine = copy.deepcopy(reference).to(torch.bfloat16)
+    ids = torch.randint(3, 211, (1, 7), generator=torch.Generator().manual_seed(93))
+    for side, model in (("ref", reference), ("run", engine)):
+        dump_prefill(model, tmp_path / side, ids, rows)
+    ref, run = _arrays(tmp_path / "ref"), _arrays(tmp_path / "run")
+    flipped = np.flatnonzero((ref["layer2_topk"] != run["layer2_topk"]).any(1)).tolist()
+    assert flipped == [6], "the sweep's seed no longer flips the last token at layer 2 (re-pick it)"
+    # Step 0 holds the last prompt token's routing: the same ids as the prefill's row 6.
+    np.testing.assert_array_equal(ref["layer2_step_topk_0"], ref["layer2_topk"][6])
+    np.testing.assert_array_equal(run["layer2_step_topk_0"], run["layer2_topk"][6])
+    x, y = ref["logits_0"].astype(np.float64), run["logits_0"].astype(np.float64)
+    rel = ((x - y) ** 2).sum() / ((x ** 2).sum() + (y ** 2).sum())
+    assert rel > 0.2  # above the bf16 decode-step rel_diff default
+    report = compare(tmp_path / "ref", tmp_path / "run")
+    records = {record.key: record for record in report.keys}
+    assert records["layer2_step_topk_0"].status == "near_tie"
+    assert records["logits_0"].status == "after_near_tie"
+    assert records["logits_0"].excused_by == ["layer2_step_topk_0"]
+    assert report.first_divergence is None and report.exit_status in ((0,) if rows == "all" else (0, 3))

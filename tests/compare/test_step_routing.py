@@ -1,0 +1,272 @@
+"""Routing flips of decode steps (docs/compare.md, "Expert ids and near ties", rule 6): each step
+records the routing of its token (`layer<N>_step_router_<n>`, `layer<N>_step_topk_<n>`: the
+ids stored as float32 with an integer source dtype, as the runtime stores `record_step` of an
+integer tensor). A near tie there reaches that step's later keys and no other step; a flip far
+from a tie diverges; fp32 judges strictly; a step's router logits are shown, not judged.
+
+Dumps are built here (random data); every gap, epsilon and verdict expected is computed in this
+file from the definitions, independently of compiledump.compare.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from helpers import dumpfactory as factory
+from compiledump.compare import compare, format_report
+
+EXPERTS, TOPK, DIM, VOCAB, LAYERS, STEPS = 8, 2, 32, 50, 3, 3
+
+
+def epsilon_of(logits: np.ndarray, ulps: float = 4.0) -> float:
+    """ulps bf16 spacings (8-bit significand) of the largest absolute logit."""
+    top = float(np.max(np.abs(logits)))
+    return ulps * 2.0 ** (math.floor(math.log2(top)) - 7)
+
+
+def top_k(logits: np.ndarray) -> np.ndarray:
+    return np.argsort(-logits.astype(np.float64), kind="stable")[:TOPK]
+
+
+def step_captures(rng: np.random.Generator, prefill_router_rows: int = 0) -> list[factory.Capture]:
+    """Decode steps of a 3-layer MoE as instrument records them: per step and layer the step
+    token's router logits, its top-k ids (float32 values) and the layer output, then the logits.
+    With ``prefill_router_rows``, a prefill first: every row's router logits and ids per layer."""
+    captures = []
+    for layer in range(LAYERS if prefill_router_rows else 0):
+        logits = rng.standard_normal((prefill_router_rows, EXPERTS)).astype(np.float32)
+        captures += [factory.Capture(f"layer{layer}_router", logits, "record", f"layer{layer}_router"),
+                     factory.Capture(f"layer{layer}_topk", np.stack([top_k(row) for row in logits]).astype(np.int32),
+                                     "ids", f"layer{layer}_topk")]
+    for step in range(STEPS):
+        for layer in range(LAYERS):
+            logits = rng.standard_normal(EXPERTS).astype(np.float32)
+            captures += [
+                factory.Capture(f"layer{layer}_step_router_{step}", logits, "step", f"layer{layer}_step_router", step),
+                factory.Capture(f"layer{layer}_step_topk_{step}", top_k(logits).astype(np.float32), "step",
+                                f"layer{layer}_step_topk", step),
+                factory.Capture(f"layer{layer}_out_{step}", rng.standard_normal(DIM).astype(np.float32), "step",
+                                f"layer{layer}_out", step),
+            ]
+        logits = rng.standard_normal(VOCAB).astype(np.float32)
+        logits[step] += 6.0  # a confident reference: an argmax flip is no near tie
+        captures.append(factory.Capture(f"logits_{step}", logits, "step", "logits", step))
+    return captures
+
+
+def with_tie(ref: list, layer: int, step: int, gap: float) -> tuple[list, np.ndarray]:
+    """REF with the k-th and (k+1)-th logits of that step's router ``gap`` apart (its ids
+    recomputed); and the RUN ids that swap them."""
+    out = [factory.replace(c, array=c.array.copy()) for c in ref]
+    by_key = {c.key: c for c in out}
+    logits = by_key[f"layer{layer}_step_router_{step}"].array
+    order = np.argsort(-logits.astype(np.float64), kind="stable")
+    logits[order[TOPK]] = logits[order[TOPK - 1]] - np.float32(gap)
+    ids = top_k(logits)
+    by_key[f"layer{layer}_step_topk_{step}"].array[:] = ids
+    order = np.argsort(-logits.astype(np.float64), kind="stable")
+    swapped = ids.copy()
+    swapped[list(ids).index(order[TOPK - 1])] = order[TOPK]
+    return out, swapped.astype(np.float32)
+
+
+def run_side(ref: list, rng: np.random.Generator, ids: dict[str, np.ndarray], large: set[str] = frozenset(),
+             noise: float = 1e-5) -> list:
+    """RUN: floats with relative noise ``noise`` (unrelated values for the keys in ``large``: far
+    beyond any threshold), ids replaced."""
+    out = []
+    for capture in ref:
+        array = capture.array.copy()
+        if capture.key in ids:
+            array = ids[capture.key]
+        elif capture.key in large:
+            array = rng.standard_normal(array.shape).astype(np.float32)
+        elif capture.kind != "ids" and "topk" not in capture.key:
+            array = (array + rng.standard_normal(array.shape) * noise * np.abs(array).mean()).astype(np.float32)
+        out.append(factory.replace(capture, array=array))
+    return out
+
+
+def write(tmp_path, ref: list, run: list, dtype: str, all_rows: bool = False):
+    fields = {c.key: {"source_dtype": "int64"} for c in ref if "_step_topk_" in c.key}
+    if all_rows:
+        fields.update({f"layer{layer}_router": {"rows": "all"} for layer in range(LAYERS)})
+    return factory.write_pair(tmp_path, ref, run, "float32", dtype, key_fields=fields)
+
+
+def gap_of(logits: np.ndarray, ref_row: np.ndarray, run_row: np.ndarray) -> float:
+    displaced = [int(i) for i in ref_row if i not in set(run_row.tolist())]
+    instead = [int(i) for i in run_row if i not in set(ref_row.tolist())]
+    return float(max(logits[displaced].astype(np.float64)) - min(logits[instead].astype(np.float64)))
+
+
+def test_a_near_tie_at_a_step_excuses_that_steps_later_keys_only(tmp_path):
+    rng = np.random.default_rng(3)
+    ref, swapped = with_tie(step_captures(rng), layer=1, step=1, gap=0.002)
+    logits = {c.key: c.array for c in ref}["layer1_step_router_1"]
+    assert gap_of(logits, {c.key: c.array for c in ref}["layer1_step_topk_1"], swapped) < epsilon_of(logits)
+    # The flipped token's later layers and logits differ far beyond the decode-step thresholds.
+    after = {"layer1_out_1", "layer2_out_1", "logits_1", "layer2_step_router_1"}
+    report = compare(*write(tmp_path / "a", ref, run_side(ref, rng, {"layer1_step_topk_1": swapped}, after),
+                            "bfloat16"))
+    keys = {record.key: record for record in report.keys}
+    assert report.exit_status == 0, "\n".join(format_report(report))
+    assert keys["layer1_step_topk_1"].status == "near_tie"
+    for key in ("layer1_out_1", "layer2_out_1", "logits_1"):
+        assert keys[key].status == "after_near_tie" and keys[key].excused_by == ["layer1_step_topk_1"], key
+    assert keys["layer0_out_1"].status == "ok"  # before the flip's layer
+    flip = report.first_argmax_flip  # RUN's logits_1 are unrelated values: its argmax differs
+    assert flip.step == 1 and flip.kind == "after-routing-flip" and flip.margin_ref > flip.epsilon
+    # The same crossing in another step is judged: the flip does not reach it.
+    report = compare(*write(tmp_path / "b", ref, run_side(ref, rng, {"layer1_step_topk_1": swapped},
+                                                          after | {"logits_2"}), "bfloat16"))
+    assert report.exit_status == 1 and report.first_divergence.key == "logits_2"
+    # Nor does it reach keys before it in its own step.
+    report = compare(*write(tmp_path / "c", ref, run_side(ref, rng, {"layer1_step_topk_1": swapped},
+                                                          after | {"layer0_out_1"}), "bfloat16"))
+    assert report.exit_status == 1 and report.first_divergence.key == "layer0_out_1"
+
+
+def test_a_step_flip_far_from_a_tie_diverges_and_fp32_judges_strictly(tmp_path):
+    rng = np.random.default_rng(4)
+    ref = step_captures(rng)
+    by_key = {c.key: c.array for c in ref}
+    logits = by_key["layer0_step_router_2"].astype(np.float64)
+    far = by_key["layer0_step_topk_2"].copy()
+    far[1] = float(np.argmin(logits))  # the lowest-scored expert
+    assert gap_of(logits, by_key["layer0_step_topk_2"], far) > epsilon_of(logits)
+    report = compare(*write(tmp_path / "a", ref, run_side(ref, rng, {"layer0_step_topk_2": far}, {"logits_2"}),
+                            "bfloat16"))
+    assert report.exit_status == 1 and report.first_divergence.key == "logits_2"
+    assert report.root_cause is not None and report.root_cause.key == "layer0_step_topk_2"
+    # Alone, the far flip is the divergence.
+    report = compare(*write(tmp_path / "b", ref, run_side(ref, rng, {"layer0_step_topk_2": far}), "bfloat16"))
+    assert report.exit_status == 1 and report.first_divergence.key == "layer0_step_topk_2"
+    # fp32: a near tie is a mismatch too, and nothing after it is excused.
+    ref, swapped = with_tie(ref, layer=0, step=0, gap=1e-6)
+    report = compare(*write(tmp_path / "c", ref, run_side(ref, rng, {"layer0_step_topk_0": swapped}), "float32"))
+    assert report.exit_status == 1 and report.first_divergence.key == "layer0_step_topk_0"
+    assert {record.key: record for record in report.keys}["layer0_step_topk_0"].status == "mismatch"
+
+
+def test_a_steps_router_logits_are_shown_not_judged(tmp_path):
+    rng = np.random.default_rng(5)
+    ref = step_captures(rng)
+    report = compare(*write(tmp_path, ref, run_side(ref, rng, {}, {"layer0_step_router_1"}), "bfloat16"))
+    record = {record.key: record for record in report.keys}["layer0_step_router_1"]
+    assert record.floats.rel_diff > 0.2 and record.status == "shown" and not record.divergent
+    assert report.exit_status == 0 and report.closest.key != "layer0_step_router_1"
+    # Without the ids beside them, they are plain step keys, judged.
+    alone = [c for c in ref if "_step_topk_" not in c.key]
+    report = compare(*write(tmp_path / "b", alone, run_side(alone, rng, {}, {"layer0_step_router_1"}), "bfloat16"))
+    assert report.exit_status == 1 and report.first_divergence.key == "layer0_step_router_1"
+
+
+@pytest.mark.parametrize("prefill_noise", [True, False])
+def test_a_steps_epsilon_takes_the_prefill_router_noise_of_its_layer(tmp_path, prefill_noise):
+    """All-rows prefill: layer 0's router logits of RUN are off by up to ``noise`` in the rows
+    whose ids agree, and one row flips there (so the prefill measures the noise). A step's swap
+    with a gap between the 4-ulp epsilon and twice that noise is a near tie only with it."""
+    rng = np.random.default_rng(6)
+    ref = step_captures(rng, prefill_router_rows=5)
+    ref, swapped = with_tie(ref, layer=0, step=1, gap=1.5 * epsilon_of({c.key: c for c in ref}["layer0_step_router_1"].array))
+    by_key = {c.key: c for c in ref}
+    eps = epsilon_of(by_key["layer0_step_router_1"].array)
+    assert eps < gap_of(by_key["layer0_step_router_1"].array, by_key["layer0_step_topk_1"].array, swapped) < 2 * eps
+    prefill = by_key["layer0_router"].array
+    run = run_side(ref, rng, {"layer0_step_topk_1": swapped})
+    run_by_key = {c.key: c for c in run}
+    if prefill_noise:
+        noisy = prefill.copy()
+        noisy[1:] += np.float32(eps)  # an error of eps in every row but row 0: the noise is eps
+        run_by_key["layer0_router"].array[:] = noisy
+        # Row 0 flips in the prefill (far: a bug would be one; here it is reordered only).
+        run_by_key["layer0_topk"].array[0] = by_key["layer0_topk"].array[0][::-1]
+    report = compare(*write(tmp_path, ref, run, "bfloat16", all_rows=True))
+    record = {record.key: record for record in report.keys}["layer0_step_topk_1"]
+    if prefill_noise:
+        assert record.status == "near_tie" and record.routing.logit_noise == pytest.approx(eps, rel=1e-3)
+        assert report.exit_status == 0
+    else:
+        assert record.status == "mismatch" and report.exit_status == 1
+
+
+def _far(ref: list, layer: int, step: int) -> np.ndarray:
+    """RUN ids of that step and layer with REF's second expert replaced by the lowest-scored one."""
+    by_key = {c.key: c.array for c in ref}
+    logits = by_key[f"layer{layer}_step_router_{step}"].astype(np.float64)
+    ids = by_key[f"layer{layer}_step_topk_{step}"]
+    far = ids.copy()
+    far[1] = float(np.argmin(logits))
+    assert gap_of(logits, ids, far) > 2 * epsilon_of(logits)
+    return far
+
+
+def test_a_steps_ids_an_earlier_tokens_flip_reaches_are_not_judged(tmp_path):
+    """Step 2 attends to step 0's token: after a near tie there in layer 0, step 2's routing of
+    layer 1 may differ far from any tie (a consequence); of layer 0 it may not (nothing before
+    layer 0 reaches it). A prefill flip reaches every step the same way."""
+    rng = np.random.default_rng(7)
+    ref, swapped = with_tie(step_captures(rng, prefill_router_rows=5), layer=0, step=0, gap=0.001)
+    far1, far0 = _far(ref, 1, 2), _far(ref, 0, 2)
+    report = compare(*write(tmp_path / "a", ref, run_side(ref, rng, {"layer0_step_topk_0": swapped,
+                                                                     "layer1_step_topk_2": far1}), "bfloat16"))
+    record = {record.key: record for record in report.keys}["layer1_step_topk_2"]
+    assert record.status == "near_tie" and record.routing.rows[0].after_near_tie == "layer0_step_topk_0"
+    assert record.routing.far_rows == [] and report.exit_status == 0
+    report = compare(*write(tmp_path / "b", ref, run_side(ref, rng, {"layer0_step_topk_0": swapped,
+                                                                     "layer0_step_topk_2": far0}), "bfloat16"))
+    assert report.exit_status == 1 and report.first_divergence.key == "layer0_step_topk_2"
+    # Without the flip at step 0, step 2's far routing of layer 1 is a divergence.
+    report = compare(*write(tmp_path / "c", ref, run_side(ref, rng, {"layer1_step_topk_2": far1}), "bfloat16"))
+    assert report.exit_status == 1 and report.first_divergence.key == "layer1_step_topk_2"
+    # A near tie in a prompt row of layer 0 (all rows) reaches it too.
+    by_key = {c.key: c.array for c in ref}
+    prompt_logits = by_key["layer0_router"]
+    order = np.argsort(-prompt_logits[3].astype(np.float64), kind="stable")
+    tied = [factory.replace(c, array=c.array.copy()) for c in ref]
+    tied_by_key = {c.key: c.array for c in tied}
+    tied_by_key["layer0_router"][3, order[TOPK]] = prompt_logits[3, order[TOPK - 1]] - np.float32(0.001)
+    tied_by_key["layer0_topk"][3] = top_k(tied_by_key["layer0_router"][3])
+    prompt_ids = tied_by_key["layer0_topk"].copy()
+    row = prompt_ids[3].tolist()
+    row[row.index(order[TOPK - 1])] = order[TOPK]
+    prompt_ids[3] = row
+    report = compare(*write(tmp_path / "d", tied, run_side(tied, rng, {"layer0_topk": prompt_ids,
+                                                                       "layer1_step_topk_2": far1}),
+                            "bfloat16", all_rows=True))
+    record = {record.key: record for record in report.keys}["layer1_step_topk_2"]
+    assert record.routing.rows[0].after_near_tie == "layer0_topk" and report.exit_status == 0
+
+
+@pytest.mark.parametrize("disturbed", [False, True])
+def test_a_steps_epsilon_takes_the_router_noise_of_undisturbed_steps(tmp_path, disturbed):
+    """RUN's router logits of layer 1 are off by ``delta`` at step 2, whose ids agree. A swap at
+    step 0 in layer 1 with a gap between the 4-ulp epsilon and 2 x delta is a near tie by that
+    noise, unless step 2's routing of layer 1 may have been disturbed: a flip in layer 0 at step 1
+    (a near tie) reaches it, and its error is then no noise sample."""
+    rng = np.random.default_rng(8)
+    ref = step_captures(rng)
+    ref, swapped = with_tie(ref, layer=1, step=0,
+                            gap=1.5 * epsilon_of({c.key: c.array for c in ref}["layer1_step_router_0"]))
+    ref, tie1 = with_tie(ref, layer=0, step=1, gap=0.001)
+    by_key = {c.key: c.array for c in ref}
+    eps = epsilon_of(by_key["layer1_step_router_0"])
+    assert eps < gap_of(by_key["layer1_step_router_0"], by_key["layer1_step_topk_0"], swapped) < 2 * eps
+    ids = {"layer1_step_topk_0": swapped}
+    if disturbed:
+        ids["layer0_step_topk_1"] = tie1
+    run = run_side(ref, rng, ids)
+    noisy = {c.key: c for c in run}["layer1_step_router_2"].array
+    noisy += np.float32(eps)  # every logit off by eps: the ids (top-k) stay the same
+    np.testing.assert_array_equal(top_k(noisy), by_key["layer1_step_topk_2"])
+    report = compare(*write(tmp_path, ref, run, "bfloat16"))
+    record = {record.key: record for record in report.keys}["layer1_step_topk_0"]
+    if disturbed:
+        assert record.status == "mismatch" and report.exit_status == 1
+    else:
+        assert record.status == "near_tie" and record.routing.logit_noise == pytest.approx(eps, rel=1e-3)
+        assert report.exit_status == 0
