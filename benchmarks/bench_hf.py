@@ -7,9 +7,11 @@ capture on vs no capture calls (issue 14, benchmark 4).
 The model of examples/hf_reference_vs_compiled.py (built from a small config, random weights,
 nothing downloaded): two copies with the same weights, one instrumented with the default taps,
 both `torch.compile(model.forward, fullgraph=True)` with a StaticCache and a padded decode batch
-of 4. After the prefill, the same decode step (same position, so the cache never fills) is timed
-interleaved in one process, one thread. Prints the median ms per step, the ratio (target
-<= 1.15) and the number of capture calls per step.
+of 4. A third copy is instrumented with `step_routing=False` (no `layer<i>_step_router`/
+`_step_topk` captures: 8 fewer per step here). After the prefill, the same decode step (same
+position, so the cache never fills) is timed interleaved in one process, one thread. Prints the
+median ms per step, the ratios to the plain model (target <= 1.15) and the number of capture
+calls per step of each.
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ def main(argv=None) -> None:
     compiledump.configure(dir=tempfile.mkdtemp(prefix="bench-hf-"), max_steps=4, tokens=0, moe_layers=1000)
     model = build_model(args.model)
     inputs = Inputs(model.config.vocab_size, steps=1, batch=args.batch)
-    sides = {"plain": copy.deepcopy(model), "instrumented": model}
-    handle = compiledump.instrument(sides["instrumented"])
+    sides = {"plain": copy.deepcopy(model), "instrumented": model, "no step routing": copy.deepcopy(model)}
+    handles = {"instrumented": compiledump.instrument(sides["instrumented"]),
+               "no step routing": compiledump.instrument(sides["no step routing"], step_routing=False)}
     # Two functions, not `torch.compile(m.forward)` twice: dynamo caches by code object and does
     # not guard on module hooks, so the second model would run the first one's graph.
     def plain_forward(**kwargs):
@@ -58,7 +61,11 @@ def main(argv=None) -> None:
     def instrumented_forward(**kwargs):
         return sides["instrumented"](**kwargs)
 
-    functions = {"plain": plain_forward, "instrumented": instrumented_forward}
+    def no_step_routing_forward(**kwargs):
+        return sides["no step routing"](**kwargs)
+
+    functions = {"plain": plain_forward, "instrumented": instrumented_forward,
+                 "no step routing": no_step_routing_forward}
     step = {}
     with torch.no_grad():
         for name, m in sides.items():
@@ -77,17 +84,19 @@ def main(argv=None) -> None:
             step[name] = decode
             decode()  # compile the decode graph
         times = interleaved(step, rounds=args.rounds, calls=args.calls, warmup=1)
-    from compiledump.capture.state import STATE
-
-    captures = len(STATE.runtime.slots)  # every tag is captured once per forward
-    handle.remove()
+    captures = {name: len(handle.taps) for name, handle in handles.items()}  # each tap: once per forward
+    for handle in handles.values():
+        handle.remove()
     compiledump.configure(dir=None)  # no dump at exit: its drops are expected here
     path = "native" if register.native_owns_capture() else "python"
-    plain_ms, instr_ms = median(times["plain"]) * 1e3, median(times["instrumented"]) * 1e3
     print(f"machine: {machine()}")
-    print(f"{args.model}, decode batch {args.batch}, capture path: {path}, {captures} capture calls per step")
-    print(f"{'plain ms':>10}{'instr. ms':>11}{'ratio':>8}{'target':>8}")
-    print(f"{plain_ms:>10.3f}{instr_ms:>11.3f}{ratio(times, 'instrumented', 'plain'):>8.3f}{1.15:>8.2f}")
+    print(f"{args.model}, decode batch {args.batch}, capture path: {path}; plain "
+          f"{median(times['plain']) * 1e3:.3f} ms per step")
+    print(f"{'instrument()':<28}{'captures':>9}{'ms':>8}{'ratio':>8}{'target':>8}")
+    for name in handles:
+        label = "default taps" if name == "instrumented" else "step_routing=False"
+        print(f"{label:<28}{captures[name]:>9}{median(times[name]) * 1e3:>8.3f}"
+              f"{ratio(times, name, 'plain'):>8.3f}{1.15:>8.2f}")
 
 
 if __name__ == "__main__":

@@ -186,8 +186,8 @@ def measure(pair: Pair, ref: str, run: str) -> Pair:
     report = compare(ref, run, CompareOptions())
     first_ids = next((record.position for record in report.keys if record.ids_differ), math.inf)
     for record in report.keys:
-        if record.floats is None or record.status == "not_comparable":
-            continue
+        if record.floats is None or record.status in ("not_comparable", "shown"):
+            continue  # "shown": a decode step's router logits, read to judge its ids only
         if record.excused_rows and record.rows is None:
             continue  # its one row was not judged: a near tie sent that token to other experts
         rel, norm = record.floats.rel_diff, record.floats.norm_diff or 0.0
@@ -202,7 +202,8 @@ def measure(pair: Pair, ref: str, run: str) -> Pair:
         if record.ids_differ and record.routing is not None:
             routing = record.routing
             pair.ids.append({"key": record.key, "verdict": routing.verdict, "class": routing.klass,
-                             "rows": [[row.row, row.gap, row.epsilon, row.after_near_tie] for row in routing.rows]})
+                             "rows": [[row.row, row.gap, row.epsilon, row.after_near_tie or row.after_unjudged,
+                                       row.reordered] for row in routing.rows]})
     pair.exit_status = report.exit_status
     first = report.first_divergence
     if first is not None:

@@ -72,9 +72,10 @@ def summarise(pairs: list, bug_layer: int) -> dict:
     ties = []
     for pair in honest:
         for ids in pair.ids:
-            for row, gap, epsilon, after in ids["rows"]:
+            for row, gap, epsilon, after, reordered in ids["rows"]:
                 ties.append({"pair": pair.label, "key": ids["key"], "row": row, "gap": gap, "epsilon": epsilon,
-                             "verdict": ids["verdict"], "class": ids["class"], "after": after})
+                             "verdict": ids["verdict"], "class": ids["class"], "after": after,
+                             "reordered": reordered})
     logged = [pair for pair in honest if pair.flips is not None]
     routing = {klass: {"pairs": sum(1 for p in logged if p.klass == klass),
                        "with_prefill_flip": sum(1 for p in logged if p.klass == klass and any(f[0] == 0 for f in p.flips)),
@@ -146,7 +147,8 @@ def print_summary(summary: dict, graphs: dict, elapsed: float, args) -> None:
           f"{sum(1 for t in ties if t['gap'] is not None)}")
     for tie in ties:
         if tie["gap"] is not None:
-            row = (f"reached by the near tie at {tie['after']}" if tie["after"]
+            row = ("the same experts, reordered" if tie["reordered"]
+                   else f"reached by the flip at {tie['after']}" if tie["after"]
                    else "near tie" if tie["gap"] <= tie["epsilon"] else "FAR from a tie")
             print(f"  {tie['pair']} {tie['key']} row {tie['row']}: gap {tie['gap']:.3g} epsilon {tie['epsilon']:.3g} "
                   f"(gap/epsilon {tie['gap'] / tie['epsilon']:.2f}): {row} [{tie['class']} key: {tie['verdict']}]")
