@@ -38,8 +38,8 @@ class Flip:
 
 
 class RoutingFlips:
-    """The token rows of the prefill whose expert ids flipped, and which rows of a later key
-    each flip reaches."""
+    """The token rows whose expert ids flipped (the prompt's, then one per decode step), and
+    which rows of a later key each flip reaches."""
 
     def __init__(self) -> None:
         self._flips: dict[int, Flip] = {}
@@ -100,8 +100,8 @@ def excuse_flips(records: list[KeyRecord]) -> dict[str, list[str]]:
 def _excuse_prefill(records: list[KeyRecord], flips: RoutingFlips,
                     excused: dict[str, list[str]]) -> tuple[int, dict[int | None, float]]:
     """The prefill part of :func:`excuse_flips` (its flips go to ``flips``); returns the
-    prompt's row count (0 without prefill ids) and the run's router noise per layer where the
-    prefill measured it."""
+    prompt's row count (that of the prefill ids, 0 without any) and the run's router noise per
+    layer where the prefill measured it."""
     calls: dict[str, int | None] = {}  # ids key -> its row count (the call's tokens)
     noise: dict[int | None, float] = {}
     prompt = 0
@@ -109,8 +109,8 @@ def _excuse_prefill(records: list[KeyRecord], flips: RoutingFlips,
         if record.phase != "prefill":
             continue
         routing = record.routing
-        if record.ids is not None and record.ids.rows is not None:
-            prompt = max(prompt, record.ids.rows)
+        if record.ids is not None and len(record.shape_ref) == 2:
+            prompt = max(prompt, record.shape_ref[0])  # ids [tokens, k] of the prompt
         if record.ids_differ and routing is not None:
             # The run's router noise, over the rows no earlier flip reaches, widens the epsilon.
             disturbed = flips.reach(routing.row_errors, record.layer)
@@ -158,17 +158,24 @@ def _excuse_steps(records: list[KeyRecord], flips: RoutingFlips, prompt: int, no
         row = prompt + record.step
         routing = record.routing
         if record.ids_differ and routing is not None:
+            if len(routing.rows) != 1 or routing.rows[0].row != 0:
+                continue  # not one token's ids (a hand-written step of [tokens, k]): judged alone
             widest = max((value for value in (noise.get(record.layer), step_noise.get(record.layer))
                           if value is not None), default=None)
             if widest is not None:
                 routing.take_noise(widest)
-            _judge_flip(records, index, flips, first_row=row)
+            if _judge_flip(records, index, flips, first_row=row) and routing.after_near_tie_rows:
+                # The step token went to other experts here, as an earlier token's near tie
+                # allows: its own later keys differ honestly (they are excused by its own flip
+                # only, below).
+                flips.add(row, Flip(record.key, record.layer, near_tie=True))
             continue
         if not flips or record.floats is None or not record.divergent or record.metric == "nonfinite":
             continue
         own = flips.own(row)
         if own is not None:
-            _excuse(records, index, _cleared(record), {row: own}, record.metric, record.value, excused)
+            # Rows of a step key are the step's own: its one row is row 0.
+            _excuse(records, index, _cleared(record), {0: own}, record.metric, record.value, excused)
 
 
 def _judge_flip(records: list[KeyRecord], index: int, flips: RoutingFlips, first_row: int = 0) -> bool:
@@ -195,10 +202,13 @@ def _judge_flip(records: list[KeyRecord], index: int, flips: RoutingFlips, first
 
 def _quiet_step_noise(records: list[KeyRecord]) -> dict[int | None, float]:
     """{layer: the largest router logit error of a decode step whose routing nothing can have
-    disturbed}: the step's ids agree in that layer, and no ids differ in an earlier layer in the
-    prompt or in that or an earlier step (whatever the verdict). A step's router key holds one
-    row, so its ``max_abs`` is that row's error."""
+    disturbed}: the step's ids agree in that layer, no ids differ in an earlier layer in the
+    prompt or in that or an earlier step (whatever the verdict), and no float key of the step
+    diverges (a step something is wrong in is no measure of noise). A step's router key holds
+    one row, so its ``max_abs`` is that row's error."""
     floats = {record.key: record for record in records if record.floats is not None}
+    wrong = {record.step for record in records if record.phase == "decode" and record.divergent
+             and record.floats is not None}
     lowest = min((record.layer for record in records if record.phase == "prefill" and record.ids_differ
                   and record.layer is not None), default=None)
     noise: dict[int | None, float] = {}
@@ -207,8 +217,8 @@ def _quiet_step_noise(records: list[KeyRecord]) -> dict[int | None, float]:
         if record.ids_differ and record.layer is not None:
             lowest = record.layer if lowest is None else min(lowest, record.layer)
             continue
-        router = floats.get(router_key_for(record.key) or "")
-        quiet = lowest is None or record.layer is None or record.layer <= lowest
+        router = floats.get(router_key_for(record.key, step=True) or "")
+        quiet = (lowest is None or record.layer is None or record.layer <= lowest) and record.step not in wrong
         if record.ids_differ or not quiet or router is None or router.floats.max_abs is None:
             continue
         noise[record.layer] = max(noise.get(record.layer, 0.0), router.floats.max_abs)

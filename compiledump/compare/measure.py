@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..format.keys import KeyInfo, is_step_router, router_key_for
+from ..format.keys import KeyInfo, router_key_for, step_ids_key_for
 from ..format.reader import Dump, Member
 from .facts import SideFacts
 from .key_record import KeyRecord, MergeInfo, RankPart
@@ -110,9 +110,10 @@ class KeyMeasurer:
                 result = self.measure(record, x, y, info)
                 if result.ids is not None and not result.ids.ids_equal:
                     result = self.judge_ids(result, info, x, y)
-                elif result.floats is not None and is_step_router(key, self.ref.members):
-                    # 8-wide rows in the decode-step noise, reached by flips in earlier tokens;
-                    # what moves them moves the step's later keys too.
+                elif result.floats is not None and result.metric != "nonfinite" and self._judges_step_ids(info):
+                    # One logit per expert, in the decode-step noise and reached by flips of
+                    # earlier tokens; what moves them moves the step's later keys too. A
+                    # non-finite mismatch is never excused.
                     result = replace(result, status="shown", divergent=False, metric=None, value=None)
                 return result
             # A merged side's ids are judged strictly (any mismatch diverges): no routing analysis.
@@ -159,13 +160,26 @@ class KeyMeasurer:
                              near_tie_epsilon=self.options.near_tie_epsilon(floats.margins.ref.top1))
         return record
 
+    def _judges_step_ids(self, info: KeyInfo) -> bool:
+        """Whether ``info`` is a decode step's router logits beside that step's ids, compared
+        on both sides (the same shape, integers on both): such logits are read to judge the ids
+        and shown, not judged themselves (docs/compare.md, "Decode steps")."""
+        ids_key = step_ids_key_for(info.key) if info.kind == "step" else None
+        if ids_key is None or ids_key not in self.ref.members or ids_key not in self.run.members:
+            return False
+        ref_ids, run_ids = self.ref.members[ids_key], self.run.members[ids_key]
+        ids_info = self.ref.infos.get(ids_key)
+        return (ids_info is not None and ids_info.kind == "step" and ref_ids.is_integer and run_ids.is_integer
+                and ref_ids.shape == run_ids.shape)
+
     @functools.cached_property
     def not_top_k(self) -> str | None:
         """A reference row, of any ids key beside router logits, whose ids are not the top-k of
         those logits (``layer2_topk row 3``), or None. Routing is one function of the whole model,
         so one such row anywhere means logit gaps judge no row of any layer (read once per pair)."""
         for key in sorted(self.ref.members):
-            router_key = router_key_for(key)
+            info = self.ref.infos.get(key)
+            router_key = router_key_for(key, step=info is not None and info.kind == "step")
             if not self.ref.members[key].is_integer or router_key not in self.ref.members \
                     or self.ref.members[router_key].is_integer:
                 continue
@@ -195,7 +209,7 @@ class KeyMeasurer:
         reference's router logits of the same layer decide near tie or divergence; the class
         comes from the router key's source dtypes (a float32 router takes the pair's class: the
         float32 router of a bfloat16 model flips as bfloat16 does), else from the pair's float keys."""
-        router_key = router_key_for(info.key)
+        router_key = router_key_for(info.key, step=info.kind == "step")
         router = unavailable = None
         klass, class_from = self.klass, "pair"
         if router_key is not None and router_key in self.ref.members and not self.ref.members[router_key].is_integer:

@@ -117,9 +117,15 @@ def _note_for(record: KeyRecord) -> str:
         count = (len(record.rows.rel_diff) if record.rows is not None else
                  record.sides.tokens_ref if record.sides is not None else None)  # a one-row key: its call's
         by = ", ".join(record.excused_by)
-        why = (f"the near tie at {by} routed to other experts" if record.excused_near_tie else
-               f"whose expert ids differ at {by} where no reference router logits judge them")
-        parts.append(f"{what}not judged at {_rows_text(record.excused_rows, count)}: at or after a token {why}")
+        if record.step is not None:  # a decode step: its one token's own routing changed
+            how = "by a near tie" if record.excused_near_tie else "where no reference router logits judge it"
+            parts.append(f"{what}not judged: the step's token went to other experts at {by} ({how})")
+        else:
+            why = (f"the near tie at {by} routed to other experts" if record.excused_near_tie else
+                   f"whose expert ids differ at {by} where no reference router logits judge them")
+            parts.append(f"{what}not judged at {_rows_text(record.excused_rows, count)}: at or after a token {why}")
+    if record.status == "shown":
+        parts.append("read to judge this step's expert ids, not judged itself")
     ids = record.ids
     if ids is not None:
         if ids.ids_equal:
@@ -149,15 +155,16 @@ def _note_for(record: KeyRecord) -> str:
 
 def format_table(records: list[KeyRecord]) -> list[str]:
     """One line per key in order: ``!`` marks divergent rows, ``*`` ids that differ without
-    being a divergence (a near tie, or rows without reference router logits), ``?`` keys not
-    compared, ``~`` keys not comparable (values of different phases or token counts)."""
+    being a divergence (a near tie, or rows without reference router logits) and what they
+    excuse, ``-`` a decode step's router logits (shown, not judged), ``?`` keys not compared,
+    ``~`` keys not comparable (values of different phases or token counts)."""
     width = max([len(record.key) for record in records] + [3])
     width = min(width, 48)
     header = (f"  {'key':<{width}} {'layer':>5} {'step':>5} {'shape':<14} {'rel_diff':>10} {'norm_diff':>10} "
               f"{'cosine':>10} {'max_abs':>10} {'mean_abs':>10} {'rel_l2':>9} {'nan':>7} {'inf':>7}  note")
     lines = [header]
     marks = {"skipped": "?", "not_comparable": "~", "near_tie": "*", "not_judged": "*", "after_near_tie": "*",
-             "after_unjudged": "*"}
+             "after_unjudged": "*", "shown": "-"}
     for record in records:
         mark = "!" if record.divergent else marks.get(record.status, " ")
         shape = "x".join(str(n) for n in record.shape_ref) or "scalar"

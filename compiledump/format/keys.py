@@ -129,23 +129,22 @@ def order_key_infos(infos: list[KeyInfo]) -> list[KeyInfo]:
     return prefill + steps
 
 
-def router_key_for(key: str) -> str | None:
+def router_key_for(key: str, step: bool = False) -> str | None:
     """The router-logits key recorded beside an ids key: ``layer3_topk`` -> ``layer3_router``;
-    for a step's ids, the same step's: ``layer3_step_topk_5`` -> ``layer3_step_router_5``."""
-    if key.endswith("_topk"):
-        return key[: -len("topk")] + "router"
-    step = spec.split_step_key(key)
-    if step is not None and step[0].endswith("_topk"):
-        return spec.step_key(step[0][: -len("topk")] + "router", step[1])
-    return None
+    for a step's ids (``step``), the same step's: ``layer3_step_topk_5`` ->
+    ``layer3_step_router_5``."""
+    if not step:
+        return key[: -len("topk")] + "router" if key.endswith("_topk") else None
+    parts = spec.split_step_key(key)
+    if parts is None or not parts[0].endswith("_topk"):
+        return None
+    return spec.step_key(parts[0][: -len("topk")] + "router", parts[1])
 
 
-def is_step_router(key: str, members) -> bool:
-    """Whether ``key`` is a decode step's router logits beside that step's ids in ``members``
-    (``layer3_step_router_5`` beside ``layer3_step_topk_5``): the comparator reads them to judge
-    those ids and shows them, but does not judge them as floats (docs/compare.md)."""
-    step = spec.split_step_key(key)
-    if step is None or not step[0].endswith("_router"):
-        return False
-    ids_key = spec.step_key(step[0][: -len("router")] + "topk", step[1])
-    return ids_key in members and members[ids_key].is_integer
+def step_ids_key_for(key: str) -> str | None:
+    """The ids key of the same step beside a step's router-logits key: ``layer3_step_router_5``
+    -> ``layer3_step_topk_5``; None for a key not named ``<prefix>_router_<n>``."""
+    parts = spec.split_step_key(key)
+    if parts is None or not parts[0].endswith("_router"):
+        return None
+    return spec.step_key(parts[0][: -len("router")] + "topk", parts[1])

@@ -82,8 +82,9 @@ def layer_of(tag: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-# A `record_step` of an integer tensor (expert ids of each decode step) is stored as int32, like
-# `record_ids`, so every reader treats it as ids; the arena holds it as float32 (exact below 2**24).
+# A `record_step` of an integer tensor (expert ids of each decode step) is stored as float32 like
+# every step (exact below 2**24); its manifest `source_dtype` names the integer dtype, and readers
+# give it back as int32 ids.
 _INTEGER_SOURCE = re.compile(r"^(?:u?int(?:8|16|32|64)|bool)$")
 
 

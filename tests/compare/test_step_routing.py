@@ -91,10 +91,18 @@ def run_side(ref: list, rng: np.random.Generator, ids: dict[str, np.ndarray], la
 
 
 def write(tmp_path, ref: list, run: list, dtype: str, all_rows: bool = False):
-    fields = {c.key: {"source_dtype": "int64"} for c in ref if "_step_topk_" in c.key}
-    if all_rows:
-        fields.update({f"layer{layer}_router": {"rows": "all"} for layer in range(LAYERS)})
-    return factory.write_pair(tmp_path, ref, run, "float32", dtype, key_fields=fields)
+    """REF (float32) and RUN (``dtype``), each with the manifest the runtime writes: step ids
+    with an integer source dtype, prefill router logits of every row with ``all_rows``."""
+    paths = []
+    for side, captures, source in (("ref", ref, "float32"), ("run", run, dtype)):
+        keys = {c.key for c in captures}
+        fields = {key: {"source_dtype": "int64"} for key in keys if "_step_topk_" in key}
+        if all_rows:
+            fields.update({f"layer{layer}_router": {"rows": "all"} for layer in range(LAYERS)
+                           if f"layer{layer}_router" in keys})
+        manifest = factory.manifest_for(captures, source_dtype=source, key_fields=fields)
+        paths.append(factory.write_compiledump(tmp_path / side, captures, manifest=manifest))
+    return paths[0], paths[1]
 
 
 def gap_of(logits: np.ndarray, ref_row: np.ndarray, run_row: np.ndarray) -> float:
@@ -118,6 +126,7 @@ def test_a_near_tie_at_a_step_excuses_that_steps_later_keys_only(tmp_path):
     for key in ("layer1_out_1", "layer2_out_1", "logits_1"):
         assert keys[key].status == "after_near_tie" and keys[key].excused_by == ["layer1_step_topk_1"], key
     assert keys["layer0_out_1"].status == "ok"  # before the flip's layer
+    assert keys["layer2_step_router_1"].status == "shown" and not keys["layer2_step_router_1"].divergent
     flip = report.first_argmax_flip  # RUN's logits_1 are unrelated values: its argmax differs
     assert flip.step == 1 and flip.kind == "after-routing-flip" and flip.margin_ref > flip.epsilon
     # The same crossing in another step is judged: the flip does not reach it.
@@ -270,3 +279,72 @@ def test_a_steps_epsilon_takes_the_router_noise_of_undisturbed_steps(tmp_path, d
     else:
         assert record.status == "near_tie" and record.routing.logit_noise == pytest.approx(eps, rel=1e-3)
         assert report.exit_status == 0
+
+
+def test_a_step_is_the_token_after_the_prompt_not_the_prompt_row_of_its_number(tmp_path):
+    """A near tie in prompt row 1 reaches step 1's later layers through attention (its ids), but
+    is not step 1's token: step 1's logits far off are judged (exit 1). A step's ids that an
+    earlier token's near tie reaches and that do differ are its own token's flip: its logits are
+    then not judged."""
+    rng = np.random.default_rng(9)
+    ref = step_captures(rng, prefill_router_rows=4)
+    by_key = {c.key: c.array for c in ref}
+    logits = by_key["layer0_router"][1].astype(np.float64)
+    order = np.argsort(-logits, kind="stable")
+    by_key["layer0_router"][1, order[TOPK]] = by_key["layer0_router"][1, order[TOPK - 1]] - np.float32(0.001)
+    by_key["layer0_topk"][1] = top_k(by_key["layer0_router"][1])
+    prompt_ids = by_key["layer0_topk"].copy()
+    row = prompt_ids[1].tolist()
+    row[row.index(order[TOPK - 1])] = order[TOPK]
+    prompt_ids[1] = row
+    report = compare(*write(tmp_path / "a", ref, run_side(ref, rng, {"layer0_topk": prompt_ids}, {"logits_1"}),
+                            "bfloat16", all_rows=True))
+    assert report.exit_status == 1 and report.first_divergence.key == "logits_1"
+    # Step 1's own ids differ in layer 1, reached by that near tie: its logits are not judged.
+    far = _far(ref, 1, 1)
+    report = compare(*write(tmp_path / "b", ref, run_side(ref, rng, {"layer0_topk": prompt_ids,
+                                                                     "layer1_step_topk_1": far}, {"logits_1"}),
+                            "bfloat16", all_rows=True))
+    keys = {record.key: record for record in report.keys}
+    assert keys["layer1_step_topk_1"].routing.after_near_tie_rows == [0]
+    assert keys["logits_1"].status == "after_near_tie" and keys["logits_1"].excused_by == ["layer1_step_topk_1"]
+    assert report.exit_status == 0, "\n".join(format_report(report))
+
+
+def test_what_a_steps_router_logits_still_show(tmp_path):
+    """Non-finite router logits are a divergence; logits beside ids that are not compared on
+    both sides, or beside ids that are not a step's (a record_ids named like a step), are
+    judged as floats."""
+    rng = np.random.default_rng(10)
+    ref = step_captures(rng)
+    run = run_side(ref, rng, {})
+    {c.key: c for c in run}["layer1_step_router_2"].array[3] = np.nan
+    report = compare(*write(tmp_path / "a", ref, run, "bfloat16"))
+    assert report.exit_status == 1 and report.first_divergence.key == "layer1_step_router_2"
+    assert report.first_divergence.metric == "nonfinite"
+    # The ids on REF only: the router logits are judged.
+    run = [c for c in run_side(ref, rng, {}, {"layer1_step_router_2"}) if c.key != "layer1_step_topk_2"]
+    report = compare(*write(tmp_path / "b", ref, run, "bfloat16"))
+    assert report.exit_status == 1 and report.first_divergence.key == "layer1_step_router_2"
+    # A prefill record `layer0_router_0` beside record_ids `layer0_topk_0`: not a step's.
+    records = [factory.Capture("layer0_router_0", rng.standard_normal(EXPERTS).astype(np.float32), "record",
+                               "layer0_router_0"),
+               factory.Capture("layer0_topk_0", np.arange(TOPK, dtype=np.int32), "ids", "layer0_topk_0")]
+    report = compare(*factory.write_pair(tmp_path / "c", records, run_side(records, rng, {}, {"layer0_router_0"}),
+                                         "float32", "bfloat16"))
+    assert report.exit_status == 1 and report.first_divergence.key == "layer0_router_0"
+
+
+def test_step_ids_of_several_rows_are_judged_alone(tmp_path):
+    """A hand-written step of [tokens, k] ids is no one token's routing: a near tie in its last
+    row (which the step's router logits cover) is taken as no token's flip, in particular not as
+    that of the next step's token (row prompt + n + 1), whose logits far off stay a divergence."""
+    rng = np.random.default_rng(12)
+    ref, swapped = with_tie(step_captures(rng), layer=0, step=1, gap=0.001)
+    ids = {c.key: c.array for c in ref}["layer0_step_topk_1"]
+    ref = [factory.replace(c, array=np.stack([ids, ids])) if c.key == "layer0_step_topk_1" else c for c in ref]
+    report = compare(*write(tmp_path, ref, run_side(ref, rng, {"layer0_step_topk_1": np.stack([ids, swapped])},
+                                                    {"logits_1", "logits_2"}), "bfloat16"))
+    keys = {record.key: record for record in report.keys}
+    assert keys["layer0_step_topk_1"].status == "near_tie"  # judged by the logits of its last row
+    assert keys["logits_1"].divergent and keys["logits_2"].divergent and report.exit_status == 1
