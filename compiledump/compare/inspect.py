@@ -48,7 +48,9 @@ def inspect_dump(dump: DumpFile) -> dict:
         member = dump.members[info.key]
         entry: dict[str, Any] = {
             "key": info.key, "kind": info.kind, "tag": info.tag, "layer": info.layer, "step": info.step,
-            "shape": list(member.shape), "dtype": str(member.dtype), "from_manifest": info.from_manifest,
+            "shape": list(member.shape), "from_manifest": info.from_manifest,
+            # A step of ids is stored as float32 and read back as int32: show what readers get.
+            "dtype": "int32" if member.ids_in_floats else str(member.dtype),
         }
         shard = dump.shard(info.key)
         if shard is not None:

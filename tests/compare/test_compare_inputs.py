@@ -26,6 +26,7 @@ from helpers import dumpfactory as factory
 from helpers.cli import run_cli
 from compiledump import compare as cmp
 from compiledump.format.keys import infer_key_infos, order_key_infos
+from compiledump.compare.inspect import inspect_dump
 from compiledump.format.reader import DumpFile, Member
 
 REPO = Path(__file__).resolve().parents[2]
@@ -242,6 +243,8 @@ def test_a_step_of_an_integer_tensor_is_read_as_ids(tmp_path):
         assert array.dtype == np.int32
         np.testing.assert_array_equal(array, captures[int(key[-1])].array.astype(np.int64))
     assert not dump.members["logits_0"].is_integer and dump.array("logits_0").dtype == np.float32
+    shown = {entry["key"]: entry for entry in inspect_dump(dump)["keys"]}
+    assert shown["moe_topk_0"]["dtype"] == "int32" and shown["logits_0"]["dtype"] == "float32"
     legacy = DumpFile(factory.write_legacy(tmp_path / "l", captures), "REF")
     assert not legacy.members["moe_topk_0"].is_integer and legacy.array("moe_topk_0").dtype == np.float32
 
