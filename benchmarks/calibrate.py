@@ -203,7 +203,7 @@ def measure(pair: Pair, ref: str, run: str) -> Pair:
             routing = record.routing
             pair.ids.append({"key": record.key, "verdict": routing.verdict, "class": routing.klass,
                              "rows": [[row.row, row.gap, row.epsilon, row.after_near_tie or row.after_unjudged,
-                                       row.reordered] for row in routing.rows]})
+                                       row.same_set] for row in routing.rows]})
     pair.exit_status = report.exit_status
     first = report.first_divergence
     if first is not None:

@@ -164,11 +164,7 @@ def _excuse_steps(records: list[KeyRecord], flips: RoutingFlips, prompt: int, no
                           if value is not None), default=None)
             if widest is not None:
                 routing.take_noise(widest)
-            if _judge_flip(records, index, flips, first_row=row) and routing.after_near_tie_rows:
-                # The step token went to other experts here, as an earlier token's near tie
-                # allows: its own later keys differ honestly (they are excused by its own flip
-                # only, below).
-                flips.add(row, Flip(record.key, record.layer, near_tie=True))
+            _judge_flip(records, index, flips, first_row=row)
             continue
         if not flips or record.floats is None or not record.divergent or record.metric == "nonfinite":
             continue
@@ -193,7 +189,10 @@ def _judge_flip(records: list[KeyRecord], index: int, flips: RoutingFlips, first
     records[index] = record = replace(record, status=status, divergent=routing.divergent)
     if routing.divergent:
         return False
-    for row in routing.near_tie_rows:
+    # A row an earlier near tie reaches went to other experts here too, honestly: it is that
+    # token's own flip from this layer on (in the prompt the earlier tie already reaches all it
+    # reaches; a decode step's float keys are excused by their token's own flip only).
+    for row in routing.near_tie_rows + routing.after_near_tie_rows:
         flips.add(first_row + row, Flip(record.key, record.layer, near_tie=True))
     for row in routing.not_judged_rows:
         flips.add(first_row + row, Flip(record.key, record.layer, near_tie=False))
@@ -212,8 +211,8 @@ def _quiet_step_noise(records: list[KeyRecord]) -> dict[int | None, float]:
     lowest = min((record.layer for record in records if record.phase == "prefill" and record.ids_differ
                   and record.layer is not None), default=None)
     noise: dict[int | None, float] = {}
-    for record in sorted((r for r in records if r.phase == "decode" and r.ids is not None and r.step is not None),
-                         key=lambda r: (r.step, r.position)):
+    # Records are in model order: decode steps by step, then in capture order.
+    for record in (r for r in records if r.phase == "decode" and r.ids is not None and r.step is not None):
         if record.ids_differ and record.layer is not None:
             lowest = record.layer if lowest is None else min(lowest, record.layer)
             continue

@@ -44,7 +44,9 @@ class RoutingRow:
     row: int
     overlap: int
     k: int
-    same_set: bool = False  # RUN lists exactly REF's experts (in another order)
+    # RUN lists exactly REF's experts in another order: the MoE output is the same weighted sum
+    # (only the order of its rounding may differ), so this is no routing change, whatever the scores.
+    same_set: bool = False
     gap: float | None = None
     epsilon: float | None = None
     reason: str | None = None  # why the row was not judged
@@ -54,12 +56,6 @@ class RoutingRow:
     @property
     def judged(self) -> bool:
         return self.gap is not None
-
-    @property
-    def reordered(self) -> bool:
-        """The same experts in another order: the MoE output is the same weighted sum (only the
-        order of its rounding may differ), so this is no routing change, whatever the scores."""
-        return self.same_set
 
     @property
     def near_tie(self) -> bool | None:
@@ -102,7 +98,7 @@ class Routing:
 
     def _flipped(self, row: RoutingRow) -> bool:
         """A row whose experts may have changed: in the low-precision classes a reorder is none."""
-        return self.klass in STRICT_CLASSES or not row.reordered
+        return self.klass in STRICT_CLASSES or not row.same_set
 
     @property
     def reordered_rows(self) -> list[int]:
@@ -154,8 +150,6 @@ class Routing:
         ``quiet_rows`` (rows no earlier flip reaches) whose ids agree. Two logits each that far
         off can swap experts whose reference logits differ by twice as much, so each judged
         row's epsilon is at least twice the noise (unless --near-tie fixed it). Decides again."""
-        if self.fixed_epsilon or self.klass in STRICT_CLASSES:
-            return
         differing = set(self.differing_rows)
         quiet = [error for row, error in self.row_errors.items() if row in quiet_rows and row not in differing]
         if quiet:
