@@ -16,6 +16,7 @@ _LAZY = {
         "clear", "configure", "dump_stem", "enabled", "flush", "get_config", "init", "prepare_kernels", "profiling",
         "record", "record_ids", "record_step", "reset", "set_gather_rows", "set_rows")},
     **{name: "capture.parallel" for name in ("declare_shard", "get_parallel", "set_parallel")},
+    "declare_router": "capture.routers",
     "instrument": "capture.instrument",
     "native_available": "ops.native",
     "VariantNotPrepared": "ops.variants",

@@ -28,7 +28,7 @@ from .. import config as _config
 from ..format import spec
 from ..ops import layout as L
 from ..ops import register, schemas
-from . import dispatch, layouts, persist, signals
+from . import dispatch, layouts, persist, routers, signals
 from .arena import Runtime
 from .flush import dump_stem, flush, flush_at_exit, flush_on_signal, process_fields, remove_live_files
 from .state import STATE
@@ -136,6 +136,7 @@ def _create_runtime(device: torch.device) -> Runtime:
     rt = Runtime(device, STATE.config, STATE.profiling_depth, STATE.lock, stem=dump_stem(), start=process_fields())
     if rt.live is not None:
         persist.install_excepthook(lambda: getattr(STATE.runtime, "live", None))
+        routers.journal_routers(rt.live)  # declared before the arena existed
     for index, value in STATE.pending_registers.items():
         rt.set_register(index, value)
     STATE.pending_registers.clear()
@@ -144,7 +145,7 @@ def _create_runtime(device: torch.device) -> Runtime:
 
 
 def reset() -> None:
-    """Forget every capture, the arena, `set_parallel` groups and `declare_shard` declarations
+    """Forget every capture, the arena, `set_parallel` groups, `declare_shard` and `declare_router` declarations
     (tests, notebooks). Re-trace compiled functions after this (`torch._dynamo.reset()`): their
     graphs hold the old arena."""
     STATE.reset()

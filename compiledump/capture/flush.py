@@ -18,7 +18,7 @@ from .. import config as _config
 from ..format import spec, writer
 from ..ops.register import KERNEL_LOCK
 from ..version import __version__
-from . import collect, parallel
+from . import collect, parallel, routers
 from .arena import Runtime
 from .state import STATE, warn_once
 
@@ -113,6 +113,7 @@ def _flush(wait_for_captures: bool) -> str | None:
 
 def _collect(rt: Runtime, arena: np.ndarray, ctrl: np.ndarray) -> tuple[dict, dict]:
     got = collect.collect(list(rt.slots.values()), list(rt.overflow_tags), arena, ctrl, rt.prompt_tokens)
+    declared = routers.manifest_routers({entry["tag"] for entry in got.tags.values()})
     manifest = writer.build_manifest(
         **process_fields(),
         device=str(rt.device),
@@ -126,6 +127,8 @@ def _collect(rt: Runtime, arena: np.ndarray, ctrl: np.ndarray) -> tuple[dict, di
         keys=got.keys,
         tags=got.tags,
         drops=got.drops,
+        # Only when some captured router was declared (readers that predate it ignore it).
+        **({"routers": declared} if declared else {}),
     )
     return got.arrays, manifest
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import api
+from . import api, routers
 from .state import STATE
 
 # Default tags per decoder layer i (docs/api.md, "instrument").
@@ -134,8 +134,7 @@ class Instrumented:
         self._handles.append(layer.register_forward_pre_hook(pre_hook, with_kwargs=True))
 
     def _router(self, i: int, block: torch.nn.Module, router: torch.nn.Module):
-        top_k = next((getattr(m, name) for m in (block, router) for name in ("top_k", "num_experts_per_tok")
-                      if isinstance(getattr(m, name, None), int)), None)
+        top_k = _int_attr((block, router), ("top_k", "num_experts_per_tok"))
 
         def capture(output) -> None:
             # Hugging Face 5.x routers return (logits, scores, top-k ids, ...); Llama 4's (scores,
@@ -230,6 +229,9 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
                 router = getattr(block, router_name)
                 handle._add(router, f"layer{i}_router", f"{prefix}.{block_name}.{router_name}", "output",
                             capture=handle._router(i, block, router))
+                selection = _selection(block, router)
+                if selection is not None:
+                    routers.declare_router(f"layer{i}_router", **selection)
                 steps = (f"layer{i}_step_router", f"layer{i}_step_topk") if handle.step_routing else ()
                 for tag in (f"layer{i}_topk", *steps):
                     handle.taps[tag] = f"{prefix}.{block_name}.{router_name}"
@@ -260,6 +262,32 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
             # the row set_gather_rows(step=...) names.
             api.record_step("logits", output[handle.batch_row, -1] if output.dim() == 3 else output)
         handle._add(modules[head_path], "logits", head_path, "output", capture=logits)
+
+
+def _int_attr(modules, names: tuple[str, ...]) -> int | None:
+    """The first int attribute among ``names`` of ``modules``, or None."""
+    return next((getattr(m, name) for m in modules for name in names if isinstance(getattr(m, name, None), int)), None)
+
+
+def _selection(block: torch.nn.Module, router: torch.nn.Module) -> dict | None:
+    """How a router that is not a plain top-k of its logits selects experts, as
+    `declare_router` takes it; None for plain top-k. Hugging Face's DeepSeek-V3 family
+    (DeepSeek-V3, Kimi K2, GLM-4.5, dots.llm1, MiMo, Nemotron-H: an `e_score_correction_bias`)
+    takes the top-k of sigmoid(logits) + bias in the best `topk_group` of `n_group` groups, each
+    scored by its two best; DeepSeek-V2's `group_limited_greedy` the top-k of softmax(logits) in
+    the groups with the best single scores."""
+    top_k = _int_attr((block, router), ("top_k", "num_experts_per_tok"))
+    if top_k is None:
+        return None
+    groups = dict(n_group=_int_attr((router, block), ("num_group", "n_group")) or 1,
+                  topk_group=_int_attr((router, block), ("topk_group",)) or 1)
+    bias = next((getattr(m, "e_score_correction_bias") for m in (router, block)
+                 if isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor)), None)
+    if bias is not None:
+        return dict(top_k=top_k, score="sigmoid", bias=bias, group_topk=2, **groups)
+    if getattr(router, "topk_method", None) == "group_limited_greedy" and groups["n_group"] > 1:
+        return dict(top_k=top_k, score="softmax", group_topk=1, **groups)
+    return None
 
 
 def _child(module: torch.nn.Module, names: tuple[str, ...]) -> str | None:

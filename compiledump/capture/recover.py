@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ..format import spec, writer
+from ..format.routers import captured_routers
 from ..ops import layout as L
 from .collect import Slot, collect
 
@@ -143,7 +144,7 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
         result.skipped = (f"pid {start.get('pid')} {where} may still be running (its files are in use); "
                           "use --force if it is not")
         return result
-    slots, overflow, prompt, config = _registry(start, events)
+    slots, overflow, prompt, config, declared = _registry(start, events)
     ctrl = np.fromfile(live / spec.LIVE_CTRL, dtype=np.int32)
     if ctrl.size < L.control_words(0):
         raise RecoverError(f"{live}: control block of {ctrl.size} words")
@@ -155,6 +156,7 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
     result.cause = cause_of(live, events)
     if torn:
         result.notes.append("the journal's last line was cut by the kill (an event after every stored capture)")
+    routers = captured_routers(declared, {entry["tag"] for entry in got.tags.values()})
     manifest = writer.build_manifest(
         **{k: start.get(k) for k in ("compiledump_version", "torch_version", "rank", "pid", "world_size")},
         device=start.get("device"),
@@ -170,6 +172,7 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
         keys=got.keys,
         tags=got.tags,
         drops=got.drops,
+        **({"routers": routers} if routers else {}),
     )
     stem = live.name[: -len(spec.LIVE_SUFFIX)]
     result.npz = writer.write_dump(live.parent, stem, got.arrays, manifest)
@@ -182,12 +185,13 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
 
 
 def _registry(start: dict, events: list[dict]):
-    """(slots, overflow tags, prompt length, config) as the journal last had them."""
+    """(slots, overflow tags, prompt length, config, router declarations) as the journal last had them."""
     by_index: dict[int, Slot] = {}
     slots: list[Slot] = []
     overflow: list[str] = []
     prompt = None
     config = start.get("config", {})
+    declared: dict[str, dict] = {}
     for event in events:
         kind = event.get("event")
         if kind == "slot":
@@ -206,8 +210,10 @@ def _registry(start: dict, events: list[dict]):
             prompt = event["tokens"]
         elif kind == "config":
             config = event["config"]
+        elif kind == "router":
+            declared[event["tag"]] = event["router"]
     # A slot whose region was never claimed (offset -1) reports its counters only.
-    return slots, overflow, prompt, config
+    return slots, overflow, prompt, config, declared
 
 
 def recover_directory(directory: str | os.PathLike, force: bool = False,

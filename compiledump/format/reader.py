@@ -21,6 +21,7 @@ import numpy as np
 
 from . import spec
 from .keys import KeyInfo, infer_key_infos, info_from_manifest
+from .routers import RouterInfo, declared_router
 
 # Members smaller than this are read with one read() instead of an mmap (two syscalls fewer each).
 _SMALL_READ_BYTES = 1 << 16
@@ -131,6 +132,12 @@ class Dump:
     def replicas(self, key: str) -> list[Replica]:
         """The whole copies of ``key`` this side holds (one for a single file)."""
         raise NotImplementedError
+
+    def router(self, key: str) -> RouterInfo | None:
+        """How the router whose logits ``key`` holds selects its experts, as declared
+        (``compiledump.declare_router``; the manifest's ``routers``), or None."""
+        info = self.infos.get(key)
+        return declared_router((self.manifest or {}).get("routers"), info.tag if info is not None else key)
 
 
 def _read_npy_header(handle) -> tuple[tuple[int, ...], bool, np.dtype]:

@@ -1,0 +1,61 @@
+"""`declare_router`: how a router picks its experts, written into the dump for the comparator.
+
+A plain top-k router (Qwen3-MoE, Mixtral, Llama 4) needs no declaration: its experts are the
+top-k of its logits, which `layer<N>_router` holds. DeepSeek-V3's picks the top-k of
+sigmoid(logits) plus a per-expert bias, inside its best expert groups: its ids are not the top-k
+of its logits, and without this declaration the comparator cannot tell a routing flip of it from a
+bug (docs/compare.md, "Expert ids and near ties"). `instrument()` declares the routers it
+recognises; hand-written captures call this once, after the weights are loaded (the bias is read
+then, so one host copy, outside any capture).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..format.routers import RouterInfo, captured_routers
+from .state import STATE
+
+
+def declare_router(tag: str, *, top_k: int, score: str = "softmax", bias: torch.Tensor | Sequence[float] | None = None,
+                   n_group: int = 1, topk_group: int = 1, group_topk: int = 2) -> RouterInfo:
+    """Declare how the router whose logits are recorded as `tag` (`layer3_router`; its decode
+    steps' `layer3_step_router` follow it) selects `top_k` experts: by `score` ("softmax" or
+    "sigmoid") of its logits, plus `bias` (one value per expert, e.g. DeepSeek-V3's
+    `e_score_correction_bias`), inside the best `topk_group` of `n_group` equal groups of
+    consecutive experts, each group scored by the sum of its best `group_topk` scores (2 in
+    DeepSeek-V3; 1, its best score, in DeepSeek-V2). Raises ValueError for a declaration that
+    cannot describe a router. The manifest's `routers` holds it (docs/format.md)."""
+    if not isinstance(tag, str) or not tag:
+        raise TypeError(f"compiledump.declare_router: tag must be a non-empty string, got {tag!r}")
+    if isinstance(bias, torch.Tensor):
+        if bias.dim() != 1:
+            raise ValueError(f"compiledump.declare_router({tag!r}): bias must be 1-D, got shape {list(bias.shape)}")
+        bias = bias.detach().to("cpu", torch.float64).tolist()
+    try:
+        info = RouterInfo(top_k=top_k, score=score, bias=None if bias is None else tuple(float(b) for b in bias),
+                          n_group=n_group, topk_group=topk_group, group_topk=group_topk)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"compiledump.declare_router({tag!r}): {error}") from None
+    with STATE.lock:
+        STATE.routers[tag] = info
+        live = getattr(STATE.runtime, "live", None)
+        if live is not None:
+            live.write({"event": "router", "tag": tag, "router": info.to_json()})
+    return info
+
+
+def manifest_routers(captured_tags) -> dict[str, dict]:
+    """The declarations of routers among `captured_tags` (their own tag or their decode steps'),
+    as the manifest's `routers` holds them. Reads a copy: flush may run from a signal handler and
+    must not wait for the registry lock."""
+    return captured_routers({tag: info.to_json() for tag, info in dict(STATE.routers).items()}, captured_tags)
+
+
+def journal_routers(live) -> None:
+    """Journal every declaration so far into crash-proof capture's `live` files (a runtime just
+    created them), so that a recovered dump keeps them too."""
+    for tag, info in dict(STATE.routers).items():
+        live.write({"event": "router", "tag": tag, "router": info.to_json()})

@@ -1,0 +1,113 @@
+"""A router's declared selection: how it picks its experts from its logits.
+
+``compiledump.declare_router`` (which ``compiledump.instrument`` calls for the routers it
+recognises) writes one entry per router tag into the manifest's ``routers``; the comparator reads
+it back to judge expert-id mismatches (docs/compare.md, "Expert ids and near ties"). A plain top-k
+router needs none: the top-k of softmax(logits) or sigmoid(logits) are the top-k of the logits.
+DeepSeek-V3's, and the routers built like it (Kimi K2, GLM-4.5, dots.llm1, ...), pick the top-k of
+``sigmoid(logits) + bias`` inside the best expert groups, a group scoring the sum of its two best
+scores; DeepSeek-V2's group-limited greedy top-k scores a group by its best softmax score. One set
+of rules, here, checks both the declaration and the manifest entry read back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+SCORES = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class RouterInfo:
+    """How a router selects ``top_k`` experts from one row of logits.
+
+    Choice scores are ``score(logits)`` (+ ``bias`` when given); with ``n_group`` > 1 the experts
+    form ``n_group`` equal groups of consecutive ids, each scored by the sum of its best
+    ``group_topk`` choice scores, and the top-k is taken inside the best ``topk_group`` groups."""
+
+    top_k: int
+    score: str = "softmax"
+    bias: tuple[float, ...] | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    group_topk: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("top_k", "n_group", "topk_group", "group_topk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.score not in SCORES:
+            raise ValueError(f"score must be one of {SCORES}, got {self.score!r}")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"topk_group ({self.topk_group}) is more than n_group ({self.n_group})")
+        if self.bias is not None:
+            if not self.bias or not all(isinstance(b, float) and math.isfinite(b) for b in self.bias):
+                raise ValueError("bias must be a non-empty sequence of finite floats, one per expert")
+            if len(self.bias) % self.n_group:
+                raise ValueError(f"{len(self.bias)} experts (the bias's length) do not form {self.n_group} "
+                                 "equal groups")
+
+    @property
+    def plain(self) -> bool:
+        """Its top-k is the top-k of the logits (no bias that moves them, one group)."""
+        return self.n_group == 1 and (self.bias is None or not any(self.bias))
+
+    def fits(self, experts: int) -> str | None:
+        """Why this selection cannot apply to ``experts`` logits, or None."""
+        if self.bias is not None and len(self.bias) != experts:
+            return f"its bias holds {len(self.bias)} experts, the logits {experts}"
+        if experts % self.n_group:
+            return f"{experts} experts do not form {self.n_group} equal groups"
+        if self.top_k > experts // self.n_group * self.topk_group:
+            return f"top-{self.top_k} does not fit in {self.topk_group} groups of {experts // self.n_group}"
+        return None
+
+    def describe(self) -> str:
+        """``top-8 of sigmoid + bias in the best 4 of 8 groups``."""
+        text = f"top-{self.top_k} of {self.score}" + (" + bias" if self.bias is not None else "")
+        if self.n_group > 1:
+            text += f" in the best {self.topk_group} of {self.n_group} groups"
+        return text
+
+    def to_json(self) -> dict:
+        return {"top_k": self.top_k, "score": self.score, "bias": None if self.bias is None else list(self.bias),
+                "n_group": self.n_group, "topk_group": self.topk_group, "group_topk": self.group_topk}
+
+
+def router_from_json(entry) -> RouterInfo | None:
+    """The manifest entry ``entry`` read back, or None when it is not a valid one."""
+    if not isinstance(entry, dict):
+        return None
+    bias = entry.get("bias")
+    try:
+        return RouterInfo(top_k=entry.get("top_k"), score=entry.get("score", "softmax"),
+                          bias=None if bias is None else tuple(float(b) if isinstance(b, (int, float))
+                                                               and not isinstance(b, bool) else b for b in bias),
+                          n_group=entry.get("n_group", 1), topk_group=entry.get("topk_group", 1),
+                          group_topk=entry.get("group_topk", 2))
+    except (TypeError, ValueError):
+        return None
+
+
+STEP_ROUTER = "_step_router"  # a decode step's router tag: layer3_step_router beside layer3_router
+
+
+def declared_router(routers, tag: str) -> RouterInfo | None:
+    """The declaration for router tag ``tag`` in a manifest's ``routers`` (a decode step's tag
+    ``layer3_step_router`` falls back to its layer's ``layer3_router``), or None."""
+    if not isinstance(routers, dict):
+        return None
+    if tag in routers:
+        return router_from_json(routers[tag])
+    if tag.endswith(STEP_ROUTER):
+        return router_from_json(routers.get(tag[: -len(STEP_ROUTER)] + "_router"))
+    return None
+
+
+def captured_routers(declared: dict[str, dict], captured_tags) -> dict[str, dict]:
+    """The manifest's ``routers``: the entries of ``declared`` ({tag: entry}) whose router tag,
+    or its decode steps' tag, is among ``captured_tags`` (tag names, as ``tags[t].tag`` has them)."""
+    return {tag: entry for tag, entry in declared.items()
+            if tag in captured_tags or tag.removesuffix("_router") + STEP_ROUTER in captured_tags}

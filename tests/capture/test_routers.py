@@ -1,0 +1,127 @@
+"""`declare_router` and what `instrument` declares: the manifest's `routers` (docs/format.md),
+also in a dump recovered after a crash, and the declarations Hugging Face's routers get."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import compiledump
+from compiledump.capture.recover import recover_directory
+
+
+def _manifest(npz) -> dict:
+    return json.loads(Path(npz).with_suffix(".json").read_text())
+
+
+def test_declared_routers_of_captured_tags_reach_the_manifest(dump_dir):
+    compiledump.configure(moe_layers=10)  # every layer's router captured
+    bias = torch.randn(12, dtype=torch.float32)
+    compiledump.declare_router("layer3_router", top_k=4, score="sigmoid", bias=bias, n_group=3, topk_group=2)
+    compiledump.declare_router("layer5_router", top_k=2)  # its layer captures only decode steps
+    compiledump.declare_router("layer7_router", top_k=2)  # never captured: not written
+    compiledump.record("layer3_router", torch.randn(5, 12))
+    compiledump.record_step("layer5_step_router", torch.randn(1, 12))
+    compiledump.record("layer9_router", torch.randn(5, 12))  # captured, never declared
+    routers = _manifest(compiledump.flush())["routers"]
+    assert sorted(routers) == ["layer3_router", "layer5_router"]
+    assert routers["layer3_router"] == {"top_k": 4, "score": "sigmoid", "bias": bias.double().tolist(),
+                                        "n_group": 3, "topk_group": 2, "group_topk": 2}
+    assert np.array_equal(np.asarray(routers["layer3_router"]["bias"], np.float32), bias.numpy())  # exact
+    assert routers["layer5_router"]["bias"] is None and routers["layer5_router"]["score"] == "softmax"
+
+
+def test_no_declaration_no_routers_field(dump_dir):
+    compiledump.record("layer0_router", torch.randn(3, 8))
+    assert "routers" not in _manifest(compiledump.flush())
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(top_k=2, bias=torch.zeros(2, 4)), ValueError, "bias must be 1-D"),
+    (dict(top_k=2, score="tanh"), ValueError, "score must be one of"),
+    (dict(top_k=2, n_group=3, bias=torch.zeros(8)), ValueError, "do not form 3 equal groups"),
+    (dict(top_k=-1), ValueError, "top_k must be a positive int"),
+])
+def test_a_declaration_that_cannot_describe_a_router_is_refused_with_its_tag(dump_dir, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        compiledump.declare_router("layer1_router", **kwargs)
+    with pytest.raises(error, match="'layer1_router'"):
+        compiledump.declare_router("layer1_router", **kwargs)
+    with pytest.raises(TypeError, match="non-empty string"):
+        compiledump.declare_router("", top_k=2)
+
+
+def test_reset_forgets_declarations(dump_dir):
+    compiledump.declare_router("layer0_router", top_k=2, n_group=2)
+    compiledump.reset()
+    compiledump.record("layer0_router", torch.randn(3, 8))
+    assert "routers" not in _manifest(compiledump.flush())
+
+
+def test_a_recovered_dump_keeps_the_declarations(dump_dir):
+    """Declared before the arena existed (journaled when it is created) and after (journaled at
+    once): the dump `recover` writes from the crash-proof files has the flush's `routers`."""
+    compiledump.configure(moe_layers=10)
+    compiledump.declare_router("layer1_router", top_k=2, score="sigmoid", bias=torch.randn(8), n_group=2)
+    compiledump.record("layer1_router", torch.randn(4, 8))
+    compiledump.declare_router("layer2_router", top_k=3, n_group=4, topk_group=2, group_topk=1)
+    compiledump.record_step("layer2_step_router", torch.randn(1, 8))
+    assert compiledump.get_config().persist != "0"
+    flushed = compiledump.flush()
+    want = _manifest(flushed)["routers"]
+    results, errors = recover_directory(dump_dir, force=True, keep=True)
+    assert errors == [] and results[0].npz == Path(flushed)
+    assert _manifest(flushed)["routers"] == want and sorted(want) == ["layer1_router", "layer2_router"]
+
+
+transformers = pytest.importorskip("transformers")
+COMMON = dict(vocab_size=97, hidden_size=32, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
+              max_position_embeddings=32, intermediate_size=48, moe_intermediate_size=24, n_shared_experts=1,
+              first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=8, qk_nope_head_dim=8,
+              v_head_dim=8, head_dim=8)
+
+
+def _flushed_routers(model, dump_dir) -> dict:
+    handle = compiledump.instrument(model)
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 97, (1, 5)), use_cache=False)
+    routers = _manifest(compiledump.flush()).get("routers", {})
+    handle.remove()
+    return routers
+
+
+def test_instrument_declares_deepseek_v3_routers_with_their_bias(dump_dir):
+    config = transformers.DeepseekV3Config(**COMMON, n_routed_experts=12, num_experts_per_tok=3, n_group=4,
+                                           topk_group=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    for layer in model.model.layers[1:]:
+        layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+    compiledump.configure(moe_layers=3)
+    routers = _flushed_routers(model, dump_dir)
+    assert sorted(routers) == ["layer1_router", "layer2_router"]  # layer 0 is dense
+    for i in (1, 2):
+        expected = model.model.layers[i].mlp.gate.e_score_correction_bias.double().tolist()
+        assert routers[f"layer{i}_router"] == {"top_k": 3, "score": "sigmoid", "bias": expected, "n_group": 4,
+                                               "topk_group": 2, "group_topk": 2}
+
+
+def test_instrument_declares_deepseek_v2_group_limited_greedy_and_nothing_for_plain_top_k(dump_dir):
+    config = transformers.DeepseekV2Config(**{**COMMON, "num_key_value_heads": 2}, n_routed_experts=8,
+                                           num_experts_per_tok=2, n_group=4, topk_group=2,
+                                           topk_method="group_limited_greedy")
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    compiledump.configure(moe_layers=3)
+    routers = _flushed_routers(model, dump_dir)
+    assert routers["layer1_router"] == {"top_k": 2, "score": "softmax", "bias": None, "n_group": 4, "topk_group": 2,
+                                        "group_topk": 1}
+    compiledump.reset()
+    config = transformers.AutoConfig.for_model("qwen3_moe", vocab_size=97, hidden_size=32, num_hidden_layers=2,
+                                               num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                                               intermediate_size=48, moe_intermediate_size=24, num_experts=8,
+                                               num_experts_per_tok=2)
+    assert _flushed_routers(transformers.AutoModelForCausalLM.from_config(config).eval(), dump_dir) == {}
