@@ -12,6 +12,7 @@ import numpy as np
 
 from ..format.keys import KeyInfo, router_key_for, step_ids_key_for
 from ..format.reader import Dump, Member
+from ..format.routers import RouterInfo
 from .facts import SideFacts
 from .key_record import KeyRecord, MergeInfo, RankPart
 from .metrics import RowMetrics, Workspace, compare_float_arrays, compare_id_arrays, compare_rows
@@ -175,7 +176,7 @@ class KeyMeasurer:
     @functools.cached_property
     def not_top_k(self) -> str | None:
         """A reference row, of any ids key beside router logits, whose ids are not the top-k of
-        those logits (``layer2_topk row 3``), or None. Routing is one function of the whole model,
+        those logits, or what the router's declared selection picks (``layer2_topk row 3``), or None. Routing is one function of the whole model,
         so one such row anywhere means logit gaps judge no row of any layer (read once per pair)."""
         for key in sorted(self.ref.members):
             info = self.ref.infos.get(key)
@@ -188,10 +189,18 @@ class KeyMeasurer:
             except (OSError, ValueError, zipfile.BadZipFile, EOFError):
                 continue  # unreadable or several replicas: judge_ids says so for its own key
             router_info = self.ref.infos.get(router_key)
-            row = top_k_counterexample(ids, router, bool(router_info and router_info.all_rows))
+            row = top_k_counterexample(ids, router, bool(router_info and router_info.all_rows),
+                                       self.selection(router_key))
             if row is not None:
                 return f"{key} row {row}"
         return None
+
+    def selection(self, router_key: str | None) -> RouterInfo | None:
+        """How the router of ``router_key`` selects experts, as REF declares it, else as RUN does
+        (``compiledump.declare_router``); None: plain top-k."""
+        if router_key is None:
+            return None
+        return self.ref.router(router_key) or self.run.router(router_key)
 
     def _run_router(self, router_key: str) -> np.ndarray | None:
         """RUN's router logits beside the ids (for the run's router noise), when it has one float
@@ -231,7 +240,8 @@ class KeyMeasurer:
         all_rows = bool(router_key and router_key in self.ref.infos and self.ref.infos[router_key].all_rows)
         routing = judge_routing(x, y, router, router_key, all_rows, klass, class_from, self.options.near_tie,
                                 self.options.near_tie_ulps, unavailable, self.not_top_k,
-                                self._run_router(router_key) if router is not None else None)
+                                self._run_router(router_key) if router is not None else None,
+                                self.selection(router_key))
         status = "mismatch" if routing.divergent else routing.verdict
         return replace(record, routing=routing, status=status, divergent=routing.divergent)
 

@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..format.routers import RouterInfo
 from .metrics import bf16_spacing
+from .selection import first_unexplained, row_gap
 
 STRICT_CLASSES = ("fp32",)
 # Most rows listed per routing record (JSON) and in a text line.
@@ -232,71 +234,27 @@ def router_rows(ids_rows: int, router: np.ndarray | None, all_rows: bool) -> dic
     return {}
 
 
-def _slack(scores: np.ndarray) -> float:
-    # float32 softmax/top-k may order logits this close either way
-    return 1e-6 * float(np.max(np.abs(scores[np.isfinite(scores)]), initial=0.0))
-
-
-def is_top_k(logits: np.ndarray, ids) -> bool:
-    """Whether ``ids`` (valid indices into ``logits``) are the experts with the largest logits."""
-    scores = np.asarray(logits, np.float64)
-    chosen = {int(i) for i in ids}
-    others = [i for i in range(scores.shape[0]) if i not in chosen]
-    return not others or min(scores[sorted(chosen)]) >= max(scores[others]) - _slack(scores)
-
-
-def top_k_counterexample(ids: np.ndarray, router: np.ndarray, all_rows: bool) -> int | None:
-    """A row whose reference ids are not the top-k of its router logits (None: every row the
-    logits cover is top-k routing, as far as these rows tell)."""
+def top_k_counterexample(ids: np.ndarray, router: np.ndarray, all_rows: bool,
+                         selection: RouterInfo | None = None) -> int | None:
+    """A row whose reference ids are not the top-k of its router logits, or, for a declared
+    ``selection`` that is not plain top-k, not what it selects (None: every row the logits cover
+    is explained, as far as these rows tell)."""
     a = _rows(np.asarray(ids))
-    for row, logits in router_rows(a.shape[0], np.asarray(router), all_rows).items():
-        logits = np.asarray(logits, np.float64)
-        if np.all((0 <= a[row]) & (a[row] < logits.shape[0])) and not is_top_k(logits, a[row]):
-            return row
-    return None
-
-
-def row_gap(logits: np.ndarray, ref_row: np.ndarray, run_row: np.ndarray) -> tuple[float | None, str | None]:
-    """The tie gap of one differing row (see :class:`RoutingRow`), or (None, why) when the
-    logits cannot judge it: ids outside the logits, or reference ids that are not the top-k of
-    the logits (routing with a bias or grouped top-k, or logits of another row)."""
-    scores = np.asarray(logits, np.float64)
-    experts = scores.shape[0]
-    ref_ids, run_ids = [int(i) for i in ref_row], [int(i) for i in run_row]
-    if any(not 0 <= i < experts for i in ref_ids + run_ids):
-        return None, f"ids outside the {experts} router logits"
-    chosen = set(ref_ids)
-    slack = _slack(scores)
-    if not is_top_k(scores, ref_ids):
-        return None, "the reference ids are not the top-k of its router logits"
-    displaced = [i for i in ref_ids if i not in set(run_ids)]
-    instead = [i for i in run_ids if i not in chosen]
-    gap = 0.0
-    if displaced and instead:
-        gap = float(max(scores[displaced]) - min(scores[instead]))
-    # The order of the ids, when the reference lists them by descending score: a run that lists
-    # a lower-scored expert first contradicts the scores by the difference.
-    ref_scores = scores[ref_ids]
-    if len(ref_ids) > 1 and np.all(ref_scores[:-1] >= ref_scores[1:] - slack):
-        run_scores = scores[run_ids]
-        for i in range(len(run_ids)):
-            later = run_scores[i + 1:]
-            if later.size:
-                gap = max(gap, float(np.max(later) - run_scores[i]))
-    return max(gap, 0.0), None
+    return first_unexplained(router_rows(a.shape[0], np.asarray(router), all_rows), a, selection)
 
 
 def judge_routing(ref_ids: np.ndarray, run_ids: np.ndarray, router: np.ndarray | None, router_key: str | None,
                   all_rows: bool, klass: str, class_from: str, near_tie: float | None, near_tie_ulps: float,
                   unavailable: str | None = None, not_top_k: str | None = None,
-                  run_router: np.ndarray | None = None) -> Routing:
+                  run_router: np.ndarray | None = None, selection: RouterInfo | None = None) -> Routing:
     """Judge the differing rows of an ids key (equal sizes on both sides) by the reference's
     router logits ``router`` (None when absent; ``unavailable`` then says why) under the
     precision class ``klass``. ``not_top_k`` names a row of the reference (of any layer) whose
     ids are not the top-k of its router logits: the model routes by more than those logits (a
     bias, or DeepSeek-V3's group-limited top-k), so their gaps judge no row. ``run_router``
     (RUN's logits, when of the same shape) gives each covered row's logit error, from which
-    ``Routing.widen_by_noise`` measures the run's noise once the rows earlier flips reach are known."""
+    ``Routing.widen_by_noise`` measures the run's noise once the rows earlier flips reach are known.
+    ``selection``: the router's declared selection (format/routers.py), None for plain top-k."""
     a = _rows(np.asarray(ref_ids))
     b = np.asarray(run_ids).reshape(a.shape)
     covered = router_rows(a.shape[0], None if router is None else np.asarray(router), all_rows)
@@ -320,11 +278,12 @@ def judge_routing(ref_ids: np.ndarray, run_ids: np.ndarray, router: np.ndarray |
         ref_set, run_set = set(a[row].tolist()), set(b[row].tolist())
         entry = RoutingRow(row, len(ref_set & run_set), len(ref_set), same_set=ref_set == run_set)
         if row in covered and not_top_k is not None:
-            entry.reason = (f"REF routes by more than its router logits ({not_top_k}: ids not their top-k; a bias "
-                            "or a grouped top-k, as DeepSeek-V3's), so their gaps cannot tell a near tie")
+            entry.reason = (f"REF routes by more than its router logits ({not_top_k}: ids not what they select; a "
+                            "bias or expert groups, as DeepSeek-V3's, need compiledump.declare_router), so their "
+                            "gaps cannot tell a near tie")
         elif row in covered:
             logits = np.asarray(covered[row], np.float64)
-            entry.gap, entry.reason = row_gap(logits, a[row], b[row])
+            entry.gap, entry.reason = row_gap(logits, a[row], b[row], selection)
             if entry.gap is not None:
                 entry.epsilon = routing_epsilon(logits, near_tie, near_tie_ulps)
         else:

@@ -273,7 +273,7 @@ def test_reference_ids_that_are_not_the_top_k_of_its_logits_are_not_judged(tmp_p
     run = run_side(ref, rng, {(1, TOKENS - 1): new})
     report = compare(*write_pair(tmp_path, ref, run, "bfloat16", all_rows=False))
     (row,) = next(r for r in report.keys if r.key == "layer1_topk").routing.rows
-    assert row.gap is None and "layer1_topk row 5: ids not their top-k" in row.reason
+    assert row.gap is None and "layer1_topk row 5: ids not what they select" in row.reason
     assert report.exit_status == 3 and report.problems[0].kind == "ids_not_judged"
     assert "rows=\"all\"" not in report.problems[0].detail  # all rows would not help: the logits cannot judge
 
@@ -296,7 +296,7 @@ def test_one_layer_routed_by_more_than_its_logits_leaves_no_layer_judged_by_them
     report = compare(*write_pair(tmp_path / "grouped", grouped, run, "bfloat16", all_rows=True))
     record = next(r for r in report.keys if r.key == "layer1_topk")
     (row,) = record.routing.rows
-    assert row.gap is None and "layer0_topk row 2: ids not their top-k" in row.reason
+    assert row.gap is None and "layer0_topk row 2: ids not what they select" in row.reason
     assert record.routing.verdict == "not_judged" and not record.divergent
     assert record.routing.to_json()["not_top_k"] == "layer0_topk row 2"
     # The same swap where every reference row is top-k routing: far from a tie, a divergence.

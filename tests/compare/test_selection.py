@@ -1,0 +1,174 @@
+"""A declared router's selection (compare/selection.py) against Hugging Face's own routers.
+
+The references are transformers' DeepSeek-V3 router (top-k of sigmoid(logits) + bias in the best
+expert groups, a group scored by its two best) and DeepSeek-V2's group-limited greedy router
+(softmax, a group scored by its best), built from a config with the identity as their weight so
+that the hidden state fed in is the logits row (random data; nothing is downloaded). What must
+hold: the selection replays theirs; an honest perturbation of the logits by at most e that flips
+the routing has a gap of at most 2e; the witness at the reported gap makes their router pick the
+run's experts; for a plain top-k the gap is the plain rule's closed form.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from compiledump.compare import selection
+from compiledump.format.routers import RouterInfo, declared_router, router_from_json
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+# (experts, groups, groups kept, top-k): DeepSeek-V3's shape scaled down, odd group sizes, one group.
+SHAPES = [(32, 8, 3, 6), (24, 4, 2, 5), (15, 3, 1, 4), (16, 1, 1, 3)]
+
+
+def v3_router(experts: int, groups: int, kept: int, k: int, bias: np.ndarray):
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    config = transformers.DeepseekV3Config(hidden_size=experts, num_attention_heads=1, num_key_value_heads=1,
+                                           n_routed_experts=experts, num_experts_per_tok=k,
+                                           n_group=groups, topk_group=kept)
+    router = DeepseekV3TopkRouter(config)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(experts))
+        router.e_score_correction_bias.copy_(torch.from_numpy(bias))
+    return router
+
+
+def v2_router(experts: int, groups: int, kept: int, k: int):
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    config = transformers.DeepseekV2Config(hidden_size=experts, num_attention_heads=1, num_key_value_heads=1,
+                                           n_routed_experts=experts, num_experts_per_tok=k,
+                                           n_group=groups, topk_group=kept, topk_method="group_limited_greedy")
+    router = DeepseekV2TopkRouter(config)
+    assert router.num_experts == experts
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(experts))
+    return router
+
+
+def picks(router, logits: np.ndarray) -> np.ndarray:
+    """The experts Hugging Face's router picks for each row of ``logits``, sorted."""
+    with torch.no_grad():
+        return np.sort(router(torch.from_numpy(np.ascontiguousarray(logits, np.float32)))[2].numpy(), axis=-1)
+
+
+def cases(rng, shape):
+    """(RouterInfo, Hugging Face router) of the V3 kind with a random bias, and of the V2 kind."""
+    experts, groups, kept, k = shape
+    bias = (rng.standard_normal(experts) * 0.05).astype(np.float32)
+    yield (RouterInfo(top_k=k, score="sigmoid", bias=tuple(float(b) for b in bias), n_group=groups, topk_group=kept),
+           v3_router(experts, groups, kept, k, bias))
+    if groups > 1:
+        yield (RouterInfo(top_k=k, score="softmax", n_group=groups, topk_group=kept, group_topk=1),
+               v2_router(experts, groups, kept, k))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_selection_replays_hugging_faces_routers(shape):
+    rng = np.random.default_rng(sum(shape))
+    for info, router in cases(rng, shape):
+        logits = rng.standard_normal((400, shape[0])).astype(np.float32)
+        ids = picks(router, logits)
+        assert np.array_equal(selection.select(info, selection.choice_scores(info, logits)), ids)
+        assert selection.unexplained_row(info, logits, ids) is None
+        # One expert replaced by another that the router did not pick: no longer its selection.
+        wrong = ids.copy()
+        wrong[7, 0] = next(e for e in range(shape[0]) if e not in ids[7])
+        assert selection.unexplained_row(info, logits, wrong) == 7
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_an_honest_perturbation_of_at_most_e_has_a_gap_of_at_most_2e(shape):
+    rng = np.random.default_rng(100 + sum(shape))
+    for info, router in cases(rng, shape):
+        flips = 0
+        for _ in range(400):
+            logits = rng.standard_normal((1, shape[0])).astype(np.float32)
+            e = 10 ** rng.uniform(-3, 0)
+            moved = logits + rng.uniform(-e, e, logits.shape).astype(np.float32)
+            ref, run = picks(router, logits)[0], picks(router, moved)[0]
+            if set(ref) == set(run):
+                continue
+            flips += 1
+            actual = float(np.max(np.abs(moved.astype(np.float64) - logits)))
+            assert selection.selection_gap(info, logits[0], run) <= 2 * actual * (1 + 1e-6) + 1e-9
+        assert flips >= 20  # the check ran on flips, not only on agreeing rows
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_witness_at_the_gap_makes_their_router_pick_the_run_s_experts(shape):
+    rng = np.random.default_rng(200 + sum(shape))
+    experts, k = shape[0], shape[3]
+    for info, router in cases(rng, shape):
+        checked = 0
+        for _ in range(150):
+            logits = rng.standard_normal(experts) * rng.uniform(0.3, 1.5)
+            # k experts inside `kept` random groups: a set a grouped router can select.
+            size = experts // shape[1]
+            groups = rng.choice(shape[1], shape[2], replace=False)
+            run = np.sort(rng.choice(np.concatenate([np.arange(g * size, (g + 1) * size) for g in groups]), k,
+                                     replace=False))
+            gap = selection.selection_gap(info, logits, run)
+            if not math.isfinite(gap) or gap < 1e-3:
+                continue
+            checked += 1
+            # Their router computes in float32: 1 % above the gap leaves room for its rounding.
+            reached = selection.witness(info, logits, run, gap / 2 * 1.01)
+            assert reached is not None and np.max(np.abs(reached - logits)) <= gap / 2 * 1.01 * (1 + 1e-12)
+            assert np.array_equal(picks(router, reached[None])[0], run)
+            # The smallest within the bisection's resolution: a thousandth less reaches nothing.
+            assert selection.witness(info, logits, run, gap / 2 * (1 - 1e-3)) is None
+        assert checked >= 30
+
+
+def test_for_a_plain_top_k_the_gap_is_the_plain_rule_s():
+    """One group, no bias: the bisection's gap equals max(displaced) - min(instead) of the logits,
+    what compare/routing.py has always used."""
+    rng = np.random.default_rng(5)
+    for score in ("softmax", "sigmoid"):
+        info = RouterInfo(top_k=3, score=score)
+        for _ in range(200):
+            logits = rng.standard_normal(11) * rng.uniform(0.1, 4)
+            ref = np.argsort(-logits, kind="stable")[:3]
+            run = rng.choice(11, 3, replace=False)
+            displaced = [i for i in ref if i not in run]
+            instead = [i for i in run if i not in ref]
+            expected = max(logits[displaced]) - min(logits[instead]) if displaced else 0.0
+            assert selection.selection_gap(info, logits, run) == pytest.approx(max(expected, 0.0), rel=1e-7,
+                                                                                 abs=1e-9)
+
+
+def test_a_selection_out_of_reach_has_an_infinite_gap():
+    """A bias far larger than any sigmoid score keeps an expert chosen whatever the logits do."""
+    info = RouterInfo(top_k=1, score="sigmoid", bias=(5.0, 0.0, 0.0, 0.0))
+    assert selection.selection_gap(info, np.array([-3.0, 2.0, 1.0, 0.0]), [1]) == math.inf
+    assert selection.selection_gap(info, np.array([-3.0, 2.0, 1.0, 0.0]), [0]) == 0.0
+    assert selection.selection_gap(info, np.zeros(4), [0, 1]) == math.inf  # two ids for a top-1
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(top_k=0), "top_k must be a positive int"),
+    (dict(top_k=2, score="relu"), "score must be one of"),
+    (dict(top_k=2, n_group=2, topk_group=3), "topk_group (3) is more than n_group (2)"),
+    (dict(top_k=2, bias=(0.1, float("nan"))), "finite floats"),
+    (dict(top_k=2, bias=(0.1, 0.2, 0.3), n_group=2), "do not form 2 equal groups"),
+])
+def test_a_declaration_that_cannot_describe_a_router_is_refused(bad, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        RouterInfo(**bad)
+
+
+def test_manifest_entries_round_trip_and_malformed_ones_read_as_none():
+    info = RouterInfo(top_k=4, score="sigmoid", bias=(0.25, -0.5, 0.0, 1.0, 0.5, 0.125), n_group=3, topk_group=2)
+    assert router_from_json(info.to_json()) == info
+    routers = {"layer3_router": info.to_json(), "layer4_router": {"top_k": "two"}}
+    assert declared_router(routers, "layer3_router") == info
+    assert declared_router(routers, "layer3_step_router") == info  # a decode step follows its layer's
+    assert declared_router(routers, "layer4_router") is None
+    assert declared_router(routers, "layer5_router") is None and declared_router(None, "layer3_router") is None
+    assert info.fits(6) is None and "bias holds 6 experts" in info.fits(8)
+    assert "does not fit in 2 groups of 1" in RouterInfo(top_k=3, n_group=3, topk_group=2).fits(3)
