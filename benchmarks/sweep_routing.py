@@ -7,15 +7,19 @@ engine; one 7-token prompt per model, no KV cache, every MoE layer recorded
 mode, and compared with ``compiledump.compare.compare`` and the defaults, exactly as ``compiledump
 compare`` does. Nothing is wrong in any pair, so every exit 1 is a false divergence; exit 3 means
 the comparator could not tell (expert ids differ where no reference router logits judge them).
+With ``--engine-bug`` the engine's DeepSeek-V3 routing is broken instead, and every exit 1 is the
+bug found.
 
 Models (4 layers, hidden 64, 8 experts top-2, ``initializer_range`` 0.1): Qwen3-MoE, Mixtral and
-DeepSeek-V3 with one expert group (plain top-k of sigmoid scores, so its flips can be judged; one
-shared expert, layer 0 dense). benchmarks/calibrate.py calibrates the thresholds themselves; this
+DeepSeek-V3 with one expert group (plain top-k of sigmoid scores; one shared expert, layer 0
+dense), and DeepSeek-V3 with its own routing (``deepseek_v3_grouped``: 16 experts in 4 groups,
+top-4 in the best 2, sigmoid scores plus a random bias; judged by the selection ``instrument``
+declares). benchmarks/calibrate.py calibrates the thresholds themselves; this
 sweep counts verdicts over more random models than it can afford (docs/compare.md, "Expert ids
 and near ties").
 
-Usage: python benchmarks/sweep_routing.py [--seeds 100] [--models qwen3_moe,mixtral,deepseek_v3]
-       [--rows one,all] [--tokens 7] [--verbose]
+Usage: python benchmarks/sweep_routing.py [--seeds 100] [--models qwen3_moe,mixtral,deepseek_v3,...]
+       [--rows one,all] [--tokens 7] [--engine-bug none|no_bias|no_groups] [--verbose]
 (about 30 seconds for the defaults on a 2-core CPU box; results in benchmarks/RESULTS.md).
 """
 
@@ -49,14 +53,48 @@ CONFIGS = {
     "deepseek_v3": dict(intermediate_size=96, moe_intermediate_size=48, n_routed_experts=8, n_shared_experts=1,
                         first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16,
                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8),
+    # DeepSeek-V3's own routing: 16 experts in 4 groups, top-4 inside the best 2 groups, by
+    # sigmoid scores plus a random bias (build() draws it: a trained model's is not zero).
+    "deepseek_v3_grouped": dict(intermediate_size=96, moe_intermediate_size=48, n_routed_experts=16,
+                                n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
+                                num_experts_per_tok=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+                                qk_nope_head_dim=8, v_head_dim=16, head_dim=8),
 }
+MODEL_TYPES = {"deepseek_v3_grouped": "deepseek_v3"}
+BIAS_STD = 0.02  # about the spread of the sigmoid scores of these random routers
 
 
 def build(model: str, seed: int) -> torch.nn.Module:
     """The float32 model ``model`` with random weights from ``seed``, eval mode."""
-    config = transformers.AutoConfig.for_model(model, **CONFIGS[model], **COMMON)
+    config = transformers.AutoConfig.for_model(MODEL_TYPES.get(model, model), **{**COMMON, **CONFIGS[model]})
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+    built = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for module in built.modules():
+            bias = getattr(module, "e_score_correction_bias", None)
+            if isinstance(bias, torch.Tensor) and config.n_group > 1:
+                bias.normal_(0.0, BIAS_STD)
+    return built
+
+
+def _routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor)]
+
+
+@torch.no_grad()
+def _forget_bias(model: torch.nn.Module) -> None:
+    for router in _routers(model):
+        router.e_score_correction_bias.zero_()
+
+
+def _ignore_groups(model: torch.nn.Module) -> None:
+    for router in _routers(model):
+        router.num_group = router.topk_group = 1
+
+
+# Routing bugs an engine can have (--engine-bug): forgetting DeepSeek-V3's score-correction bias,
+# or taking the top-k over every expert instead of inside the best groups.
+ENGINE_BUGS = {"none": lambda model: None, "no_bias": _forget_bias, "no_groups": _ignore_groups}
 
 
 def main() -> int:
@@ -65,6 +103,9 @@ def main() -> int:
     parser.add_argument("--models", default=",".join(CONFIGS), help="comma-separated subset")
     parser.add_argument("--rows", default="one,all", help="recording modes (default one,all)")
     parser.add_argument("--tokens", type=int, default=PROMPT_TOKENS, help=f"prompt length (default {PROMPT_TOKENS})")
+    parser.add_argument("--engine-bug", default="none", choices=sorted(ENGINE_BUGS),
+                        help="break the engine's routing (DeepSeek-V3 routers): every pair is then wrong, and "
+                             "exit 1 is the detection (default none: every pair honest)")
     parser.add_argument("--verbose", action="store_true", help="print the report of every pair that exits 1")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -75,6 +116,7 @@ def main() -> int:
             for seed in range(args.seeds):
                 reference = build(model, seed)
                 engine = copy.deepcopy(reference).to(torch.bfloat16)
+                ENGINE_BUGS[args.engine_bug](engine)
                 ids = torch.randint(3, COMMON["vocab_size"], (1, args.tokens),
                                     generator=torch.Generator().manual_seed(seed + 1))
                 for rows in args.rows.split(","):

@@ -40,10 +40,20 @@ def _model(arch: str, seed: int):
             "deepseek_v3", moe_intermediate_size=48, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1,
             n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
             v_head_dim=16, head_dim=8, **common)
+    elif arch == "deepseek_v3_grouped":  # its own routing: 16 experts in 4 groups, top-4 in the best 2
+        config = transformers.AutoConfig.for_model(
+            "deepseek_v3", moe_intermediate_size=48, n_routed_experts=16, n_shared_experts=1, first_k_dense_replace=1,
+            n_group=4, topk_group=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=16, head_dim=8, **{**common, "num_experts_per_tok": 4})
     else:
         config = transformers.AutoConfig.for_model("mixtral", num_local_experts=8, **common)
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    if arch == "deepseek_v3_grouped":  # a trained model's bias is not zero (benchmarks/sweep_routing.py's draw)
+        with torch.no_grad():
+            for layer in model.model.layers[1:]:
+                layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.02)
+    return model
 
 
 def _arrays(directory) -> dict[str, np.ndarray]:
@@ -167,3 +177,35 @@ def test_a_near_tie_of_the_last_prompt_token_reaches_its_logits(rows, tmp_path):
     assert records["logits_0"].status == "after_near_tie"
     assert records["logits_0"].excused_by == ["layer2_step_topk_0"]
     assert report.first_divergence is None and report.exit_status == 0 and not report.problems
+
+
+def test_deepseek_v3_s_own_routing_is_judged_by_the_selection_instrument_declares(tmp_path):
+    """DeepSeek-V3 with expert groups and a bias (random seed 4 of benchmarks/sweep_routing.py's
+    deepseek_v3_grouped), bf16 against fp32, all rows: its ids are not the top-k of its router
+    logits, so logit gaps cannot judge them; instrument() declares the selection (sigmoid + bias,
+    best 2 of 4 groups) and rounding's flips are near ties (before: 'could not tell', exit 3).
+    An engine that forgets the bias diverges at its first flip (before: exit 3 as well)."""
+    reference = _model("deepseek_v3_grouped", 4)
+    ids = torch.randint(3, 211, (1, 7), generator=torch.Generator().manual_seed(5))
+    engine = copy.deepcopy(reference).to(torch.bfloat16)
+    for side, model in (("ref", reference), ("run", engine)):
+        dump_prefill(model, tmp_path / side, ids, "all")
+    ref, run = _arrays(tmp_path / "ref"), _arrays(tmp_path / "run")
+    top_k = np.sort(np.argsort(-ref["layer1_router"], axis=1, kind="stable")[:, :4], axis=1)
+    assert (top_k != np.sort(ref["layer1_topk"], axis=1)).any(), "the bias and groups no longer matter here"
+    flipped = [key for key in ref if key.endswith("_topk") and
+               any(set(a) != set(b) for a, b in zip(ref[key].tolist(), run[key].tolist()))]
+    assert flipped, "no routing flip: the sweep's seed no longer flips (re-pick it)"
+    report = compare(tmp_path / "ref", tmp_path / "run")
+    records = {record.key: record for record in report.keys}
+    assert all(records[key].routing.verdict == "near_tie" for key in flipped)
+    assert report.exit_status == 0 and report.first_divergence is None
+
+    forgetful = copy.deepcopy(engine)
+    with torch.no_grad():
+        for layer in forgetful.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.zero_()
+    dump_prefill(forgetful, tmp_path / "bug", ids, "all")
+    report = compare(tmp_path / "ref", tmp_path / "bug")
+    assert report.exit_status == 1
+    assert report.root_cause is not None and report.root_cause.key == "layer1_topk"

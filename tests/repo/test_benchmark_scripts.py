@@ -1,5 +1,6 @@
-"""The verdict sweep runs as documented (a small slice of it: one random model per mode), so its
-arguments and its use of the library cannot break unseen. Its numbers live in RESULTS.md, not here."""
+"""The verdict sweep runs as documented (a small slice of it: two random models per mode, an engine
+bug included), so its arguments and its use of the library cannot break unseen. Its numbers live in
+RESULTS.md, not here."""
 
 import subprocess
 import sys
@@ -13,12 +14,12 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 def test_sweep_routing_prints_its_verdict_table(tmp_path):
     out = subprocess.run([sys.executable, str(BENCHMARKS / "sweep_routing.py"), "--seeds", "2", "--models",
-                          "qwen3_moe,deepseek_v3"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                          "qwen3_moe,deepseek_v3_grouped", "--engine-bug", "no_groups"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
-    assert sum(line.startswith(("qwen3_moe rows=", "deepseek_v3 rows=")) for line in lines) == 8
+    assert sum(line.startswith(("qwen3_moe rows=", "deepseek_v3_grouped rows=")) for line in lines) == 8
     table = lines[lines.index(next(line for line in lines if line.startswith("model "))) + 1:]
-    rows = [line.split() for line in table if line.split() and line.split()[0] in ("qwen3_moe", "deepseek_v3")]
+    rows = [line.split() for line in table if line.split() and line.split()[0] in ("qwen3_moe", "deepseek_v3_grouped")]
     assert [(row[0], row[1]) for row in rows] == [("qwen3_moe", "one"), ("qwen3_moe", "all"),
-                                                  ("deepseek_v3", "one"), ("deepseek_v3", "all")]
+                                                  ("deepseek_v3_grouped", "one"), ("deepseek_v3_grouped", "all")]
     assert all(int(row[2]) == 2 == sum(int(value) for value in row[3:6]) for row in rows)
