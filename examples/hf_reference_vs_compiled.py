@@ -1,7 +1,7 @@
 """A Hugging Face model as a reference and as a compiled engine, dumped with `compiledump.instrument`
 and nothing else, then compared.
 
-    python examples/hf_reference_vs_compiled.py [OUT] [--model qwen3_moe|mixtral|llama|deepseek_v3] [--batch 4]
+    python examples/hf_reference_vs_compiled.py [OUT] [--model qwen3_moe|mixtral|llama|deepseek_v3|deepseek_v3_grouped] [--batch 4]
         [--steps 6] [--dtype float32|bfloat16|float16] [--rows one|all]
         [--inject-bug LAYER [--bug norm|experts|expert]]
 
@@ -45,13 +45,19 @@ CONFIGS = {
     "qwen3_moe": lambda: Qwen3MoeConfig(**SIZES, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2),
     "mixtral": lambda: MixtralConfig(**SIZES, num_local_experts=8, num_experts_per_tok=2),
     "llama": lambda: LlamaConfig(**SIZES),
-    # One expert group: a plain top-k of sigmoid scores, so the comparator can judge its routing
-    # flips (DeepSeek-V3's own 8 groups are not judged: docs/compare.md); one shared expert.
+    # One expert group: a plain top-k of sigmoid scores; one shared expert.
     "deepseek_v3": lambda: DeepseekV3Config(**{**SIZES, "head_dim": 8, "num_key_value_heads": 4},
                                             moe_intermediate_size=48, n_routed_experts=8, num_experts_per_tok=2,
                                             n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
                                             kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                                             v_head_dim=16),
+    # DeepSeek-V3's own routing, scaled down: 16 experts in 4 groups, top-4 inside the best 2, by
+    # sigmoid scores plus a bias (build_model draws it); instrument() declares that selection.
+    "deepseek_v3_grouped": lambda: DeepseekV3Config(**{**SIZES, "head_dim": 8, "num_key_value_heads": 4},
+                                                    moe_intermediate_size=48, n_routed_experts=16,
+                                                    num_experts_per_tok=4, n_shared_experts=1, first_k_dense_replace=1,
+                                                    n_group=4, topk_group=2, kv_lora_rank=16, q_lora_rank=16,
+                                                    qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
 }
 BUGS = ("norm", "experts", "expert")
 PROMPT_LEN = 7
@@ -59,9 +65,16 @@ PROMPT_LEN = 7
 
 
 def build_model(name: str, seed: int = 0) -> torch.nn.Module:
-    """The model `name` from its small config, float32, eval mode, weights from `seed`."""
+    """The model `name` from its small config, float32, eval mode, weights from `seed` (and a
+    router bias of std 0.02, where the model has one: a config builds it zero, a trained one is not)."""
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(CONFIGS[name]()).eval()
+    model = AutoModelForCausalLM.from_config(CONFIGS[name]()).eval()
+    if name == "deepseek_v3_grouped":
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(getattr(module, "e_score_correction_bias", None), torch.Tensor):
+                    module.e_score_correction_bias.normal_(0.0, 0.02)
+    return model
 
 
 class Inputs:
