@@ -49,8 +49,7 @@ def inspect_dump(dump: DumpFile) -> dict:
         entry: dict[str, Any] = {
             "key": info.key, "kind": info.kind, "tag": info.tag, "layer": info.layer, "step": info.step,
             "shape": list(member.shape), "from_manifest": info.from_manifest,
-            # A step of ids is stored as float32 and read back as int32: show what readers get.
-            "dtype": "int32" if member.ids_in_floats else str(member.dtype),
+            "dtype": str(member.read_dtype),  # a step of ids: stored as float32, read back as int32
         }
         shard = dump.shard(info.key)
         if shard is not None:

@@ -79,7 +79,7 @@ class KeyMeasurer:
                           ref_info.written_phase, run_info.written_phase)
         record = KeyRecord(key=key, rank=self.rank, kind=info.kind, tag=info.tag, layer=info.layer, step=info.step,
                            phase=info.phase, shape_ref=list(ref_member.shape), shape_run=list(run_member.shape),
-                           dtype_ref=str(ref_member.dtype), dtype_run=str(run_member.dtype), sides=sides,
+                           dtype_ref=str(ref_member.read_dtype), dtype_run=str(run_member.read_dtype), sides=sides,
                            limits=self.options.thresholds_for(key, ref_info.source_dtype, run_info.source_dtype,
                                                               info.phase, self.klass))
         reason = not_comparable_reason(info.kind, ref_info, run_info)
@@ -88,12 +88,12 @@ class KeyMeasurer:
             return replace(record, status="not_comparable", reason=reason)
         all_rows = ref_info.all_rows or run_info.all_rows or info.all_rows
         info = replace(info, all_rows=all_rows)
-        dtypes = f"{ref_member.dtype} vs {run_member.dtype}"
+        dtypes = f"{ref_member.read_dtype} vs {run_member.read_dtype}"
         if ref_member.is_integer != run_member.is_integer:
             problems.append(Problem("dtype_mismatch", self.rank, f"{dtypes}: integer ids vs floats, not compared", key))
             record.status = "skipped"
             return record
-        if ref_member.dtype != run_member.dtype:
+        if ref_member.read_dtype != run_member.read_dtype:
             how = "compared as integers" if ref_member.is_integer else "compared in float64"
             problems.append(Problem("dtype_mismatch", self.rank, f"{dtypes}: {how}", key))
         if ref_member.shape != run_member.shape:

@@ -56,6 +56,11 @@ class Member:
         return int(math.prod(self.shape))
 
     @property
+    def read_dtype(self) -> np.dtype:
+        """The dtype readers give back: int32 for a step of ids stored as float32."""
+        return np.dtype(np.int32) if self.ids_in_floats else self.dtype
+
+    @property
     def is_integer(self) -> bool:
         return self.ids_in_floats or bool(np.issubdtype(self.dtype, np.integer) or self.dtype == np.bool_)
 

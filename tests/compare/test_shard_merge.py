@@ -300,3 +300,44 @@ def test_inspect_shows_parallel_groups_and_shards(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert "parallel: tp_rank=0 tp_size=2" in out
     assert any(line.startswith("shards: 8 keys: layer0_up (concat tp dim 0), layer0_partial (sum tp)") for line in out)
+
+
+@pytest.mark.parametrize("bad_rank", [None, 1])
+def test_a_step_of_ids_stays_ids_on_a_merged_side(tmp_path, bad_rank):
+    """A decode step's expert ids (`record_step` of an integer tensor: stored as float32, the
+    manifest's source dtype int64) replicated on each tp rank: merged, they are still compared as
+    ids (strictly, as every merged side's ids), and a rank whose copy differs is named."""
+    rng = np.random.default_rng(3)
+    ids = np.stack([rng.choice(16, TOPK, replace=False) for _ in range(STEPS)]).astype(np.float32)
+    ref = [factory.Capture(f"layer0_step_topk_{n}", ids[n], "step", "layer0_step_topk", n) for n in range(STEPS)]
+    ref += [factory.Capture(f"logits_{n}", rng.standard_normal(VOCAB).astype(np.float32), "step", "logits", n)
+            for n in range(STEPS)]
+
+    def manifest(captures, rank, pid):
+        m = factory.manifest_for(captures, rank, pid=pid)
+        for key, entry in m["keys"].items():
+            if "topk" in key:
+                entry["source_dtype"] = "int64"
+        return m
+
+    ref_path = factory.write_compiledump(tmp_path / "ref", ref, rank="x", pid=1, manifest=manifest(ref, "x", 1))
+    for rank in range(2):  # the logits are vocab shards (so the ranks merge), the ids replicated
+        caps = [factory.replace(c, array=c.array.copy() if "topk" in c.key else
+                                np.array_split(c.array, 2)[rank].copy()) for c in ref]
+        if rank == bad_rank:
+            caps[1].array[0] = 15.0 if caps[1].array[0] != 15.0 else 14.0
+        m = manifest(caps, rank, 1000 + rank)
+        m["world_size"], m["parallel"] = 2, {"tp_rank": rank, "tp_size": 2}
+        for key, entry in m["keys"].items():
+            if key.startswith("logits"):
+                entry["shard"] = {"dim": 0, "how": "concat", "group": "tp"}
+        factory.write_compiledump(tmp_path / "run", caps, rank, 1000 + rank, manifest=m)
+    report = cmp.compare(ref_path, tmp_path / "run")
+    record = key_record(report, "layer0_step_topk_1")
+    assert record.ids is not None and record.floats is None  # read back as ids on both sides
+    assert record.dtype_ref == record.dtype_run == "int32" and report.problems == []
+    if bad_rank is None:
+        assert report.exit_status == 0 and record.status == "ok"
+    else:
+        assert report.exit_status == 1 and record.divergent and record.merge.worst_rank == str(bad_rank)
+        assert report.first_divergence.key == "layer0_step_topk_1"
