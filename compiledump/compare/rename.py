@@ -84,6 +84,10 @@ class RenamedDump(Dump):
     def replicas(self, key: str) -> list[Replica]:
         return self.inner.replicas(self._old[key])
 
+    def router(self, key: str):
+        """RUN's router declaration, found under the key's old name (its tag's declaration)."""
+        return self.inner.router(self._old.get(key, key))
+
     def renamed(self) -> dict[str, str]:
         """New key -> old key, for the keys whose name changed."""
         return {new: old for new, old in self._old.items() if new != old}

@@ -277,7 +277,10 @@ def judge_routing(ref_ids: np.ndarray, run_ids: np.ndarray, router: np.ndarray |
     for row in np.flatnonzero(np.any(a != b, axis=1)).tolist():
         ref_set, run_set = set(a[row].tolist()), set(b[row].tolist())
         entry = RoutingRow(row, len(ref_set & run_set), len(ref_set), same_set=ref_set == run_set)
-        if row in covered and not_top_k is not None:
+        if row in covered and not_top_k is not None and selection is not None and not selection.plain:
+            entry.reason = (f"REF's ids are not what its declared router ({selection.describe()}) selects "
+                            f"({not_top_k}): the declaration does not describe this model, so it judges no row")
+        elif row in covered and not_top_k is not None:
             entry.reason = (f"REF routes by more than its router logits ({not_top_k}: ids not what they select; a "
                             "bias or expert groups, as DeepSeek-V3's, need compiledump.declare_router), so their "
                             "gaps cannot tell a near tie")

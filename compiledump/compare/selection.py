@@ -6,16 +6,16 @@ A plain top-k router selects the experts with the largest logits: the gap of a r
 logit by which an expert the reference chose and the run did not beats one the run chose instead
 (``row_gap``). A router declared otherwise (format/routers.py: a bias, expert groups) has no such
 formula. Its gap is twice the smallest epsilon such that moving every logit by at most epsilon
-makes the router select the run's experts: the experts the run chose rise by epsilon, the others
-fall by it (or, second try, those sharing a group with a chosen expert stay, since lowering them
-may lower their group's score). For a plain top-k that is the plain gap again: two logits each
-epsilon off swap experts 2 x epsilon apart. The smallest epsilon is found by bisection; the
-witness at the reported gap always selects the run's experts, so a near tie is never called on a
-row that no perturbation of that size explains.
+makes the router select the run's experts: two logits each epsilon off swap experts 2 x epsilon
+apart, so for a plain top-k it is the plain gap again. Whether a move of epsilon can do it is
+decided exactly (``witness``) when each choice score moves with its own logit alone (sigmoid plus
+a bias, softmax without one), and it only gets easier as epsilon grows, so bisection finds the
+smallest. A softmax router with a bias couples every score to every logit: not judged.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -25,9 +25,8 @@ from ..format.routers import RouterInfo
 # Bisection: relative resolution of the epsilon, and the iteration cap that reaches it.
 _RESOLUTION = 1e-9
 _ITERATIONS = 80
-# Beyond the logits' spread plus this, sigmoid and softmax scores are saturated: a selection no
-# such move reaches is out of reach of any (its gap is infinite).
-_SATURATION = 80.0
+# The largest epsilon tried (logit units): a selection no move of this size reaches is out of reach.
+_FARTHEST = 1e6
 
 
 def choice_scores(info: RouterInfo, logits: np.ndarray) -> np.ndarray:
@@ -48,51 +47,100 @@ def select(info: RouterInfo, scores: np.ndarray) -> np.ndarray:
     ascending per row (ties go to the lower id)."""
     rows, experts = scores.shape
     if info.n_group > 1:
-        groups = scores.reshape(rows, info.n_group, experts // info.n_group)
-        best = -np.sort(-groups, axis=-1)[..., :info.group_topk].sum(axis=-1)
-        kept = np.argsort(-best, axis=-1, kind="stable")[:, :info.topk_group]
+        kept = np.argsort(-_group_scores(info, scores), axis=-1, kind="stable")[:, :info.topk_group]
         mask = np.zeros((rows, info.n_group), bool)
         np.put_along_axis(mask, kept, True, axis=-1)
         scores = np.where(np.repeat(mask, experts // info.n_group, axis=-1), scores, -np.inf)
     return np.sort(np.argsort(-scores, axis=-1, kind="stable")[:, :info.top_k], axis=-1)
 
 
-def _moved(info: RouterInfo, logits: np.ndarray, chosen: np.ndarray, epsilon: float, keep_mates: bool) -> np.ndarray:
-    """``logits`` (one row) with the ``chosen`` experts raised by ``epsilon`` and the others
-    lowered by it; with ``keep_mates``, experts in a group that holds a chosen one stay."""
-    up = np.zeros(logits.shape[0], bool)
-    up[chosen] = True
-    delta = np.where(up, epsilon, -epsilon)
-    if keep_mates and info.n_group > 1:
-        size = logits.shape[0] // info.n_group
-        mates = np.repeat(up.reshape(info.n_group, size).any(axis=1), size) & ~up
-        delta[mates] = 0.0
-    return logits + delta
+def _group_scores(info: RouterInfo, scores: np.ndarray) -> np.ndarray:
+    """Each group's score: the sum of its best ``group_topk`` choice scores, ``[rows, n_group]``."""
+    rows, experts = scores.shape
+    groups = scores.reshape(rows, info.n_group, experts // info.n_group)
+    return -np.sort(-groups, axis=-1)[..., :info.group_topk].sum(axis=-1)
 
 
-def witness(info: RouterInfo, logits: np.ndarray, chosen: np.ndarray, epsilon: float) -> np.ndarray | None:
+def judgeable(info: RouterInfo) -> str | None:
+    """Why logit moves cannot judge ``info``'s selection, or None. Each choice score must depend
+    on its own logit alone, increasing: sigmoid (+ bias), or softmax without a bias (a common
+    factor, which no comparison sees); softmax plus a bias couples every score to every logit."""
+    if info.score == "softmax" and info.bias is not None:
+        return "a softmax router with a bias: no rule here tells how far its logits are from another selection"
+    return None
+
+
+def _score(info: RouterInfo, logits: np.ndarray) -> np.ndarray:
+    """Choice scores up to a common positive factor, for one row, each from its own logit."""
+    if info.score == "sigmoid":
+        return 0.5 * (1.0 + np.tanh(0.5 * logits)) + (0.0 if info.bias is None else np.asarray(info.bias))
+    return np.exp(logits)  # softmax without a bias: the normalisation is a common factor
+
+
+def _logit_of(info: RouterInfo, score: np.ndarray) -> np.ndarray:
+    """The inverse of ``_score``."""
+    if info.score == "sigmoid":
+        p = score - (0.0 if info.bias is None else np.asarray(info.bias))
+        return np.log(p) - np.log1p(-p)
+    return np.log(score)
+
+
+def witness(info: RouterInfo, logits: np.ndarray, chosen: np.ndarray, epsilon: float,
+            cap_epsilon: float | None = None) -> np.ndarray | None:
     """Logits at most ``epsilon`` from ``logits`` (one row) from which ``info``'s router selects
-    the experts ``chosen`` (sorted ids), or None when neither move of the module docstring does."""
-    for keep_mates in ((False, True) if info.n_group > 1 else (False,)):
-        moved = _moved(info, logits, chosen, epsilon, keep_mates)
-        if np.array_equal(select(info, choice_scores(info, moved[None]))[0], chosen):
-            return moved
+    the experts ``chosen`` (sorted ids), ties going the run's way; None when there are none.
+
+    Exact for a ``judgeable`` router: with every score moving with its own logit, the best move
+    for a set S of kept groups raises the chosen experts by epsilon, lowers the experts of the
+    other groups by epsilon, and lifts every other expert of S as high as it may go while it stays
+    below the lowest chosen score (it lifts its group); S holds the chosen experts' groups, and
+    the rest of it is tried every way. With ``cap_epsilon`` < ``epsilon`` those experts stay below
+    the lowest chosen score at ``cap_epsilon``: a witness with room, that rounding cannot flip."""
+    x = np.asarray(logits, np.float64)
+    experts = x.shape[0]
+    up = np.zeros(experts, bool)
+    up[chosen] = True
+    # Centred for softmax (exp overflows otherwise); sigmoid scores depend on the logits themselves.
+    shift = float(np.max(x)) if info.score == "softmax" else 0.0
+    low, high = _score(info, x - shift - epsilon), _score(info, x - shift + epsilon)
+    lowest_chosen = float(np.min(_score(info, x - shift + (epsilon if cap_epsilon is None else cap_epsilon))[up]))
+    size = experts // info.n_group
+    group_of = np.arange(experts) // size
+    needed = sorted(set(group_of[up].tolist()))
+    if len(needed) > info.topk_group:
+        return None
+    others = [g for g in range(info.n_group) if g not in needed]
+    for extra in itertools.combinations(others, info.topk_group - len(needed)):
+        kept = np.isin(group_of, needed + list(extra))
+        rivals = kept & ~up
+        if np.any(low[rivals] > lowest_chosen):
+            continue  # an expert of S that stays above a chosen one
+        scores = np.where(up, high, np.where(rivals, np.minimum(high, lowest_chosen), low))
+        if info.n_group > 1:
+            group = _group_scores(info, scores[None])[0]
+            in_kept = np.isin(np.arange(info.n_group), needed + list(extra))
+            if group[~in_kept].size and group[in_kept].min() < group[~in_kept].max():
+                continue
+        with np.errstate(divide="ignore"):  # a saturated sigmoid score: clipped to the move below
+            return np.clip(_logit_of(info, scores) + shift, x - epsilon, x + epsilon)
     return None
 
 
 def selection_gap(info: RouterInfo, logits: np.ndarray, ids) -> float:
     """The gap (logit units, module docstring) of the run's expert ids ``ids`` against one row
     of reference ``logits``: 0 when the router already selects them, ``inf`` when no move of
-    the logits does. ``info`` must fit the row (``RouterInfo.fits``)."""
+    the logits does. ``info`` must fit the row (``RouterInfo.fits``) and be ``judgeable``."""
     x = np.asarray(logits, np.float64)
     chosen = np.array(sorted({int(i) for i in ids}), dtype=np.int64)
     if chosen.size != info.top_k:
         return math.inf
     if witness(info, x, chosen, 0.0) is not None:
         return 0.0
-    low, high = 0.0, float(np.ptp(x)) + _SATURATION
-    if not witness(info, x, chosen, high) is not None:
-        return math.inf
+    low, high = 0.0, float(np.ptp(x)) + 1.0
+    while witness(info, x, chosen, high) is None:  # reachable sets need a move of this order
+        low, high = high, 2.0 * high
+        if high > _FARTHEST:
+            return math.inf
     for _ in range(_ITERATIONS):
         if high - low <= _RESOLUTION * max(1.0, high):
             break
@@ -143,10 +191,9 @@ def row_gap(logits: np.ndarray, ref_row: np.ndarray, run_row: np.ndarray,
     if any(not 0 <= i < experts for i in ref_ids + run_ids):
         return None, f"ids outside the {experts} router logits"
     if selection is not None and not selection.plain:
-        misfit = selection.fits(experts)
-        if misfit is not None or len(ref_ids) != selection.top_k:
-            return None, f"the declared router ({selection.describe()}) does not fit: " + (
-                misfit or f"{len(ref_ids)} ids per row")
+        misfit = _misfit(selection, experts, len(ref_ids)) or judgeable(selection)
+        if misfit is not None:
+            return None, f"the declared router ({selection.describe()}): {misfit}"
         if unexplained_row(selection, scores[None], np.asarray([ref_ids])) is not None:
             return None, f"the reference ids are not what its declared router ({selection.describe()}) selects"
         return selection_gap(selection, scores, run_ids), None
@@ -174,18 +221,24 @@ def row_gap(logits: np.ndarray, ref_row: np.ndarray, run_row: np.ndarray,
 def first_unexplained(covered: dict[int, np.ndarray], a: np.ndarray, selection: RouterInfo | None) -> int | None:
     """The first row of reference ids ``a`` ``[rows, k]`` among ``covered`` ({row: its router
     logits}) that is not the top-k of its logits, or, for a declared ``selection`` that is not
-    plain top-k, not what it selects; None when every covered row is explained."""
-    if selection is not None and not selection.plain and covered:
-        rows = sorted(covered)
+    plain top-k, not what it selects (any row, when the declaration does not fit the logits);
+    None when every covered row is explained. Rows with ids outside the logits are skipped: their
+    own rows are not judged (``row_gap``)."""
+    rows = [row for row, logits in sorted(covered.items()) if np.all((0 <= a[row]) & (a[row] < np.shape(logits)[0]))]
+    if selection is not None and not selection.plain and rows:
         logits = np.stack([np.asarray(covered[row], np.float64) for row in rows])
-        experts = logits.shape[1]
-        if selection.fits(experts) is not None or a.shape[1] != selection.top_k \
-                or not np.all((0 <= a[rows]) & (a[rows] < experts)):
+        if _misfit(selection, logits.shape[1], a.shape[1]) is not None:
             return rows[0]
         bad = unexplained_row(selection, logits, a[rows])
         return None if bad is None else rows[bad]
-    for row, logits in covered.items():
-        logits = np.asarray(logits, np.float64)
-        if np.all((0 <= a[row]) & (a[row] < logits.shape[0])) and not is_top_k(logits, a[row]):
+    for row in rows:
+        if not is_top_k(np.asarray(covered[row], np.float64), a[row]):
             return row
     return None
+
+
+def _misfit(selection: RouterInfo, experts: int, ids_per_row: int) -> str | None:
+    """Why ``selection`` cannot apply to rows of ``experts`` logits and ``ids_per_row`` ids."""
+    if ids_per_row != selection.top_k:
+        return f"{ids_per_row} ids per row, not {selection.top_k}"
+    return selection.fits(experts)

@@ -62,6 +62,8 @@ class RouterInfo:
             return f"{experts} experts do not form {self.n_group} equal groups"
         if self.top_k > experts // self.n_group * self.topk_group:
             return f"top-{self.top_k} does not fit in {self.topk_group} groups of {experts // self.n_group}"
+        if self.n_group > 1 and self.group_topk > experts // self.n_group:
+            return f"a group's score sums its best {self.group_topk}, but a group holds {experts // self.n_group}"
         return None
 
     def describe(self) -> str:

@@ -56,10 +56,10 @@ def picks(router, logits: np.ndarray) -> np.ndarray:
         return np.sort(router(torch.from_numpy(np.ascontiguousarray(logits, np.float32)))[2].numpy(), axis=-1)
 
 
-def cases(rng, shape):
+def cases(rng, shape, bias_std: float = 0.05):
     """(RouterInfo, Hugging Face router) of the V3 kind with a random bias, and of the V2 kind."""
     experts, groups, kept, k = shape
-    bias = (rng.standard_normal(experts) * 0.05).astype(np.float32)
+    bias = (rng.standard_normal(experts) * bias_std).astype(np.float32)
     yield (RouterInfo(top_k=k, score="sigmoid", bias=tuple(float(b) for b in bias), n_group=groups, topk_group=kept),
            v3_router(experts, groups, kept, k, bias))
     if groups > 1:
@@ -81,13 +81,16 @@ def test_the_selection_replays_hugging_faces_routers(shape):
         assert selection.unexplained_row(info, logits, wrong) == 7
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-def test_an_honest_perturbation_of_at_most_e_has_a_gap_of_at_most_2e(shape):
+@pytest.mark.parametrize("shape, bias_std, logit_std", [(shape, 0.05, 1.0) for shape in SHAPES]
+                         + [((64, 8, 4, 8), 0.2, 2.5), ((24, 4, 2, 5), 0.3, 3.0)])
+def test_an_honest_perturbation_of_at_most_e_has_a_gap_of_at_most_2e(shape, bias_std, logit_std):
+    """The gap is the smallest move (exact for these routers), so no honest move is smaller;
+    large biases and logits make a kept group's score hang on an expert the run did not choose."""
     rng = np.random.default_rng(100 + sum(shape))
-    for info, router in cases(rng, shape):
+    for info, router in cases(rng, shape, bias_std):
         flips = 0
         for _ in range(400):
-            logits = rng.standard_normal((1, shape[0])).astype(np.float32)
+            logits = (rng.standard_normal((1, shape[0])) * logit_std).astype(np.float32)
             e = 10 ** rng.uniform(-3, 0)
             moved = logits + rng.uniform(-e, e, logits.shape).astype(np.float32)
             ref, run = picks(router, logits)[0], picks(router, moved)[0]
@@ -116,13 +119,35 @@ def test_the_witness_at_the_gap_makes_their_router_pick_the_run_s_experts(shape)
             if not math.isfinite(gap) or gap < 1e-3:
                 continue
             checked += 1
-            # Their router computes in float32: 1 % above the gap leaves room for its rounding.
-            reached = selection.witness(info, logits, run, gap / 2 * 1.01)
+            # Their router computes in float32: 1 % above the gap, with the other experts kept
+            # below the chosen ones as at the gap, leaves room for its rounding.
+            reached = selection.witness(info, logits, run, gap / 2 * 1.01, cap_epsilon=gap / 2)
             assert reached is not None and np.max(np.abs(reached - logits)) <= gap / 2 * 1.01 * (1 + 1e-12)
             assert np.array_equal(picks(router, reached[None])[0], run)
             # The smallest within the bisection's resolution: a thousandth less reaches nothing.
             assert selection.witness(info, logits, run, gap / 2 * (1 - 1e-3)) is None
         assert checked >= 30
+
+
+def test_a_group_kept_by_an_expert_the_run_did_not_choose():
+    """Top-1 in the best of 2 groups of 2, a group scored by its two best: the reference picks
+    expert 2; lifting expert 1 (not chosen by the run) by 0.01 lifts group 0 above group 1, and
+    Hugging Face's router then picks expert 0. So the gap is at most 0.02 (a review found 4.8
+    with moves that only raise the run's experts)."""
+    bias = np.array([0.0, 0.0, 0.0, -0.499], np.float32)
+    info = RouterInfo(top_k=1, score="sigmoid", bias=tuple(float(b) for b in bias), n_group=2, topk_group=1)
+    router = v3_router(4, 2, 1, 1, bias)
+    logits = np.array([10.0, 0.0, 10.0, 10.0])
+    moved = logits + np.array([0.0, 0.01, 0.0, 0.0])
+    assert picks(router, logits[None])[0].tolist() == [2] and picks(router, moved[None])[0].tolist() == [0]
+    assert 0 < selection.selection_gap(info, logits, [0]) <= 0.02
+
+
+def test_a_softmax_router_with_a_bias_is_not_judged_by_logit_moves():
+    info = RouterInfo(top_k=2, score="softmax", bias=(0.1, 0.0, -0.1, 0.0), n_group=2, topk_group=1)
+    assert "softmax router with a bias" in selection.judgeable(info)
+    gap, reason = selection.row_gap(np.array([1.0, 0.9, 0.2, 0.1]), np.array([0, 1]), np.array([0, 2]), info)
+    assert gap is None and "softmax router with a bias" in reason
 
 
 def test_for_a_plain_top_k_the_gap_is_the_plain_rule_s():
