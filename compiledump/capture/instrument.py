@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from . import api, routers
-from .state import STATE
+from .state import STATE, warn_once
 
 # Default tags per decoder layer i (docs/api.md, "instrument").
 LAYER_TAPS = {
@@ -76,7 +76,8 @@ class Instrumented:
         self._shape = _Shape()
 
     def remove(self) -> None:
-        """Detach every hook (compiled code traced with them keeps them until re-traced)."""
+        """Detach every hook (compiled code traced with them keeps them until re-traced). Router
+        declarations stay: a flush after this still describes the routers captured."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -229,9 +230,12 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
                 router = getattr(block, router_name)
                 handle._add(router, f"layer{i}_router", f"{prefix}.{block_name}.{router_name}", "output",
                             capture=handle._router(i, block, router))
+                # Declared, or else any earlier declaration of the tag withdrawn (another model's).
                 selection = _selection(block, router)
                 if selection is not None:
                     routers.declare_router(f"layer{i}_router", **selection)
+                else:
+                    routers.withdraw(f"layer{i}_router")
                 steps = (f"layer{i}_step_router", f"layer{i}_step_topk") if handle.step_routing else ()
                 for tag in (f"layer{i}_topk", *steps):
                     handle.taps[tag] = f"{prefix}.{block_name}.{router_name}"
@@ -271,22 +275,32 @@ def _int_attr(modules, names: tuple[str, ...]) -> int | None:
 
 def _selection(block: torch.nn.Module, router: torch.nn.Module) -> dict | None:
     """How a router that is not a plain top-k of its logits selects experts, as
-    `declare_router` takes it; None for plain top-k. Hugging Face's DeepSeek-V3 family
-    (DeepSeek-V3, Kimi K2, GLM-4.5, dots.llm1, MiMo, Nemotron-H: an `e_score_correction_bias`)
-    takes the top-k of sigmoid(logits) + bias in the best `topk_group` of `n_group` groups, each
-    scored by its two best; DeepSeek-V2's `group_limited_greedy` the top-k of softmax(logits) in
-    the groups with the best single scores."""
+    `declare_router` takes it; None for plain top-k, and for routers whose rule is not known here.
+    Hugging Face's DeepSeek-V3 family (DeepSeek-V3, Kimi K2, GLM-4.5, dots.llm1, MiMo, Nemotron-H:
+    `num_group`/`n_group`, `topk_group` and an `e_score_correction_bias`, sigmoid scores) takes
+    the top-k of sigmoid(logits) + bias in the best `topk_group` of `n_group` groups, each scored
+    by its two best; DeepSeek-V2's `group_limited_greedy` the top-k of softmax(logits) in the groups
+    with the best single scores. Routers with a bias but no groups (MiniMax-M2, LongCat-Flash,
+    Ernie 4.5) or another score function (DeepSeek-V4) add it in other ways: not declared, their
+    flips stay not judged."""
     top_k = _int_attr((block, router), ("top_k", "num_experts_per_tok"))
-    if top_k is None:
+    n_group = _int_attr((router, block), ("num_group", "n_group"))
+    topk_group = _int_attr((router, block), ("topk_group",))
+    if top_k is None or n_group is None or topk_group is None:
         return None
-    groups = dict(n_group=_int_attr((router, block), ("num_group", "n_group")) or 1,
-                  topk_group=_int_attr((router, block), ("topk_group",)) or 1)
-    bias = next((getattr(m, "e_score_correction_bias") for m in (router, block)
-                 if isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor)), None)
-    if bias is not None:
-        return dict(top_k=top_k, score="sigmoid", bias=bias, group_topk=2, **groups)
-    if getattr(router, "topk_method", None) == "group_limited_greedy" and groups["n_group"] > 1:
-        return dict(top_k=top_k, score="softmax", group_topk=1, **groups)
+    groups = dict(top_k=top_k, n_group=n_group, topk_group=topk_group)
+    bias = getattr(router, "e_score_correction_bias", None)
+    scoring = next((getattr(m, name) for m in (router, block) for name in ("scoring_func", "score_fn")
+                    if isinstance(getattr(m, name, None), str)), "sigmoid")
+    if isinstance(bias, torch.Tensor) and scoring == "sigmoid":
+        if bias.is_meta:  # weights not loaded yet (init_empty_weights, offloading)
+            warn_once("instrument: a router's e_score_correction_bias is on the meta device, so its selection "
+                      "is not declared and its expert-id flips cannot be judged; call instrument() after the "
+                      "weights are loaded")
+            return None
+        return dict(score="sigmoid", bias=bias, group_topk=2, **groups)
+    if bias is None and getattr(router, "topk_method", None) == "group_limited_greedy" and n_group > 1:
+        return dict(score="softmax", group_topk=1, **groups)
     return None
 
 

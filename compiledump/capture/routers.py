@@ -33,10 +33,16 @@ def declare_router(tag: str, *, top_k: int, score: str = "softmax", bias: torch.
     if isinstance(bias, torch.Tensor):
         if bias.dim() != 1:
             raise ValueError(f"compiledump.declare_router({tag!r}): bias must be 1-D, got shape {list(bias.shape)}")
+        if bias.is_meta:
+            raise ValueError(f"compiledump.declare_router({tag!r}): bias is on the meta device; declare the router "
+                             "after its weights are loaded")
         bias = bias.detach().to("cpu", torch.float64).tolist()
     try:
         info = RouterInfo(top_k=top_k, score=score, bias=None if bias is None else tuple(float(b) for b in bias),
                           n_group=n_group, topk_group=topk_group, group_topk=group_topk)
+        misfit = None if info.bias is None else info.fits(len(info.bias))
+        if misfit is not None:
+            raise ValueError(misfit)
     except (TypeError, ValueError) as error:
         raise ValueError(f"compiledump.declare_router({tag!r}): {error}") from None
     with STATE.lock:
@@ -59,3 +65,10 @@ def journal_routers(live) -> None:
     created them), so that a recovered dump keeps them too."""
     for tag, info in dict(STATE.routers).items():
         live.write({"event": "router", "tag": tag, "router": info.to_json()})
+
+
+def withdraw(tag: str) -> None:
+    """Forget the declaration of router tag `tag`, if any (`instrument` on a model whose router
+    there is a plain top-k, after another model's declaration)."""
+    with STATE.lock:
+        STATE.routers.pop(tag, None)

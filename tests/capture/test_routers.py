@@ -12,6 +12,7 @@ import torch
 
 import compiledump
 from compiledump.capture.recover import recover_directory
+from compiledump.capture.state import STATE
 
 
 def _manifest(npz) -> dict:
@@ -45,6 +46,9 @@ def test_no_declaration_no_routers_field(dump_dir):
     (dict(top_k=2, score="tanh"), ValueError, "score must be one of"),
     (dict(top_k=2, n_group=3, bias=torch.zeros(8)), ValueError, "do not form 3 equal groups"),
     (dict(top_k=-1), ValueError, "top_k must be a positive int"),
+    (dict(top_k=9, bias=torch.zeros(8)), ValueError, "top-9 does not fit in 1 groups of 8"),
+    (dict(top_k=2, bias=torch.zeros(8), n_group=8, topk_group=2), ValueError, "sums its best 2, but a group holds 1"),
+    (dict(top_k=2, bias=torch.zeros(8, device="meta")), ValueError, "meta device"),
 ])
 def test_a_declaration_that_cannot_describe_a_router_is_refused_with_its_tag(dump_dir, kwargs, error, message):
     with pytest.raises(error, match=message):
@@ -120,6 +124,32 @@ def test_instrument_declares_deepseek_v2_group_limited_greedy_and_nothing_for_pl
     assert routers["layer1_router"] == {"top_k": 2, "score": "softmax", "bias": None, "n_group": 4, "topk_group": 2,
                                         "group_topk": 1}
     compiledump.reset()
+    config = transformers.AutoConfig.for_model("qwen3_moe", vocab_size=97, hidden_size=32, num_hidden_layers=2,
+                                               num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                                               intermediate_size=48, moe_intermediate_size=24, num_experts=8,
+                                               num_experts_per_tok=2)
+    assert _flushed_routers(transformers.AutoModelForCausalLM.from_config(config).eval(), dump_dir) == {}
+
+
+def test_instrument_on_a_model_without_loaded_weights_declares_nothing_and_says_so(dump_dir):
+    config = transformers.DeepseekV3Config(**COMMON, n_routed_experts=12, num_experts_per_tok=3, n_group=4,
+                                           topk_group=2)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.warns(RuntimeWarning, match="meta device.*after the weights are loaded"):
+        handle = compiledump.instrument(model)
+    handle.remove()
+    assert STATE.routers == {}
+
+
+def test_instrumenting_a_plain_model_withdraws_another_model_s_declarations(dump_dir):
+    """A DeepSeek-V3 then a Qwen3-MoE instrumented in one process: the Qwen3 dump must not carry
+    DeepSeek's declarations for its own layer<i>_router tags."""
+    config = transformers.DeepseekV3Config(**COMMON, n_routed_experts=12, num_experts_per_tok=3, n_group=4,
+                                           topk_group=2)
+    compiledump.configure(moe_layers=3)
+    compiledump.instrument(transformers.AutoModelForCausalLM.from_config(config).eval()).remove()
+    assert "layer1_router" in STATE.routers
     config = transformers.AutoConfig.for_model("qwen3_moe", vocab_size=97, hidden_size=32, num_hidden_layers=2,
                                                num_attention_heads=2, num_key_value_heads=2, head_dim=16,
                                                intermediate_size=48, moe_intermediate_size=24, num_experts=8,
