@@ -11,6 +11,7 @@ computed here, not from compiledump.compare.
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -220,3 +221,23 @@ def test_a_declaration_on_the_run_side_is_found_through_map(tmp_path, bias):
     ref_path, run_path = factory.write_pair(tmp_path, ref, run, ref_manifest=manifests[0], run_manifest=manifests[1])
     report = compare(ref_path, run_path, CompareOptions(maps=[("^blk", "layer")]))
     assert record(report, "layer1_topk").status == "near_tie" and report.exit_status == 0
+
+
+def test_inspect_shows_the_declared_routers(tmp_path, bias, capsys):
+    from compiledump.cli import main
+
+    rng = np.random.default_rng(16)
+    ref = captures(rng, bias, steps=0)
+    ref_path, _ = write(tmp_path, ref, honest_run(ref, rng), bias, declared=True)
+    manifest_path = ref_path.with_suffix(".json")
+    manifest = json.loads(manifest_path.read_text())
+    manifest["routers"]["layer9_router"] = {"top_k": "two"}
+    manifest_path.write_text(json.dumps(manifest))
+    assert main(["inspect", str(ref_path)]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("routers:")]
+    assert line.startswith("routers: 4 declared: layer0_router (top-4 of sigmoid + bias in the best 2 of 4 groups)")
+    assert line.endswith("layer9_router (malformed: not used)")
+    assert main(["inspect", str(ref_path), "--json", str(tmp_path / "i.json")]) == 0
+    (summary,) = json.loads((tmp_path / "i.json").read_text())["files"]
+    assert summary["routers"]["layer9_router"] == "malformed: not used"
+    assert summary["routers"]["layer2_router"] == "top-4 of sigmoid + bias in the best 2 of 4 groups"
