@@ -14,7 +14,7 @@ Models (4 layers, hidden 64, 8 experts top-2, ``initializer_range`` 0.1): Qwen3-
 DeepSeek-V3 with one expert group (plain top-k of sigmoid scores; one shared expert, layer 0
 dense), and DeepSeek-V3 with its own routing (``deepseek_v3_grouped``: 16 experts in 4 groups,
 top-4 in the best 2, sigmoid scores plus a random bias; judged by the selection ``instrument``
-declares). benchmarks/calibrate.py calibrates the thresholds themselves; this
+declares), and MiniMax-M2 (``minimax_m2``: sigmoid scores plus a random bias over all 8 experts). benchmarks/calibrate.py calibrates the thresholds themselves; this
 sweep counts verdicts over more random models than it can afford (docs/compare.md, "Expert ids
 and near ties").
 
@@ -59,8 +59,11 @@ CONFIGS = {
                                 n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
                                 num_experts_per_tok=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
                                 qk_nope_head_dim=8, v_head_dim=16, head_dim=8),
+    # MiniMax-M2: the top-k of sigmoid(logits) + a bias over all 8 experts (the bias on the MoE block).
+    "minimax_m2": dict(intermediate_size=96, num_local_experts=8, head_dim=16),
 }
 MODEL_TYPES = {"deepseek_v3_grouped": "deepseek_v3"}
+BIASED = ("deepseek_v3_grouped", "minimax_m2")  # build() draws their router bias
 BIAS_STD = 0.02  # about the spread of the sigmoid scores of these random routers
 
 
@@ -72,7 +75,7 @@ def build(model: str, seed: int) -> torch.nn.Module:
     with torch.no_grad():
         for module in built.modules():
             bias = getattr(module, "e_score_correction_bias", None)
-            if isinstance(bias, torch.Tensor) and config.n_group > 1:
+            if isinstance(bias, torch.Tensor) and model in BIASED:
                 bias.normal_(0.0, BIAS_STD)
     return built
 
@@ -92,8 +95,8 @@ def _ignore_groups(model: torch.nn.Module) -> None:
         router.num_group = router.topk_group = 1
 
 
-# Routing bugs an engine can have (--engine-bug): forgetting DeepSeek-V3's score-correction bias,
-# or taking the top-k over every expert instead of inside the best groups.
+# Routing bugs an engine can have (--engine-bug): forgetting the score-correction bias (DeepSeek-V3,
+# MiniMax-M2), or taking the top-k over every expert instead of inside the best groups (DeepSeek-V3).
 ENGINE_BUGS = {"none": lambda model: None, "no_bias": _forget_bias, "no_groups": _ignore_groups}
 
 

@@ -273,35 +273,50 @@ def _int_attr(modules, names: tuple[str, ...]) -> int | None:
     return next((getattr(m, name) for m in modules for name in names if isinstance(getattr(m, name, None), int)), None)
 
 
+# Routers without expert groups that pick the top-k of sigmoid(logits) + e_score_correction_bias
+# (the bias on the router or on its MoE block), read from their Hugging Face code. Other routers
+# with a bias and no groups add it otherwise (LongCat-Flash and Ernie 4.5 to softmax scores).
+SIGMOID_BIAS_ROUTERS = ("MiniMaxM2TopKRouter", "Step3p7TopKRouter", "HYV3TopKRouter")
+
+
 def _selection(block: torch.nn.Module, router: torch.nn.Module) -> dict | None:
     """How a router that is not a plain top-k of its logits selects experts, as
     `declare_router` takes it; None for plain top-k, and for routers whose rule is not known here.
     Hugging Face's DeepSeek-V3 family (DeepSeek-V3, Kimi K2, GLM-4.5, dots.llm1, MiMo, Nemotron-H:
     `num_group`/`n_group`, `topk_group` and an `e_score_correction_bias`, sigmoid scores) takes
     the top-k of sigmoid(logits) + bias in the best `topk_group` of `n_group` groups, each scored
-    by its two best; DeepSeek-V2's `group_limited_greedy` the top-k of softmax(logits) in the groups
-    with the best single scores. Routers with a bias but no groups (MiniMax-M2, LongCat-Flash,
-    Ernie 4.5) or another score function (DeepSeek-V4) add it in other ways: not declared, their
+    by its two best; MiniMax-M2, Step 3.7 and Hunyuan V3 (SIGMOID_BIAS_ROUTERS) the top-k of
+    sigmoid(logits) + bias over every expert; DeepSeek-V2's `group_limited_greedy` the top-k of
+    softmax(logits) in the groups with the best single scores. Other routers with a bias
+    (LongCat-Flash, Ernie 4.5) or another score function (DeepSeek-V4) are not declared: their
     flips stay not judged."""
     top_k = _int_attr((block, router), ("top_k", "num_experts_per_tok"))
+    if top_k is None:
+        return None
+    bias = next((getattr(m, "e_score_correction_bias") for m in (router, block)
+                 if isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor)), None)
     n_group = _int_attr((router, block), ("num_group", "n_group"))
     topk_group = _int_attr((router, block), ("topk_group",))
-    if top_k is None or n_group is None or topk_group is None:
-        return None
-    groups = dict(top_k=top_k, n_group=n_group, topk_group=topk_group)
-    bias = getattr(router, "e_score_correction_bias", None)
     scoring = next((getattr(m, name) for m in (router, block) for name in ("scoring_func", "score_fn")
                     if isinstance(getattr(m, name, None), str)), "sigmoid")
-    if isinstance(bias, torch.Tensor) and scoring == "sigmoid":
-        if bias.is_meta:  # weights not loaded yet (init_empty_weights, offloading)
-            warn_once("instrument: a router's e_score_correction_bias is on the meta device, so its selection "
-                      "is not declared and its expert-id flips cannot be judged; call instrument() after the "
-                      "weights are loaded")
-            return None
-        return dict(score="sigmoid", bias=bias, group_topk=2, **groups)
-    if bias is None and getattr(router, "topk_method", None) == "group_limited_greedy" and n_group > 1:
-        return dict(score="softmax", group_topk=1, **groups)
+    if n_group is not None and topk_group is not None:
+        groups = dict(top_k=top_k, n_group=n_group, topk_group=topk_group)
+        if bias is not None and scoring == "sigmoid":
+            return _with_bias(dict(score="sigmoid", group_topk=2, **groups), bias)
+        if bias is None and getattr(router, "topk_method", None) == "group_limited_greedy" and n_group > 1:
+            return dict(score="softmax", group_topk=1, **groups)
+    elif bias is not None and type(router).__name__ in SIGMOID_BIAS_ROUTERS:
+        return _with_bias(dict(top_k=top_k, score="sigmoid"), bias)
     return None
+
+
+def _with_bias(selection: dict, bias: torch.Tensor) -> dict | None:
+    if bias.is_meta:  # weights not loaded yet (init_empty_weights, offloading)
+        warn_once("instrument: a router's e_score_correction_bias is on the meta device, so its selection "
+                  "is not declared and its expert-id flips cannot be judged; call instrument() after the "
+                  "weights are loaded")
+        return None
+    return {**selection, "bias": bias}
 
 
 def _child(module: torch.nn.Module, names: tuple[str, ...]) -> str | None:

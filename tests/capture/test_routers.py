@@ -155,3 +155,21 @@ def test_instrumenting_a_plain_model_withdraws_another_model_s_declarations(dump
                                                intermediate_size=48, moe_intermediate_size=24, num_experts=8,
                                                num_experts_per_tok=2)
     assert _flushed_routers(transformers.AutoModelForCausalLM.from_config(config).eval(), dump_dir) == {}
+
+
+def test_instrument_declares_minimax_m2_s_sigmoid_and_bias_over_every_expert(dump_dir):
+    """MiniMax-M2 keeps its e_score_correction_bias on the MoE block and passes it to the router:
+    the top-k of sigmoid(logits) + bias over all experts (no groups)."""
+    config = transformers.AutoConfig.for_model("minimax_m2", vocab_size=97, hidden_size=32, num_hidden_layers=2,
+                                               num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                                               intermediate_size=48, num_local_experts=8, num_experts_per_tok=2,
+                                               max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    for layer in model.model.layers:
+        layer.mlp.e_score_correction_bias.normal_(0, 0.1)
+    routers = _flushed_routers(model, dump_dir)
+    assert sorted(routers) == ["layer0_router", "layer1_router"]
+    for i, layer in enumerate(model.model.layers):
+        assert routers[f"layer{i}_router"] == {"top_k": 2, "score": "sigmoid",
+                                               "bias": layer.mlp.e_score_correction_bias.double().tolist(),
+                                               "n_group": 1, "topk_group": 1, "group_topk": 2}

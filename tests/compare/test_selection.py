@@ -1,8 +1,8 @@
 """A declared router's selection (compare/selection.py) against Hugging Face's own routers.
 
 The references are transformers' DeepSeek-V3 router (top-k of sigmoid(logits) + bias in the best
-expert groups, a group scored by its two best) and DeepSeek-V2's group-limited greedy router
-(softmax, a group scored by its best), built from a config with the identity as their weight so
+expert groups, a group scored by its two best), DeepSeek-V2's group-limited greedy router
+(softmax, a group scored by its best) and MiniMax-M2's (sigmoid + bias, one group), built from a config with the identity as their weight so
 that the hidden state fed in is the logits row (random data; nothing is downloaded). What must
 hold: the selection replays theirs; an honest perturbation of the logits by at most e that flips
 the routing has a gap of at most 2e; the witness at the reported gap makes their router pick the
@@ -50,6 +50,22 @@ def v2_router(experts: int, groups: int, kept: int, k: int):
     return router
 
 
+class MiniMaxM2Router(torch.nn.Module):
+    """transformers' MiniMax-M2 router (sigmoid + bias, one group), with its block's bias."""
+
+    def __init__(self, experts: int, k: int, bias: np.ndarray):
+        super().__init__()
+        from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2TopKRouter
+        config = transformers.MiniMaxM2Config(hidden_size=experts, num_local_experts=experts, num_experts_per_tok=k)
+        self.router = MiniMaxM2TopKRouter(config)
+        with torch.no_grad():
+            self.router.weight.copy_(torch.eye(experts))
+        self.bias = torch.from_numpy(bias)
+
+    def forward(self, hidden):
+        return self.router(hidden, self.bias)
+
+
 def picks(router, logits: np.ndarray) -> np.ndarray:
     """The experts Hugging Face's router picks for each row of ``logits``, sorted."""
     with torch.no_grad():
@@ -65,6 +81,9 @@ def cases(rng, shape, bias_std: float = 0.05):
     if groups > 1:
         yield (RouterInfo(top_k=k, score="softmax", n_group=groups, topk_group=kept, group_topk=1),
                v2_router(experts, groups, kept, k))
+    else:
+        yield (RouterInfo(top_k=k, score="sigmoid", bias=tuple(float(b) for b in bias)),
+               MiniMaxM2Router(experts, k, bias))
 
 
 @pytest.mark.parametrize("shape", SHAPES)
