@@ -162,6 +162,34 @@ def test_a_group_kept_by_an_expert_the_run_did_not_choose():
     assert 0 < selection.selection_gap(info, logits, [0]) <= 0.02
 
 
+@pytest.mark.parametrize("model", ["hy_v3", "step3p7"])
+def test_the_other_sigmoid_and_bias_routers_instrument_declares_select_the_same(model):
+    """Hunyuan V3's and Step 3.7's routers (instrument.SIGMOID_BIAS_ROUTERS besides MiniMax-M2):
+    the top-k of sigmoid(logits) + bias over every expert, as their own code picks."""
+    experts, k = 12, 3
+    rng = np.random.default_rng(9)
+    bias = (rng.standard_normal(experts) * 0.1).astype(np.float32)
+    if model == "hy_v3":
+        from transformers.models.hy_v3.modeling_hy_v3 import HYV3TopKRouter
+        router = HYV3TopKRouter(transformers.HYV3Config(hidden_size=experts, num_local_experts=experts,
+                                                        num_experts_per_tok=k))
+        forward = lambda hidden: router(hidden, torch.from_numpy(bias))  # noqa: E731 - its block passes the bias
+    else:
+        from transformers.models.step3p7.configuration_step3p7 import Step3p7TextConfig
+        from transformers.models.step3p7.modeling_step3p7 import Step3p7TopKRouter
+        router = Step3p7TopKRouter(Step3p7TextConfig(hidden_size=experts, n_routed_experts=experts,
+                                                     num_experts_per_tok=k))
+        router.e_score_correction_bias.copy_(torch.from_numpy(bias))
+        forward = router
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(experts))
+        logits = rng.standard_normal((300, experts)).astype(np.float32)
+        ids = np.sort(forward(torch.from_numpy(logits))[2].numpy(), axis=-1)
+    info = RouterInfo(top_k=k, score="sigmoid", bias=tuple(float(b) for b in bias))
+    assert np.array_equal(selection.select(info, selection.choice_scores(info, logits)), ids)
+    assert not np.array_equal(np.sort(np.argsort(-logits, axis=1)[:, :k], axis=1), ids)  # the bias matters
+
+
 def test_a_softmax_router_with_a_bias_is_not_judged_by_logit_moves():
     info = RouterInfo(top_k=2, score="softmax", bias=(0.1, 0.0, -0.1, 0.0), n_group=2, topk_group=1)
     assert "softmax router with a bias" in selection.judgeable(info)
