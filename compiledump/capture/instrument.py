@@ -307,6 +307,11 @@ def _selection(block: torch.nn.Module, router: torch.nn.Module) -> dict | None:
             return dict(score="softmax", group_topk=1, **groups)
     elif bias is not None and type(router).__name__ in SIGMOID_BIAS_ROUTERS:
         return _with_bias(dict(top_k=top_k, score="sigmoid"), bias)
+    if bias is not None:
+        warn_once(f"instrument: {type(router).__name__} adds an e_score_correction_bias in a way compiledump "
+                  "does not know, so compare cannot judge its expert-id flips (they are reported as not judged); "
+                  "if its rule is the top-k of sigmoid or softmax scores plus the bias, in expert groups or not, "
+                  "call compiledump.declare_router('layer<i>_router', ...) for each MoE layer")
     return None
 
 

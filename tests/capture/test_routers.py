@@ -173,3 +173,20 @@ def test_instrument_declares_minimax_m2_s_sigmoid_and_bias_over_every_expert(dum
         assert routers[f"layer{i}_router"] == {"top_k": 2, "score": "sigmoid",
                                                "bias": layer.mlp.e_score_correction_bias.double().tolist(),
                                                "n_group": 1, "topk_group": 1, "group_topk": 2}
+
+
+def test_a_router_with_a_bias_whose_rule_is_unknown_is_named_once(dump_dir):
+    """LongCat-Flash adds its bias to softmax scores: not declared, and a warning names the router
+    and the fix (declare_router), once."""
+    config = transformers.AutoConfig.for_model("longcat_flash", vocab_size=97, hidden_size=32, num_layers=2,
+                                               num_attention_heads=2, num_key_value_heads=2, ffn_hidden_size=48,
+                                               expert_ffn_hidden_size=24, n_routed_experts=8, moe_topk=2,
+                                               kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                               v_head_dim=8, max_position_embeddings=64)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with pytest.warns(RuntimeWarning, match=r"LongcatFlashTopkRouter adds an e_score_correction_bias.*declare_router") \
+            as caught:
+        handle = compiledump.instrument(model)
+    handle.remove()
+    assert STATE.routers == {}
+    assert sum("LongcatFlashTopkRouter" in str(w.message) for w in caught) == 1
