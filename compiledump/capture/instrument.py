@@ -139,10 +139,12 @@ class Instrumented:
 
         def capture(output) -> None:
             # Hugging Face 5.x routers return (logits, scores, top-k ids, ...); Llama 4's (scores,
-            # logits); older ones bare logits. The checks below are on types and dtypes only, so
-            # dynamo resolves them while tracing (no graph break).
+            # logits); older ones bare logits; vLLM's and SGLang's gates (linear layers) return
+            # (logits, None), the None their unused output bias. The checks below are on types and
+            # dtypes only, so dynamo resolves them while tracing (no graph break).
+            engine_gate = isinstance(output, (tuple, list)) and len(output) == 2 and output[1] is None
             if isinstance(output, (tuple, list)):
-                logits = output[1] if len(output) == 2 else output[0]
+                logits = output[0] if engine_gate or len(output) != 2 else output[1]
                 ids = output[2] if len(output) >= 3 else None
             else:
                 logits, ids = output, None
@@ -151,6 +153,10 @@ class Instrumented:
                 return  # not a router of these conventions (its taps are the user's to add)
             rows = self._rows(logits)
             api.record(f"layer{i}_router", rows)
+            if engine_gate:
+                # The engine's fused MoE picks the experts, by a rule (a bias, groups) not visible
+                # here: no ids, and no step routing (a step's logits are read to judge its ids).
+                return
             # Each step's routing of the token whose logits `logits_<n>` holds (the same row), so
             # that the comparator can tell a decode step's routing flip from a bug.
             if self.step_routing:

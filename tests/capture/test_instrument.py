@@ -421,3 +421,57 @@ def test_no_silence_note_after_a_dump_was_written(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert Path(out.stdout.strip()).exists()
     assert "nothing was captured" not in out.stderr, out.stderr[-2000:]
+
+
+def test_an_engine_gate_returning_logits_and_none_records_the_logits_only(dump_dir):
+    """vLLM's and SGLang's MoE gates are linear layers returning (logits, output_bias=None), on flat
+    [tokens, hidden] states; their fused MoE picks the experts by a rule not visible here. The
+    router logits are recorded (the last token's row), no ids and no step routing."""
+    class Gate(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 6, bias=False)
+
+        def forward(self, x):
+            return self.linear(x), None
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.top_k, self.gate, self.experts = 2, Gate(), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            logits, _ = self.gate(x)
+            seen.append(logits.detach().clone())
+            return self.experts(x)
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn, self.post_attention_layernorm, self.mlp = torch.nn.Identity(), torch.nn.Identity(), Block()
+
+        def forward(self, x):
+            return x + self.mlp(self.post_attention_layernorm(x + self.self_attn(x)))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = torch.nn.Embedding(20, 8)
+            self.layers = torch.nn.ModuleList(Layer() for _ in range(2))
+
+        def forward(self, tokens):
+            x = self.embed_tokens(tokens)
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    seen: list[torch.Tensor] = []
+    model = Model()
+    handle = compiledump.instrument(model)
+    with torch.no_grad():
+        model(torch.tensor([3, 5, 7, 11, 13]))  # flat: five tokens of one request
+    arrays, _ = _load(compiledump.flush())
+    handle.remove()
+    np.testing.assert_array_equal(arrays["layer0_router"], seen[0][-1].numpy())
+    np.testing.assert_array_equal(arrays["layer1_router"], seen[1][-1].numpy())
+    assert not any("topk" in key or "step_router" in key for key in arrays), sorted(arrays)
