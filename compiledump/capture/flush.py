@@ -113,7 +113,7 @@ def _flush(wait_for_captures: bool) -> str | None:
 
 def _collect(rt: Runtime, arena: np.ndarray, ctrl: np.ndarray) -> tuple[dict, dict]:
     got = collect.collect(list(rt.slots.values()), list(rt.overflow_tags), arena, ctrl, rt.prompt_tokens)
-    declared = routers.manifest_routers({entry["tag"] for entry in got.tags.values()})
+    declared = routers.manifest_routers(got.tags)
     manifest = writer.build_manifest(
         **process_fields(),
         device=str(rt.device),

@@ -156,7 +156,7 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
     result.cause = cause_of(live, events)
     if torn:
         result.notes.append("the journal's last line was cut by the kill (an event after every stored capture)")
-    routers = captured_routers(declared, {entry["tag"] for entry in got.tags.values()})
+    routers = captured_routers(declared, got.tags)
     manifest = writer.build_manifest(
         **{k: start.get(k) for k in ("compiledump_version", "torch_version", "rank", "pid", "world_size")},
         device=start.get("device"),

@@ -49,22 +49,27 @@ def declare_router(tag: str, *, top_k: int, score: str = "softmax", bias: torch.
         STATE.routers[tag] = info
         live = getattr(STATE.runtime, "live", None)
         if live is not None:
-            live.write({"event": "router", "tag": tag, "router": info.to_json()})
+            _journal(live, tag, info)
     return info
 
 
-def manifest_routers(captured_tags) -> dict[str, dict]:
-    """The declarations of routers among `captured_tags` (their own tag or their decode steps'),
-    as the manifest's `routers` holds them. Reads a copy: flush may run from a signal handler and
-    must not wait for the registry lock."""
-    return captured_routers({tag: info.to_json() for tag, info in dict(STATE.routers).items()}, captured_tags)
+def manifest_routers(tags: dict[str, dict]) -> dict[str, dict]:
+    """The declarations of the routers captured (the manifest's `tags`: their own tag or their
+    decode steps'), as the manifest's `routers` holds them. Reads a copy: flush may run from a
+    signal handler and must not wait for the registry lock."""
+    return captured_routers({tag: info.to_json() for tag, info in dict(STATE.routers).items()}, tags)
 
 
 def journal_routers(live) -> None:
     """Journal every declaration so far into crash-proof capture's `live` files (a runtime just
     created them), so that a recovered dump keeps them too."""
     for tag, info in dict(STATE.routers).items():
-        live.write({"event": "router", "tag": tag, "router": info.to_json()})
+        _journal(live, tag, info)
+
+
+def _journal(live, tag: str, info: RouterInfo) -> None:
+    """One declaration as a journal event (capture/recover.py reads it back)."""
+    live.write({"event": "router", "tag": tag, "router": info.to_json()})
 
 
 def withdraw(tag: str) -> None:

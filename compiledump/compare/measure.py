@@ -176,8 +176,9 @@ class KeyMeasurer:
     @functools.cached_property
     def not_top_k(self) -> str | None:
         """A reference row, of any ids key beside router logits, whose ids are not the top-k of
-        those logits, or what the router's declared selection picks (``layer2_topk row 3``), or None. Routing is one function of the whole model,
-        so one such row anywhere means logit gaps judge no row of any layer (read once per pair)."""
+        those logits, or not what the router's declared selection picks (``layer2_topk row 3``),
+        or None. Routing is one function of the whole model, so one such row anywhere means logit
+        gaps judge no row of any layer (read once per pair)."""
         for key in sorted(self.ref.members):
             info = self.ref.infos.get(key)
             router_key = router_key_for(key, step=info is not None and info.kind == "step")

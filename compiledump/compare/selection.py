@@ -33,13 +33,17 @@ def choice_scores(info: RouterInfo, logits: np.ndarray) -> np.ndarray:
     """The scores ``info``'s router ranks experts by, in float64: ``[rows, experts]``."""
     x = np.asarray(logits, np.float64)
     if info.score == "sigmoid":
-        scores = 0.5 * (1.0 + np.tanh(0.5 * x))  # sigmoid without overflow warnings
-    else:
-        shifted = np.exp(x - np.max(x, axis=-1, keepdims=True))
-        scores = shifted / shifted.sum(axis=-1, keepdims=True)
-    if info.bias is not None:
-        scores = scores + np.asarray(info.bias, np.float64)
-    return scores
+        return _sigmoid(x) + _bias(info)
+    shifted = np.exp(x - np.max(x, axis=-1, keepdims=True))
+    return shifted / shifted.sum(axis=-1, keepdims=True) + _bias(info)
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.tanh(0.5 * x))  # without overflow warnings
+
+
+def _bias(info: RouterInfo) -> np.ndarray | float:
+    return 0.0 if info.bias is None else np.asarray(info.bias, np.float64)
 
 
 def select(info: RouterInfo, scores: np.ndarray) -> np.ndarray:
@@ -73,14 +77,14 @@ def judgeable(info: RouterInfo) -> str | None:
 def _score(info: RouterInfo, logits: np.ndarray) -> np.ndarray:
     """Choice scores up to a common positive factor, for one row, each from its own logit."""
     if info.score == "sigmoid":
-        return 0.5 * (1.0 + np.tanh(0.5 * logits)) + (0.0 if info.bias is None else np.asarray(info.bias))
+        return _sigmoid(logits) + _bias(info)
     return np.exp(logits)  # softmax without a bias: the normalisation is a common factor
 
 
 def _logit_of(info: RouterInfo, score: np.ndarray) -> np.ndarray:
     """The inverse of ``_score``."""
     if info.score == "sigmoid":
-        p = score - (0.0 if info.bias is None else np.asarray(info.bias))
+        p = score - _bias(info)
         return np.log(p) - np.log1p(-p)
     return np.log(score)
 

@@ -108,8 +108,9 @@ def declared_router(routers, tag: str) -> RouterInfo | None:
     return None
 
 
-def captured_routers(declared: dict[str, dict], captured_tags) -> dict[str, dict]:
+def captured_routers(declared: dict[str, dict], tags: dict[str, dict]) -> dict[str, dict]:
     """The manifest's ``routers``: the entries of ``declared`` ({tag: entry}) whose router tag,
-    or its decode steps' tag, is among ``captured_tags`` (tag names, as ``tags[t].tag`` has them)."""
+    or its decode steps' tag, was captured (is the ``tag`` of an entry of the manifest's ``tags``)."""
+    captured = {entry["tag"] for entry in tags.values()}
     return {tag: entry for tag, entry in declared.items()
-            if tag in captured_tags or tag.removesuffix("_router") + STEP_ROUTER in captured_tags}
+            if tag in captured or tag.removesuffix("_router") + STEP_ROUTER in captured}

@@ -89,6 +89,22 @@ COMMON = dict(vocab_size=97, hidden_size=32, num_hidden_layers=3, num_attention_
               v_head_dim=8, head_dim=8)
 
 
+def _deepseek_v3() -> torch.nn.Module:
+    """DeepSeek-V3 with its own routing: 12 experts in 4 groups, top-3 in the best 2."""
+    config = transformers.DeepseekV3Config(**COMMON, n_routed_experts=12, num_experts_per_tok=3, n_group=4,
+                                           topk_group=2)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def _qwen3_moe() -> torch.nn.Module:
+    """Qwen3-MoE: a plain top-k router (softmax, no bias)."""
+    config = transformers.AutoConfig.for_model("qwen3_moe", vocab_size=97, hidden_size=32, num_hidden_layers=2,
+                                               num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                                               intermediate_size=48, moe_intermediate_size=24, num_experts=8,
+                                               num_experts_per_tok=2)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
 def _flushed_routers(model, dump_dir) -> dict:
     handle = compiledump.instrument(model)
     with torch.no_grad():
@@ -99,10 +115,8 @@ def _flushed_routers(model, dump_dir) -> dict:
 
 
 def test_instrument_declares_deepseek_v3_routers_with_their_bias(dump_dir):
-    config = transformers.DeepseekV3Config(**COMMON, n_routed_experts=12, num_experts_per_tok=3, n_group=4,
-                                           topk_group=2)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = _deepseek_v3()
     for layer in model.model.layers[1:]:
         layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
     compiledump.configure(moe_layers=3)
@@ -124,18 +138,12 @@ def test_instrument_declares_deepseek_v2_group_limited_greedy_and_nothing_for_pl
     assert routers["layer1_router"] == {"top_k": 2, "score": "softmax", "bias": None, "n_group": 4, "topk_group": 2,
                                         "group_topk": 1}
     compiledump.reset()
-    config = transformers.AutoConfig.for_model("qwen3_moe", vocab_size=97, hidden_size=32, num_hidden_layers=2,
-                                               num_attention_heads=2, num_key_value_heads=2, head_dim=16,
-                                               intermediate_size=48, moe_intermediate_size=24, num_experts=8,
-                                               num_experts_per_tok=2)
-    assert _flushed_routers(transformers.AutoModelForCausalLM.from_config(config).eval(), dump_dir) == {}
+    assert _flushed_routers(_qwen3_moe(), dump_dir) == {}
 
 
 def test_instrument_on_a_model_without_loaded_weights_declares_nothing_and_says_so(dump_dir):
-    config = transformers.DeepseekV3Config(**COMMON, n_routed_experts=12, num_experts_per_tok=3, n_group=4,
-                                           topk_group=2)
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        model = _deepseek_v3()
     with pytest.warns(RuntimeWarning, match="meta device.*after the weights are loaded"):
         handle = compiledump.instrument(model)
     handle.remove()
@@ -145,16 +153,10 @@ def test_instrument_on_a_model_without_loaded_weights_declares_nothing_and_says_
 def test_instrumenting_a_plain_model_withdraws_another_model_s_declarations(dump_dir):
     """A DeepSeek-V3 then a Qwen3-MoE instrumented in one process: the Qwen3 dump must not carry
     DeepSeek's declarations for its own layer<i>_router tags."""
-    config = transformers.DeepseekV3Config(**COMMON, n_routed_experts=12, num_experts_per_tok=3, n_group=4,
-                                           topk_group=2)
     compiledump.configure(moe_layers=3)
-    compiledump.instrument(transformers.AutoModelForCausalLM.from_config(config).eval()).remove()
+    compiledump.instrument(_deepseek_v3()).remove()
     assert "layer1_router" in STATE.routers
-    config = transformers.AutoConfig.for_model("qwen3_moe", vocab_size=97, hidden_size=32, num_hidden_layers=2,
-                                               num_attention_heads=2, num_key_value_heads=2, head_dim=16,
-                                               intermediate_size=48, moe_intermediate_size=24, num_experts=8,
-                                               num_experts_per_tok=2)
-    assert _flushed_routers(transformers.AutoModelForCausalLM.from_config(config).eval(), dump_dir) == {}
+    assert _flushed_routers(_qwen3_moe(), dump_dir) == {}
 
 
 def test_instrument_declares_minimax_m2_s_sigmoid_and_bias_over_every_expert(dump_dir):

@@ -91,6 +91,21 @@ def with_tie(logits: np.ndarray, bias: np.ndarray, difference: float = 1e-4) -> 
     raise AssertionError("no expert to tie with")
 
 
+def tie(ref: list, run: list, bias: np.ndarray, layer: int, row: int | None = None,
+        step: int | None = None) -> np.ndarray:
+    """A near tie (``with_tie``) in REF's router logits of ``layer`` (prefill row ``row``, or
+    decode step ``step``), on both sides, and RUN's ids that swap it; returns the tied logits."""
+    name = f"layer{layer}_router" if step is None else f"layer{layer}_step_router_{step}"
+    ids_name = f"layer{layer}_topk" if step is None else f"layer{layer}_step_topk_{step}"
+    at = row if step is None else slice(None)
+    ref_by_key, run_by_key = {c.key: c for c in ref}, {c.key: c for c in run}
+    logits, flipped = with_tie(ref_by_key[name].array[at], bias.astype(np.float64))
+    for side in (ref_by_key, run_by_key):
+        side[name].array[at] = logits
+    run_by_key[ids_name].array[at] = flipped
+    return logits
+
+
 def write(tmp_path, ref, run, bias, declared: bool, name: str = "pair"):
     manifest_fields = {f"layer{layer}_router": {"rows": "all"} for layer in range(LAYERS)}
     manifests = []
@@ -122,11 +137,7 @@ def test_a_flip_within_the_noise_is_a_near_tie_only_with_the_declaration(tmp_pat
     rng = np.random.default_rng(11)
     ref = captures(rng, bias)
     run = honest_run(ref, rng)
-    ref_by_key, by_key = {c.key: c for c in ref}, {c.key: c for c in run}
-    logits, flipped = with_tie(ref_by_key["layer1_router"].array[4], bias.astype(np.float64))
-    for side in (ref_by_key, by_key):
-        side["layer1_router"].array[4] = logits
-    by_key["layer1_topk"].array[4] = flipped
+    logits = tie(ref, run, bias, layer=1, row=4)
 
     report = compare(*write(tmp_path, ref, run, bias, declared=True, name="declared"))
     topk = record(report, "layer1_topk")
@@ -170,11 +181,7 @@ def test_a_decode_step_s_ids_follow_their_layer_s_declaration(tmp_path, bias):
     rng = np.random.default_rng(13)
     ref = captures(rng, bias)
     run = honest_run(ref, rng)
-    ref_by_key, by_key = {c.key: c for c in ref}, {c.key: c for c in run}
-    logits, flipped = with_tie(ref_by_key["layer2_step_router_1"].array, bias.astype(np.float64))
-    for side in (ref_by_key, by_key):
-        side["layer2_step_router_1"].array[:] = logits
-    by_key["layer2_step_topk_1"].array[:] = flipped
+    tie(ref, run, bias, layer=2, step=1)
     report = compare(*write(tmp_path, ref, run, bias, declared=True))
     step = record(report, "layer2_step_topk_1")
     assert step.status == "near_tie" and 0 < step.routing.rows[0].gap <= 0.01
@@ -207,11 +214,7 @@ def test_a_declaration_on_the_run_side_is_found_through_map(tmp_path, bias):
     rng = np.random.default_rng(15)
     ref = captures(rng, bias, steps=0)
     run = honest_run(ref, rng)
-    ref_by_key, by_key = {c.key: c for c in ref}, {c.key: c for c in run}
-    logits, flipped = with_tie(ref_by_key["layer1_router"].array[4], bias.astype(np.float64))
-    for side in (ref_by_key, by_key):
-        side["layer1_router"].array[4] = logits
-    by_key["layer1_topk"].array[4] = flipped
+    tie(ref, run, bias, layer=1, row=4)
     run = [factory.replace(c, key="blk" + c.key[5:], tag="blk" + c.tag[5:]) for c in run]
     manifests = [factory.manifest_for(side, source_dtype=dtype, key_fields={
         f"{prefix}{layer}_router": {"rows": "all"} for layer in range(LAYERS)})
