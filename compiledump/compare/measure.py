@@ -96,18 +96,29 @@ class KeyMeasurer:
         if ref_member.read_dtype != run_member.read_dtype:
             how = "compared as integers" if ref_member.is_integer else "compared in float64"
             problems.append(Problem("dtype_mismatch", self.rank, f"{dtypes}: {how}", key))
+        last_row_of = None  # "ref"/"run": the all-rows side, compared at its last row
         if ref_member.shape != run_member.shape:
             shapes = f"{list(ref_member.shape)} vs {list(run_member.shape)}"
-            if _squeezed(ref_member.shape) != _squeezed(run_member.shape):
+            if self.ref.merged_ranks is None and self.run.merged_ranks is None:
+                last_row_of = _all_rows_side(ref_member.shape, ref_info, run_member.shape, run_info)
+            if last_row_of is not None:
+                # A one-row key holds the prompt's last row (record's default): an older dump,
+                # or instrument(router_rows="one"), against one that kept every row.
+                how = "one row against all rows, compared at the last row (the row a one-row record keeps)"
+                info = replace(info, all_rows=False)
+            elif _squeezed(ref_member.shape) == _squeezed(run_member.shape):
+                how = "differ only by size-1 dimensions, compared flattened"
+            else:
                 problems.append(Problem("shape_mismatch", self.rank, f"{shapes}: not compared", key))
                 record.status = "skipped"
                 return record
-            problems.append(Problem("shape_mismatch", self.rank,
-                                    f"{shapes}: differ only by size-1 dimensions, compared flattened", key))
+            problems.append(Problem("shape_mismatch", self.rank, f"{shapes}: {how}", key))
         try:
             if self.ref.merged_ranks is None and self.run.merged_ranks is None:
                 (ref_copy,), (run_copy,) = self.ref.replicas(key), self.run.replicas(key)
                 x, y = ref_copy.whole(), run_copy.whole()
+                if last_row_of is not None:
+                    x, y = (x[-1], y) if last_row_of == "ref" else (x, y[-1])
                 result = self.measure(record, x, y, info)
                 if result.ids is not None and not result.ids.ids_equal:
                     result = self.judge_ids(result, info, x, y)
@@ -306,6 +317,16 @@ def judge_rows(record: KeyRecord, rows: RowMetrics, limits: Thresholds, skip=fro
     values = rows.rel_diff if metric == "rel_diff" else rows.norm_diff
     value = max((values[index] or 0.0) for index in range(len(values)) if index not in skip)
     return replace(record, status="divergent", divergent=True, metric=metric, value=value, divergent_rows=bad)
+
+
+def _all_rows_side(ref_shape: tuple[int, ...], ref_info: KeyInfo, run_shape: tuple[int, ...],
+                   run_info: KeyInfo) -> str | None:
+    """"ref" or "run" when that side is an all-rows key `[tokens, dim]` and the other a one-row
+    key `[dim]` of the same width; None otherwise."""
+    for side, (mine, info), theirs in (("ref", (ref_shape, ref_info), run_shape), ("run", (run_shape, run_info), ref_shape)):
+        if info.all_rows and len(mine) == 2 and len(theirs) == 1 and mine[1] == theirs[0]:
+            return side
+    return None
 
 
 def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:

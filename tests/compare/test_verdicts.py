@@ -329,6 +329,41 @@ def test_all_rows_keys_are_judged_per_token_row(tmp_path, capsys, captures):
     assert cmp.compare(factory.write_compiledump(tmp_path / "plainref", ref), plain).exit_status == 0
 
 
+@pytest.mark.parametrize("all_rows_side", ["ref", "run"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_one_row_against_all_rows_is_compared_at_the_last_row(tmp_path, capsys, captures, all_rows_side, dtype):
+    """A one-row key holds the prompt's last row: against an all-rows key of the same tag (a
+    dump of instrument's router_rows="all" against an older one) it is compared with that row,
+    and said so, instead of skipped as a shape mismatch. Earlier rows cannot matter."""
+    rng = np.random.default_rng(12)
+    rows = (rng.standard_normal((9, 13)) * 1.5 + 0.2).astype(dtype).astype(np.float32)
+    others = factory.perturb(captures, rng, noise=1e-7)
+    wide = rows.copy()
+    wide[3] *= 1.5  # far off in an earlier row: not what the one-row side holds
+    for scale, divergent in ((1.0 + 1e-5, False), (1.05, True)):
+        last = (rows[-1] * scale).astype(np.float32)
+        one, every = factory.Capture("layer1_h", last, "record", "layer1_h"), \
+            factory.Capture("layer1_h", wide, "record", "layer1_h")
+        mine = {"ref": every, "run": one}
+        ref, run = captures[:4] + [mine["ref"] if all_rows_side == "ref" else mine["run"]] + captures[4:], \
+            others[:4] + [mine["run"] if all_rows_side == "ref" else mine["ref"]] + others[4:]
+        ref_fields = {"layer1_h": {"tokens": 9, "phase": "prefill", **({"rows": "all"} if all_rows_side == "ref" else {})}}
+        run_fields = {"layer1_h": {"tokens": 9, "phase": "prefill", **({"rows": "all"} if all_rows_side == "run" else {})}}
+        ref_path, run_path = write_pair(tmp_path / f"{scale}", ref, run,
+                                        ref_manifest=factory.manifest_for(ref, key_fields=ref_fields),
+                                        run_manifest=factory.manifest_for(run, key_fields=run_fields))
+        code, _, report = compare_json(capsys, ref_path, run_path)
+        record = {r["key"]: r for r in report["keys"]}["layer1_h"]
+        x, y = (wide[-1], last) if all_rows_side == "ref" else (last, wide[-1])
+        assert record["rel_diff"] == pytest.approx(rel_diff(x, y), rel=1e-9)
+        assert record["norm_diff"] == pytest.approx(norm_diff(x, y), rel=1e-9)
+        assert "row_rel_diff" not in record and record["divergent"] is divergent and code == (1 if divergent else 0)
+        (problem,) = [p for p in report["problems"] if p["key"] == "layer1_h"]
+        shapes = "[9, 13] vs [13]" if all_rows_side == "ref" else "[13] vs [9, 13]"
+        assert problem["kind"] == "shape_mismatch" and problem["detail"] == (
+            f"{shapes}: one row against all rows, compared at the last row (the row a one-row record keeps)")
+
+
 def test_compare_rows_matches_numpy_in_small_chunks():
     rng = np.random.default_rng(11)
     x = rng.standard_normal((9, 13)).astype(np.float32)
