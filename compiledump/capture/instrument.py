@@ -66,10 +66,12 @@ class Instrumented:
     """What `instrument` attached: `taps` ({tag: "module.path[:input]"}), `fired` (a hook ran
     with capture on), and `remove()` to detach every hook."""
 
-    def __init__(self, model: torch.nn.Module, batch_row: int, step_routing: bool = True):
+    def __init__(self, model: torch.nn.Module, batch_row: int, step_routing: bool = True,
+                 router_rows: str | None = "all"):
         self.model = model
         self.batch_row = batch_row
         self.step_routing = step_routing
+        self.router_rows = router_rows
         self.taps: dict[str, str] = {}
         self.fired = False
         self._handles: list = []
@@ -152,7 +154,9 @@ class Instrumented:
             if not (isinstance(logits, torch.Tensor) and logits.is_floating_point()):
                 return  # not a router of these conventions (its taps are the user's to add)
             rows = self._rows(logits)
-            api.record(f"layer{i}_router", rows)
+            # Every prompt row by default: a routing flip in any row can then be judged by its own
+            # router logits (ids are recorded whole), which one row cannot do for the others.
+            api.record(f"layer{i}_router", rows, rows=self.router_rows)
             if engine_gate:
                 # The engine's fused MoE picks the experts, by a rule (a bias, groups) not visible
                 # here: no ids, and no step routing (a step's logits are read to judge its ids).
@@ -173,7 +177,7 @@ class Instrumented:
 
 
 def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, defaults: bool = True,
-               batch_row: int = 0, step_routing: bool = True) -> Instrumented:
+               batch_row: int = 0, step_routing: bool = True, router_rows: str | None = "all") -> Instrumented:
     """Attach capture points to `model`'s modules; returns a handle with `.remove()`.
 
     With `defaults`, a decoder-only causal LM gets, per layer i, `layer<i>_attn` (the residual
@@ -185,7 +189,12 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
     comparator cannot tell a decode step's routing flip from a bug). `taps` adds more: `{"layer{i}_q":
     "model.layers.{i}.self_attn.q_proj"}` (a `{i}` in both expands over the layers; paths are
     relative to `model`; append `:input` for the module's first input instead of its output).
-    Integer tensors are captured with `record_ids`, others with `record`. Hidden states
+    Integer tensors are captured with `record_ids`, others with `record`. `layer<i>_router`
+    keeps every prompt row (`router_rows="all"`, the default; the ids are recorded whole), so that
+    the comparator can judge a routing flip in any row by that row's router logits: with one row,
+    a flip in an earlier row is "not judged" (exit 3). It costs tokens x experts x 4 bytes of
+    arena per MoE layer kept; `router_rows="one"` keeps the last row, None follows
+    COMPILEDUMP_ROWS like the other taps. Hidden states
     `[batch, seq, hidden]` keep batch row `batch_row` (default 0, the first request of a padded
     batch): every position is a token row, and the token gate compares `seq` with the prompt.
 
@@ -193,7 +202,9 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
     says so) so that the hooks take effect.
     """
     inner = _uncompiled(model)
-    handle = Instrumented(inner, batch_row, step_routing)
+    if router_rows not in ("all", "one", None):
+        raise ValueError(f"compiledump.instrument: router_rows must be 'all', 'one' or None, got {router_rows!r}")
+    handle = Instrumented(inner, batch_row, step_routing, router_rows)
     modules = dict(inner.named_modules())
     layers_path, layers = _find_layers(modules)
     if defaults:

@@ -180,7 +180,8 @@ def analyse_pair(pair: PairResult) -> None:
             # model whose logits could judge them.
             uncovered = routing.router_key is not None and routing.not_top_k is None and any(
                 row not in routing.router_rows for row in routing.not_judged_rows)
-            hint = "; the router logits of every row (rows=\"all\") would judge each row" if uncovered else ""
+            hint = ("; the router logits of every row would judge each row (instrument's default, "
+                    "router_rows=\"all\"; by hand, record(..., rows=\"all\"))") if uncovered else ""
             reached = (f"; nor are the {len(keys)} float keys after it that cross a threshold only at or after "
                        f"those tokens: {shown}" if keys else "")
             pair.problems.append(Problem(

@@ -83,12 +83,38 @@ def test_default_taps_capture_what_the_model_computes(dump_dir, name):
     if moe:
         logits, _, top = _router_ids(model, 2, ids)
         np.testing.assert_array_equal(arrays["layer2_topk"], top.numpy())  # every prompt token: ids are whole
-        np.testing.assert_allclose(arrays["layer2_router"], logits[-1].numpy(), rtol=1e-6, atol=1e-6)
+        # Every prompt row of the router logits (router_rows="all", the default), as the ids.
+        np.testing.assert_allclose(arrays["layer2_router"], logits.numpy(), rtol=1e-6, atol=1e-6)
+        assert manifest["keys"]["layer2_router"]["rows"] == "all" and "rows" not in manifest["keys"]["layer2"]
         # Step 0 (the prompt's last position, as logits_0) holds that token's routing too.
         np.testing.assert_allclose(arrays["layer2_step_router_0"], logits[-1].numpy(), rtol=1e-6, atol=1e-6)
         np.testing.assert_array_equal(arrays["layer2_step_topk_0"], top[-1].numpy())
         assert manifest["keys"]["layer2_step_topk_0"]["source_dtype"] == "int64"
     assert manifest["keys"]["layer0"]["tokens"] == 7 and manifest["prompt_tokens"] == 7
+
+
+@pytest.mark.parametrize("router_rows, env_rows, all_rows", [("one", "all", False), (None, "one", False),
+                                                             (None, "all", True)])
+def test_router_rows_keeps_the_last_row_or_follows_the_environment(dump_dir, router_rows, env_rows, all_rows):
+    """`router_rows="one"` keeps the last prompt row of the router logits, None records them as
+    the other taps (COMPILEDUMP_ROWS); the ids are whole either way."""
+    compiledump.configure(moe_layers=4, rows=env_rows)
+    model = ex.build_model("mixtral")
+    ids = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(5))
+    handle = compiledump.instrument(model, router_rows=router_rows)
+    _forward(model, ids)
+    arrays, manifest = _load(compiledump.flush())
+    handle.remove()
+    logits, _, top = _router_ids(model, 1, ids)
+    np.testing.assert_allclose(arrays["layer1_router"], (logits if all_rows else logits[-1]).numpy(), rtol=1e-6,
+                               atol=1e-6)
+    assert manifest["keys"]["layer1_router"].get("rows") == ("all" if all_rows else None)
+    np.testing.assert_array_equal(arrays["layer1_topk"], top.numpy())
+
+
+def test_router_rows_must_be_all_one_or_none():
+    with pytest.raises(ValueError, match="router_rows must be 'all', 'one' or None, got 'last'"):
+        compiledump.instrument(ex.build_model("mixtral"), router_rows="last")
 
 
 def _mlp(block, x):
@@ -154,7 +180,7 @@ def test_default_taps_follow_other_layer_structures(dump_dir, name):
         else:
             logits, _, top = output
             np.testing.assert_array_equal(arrays["layer1_topk"], top.numpy())
-        np.testing.assert_allclose(arrays["layer1_router"], logits[-1].numpy(), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(arrays["layer1_router"], logits.numpy(), rtol=1e-6, atol=1e-6)
 
 
 def test_a_vision_language_model_is_tapped_in_its_language_model(dump_dir):
@@ -472,6 +498,6 @@ def test_an_engine_gate_returning_logits_and_none_records_the_logits_only(dump_d
         model(torch.tensor([3, 5, 7, 11, 13]))  # flat: five tokens of one request
     arrays, _ = _load(compiledump.flush())
     handle.remove()
-    np.testing.assert_array_equal(arrays["layer0_router"], seen[0][-1].numpy())
-    np.testing.assert_array_equal(arrays["layer1_router"], seen[1][-1].numpy())
+    np.testing.assert_array_equal(arrays["layer0_router"], seen[0].numpy())  # every row: router_rows="all"
+    np.testing.assert_array_equal(arrays["layer1_router"], seen[1].numpy())
     assert not any("topk" in key or "step_router" in key for key in arrays), sorted(arrays)

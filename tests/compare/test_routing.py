@@ -202,6 +202,8 @@ def test_rows_without_reference_logits_are_reported_not_named(tmp_path, capsys):
     (problem,) = report["problems"]
     assert problem["kind"] == "ids_not_judged" and problem["key"] == "layer1_topk"
     assert "2/6 rows" in problem["detail"] and "rows 0, 2" in problem["detail"]
+    assert problem["detail"].endswith("the router logits of every row would judge each row (instrument's "
+                                      "default, router_rows=\"all\"; by hand, record(..., rows=\"all\"))")
     assert any(line.startswith("ids: layer1_topk (layer 1) differ (row 0, overlap 1/2): rows 0, 2 not judged")
                for line in out)
     assert "layer1_topk (not judged)" in out[-1]
