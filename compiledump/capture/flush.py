@@ -133,6 +133,17 @@ def _collect(rt: Runtime, arena: np.ndarray, ctrl: np.ndarray) -> tuple[dict, di
     return got.arrays, manifest
 
 
+# What to change so that a loss does not happen again, per drop reason (the warning names it).
+DROP_FIXES = {
+    "arena_full": "raise COMPILEDUMP_ARENA_MB (now {arena_mb}), or keep fewer rows: rows=\"one\" for all-rows "
+                  "records, instrument(..., router_rows=\"one\") for its router logits",
+    "shape_changed": "later calls had another shape than the first kept one; give each shape its own tag",
+    "step_capacity": "raise COMPILEDUMP_MAX_STEPS (now {max_steps})",
+    "tag_table_full": "raise COMPILEDUMP_MAX_TAGS (now {max_tags})",
+    "row_out_of_range": "the row set_gather_rows names does not exist in those batches",
+}
+
+
 def _warn_drops(manifest: dict) -> None:
     """One warning per tag and reason for captures that were lost, one line for the filters."""
     deliberate: dict[str, int] = {}
@@ -145,8 +156,10 @@ def _warn_drops(manifest: dict) -> None:
                 continue
             STATE.warned.add((name, reason))
             how_many = f"{count} capture(s)" if count is not None else "all captures"
+            fix = DROP_FIXES.get(reason)
+            fix = f": {fix.format(**vars(STATE.config))}" if fix else ""
             warnings.warn(
-                f"compiledump: tag {info['tag']!r}: {how_many} dropped ({reason}); "
+                f"compiledump: tag {info['tag']!r}: {how_many} dropped ({reason}){fix}; "
                 "see the manifest's 'drops'",
                 RuntimeWarning,
                 stacklevel=4,

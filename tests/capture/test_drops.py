@@ -43,7 +43,8 @@ def test_more_steps_than_capacity(dump_dir):
     assert manifest["tags"]["logits_<n>"]["drops"] == {"step_capacity": 3}
     assert manifest["drops"] == {"step_capacity": 3}
     assert [m for m in messages if "step_capacity" in m] == [
-        "compiledump: tag 'logits': 3 capture(s) dropped (step_capacity); see the manifest's 'drops'"
+        "compiledump: tag 'logits': 3 capture(s) dropped (step_capacity): raise COMPILEDUMP_MAX_STEPS (now 4); "
+        "see the manifest's 'drops'"
     ]
     _check_accounting(manifest)
     # One warning per tag and reason: a second flush does not repeat it.
@@ -64,7 +65,9 @@ def test_full_arena(dump_dir):
     assert sorted(arrays) == ["big", "small"]
     np.testing.assert_array_equal(arrays["big"], big[-1].numpy())
     assert manifest["tags"]["too_big"]["drops"] == {"arena_full": 2}
-    assert any("'too_big': 2 capture(s) dropped (arena_full)" in m for m in messages)
+    (message,) = [m for m in messages if "arena_full" in m]
+    assert message.startswith("compiledump: tag 'too_big': 2 capture(s) dropped (arena_full): raise "
+                              "COMPILEDUMP_ARENA_MB (now 1), or keep fewer rows")
     _check_accounting(manifest)
 
 
@@ -78,7 +81,7 @@ def test_shape_change(dump_dir):
     np.testing.assert_array_equal(arrays["h"], first[-1].numpy())  # the kept shape's last write
     assert manifest["tags"]["h"]["drops"] == {"shape_changed": 1}
     assert manifest["tags"]["ids"]["drops"] == {"shape_changed": 1}
-    assert sum("shape_changed" in m for m in messages) == 2
+    assert sum("shape_changed" in m and "give each shape its own tag" in m for m in messages) == 2
     _check_accounting(manifest)
 
 
@@ -91,7 +94,7 @@ def test_tag_table_full(dump_dir):
     assert sorted(arrays) == ["a", "b"]
     assert manifest["drops"]["tag_table_full"] == 3
     assert manifest["tags"]["c"]["drops"] == {"tag_table_full": None}
-    assert any("'c': all captures dropped (tag_table_full)" in m for m in messages)
+    assert any("'c': all captures dropped (tag_table_full): raise COMPILEDUMP_MAX_TAGS (now 2)" in m for m in messages)
 
 
 def test_gates_and_suspension_are_counted(dump_dir):
