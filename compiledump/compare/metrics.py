@@ -190,12 +190,13 @@ def compare_float_arrays(ref: np.ndarray, run: np.ndarray, margins: bool = False
     )
 
 
-def norm_diff_of(xx: float, yy: float) -> float | None:
+def norm_diff_of(xx: float, yy: float, floor: float = 0.0) -> float | None:
     """|‖y‖ − ‖x‖| / ‖x‖ from the sums of squares ``xx`` = ‖x‖² and ``yy`` = ‖y‖², written as
-    |yy − xx| / ((‖x‖ + ‖y‖)·‖x‖) so the difference of two close norms keeps its digits."""
-    if xx > 0:
-        nx = math.sqrt(xx)
-        return abs(yy - xx) / ((nx + math.sqrt(yy)) * nx)
+    |yy − xx| / ((‖x‖ + ‖y‖)·‖x‖) so the difference of two close norms keeps its digits; with a
+    ``floor`` (a squared norm), divided by the larger of ‖x‖ and √floor instead."""
+    scale = max(xx, floor)
+    if scale > 0:
+        return abs(yy - xx) / ((math.sqrt(xx) + math.sqrt(yy)) * math.sqrt(scale))
     return 0.0 if yy == 0 else None
 
 
@@ -219,12 +220,14 @@ class RowMetrics:
 
 def compare_rows(ref: np.ndarray, run: np.ndarray, chunk: int = CHUNK_ELEMENTS) -> RowMetrics:
     """rel_diff and norm_diff of each row (axis 0) of two arrays of equal shape, in float64,
-    converting at most about ``chunk`` elements per side at a time."""
+    converting at most about ``chunk`` elements per side at a time. A row's error is taken
+    relative to the larger of its own norm and the median REF row norm (docs/compare.md, "All
+    rows"): rounding noise follows the scale of what a row was computed from, so a row that is
+    small by cancellation (8 router logits near zero) would otherwise read as a large error."""
     x = np.asarray(ref).reshape(ref.shape[0], -1)
     y = np.asarray(run).reshape(x.shape)
     step = max(1, chunk // max(1, x.shape[1]))
-    rel: list[float] = []
-    norm: list[float | None] = []
+    sums: list[tuple[float, float, float]] = []
     for start in range(0, x.shape[0], step):
         a = x[start:start + step].astype(np.float64)
         b = y[start:start + step].astype(np.float64)
@@ -233,10 +236,14 @@ def compare_rows(ref: np.ndarray, run: np.ndarray, chunk: int = CHUNK_ELEMENTS) 
             a, b = np.where(both, a, 0.0), np.where(both, b, 0.0)
         d = a - b
         xx, yy, dd = (np.einsum("ij,ij->i", u, u) for u in (a, b, d))
-        for row_xx, row_yy, row_dd in zip(xx.tolist(), yy.tolist(), dd.tolist()):
-            total = row_xx + row_yy
-            rel.append(row_dd / total if total > 0 else 0.0)
-            norm.append(norm_diff_of(row_xx, row_yy))
+        sums.extend(zip(xx.tolist(), yy.tolist(), dd.tolist()))
+    floor = float(np.median([row_xx for row_xx, _, _ in sums])) if sums else 0.0  # a squared norm
+    rel: list[float] = []
+    norm: list[float | None] = []
+    for row_xx, row_yy, row_dd in sums:
+        total = max(row_xx + row_yy, 2 * floor)
+        rel.append(row_dd / total if total > 0 else 0.0)
+        norm.append(norm_diff_of(row_xx, row_yy, floor))
     return RowMetrics(rel, norm)
 
 

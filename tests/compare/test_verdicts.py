@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from compiledump import compare as cmp
 from compiledump.cli import main
@@ -19,7 +20,7 @@ from compiledump.compare.rename import split_map
 from helpers import dumpfactory as factory
 from helpers.cli import compare_json
 from helpers.dumpfactory import scaled, write_pair
-from helpers.reference_metrics import norm_diff, rel_diff
+from helpers.reference_metrics import norm_diff, rel_diff, row_metrics
 
 
 @pytest.fixture
@@ -318,12 +319,13 @@ def test_all_rows_keys_are_judged_per_token_row(tmp_path, capsys, captures):
     first = report["first_divergence"]
     assert code == 1 and first["key"] == "layer1_h" and first["divergent_rows"] == [2, 5] and first["row_count"] == 7
     assert first["metric"] == "norm_diff"
-    assert first["value"] == pytest.approx(max(norm_diff(x[i], y[i]) for i in range(7)), rel=1e-9)
+    row_rel, row_norm = row_metrics(x, y)
+    assert first["value"] == pytest.approx(max(row_norm), rel=1e-9)
     assert "layer1_h (layer 1): norm_diff" in out[-1]
     assert out[-1].split("; last good")[0].endswith("at tokens 2, 5 of 7")
     record = {r["key"]: r for r in report["keys"]}["layer1_h"]
-    assert record["row_rel_diff"] == pytest.approx([rel_diff(x[i], y[i]) for i in range(7)], rel=1e-9)
-    assert record["row_norm_diff"] == pytest.approx([norm_diff(x[i], y[i]) for i in range(7)], rel=1e-9)
+    assert record["row_rel_diff"] == pytest.approx(row_rel, rel=1e-9)
+    assert record["row_norm_diff"] == pytest.approx(row_norm, rel=1e-9)
     # Without rows == "all" the same key is one vector and passes.
     plain = factory.write_compiledump(tmp_path / "plain", run, manifest=factory.manifest_for(run))
     assert cmp.compare(factory.write_compiledump(tmp_path / "plainref", ref), plain).exit_status == 0
@@ -364,11 +366,47 @@ def test_one_row_against_all_rows_is_compared_at_the_last_row(tmp_path, capsys, 
             f"{shapes}: one row against all rows, compared at the last row (the row a one-row record keeps)")
 
 
-def test_compare_rows_matches_numpy_in_small_chunks():
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, "bfloat16"])
+def test_compare_rows_matches_numpy_in_small_chunks(dtype):
     rng = np.random.default_rng(11)
-    x = rng.standard_normal((9, 13)).astype(np.float32)
-    y = (x * rng.uniform(0.9, 1.1, (9, 1)) + rng.standard_normal((9, 13)) * 0.01).astype(np.float32)
+    # Rows of very different norms, a non-contiguous view, values of the dtype (bf16 by rounding).
+    x = (rng.standard_normal((9, 26)) * rng.uniform(0.05, 3.0, (9, 1)))[:, ::2]
+    y = x * rng.uniform(0.9, 1.1, (9, 1)) + rng.standard_normal((9, 13)) * 0.01
+    if dtype == "bfloat16":
+        x, y = (torch.from_numpy(np.ascontiguousarray(v)).to(torch.bfloat16).float().numpy() for v in (x, y))
+    else:
+        x, y = x.astype(dtype), y.astype(dtype)
+    expected_rel, expected_norm = row_metrics(x, y)
     for chunk in (1, 13, 40, 1 << 20):
         rows = compare_rows(x, y, chunk=chunk)
-        assert rows.rel_diff == pytest.approx([rel_diff(x[i], y[i]) for i in range(9)], rel=1e-9)
-        assert rows.norm_diff == pytest.approx([norm_diff(x[i], y[i]) for i in range(9)], rel=1e-9)
+        assert rows.rel_diff == pytest.approx(expected_rel, rel=1e-9)
+        assert rows.norm_diff == pytest.approx(expected_norm, rel=1e-9)
+    # Rows at or above the median norm are judged by their own norm, as a one-row key is.
+    median = np.median(np.linalg.norm(x.astype(np.float64), axis=1))
+    for i in np.flatnonzero(np.linalg.norm(x.astype(np.float64), axis=1) >= median):
+        assert rows.rel_diff[i] == pytest.approx(rel_diff(x[i], y[i]), rel=1e-9)
+        assert rows.norm_diff[i] == pytest.approx(norm_diff(x[i], y[i]), rel=1e-9)
+
+
+def test_a_row_small_by_cancellation_is_judged_at_the_keys_scale(tmp_path, capsys, captures):
+    """Eight router logits of one token can nearly cancel: the same absolute rounding error is
+    then a large error relative to that row. Rows are judged relative to the larger of their own
+    norm and the median row norm, so that row passes while a 5 % error of a typical row does not."""
+    rng = np.random.default_rng(13)
+    rows = rng.standard_normal((11, 8)).astype(np.float32)
+    rows[4] *= 0.05  # small by cancellation
+    noise = rng.standard_normal((11, 8)).astype(np.float32) * 0.01  # the same absolute error in every row
+    fields = {"layer1_router": {"rows": "all", "tokens": 11, "phase": "prefill"}}
+    for bad_row, expected in ((None, []), (7, [7])):
+        run_rows = rows + noise
+        if bad_row is not None:
+            run_rows[bad_row] = rows[bad_row] * 1.05
+        ref = captures[:4] + [factory.Capture("layer1_router", rows, "record", "layer1_router")] + captures[4:]
+        run = captures[:4] + [factory.Capture("layer1_router", run_rows, "record", "layer1_router")] + captures[4:]
+        # Judged against its own norm alone, row 4 would be far over both bf16 thresholds.
+        assert rel_diff(rows[4], run_rows[4]) > 1e-2 and norm_diff(rows[4], run_rows[4]) > 3e-2
+        ref_path, run_path = write_pair(tmp_path / str(bad_row), ref, run, "bfloat16", "bfloat16", key_fields=fields)
+        code, _, report = compare_json(capsys, ref_path, run_path)
+        record = {r["key"]: r for r in report["keys"]}["layer1_router"]
+        assert record["divergent_rows"] == expected and code == (1 if expected else 0)
+        assert record["row_rel_diff"] == pytest.approx(row_metrics(rows, run_rows)[0], rel=1e-9)

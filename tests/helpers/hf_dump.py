@@ -12,12 +12,13 @@ import compiledump
 
 
 def dump_prefill(model: torch.nn.Module, directory: Path, ids: torch.Tensor, rows: str = "one",
-                 moe_layers: int = 4) -> None:
+                 moe_layers: int = 4, router_rows: str | None = "all") -> None:
     """Run ``model`` on ``ids`` once (no KV cache) with every MoE layer's ids recorded, and flush
-    the dump into ``directory``; compiledump is reset before and after."""
+    the dump into ``directory``; compiledump is reset before and after. ``router_rows`` as
+    ``instrument`` takes it."""
     compiledump.reset()
     compiledump.configure(dir=str(directory), moe_layers=moe_layers, rows=rows)
-    handle = compiledump.instrument(model)
+    handle = compiledump.instrument(model, router_rows=router_rows)
     with torch.no_grad():
         model(input_ids=ids, use_cache=False)
     with warnings.catch_warnings():

@@ -15,3 +15,15 @@ def norm_diff(x, y) -> float:
     """| |y| - |x| | / |x| over the flattened arrays, in float64: blind to direction, sensitive to scale."""
     x, y = np.ravel(x).astype(np.float64), np.ravel(y).astype(np.float64)
     return float(abs(np.linalg.norm(y) - np.linalg.norm(x)) / np.linalg.norm(x))
+
+
+def row_metrics(x, y) -> tuple[list[float], list[float]]:
+    """Per-row rel_diff and norm_diff of two ``[rows, dim]`` arrays as an all-rows key is judged:
+    each row's error relative to the larger of its own REF norm and the median REF row norm
+    (``|x_i - y_i|^2 / max(|x_i|^2 + |y_i|^2, 2 m^2)`` and ``| |y_i| - |x_i| | / max(|x_i|, m)``)."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    nx, ny = np.linalg.norm(x, axis=1), np.linalg.norm(y, axis=1)
+    m = np.sqrt(np.median(nx ** 2))
+    rel = np.sum((x - y) ** 2, axis=1) / np.maximum(nx ** 2 + ny ** 2, 2 * m ** 2)
+    norm = np.abs(ny - nx) / np.maximum(nx, m)
+    return rel.tolist(), norm.tolist()
