@@ -15,7 +15,6 @@ The twin for the Triton kernel is scripts/kernel_ptx.py.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shutil
 import subprocess

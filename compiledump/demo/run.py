@@ -135,12 +135,12 @@ def run_demo(
     # Dynamic token dim from the start, as engines mark it: one graph for prefill-shaped and one
     # for decode-shaped calls, whatever the batch.
     compiled = torch.compile(engine, fullgraph=True, dynamic=True, mode=mode)
-    forward = compiled
-    if mode == "reduce-overhead":
+    def replayed(*args):
+        # CUDA graph outputs are overwritten by the next replay: a new step, cloned outputs.
+        torch.compiler.cudagraph_mark_step_begin()
+        return tuple(t.clone() for t in compiled(*args))
 
-        def forward(*args):
-            torch.compiler.cudagraph_mark_step_begin()
-            return tuple(t.clone() for t in compiled(*args))
+    forward = replayed if mode == "reduce-overhead" else compiled
 
     counters.clear()
     graphs_at_first_step = []

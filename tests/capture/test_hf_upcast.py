@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from helpers.hf_dump import dump_prefill
-from compiledump.compare import CompareOptions, compare, format_report
+from compiledump.compare import compare, format_report
 
 transformers = pytest.importorskip("transformers")
 
