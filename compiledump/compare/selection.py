@@ -10,7 +10,8 @@ makes the router select the run's experts: two logits each epsilon off swap expe
 apart, so for a plain top-k it is the plain gap again. Whether a move of epsilon can do it is
 decided exactly (``witness``) when each choice score moves with its own logit alone (sigmoid plus
 a bias, softmax without one), and it only gets easier as epsilon grows, so bisection finds the
-smallest. A softmax router with a bias couples every score to every logit: not judged.
+smallest. A softmax router with a bias couples every score to every logit: without expert groups
+compare/softmax_bias.py decides it exactly too; with groups it is not judged.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import math
 import numpy as np
 
 from ..format.routers import RouterInfo
+from . import softmax_bias
 
 # Bisection: relative resolution of the epsilon, and the iteration cap that reaches it.
 _RESOLUTION = 1e-9
@@ -68,9 +70,11 @@ def _group_scores(info: RouterInfo, scores: np.ndarray) -> np.ndarray:
 def judgeable(info: RouterInfo) -> str | None:
     """Why logit moves cannot judge ``info``'s selection, or None. Each choice score must depend
     on its own logit alone, increasing: sigmoid (+ bias), or softmax without a bias (a common
-    factor, which no comparison sees); softmax plus a bias couples every score to every logit."""
-    if info.score == "softmax" and info.bias is not None:
-        return "a softmax router with a bias: no rule here tells how far its logits are from another selection"
+    factor, which no comparison sees); softmax plus a bias, which couples every score to every
+    logit, is decided without expert groups only (compare/softmax_bias.py)."""
+    if info.score == "softmax" and info.bias is not None and info.n_group > 1:
+        return ("a softmax router with a bias in expert groups: no rule here tells how far its logits are "
+                "from another selection")
     return None
 
 
@@ -99,8 +103,12 @@ def witness(info: RouterInfo, logits: np.ndarray, chosen: np.ndarray, epsilon: f
     other groups by epsilon, and lifts every other expert of S as high as it may go while it stays
     below the lowest chosen score (it lifts its group); S holds the chosen experts' groups, and
     the rest of it is tried every way. With ``cap_epsilon`` < ``epsilon`` those experts stay below
-    the lowest chosen score at ``cap_epsilon``: a witness with room, that rounding cannot flip."""
+    the lowest chosen score at ``cap_epsilon``: a witness with room, that rounding cannot flip.
+    A softmax router with a bias (no groups) is decided by compare/softmax_bias.py; a
+    ``cap_epsilon`` asks it for the witness with the most room it finds."""
     x = np.asarray(logits, np.float64)
+    if info.score == "softmax" and info.bias is not None:
+        return softmax_bias.witness(x, _bias(info), chosen, epsilon, robust=cap_epsilon is not None)
     experts = x.shape[0]
     up = np.zeros(experts, bool)
     up[chosen] = True

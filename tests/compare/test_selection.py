@@ -190,7 +190,70 @@ def test_the_other_sigmoid_and_bias_routers_instrument_declares_select_the_same(
     assert not np.array_equal(np.sort(np.argsort(-logits, axis=1)[:, :k], axis=1), ids)  # the bias matters
 
 
-def test_a_softmax_router_with_a_bias_is_not_judged_by_logit_moves():
+class SoftmaxBiasRouter(torch.nn.Module):
+    """transformers' Ernie 4.5 or LongCat-Flash router (the top-k of softmax(logits) + bias), with
+    the identity as its weight, returning (logits, weights, ids) as theirs do."""
+
+    def __init__(self, model: str, experts: int, k: int, bias: np.ndarray):
+        super().__init__()
+        if model == "ernie4_5_moe":
+            from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import Ernie4_5_MoeTopKRouter
+            self.router = Ernie4_5_MoeTopKRouter(transformers.Ernie4_5_MoeConfig(
+                hidden_size=experts, num_experts=experts, num_experts_per_tok=k))
+            held, weight = self.router.moe_statics.e_score_correction_bias, self.router.weight
+        else:
+            from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashTopkRouter
+            self.router = LongcatFlashTopkRouter(transformers.LongcatFlashConfig(
+                hidden_size=experts, n_routed_experts=experts, zero_expert_num=0, moe_topk=k))
+            held, weight = self.router.e_score_correction_bias, self.router.classifier.weight
+        with torch.no_grad():
+            weight.copy_(torch.eye(experts))
+            held.copy_(torch.from_numpy(bias).reshape(held.shape))
+
+    def forward(self, hidden):
+        return self.router(hidden)
+
+
+SOFTMAX_BIAS = [("ernie4_5_moe", 8, 2, 0.05), ("longcat_flash", 13, 3, 0.08), ("ernie4_5_moe", 64, 6, 0.01)]
+
+
+@pytest.mark.parametrize("model, experts, k, bias_std", SOFTMAX_BIAS)
+def test_softmax_plus_bias_routers_replay_and_their_gap_is_the_smallest_move(model, experts, k, bias_std):
+    """Ernie 4.5's and LongCat-Flash's routers, which add the bias to softmax scores: the
+    selection replays theirs; an honest move of at most e that flips them has a gap of at most 2e;
+    the witness just above the gap makes their router pick the run's experts, and a thousandth
+    below it none exists (compare/softmax_bias.py)."""
+    rng = np.random.default_rng(300 + experts)
+    bias = (rng.standard_normal(experts) * bias_std).astype(np.float32)
+    router = SoftmaxBiasRouter(model, experts, k, bias)
+    info = RouterInfo(top_k=k, score="softmax", bias=tuple(float(b) for b in bias))
+    assert selection.judgeable(info) is None
+    logits = (rng.standard_normal((300, experts)) * rng.uniform(0.3, 3.0, (300, 1))).astype(np.float32)
+    ids = picks(router, logits)
+    assert np.array_equal(selection.select(info, selection.choice_scores(info, logits)), ids)
+    assert selection.unexplained_row(info, logits, ids) is None
+    assert not np.array_equal(np.sort(np.argsort(-logits, axis=1)[:, :k], axis=1), ids)  # the bias matters
+    flips = 0
+    for row in logits:
+        e = 10 ** rng.uniform(-3, 0)
+        moved = row + rng.uniform(-e, e, experts).astype(np.float32)
+        ref, run = picks(router, row[None])[0], picks(router, moved[None])[0]
+        if set(ref) == set(run):
+            assert selection.selection_gap(info, row, run) == 0.0
+            continue
+        flips += 1
+        gap = selection.selection_gap(info, row, run)
+        assert gap <= 2 * float(np.max(np.abs(moved.astype(np.float64) - row))) * (1 + 1e-6) + 1e-9
+        if gap < 1e-3:
+            continue
+        reached = selection.witness(info, row, run, gap / 2 * 1.01, cap_epsilon=gap / 2)
+        assert reached is not None and np.max(np.abs(reached - row)) <= gap / 2 * 1.01 * (1 + 1e-12)
+        assert np.array_equal(picks(router, reached[None])[0], run)
+        assert selection.witness(info, row, run, gap / 2 * (1 - 1e-3)) is None
+    assert flips >= 20
+
+
+def test_a_softmax_router_with_a_bias_in_groups_is_not_judged_by_logit_moves():
     info = RouterInfo(top_k=2, score="softmax", bias=(0.1, 0.0, -0.1, 0.0), n_group=2, topk_group=1)
     assert "softmax router with a bias" in selection.judgeable(info)
     gap, reason = selection.row_gap(np.array([1.0, 0.9, 0.2, 0.1]), np.array([0, 1]), np.array([0, 2]), info)
