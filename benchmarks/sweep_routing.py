@@ -7,14 +7,16 @@ engine; one 7-token prompt per model, no KV cache, every MoE layer recorded
 mode, and compared with ``compiledump.compare.compare`` and the defaults, exactly as ``compiledump
 compare`` does. Nothing is wrong in any pair, so every exit 1 is a false divergence; exit 3 means
 the comparator could not tell (expert ids differ where no reference router logits judge them).
-With ``--engine-bug`` the engine's DeepSeek-V3 routing is broken instead, and every exit 1 is the
-bug found.
+With ``--engine-bug`` the engine's routing is broken instead (the biased routers' bias forgotten,
+DeepSeek-V3's groups ignored), and every exit 1 is the bug found.
 
 Models (4 layers, hidden 64, 8 experts top-2, ``initializer_range`` 0.1): Qwen3-MoE, Mixtral and
 DeepSeek-V3 with one expert group (plain top-k of sigmoid scores; one shared expert, layer 0
 dense), and DeepSeek-V3 with its own routing (``deepseek_v3_grouped``: 16 experts in 4 groups,
 top-4 in the best 2, sigmoid scores plus a random bias; judged by the selection ``instrument``
-declares), and MiniMax-M2 (``minimax_m2``: sigmoid scores plus a random bias over all 8 experts). benchmarks/calibrate.py calibrates the thresholds themselves; this
+declares), MiniMax-M2 (``minimax_m2``: sigmoid scores plus a random bias over all 8 experts)
+and Ernie 4.5 (``ernie4_5_moe``: softmax scores plus a random bias over all 8 experts, one
+shared expert). benchmarks/calibrate.py calibrates the thresholds themselves; this
 sweep counts verdicts over more random models than it can afford (docs/compare.md, "Expert ids
 and near ties").
 
@@ -61,9 +63,12 @@ CONFIGS = {
                                 qk_nope_head_dim=8, v_head_dim=16, head_dim=8),
     # MiniMax-M2: the top-k of sigmoid(logits) + a bias over all 8 experts (the bias on the MoE block).
     "minimax_m2": dict(intermediate_size=96, num_local_experts=8, head_dim=16),
+    # Ernie 4.5: the top-k of softmax(logits) + a bias over all 8 experts (in the router's moe_statics).
+    "ernie4_5_moe": dict(intermediate_size=96, moe_intermediate_size=48, moe_num_experts=8, moe_k=2,
+                         moe_layer_start_index=0, moe_num_shared_experts=1, head_dim=16),
 }
 MODEL_TYPES = {"deepseek_v3_grouped": "deepseek_v3"}
-BIASED = ("deepseek_v3_grouped", "minimax_m2")  # build() draws their router bias
+BIASED = ("deepseek_v3_grouped", "minimax_m2", "ernie4_5_moe")  # build() draws their router bias
 BIAS_STD = 0.02  # about the spread of the sigmoid scores of these random routers
 
 
@@ -96,7 +101,7 @@ def _ignore_groups(model: torch.nn.Module) -> None:
 
 
 # Routing bugs an engine can have (--engine-bug): forgetting the score-correction bias (DeepSeek-V3,
-# MiniMax-M2), or taking the top-k over every expert instead of inside the best groups (DeepSeek-V3).
+# MiniMax-M2, Ernie 4.5), or taking the top-k over every expert instead of inside the best groups (DeepSeek-V3).
 ENGINE_BUGS = {"none": lambda model: None, "no_bias": _forget_bias, "no_groups": _ignore_groups}
 
 
@@ -107,7 +112,7 @@ def main() -> int:
     parser.add_argument("--rows", default="one,all", help="recording modes (default one,all)")
     parser.add_argument("--tokens", type=int, default=PROMPT_TOKENS, help=f"prompt length (default {PROMPT_TOKENS})")
     parser.add_argument("--engine-bug", default="none", choices=sorted(ENGINE_BUGS),
-                        help="break the engine's routing (DeepSeek-V3 routers): every pair is then wrong, and "
+                        help="break the engine's routing (the biased routers): every pair is then wrong, and "
                              "exit 1 is the detection (default none: every pair honest)")
     parser.add_argument("--verbose", action="store_true", help="print the report of every pair that exits 1")
     args = parser.parse_args()

@@ -291,9 +291,11 @@ def _int_attr(modules, names: tuple[str, ...]) -> int | None:
 
 
 # Routers without expert groups that pick the top-k of sigmoid(logits) + e_score_correction_bias
-# (the bias on the router or on its MoE block), read from their Hugging Face code. Other routers
-# with a bias and no groups add it otherwise (LongCat-Flash and Ernie 4.5 to softmax scores).
+# (the bias on the router or on its MoE block), read from their Hugging Face code.
 SIGMOID_BIAS_ROUTERS = ("MiniMaxM2TopKRouter", "Step3p7TopKRouter", "HYV3TopKRouter")
+# Those that pick the top-k of softmax(logits) + the bias (LongCat-Flash's over its zero-computation
+# experts too; Ernie 4.5's bias in the router's `moe_statics`, shaped [1, experts]).
+SOFTMAX_BIAS_ROUTERS = ("LongcatFlashTopkRouter", "Ernie4_5_MoeTopKRouter")
 
 
 def _selection(block: torch.nn.Module, router: torch.nn.Module) -> dict | None:
@@ -303,14 +305,15 @@ def _selection(block: torch.nn.Module, router: torch.nn.Module) -> dict | None:
     `num_group`/`n_group`, `topk_group` and an `e_score_correction_bias`, sigmoid scores) takes
     the top-k of sigmoid(logits) + bias in the best `topk_group` of `n_group` groups, each scored
     by its two best; MiniMax-M2, Step 3.7 and Hunyuan V3 (SIGMOID_BIAS_ROUTERS) the top-k of
-    sigmoid(logits) + bias over every expert; DeepSeek-V2's `group_limited_greedy` the top-k of
-    softmax(logits) in the groups with the best single scores. Other routers with a bias
-    (LongCat-Flash, Ernie 4.5) or another score function (DeepSeek-V4) are not declared: their
-    flips stay not judged."""
+    sigmoid(logits) + bias over every expert; LongCat-Flash and Ernie 4.5 (SOFTMAX_BIAS_ROUTERS)
+    the top-k of softmax(logits) + bias; DeepSeek-V2's `group_limited_greedy` the top-k of
+    softmax(logits) in the groups with the best single scores. Other routers with a bias, or
+    another score function (DeepSeek-V4), are not declared: their flips stay not judged."""
     top_k = _int_attr((block, router), ("top_k", "num_experts_per_tok"))
     if top_k is None:
         return None
-    bias = next((getattr(m, "e_score_correction_bias") for m in (router, block)
+    holders = (router, block, getattr(router, "moe_statics", None))
+    bias = next((getattr(m, "e_score_correction_bias") for m in holders
                  if isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor)), None)
     n_group = _int_attr((router, block), ("num_group", "n_group"))
     topk_group = _int_attr((router, block), ("topk_group",))
@@ -324,6 +327,8 @@ def _selection(block: torch.nn.Module, router: torch.nn.Module) -> dict | None:
             return dict(score="softmax", group_topk=1, **groups)
     elif bias is not None and type(router).__name__ in SIGMOID_BIAS_ROUTERS:
         return _with_bias(dict(top_k=top_k, score="sigmoid"), bias)
+    elif bias is not None and type(router).__name__ in SOFTMAX_BIAS_ROUTERS:
+        return _with_bias(dict(top_k=top_k, score="softmax"), bias)
     if bias is not None:
         warn_once(f"instrument: {type(router).__name__} adds an e_score_correction_bias in a way compiledump "
                   "does not know, so compare cannot judge its expert-id flips (they are reported as not judged); "
@@ -338,7 +343,7 @@ def _with_bias(selection: dict, bias: torch.Tensor) -> dict | None:
                   "is not declared and its expert-id flips cannot be judged; call instrument() after the "
                   "weights are loaded")
         return None
-    return {**selection, "bias": bias}
+    return {**selection, "bias": bias.reshape(-1)}  # Ernie 4.5 keeps it as [1, experts]
 
 
 def _child(module: torch.nn.Module, names: tuple[str, ...]) -> str | None:

@@ -46,15 +46,25 @@ def _model(arch: str, seed: int):
             "deepseek_v3", moe_intermediate_size=48, n_routed_experts=16, n_shared_experts=1, first_k_dense_replace=1,
             n_group=4, topk_group=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
             v_head_dim=16, head_dim=8, **{**common, "num_experts_per_tok": 4})
+    elif arch == "ernie4_5_moe":  # softmax scores plus a bias, one shared expert
+        config = transformers.AutoConfig.for_model(
+            "ernie4_5_moe", moe_intermediate_size=48, moe_num_experts=8, moe_k=2, moe_layer_start_index=0,
+            moe_num_shared_experts=1, head_dim=16, **common)
     else:
         config = transformers.AutoConfig.for_model("mixtral", num_local_experts=8, **common)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    if arch == "deepseek_v3_grouped":  # a trained model's bias is not zero (benchmarks/sweep_routing.py's draw)
-        with torch.no_grad():
-            for layer in model.model.layers[1:]:
-                layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.02)
+    with torch.no_grad():  # a trained model's bias is not zero (benchmarks/sweep_routing.py's draw)
+        for bias in _biases(model) if arch in ("deepseek_v3_grouped", "ernie4_5_moe") else ():
+            bias.normal_(0.0, 0.02)
     return model
+
+
+def _biases(model) -> list[torch.Tensor]:
+    """Every router's e_score_correction_bias (DeepSeek-V3's on its gate, Ernie 4.5's in the
+    gate's moe_statics)."""
+    return [m.e_score_correction_bias for m in model.modules()
+            if isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor)]
 
 
 def _arrays(directory) -> dict[str, np.ndarray]:
@@ -217,3 +227,36 @@ def test_deepseek_v3_s_own_routing_is_judged_by_the_selection_instrument_declare
     report = compare(tmp_path / "ref", tmp_path / "bug")
     assert report.exit_status == 1
     assert report.root_cause is not None and report.root_cause.key == "layer1_topk"
+
+
+def test_ernie_4_5_s_softmax_plus_bias_routing_is_judged_in_the_default_mode(tmp_path):
+    """Ernie 4.5 (random seed 3 of benchmarks/sweep_routing.py's ernie4_5_moe: the top-k of
+    softmax(logits) plus a bias), bf16 against fp32, one-row mode: its ids are not the top-k of
+    its logits; instrument() declares the selection, the router logits of every prompt row judge
+    rounding's flips as near ties (before: 'could not tell', exit 3), and an engine that forgets
+    the bias diverges with a routing flip as the likely root cause (before: exit 3 as well)."""
+    reference = _model("ernie4_5_moe", 3)
+    ids = torch.randint(3, 211, (1, 7), generator=torch.Generator().manual_seed(4))
+    engine = copy.deepcopy(reference).to(torch.bfloat16)
+    for side, model in (("ref", reference), ("run", engine)):
+        dump_prefill(model, tmp_path / side, ids, "one")
+    ref, run = _arrays(tmp_path / "ref"), _arrays(tmp_path / "run")
+    top_k = np.sort(np.argsort(-ref["layer1_router"], axis=1, kind="stable")[:, :2], axis=1)
+    assert (top_k != np.sort(ref["layer1_topk"], axis=1)).any(), "the bias no longer matters here"
+    flipped = [key for key in ref if key.endswith("_topk") and
+               any(set(a) != set(b) for a, b in zip(ref[key].tolist(), run[key].tolist()))]
+    assert flipped, "no routing flip: the sweep's seed no longer flips (re-pick it)"
+    report = compare(tmp_path / "ref", tmp_path / "run")
+    records = {record.key: record for record in report.keys}
+    assert all(records[key].routing.verdict == "near_tie" for key in flipped)
+    assert report.exit_status == 0 and report.first_divergence is None
+
+    forgetful = copy.deepcopy(engine)
+    with torch.no_grad():
+        for bias in _biases(forgetful):
+            bias.zero_()
+    dump_prefill(forgetful, tmp_path / "bug", ids, "one")
+    report = compare(tmp_path / "ref", tmp_path / "bug")
+    assert report.exit_status == 1
+    assert report.root_cause is not None and report.root_cause.key.endswith("_topk")
+    assert any(record.routing is not None and record.routing.verdict == "divergence" for record in report.keys)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import compiledump
+from compiledump.capture import instrument as instrument_module
 from compiledump.capture.recover import recover_directory
 from compiledump.capture.state import STATE
 
@@ -177,18 +178,82 @@ def test_instrument_declares_minimax_m2_s_sigmoid_and_bias_over_every_expert(dum
                                                "n_group": 1, "topk_group": 1, "group_topk": 2}
 
 
-def test_a_router_with_a_bias_whose_rule_is_unknown_is_named_once(dump_dir):
-    """LongCat-Flash adds its bias to softmax scores: not declared, and a warning names the router
-    and the fix (declare_router), once."""
+def _longcat_flash():
     config = transformers.AutoConfig.for_model("longcat_flash", vocab_size=97, hidden_size=32, num_layers=2,
                                                num_attention_heads=2, num_key_value_heads=2, ffn_hidden_size=48,
                                                expert_ffn_hidden_size=24, n_routed_experts=8, moe_topk=2,
-                                               kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=8, qk_nope_head_dim=8,
-                                               v_head_dim=8, max_position_embeddings=64)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with pytest.warns(RuntimeWarning, match=r"LongcatFlashTopkRouter adds an e_score_correction_bias.*declare_router") \
+                                               zero_expert_num=2, kv_lora_rank=8, q_lora_rank=8,
+                                               qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                                               max_position_embeddings=64)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def _ernie4_5_moe():
+    config = transformers.AutoConfig.for_model("ernie4_5_moe", vocab_size=97, hidden_size=32, num_hidden_layers=2,
+                                               num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                                               intermediate_size=48, moe_intermediate_size=24, moe_num_experts=8,
+                                               moe_k=2, moe_layer_start_index=0, max_position_embeddings=64)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("model", ["longcat_flash", "ernie4_5_moe"])
+def test_instrument_declares_softmax_plus_bias_routers(dump_dir, model):
+    """LongCat-Flash (its bias on the router, over its zero-computation experts too) and Ernie 4.5
+    (its bias in the router's moe_statics, shaped [1, experts]) pick the top-k of softmax(logits)
+    + bias: declared with the bias as their forward adds it."""
+    torch.manual_seed(1)
+    built = _longcat_flash() if model == "longcat_flash" else _ernie4_5_moe()
+    routers_by_layer = [m for m in built.modules() if type(m).__name__ in instrument_module.SOFTMAX_BIAS_ROUTERS]
+    assert routers_by_layer, "no router of the expected class"
+    biases = []
+    for router in routers_by_layer:
+        held = router.moe_statics.e_score_correction_bias if model == "ernie4_5_moe" else router.e_score_correction_bias
+        held.normal_(0, 0.05)
+        biases.append(held.reshape(-1).double().tolist())
+    compiledump.configure(moe_layers=4)
+    if model == "ernie4_5_moe":
+        routers = _flushed_routers(built, dump_dir)  # the dump's manifest
+    else:  # this config's LongCat-Flash does not run (its attention's rope sizes): the declarations
+        compiledump.instrument(built).remove()
+        routers = {tag: info.to_json() for tag, info in STATE.routers.items()}
+    assert sorted(routers) == [f"layer{i}_router" for i in range(len(biases))]
+    for i, bias in enumerate(biases):
+        assert routers[f"layer{i}_router"] == {"top_k": 2, "score": "softmax", "bias": bias, "n_group": 1,
+                                               "topk_group": 1, "group_topk": 2}
+    assert len(biases[0]) == (10 if model == "longcat_flash" else 8)
+
+
+class _SoftplusRouter(torch.nn.Module):
+    """A router of a rule compiledump does not know: the top-k of softplus(logits) + a bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.top_k, self.weight = 2, torch.nn.Parameter(torch.randn(6, 8))
+        self.e_score_correction_bias = torch.nn.Parameter(torch.randn(6) * 0.1, requires_grad=False)
+
+    def forward(self, x):
+        logits = torch.nn.functional.linear(x.reshape(-1, 8), self.weight)
+        ids = torch.topk(torch.nn.functional.softplus(logits) + self.e_score_correction_bias, 2).indices
+        return logits, None, ids
+
+
+class _Decoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(20, 8)
+        self.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(2))
+        for layer in self.layers:
+            layer.self_attn, layer.post_attention_layernorm = torch.nn.Identity(), torch.nn.Identity()
+            layer.mlp = torch.nn.Module()
+            layer.mlp.gate, layer.mlp.experts = _SoftplusRouter(), torch.nn.Linear(8, 8)
+
+
+def test_a_router_with_a_bias_whose_rule_is_unknown_is_named_once(dump_dir):
+    """A router with an e_score_correction_bias and a rule not known here: not declared, and a
+    warning names the router class and the fix (declare_router), once for its two layers."""
+    with pytest.warns(RuntimeWarning, match=r"_SoftplusRouter adds an e_score_correction_bias.*declare_router") \
             as caught:
-        handle = compiledump.instrument(model)
+        handle = compiledump.instrument(_Decoder())
     handle.remove()
     assert STATE.routers == {}
-    assert sum("LongcatFlashTopkRouter" in str(w.message) for w in caught) == 1
+    assert sum("_SoftplusRouter" in str(w.message) for w in caught) == 1
