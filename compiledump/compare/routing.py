@@ -313,7 +313,9 @@ def describe_routing(routing: Routing) -> str:
     if routing.far_rows:
         far = [row for row in routing.rows if row.row in routing.far_rows]
         top = max(far, key=lambda row: _ratio(row.gap, row.epsilon))
-        return (f"not a near tie: router logit gap {top.gap:.3g} > epsilon {top.epsilon:.3g} at row {top.row} "
+        gap = (top.reason if math.isinf(top.gap) and top.reason else
+               f"router logit gap {top.gap:.3g} > epsilon {top.epsilon:.3g}")
+        return (f"not a near tie: {gap} at row {top.row} "
                 f"({len(far)}/{total} differing rows far from a tie): a divergence in the {routing.klass} class")
     parts = []
     if routing.after_near_tie_rows:

@@ -8,10 +8,12 @@ logit by which an expert the reference chose and the run did not beats one the r
 formula. Its gap is twice the smallest epsilon such that moving every logit by at most epsilon
 makes the router select the run's experts: two logits each epsilon off swap experts 2 x epsilon
 apart, so for a plain top-k it is the plain gap again. Whether a move of epsilon can do it is
-decided exactly (``witness``) when each choice score moves with its own logit alone (sigmoid plus
-a bias, softmax without one), and it only gets easier as epsilon grows, so bisection finds the
-smallest. A softmax router with a bias couples every score to every logit: without expert groups
-compare/softmax_bias.py decides it exactly too; with groups it is not judged.
+decided exactly (``witness``) when each choice score moves with its own logit alone (sigmoid or
+sqrt(softplus) plus a bias, softmax without one), and it only gets easier as epsilon grows, so
+bisection finds the smallest. A softmax router with a bias couples every score to every logit:
+without expert groups compare/softmax_bias.py decides it exactly too; with groups it is not
+judged. A router that routes by token id (DeepSeek-V4's hash routers) has no gap: any
+difference is far from a tie.
 """
 
 from __future__ import annotations
@@ -31,17 +33,35 @@ _ITERATIONS = 80
 _FARTHEST = 1e6
 
 
+# Why a differing row of a router that routes by token id is far from any tie.
+TOKEN_ROUTED = "its experts follow the token id (hash routing), not its logits: no rounding moves them"
+
+
 def choice_scores(info: RouterInfo, logits: np.ndarray) -> np.ndarray:
     """The scores ``info``'s router ranks experts by, in float64: ``[rows, experts]``."""
     x = np.asarray(logits, np.float64)
-    if info.score == "sigmoid":
-        return _sigmoid(x) + _bias(info)
+    if info.score in _PER_LOGIT:
+        return _PER_LOGIT[info.score](x) + _bias(info)
     shifted = np.exp(x - np.max(x, axis=-1, keepdims=True))
     return shifted / shifted.sum(axis=-1, keepdims=True) + _bias(info)
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * x))  # without overflow warnings
+
+
+def _sqrtsoftplus(x: np.ndarray) -> np.ndarray:
+    return np.sqrt(np.logaddexp(0.0, x))  # DeepSeek-V4's score: sqrt(log(1 + e^x))
+
+
+def _logit_of_sqrtsoftplus(score: np.ndarray) -> np.ndarray:
+    softplus = score * score
+    return softplus + np.log(-np.expm1(-softplus))  # log(e^y - 1) without overflow
+
+
+# Scores that depend on their own logit alone, increasing: the score, and its inverse.
+_PER_LOGIT = {"sigmoid": _sigmoid, "sqrtsoftplus": _sqrtsoftplus}
+_INVERSE = {"sigmoid": lambda p: np.log(p) - np.log1p(-p), "sqrtsoftplus": _logit_of_sqrtsoftplus}
 
 
 def _bias(info: RouterInfo) -> np.ndarray | float:
@@ -80,16 +100,15 @@ def judgeable(info: RouterInfo) -> str | None:
 
 def _score(info: RouterInfo, logits: np.ndarray) -> np.ndarray:
     """Choice scores up to a common positive factor, for one row, each from its own logit."""
-    if info.score == "sigmoid":
-        return _sigmoid(logits) + _bias(info)
+    if info.score in _PER_LOGIT:
+        return _PER_LOGIT[info.score](logits) + _bias(info)
     return np.exp(logits)  # softmax without a bias: the normalisation is a common factor
 
 
 def _logit_of(info: RouterInfo, score: np.ndarray) -> np.ndarray:
     """The inverse of ``_score``."""
-    if info.score == "sigmoid":
-        p = score - _bias(info)
-        return np.log(p) - np.log1p(-p)
+    if info.score in _INVERSE:
+        return _INVERSE[info.score](score - _bias(info))
     return np.log(score)
 
 
@@ -202,6 +221,8 @@ def row_gap(logits: np.ndarray, ref_row: np.ndarray, run_row: np.ndarray,
     ref_ids, run_ids = [int(i) for i in ref_row], [int(i) for i in run_row]
     if any(not 0 <= i < experts for i in ref_ids + run_ids):
         return None, f"ids outside the {experts} router logits"
+    if selection is not None and selection.score == "token":
+        return math.inf, TOKEN_ROUTED
     if selection is not None and not selection.plain:
         misfit = _misfit(selection, experts, len(ref_ids)) or judgeable(selection)
         if misfit is not None:
@@ -236,6 +257,8 @@ def first_unexplained(covered: dict[int, np.ndarray], a: np.ndarray, selection: 
     plain top-k, not what it selects (any row, when the declaration does not fit the logits);
     None when every covered row is explained. Rows with ids outside the logits are skipped: their
     own rows are not judged (``row_gap``)."""
+    if selection is not None and selection.score == "token":
+        return None  # its ids follow the token ids: nothing in the logits to explain
     rows = [row for row, logits in sorted(covered.items()) if np.all((0 <= a[row]) & (a[row] < np.shape(logits)[0]))]
     if selection is not None and not selection.plain and rows:
         logits = np.stack([np.asarray(covered[row], np.float64) for row in rows])

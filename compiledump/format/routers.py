@@ -15,7 +15,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-SCORES = ("softmax", "sigmoid")
+# How a router scores experts from its logits; "token": it does not (DeepSeek-V4's hash routers
+# take the experts from the token id, so no rounding of the logits can move them).
+SCORES = ("softmax", "sigmoid", "sqrtsoftplus", "token")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class RouterInfo:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {self.score!r}")
+        if self.score == "token" and (self.bias is not None or self.n_group > 1):
+            raise ValueError("a router that routes by token id (score 'token') has no bias and no groups")
         if self.topk_group > self.n_group:
             raise ValueError(f"topk_group ({self.topk_group}) is more than n_group ({self.n_group})")
         if self.bias is not None:
@@ -52,7 +56,7 @@ class RouterInfo:
     @property
     def plain(self) -> bool:
         """Its top-k is the top-k of the logits (no bias that moves them, one group)."""
-        return self.n_group == 1 and (self.bias is None or not any(self.bias))
+        return self.score != "token" and self.n_group == 1 and (self.bias is None or not any(self.bias))
 
     def fits(self, experts: int) -> str | None:
         """Why this selection cannot apply to ``experts`` logits, or None."""
@@ -68,6 +72,8 @@ class RouterInfo:
 
     def describe(self) -> str:
         """``top-8 of sigmoid + bias in the best 4 of 8 groups``."""
+        if self.score == "token":
+            return f"{self.top_k} experts per token id (hash routing)"
         text = f"top-{self.top_k} of {self.score}" + (" + bias" if self.bias is not None else "")
         if self.n_group > 1:
             text += f" in the best {self.topk_group} of {self.n_group} groups"

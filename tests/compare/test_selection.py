@@ -253,6 +253,54 @@ def test_softmax_plus_bias_routers_replay_and_their_gap_is_the_smallest_move(mod
     assert flips >= 20
 
 
+def test_deepseek_v4_s_sqrt_softplus_router_replays_and_its_gap_is_the_smallest_move():
+    """DeepSeek-V4's router: the top-k of sqrt(softplus(logits)) + bias, against its transformers
+    code; the per-score rule (each score moves with its own logit) with that score and its inverse."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4TopKRouter
+    experts, k = 11, 3
+    rng = np.random.default_rng(41)
+    bias = (rng.standard_normal(experts) * 0.05).astype(np.float32)
+    router = DeepseekV4TopKRouter(transformers.DeepseekV4Config(hidden_size=experts, num_local_experts=experts,
+                                                                num_experts_per_tok=k))
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(experts))
+        router.e_score_correction_bias.copy_(torch.from_numpy(bias))
+    info = RouterInfo(top_k=k, score="sqrtsoftplus", bias=tuple(float(b) for b in bias))
+    logits = (rng.standard_normal((300, experts)) * rng.uniform(0.3, 3.0, (300, 1))).astype(np.float32)
+    ids = picks(router, logits)
+    assert np.array_equal(selection.select(info, selection.choice_scores(info, logits)), ids)
+    assert not np.array_equal(np.sort(np.argsort(-logits, axis=1)[:, :k], axis=1), ids)  # the bias matters
+    flips = 0
+    for row in logits:
+        e = 10 ** rng.uniform(-3, 0)
+        moved = row + rng.uniform(-e, e, experts).astype(np.float32)
+        run = picks(router, moved[None])[0]
+        if set(run) == set(picks(router, row[None])[0]):
+            continue
+        flips += 1
+        gap = selection.selection_gap(info, row, run)
+        assert gap <= 2 * float(np.max(np.abs(moved.astype(np.float64) - row))) * (1 + 1e-6) + 1e-9
+        if gap < 1e-3:
+            continue
+        reached = selection.witness(info, row, run, gap / 2 * 1.01, cap_epsilon=gap / 2)
+        assert reached is not None and np.array_equal(picks(router, reached[None])[0], run)
+        assert selection.witness(info, row, run, gap / 2 * (1 - 1e-3)) is None
+    assert flips >= 20
+
+
+def test_a_router_that_routes_by_token_id_makes_every_difference_far_from_a_tie():
+    """DeepSeek-V4's hash routers take their experts from the token id: its logits explain nothing
+    (no REF row is 'unexplained') and no rounding moves them (any differing row is far)."""
+    info = RouterInfo(top_k=2, score="token")
+    logits = np.array([0.3, 0.2, 0.1, 0.0])
+    gap, reason = selection.row_gap(logits, np.array([2, 3]), np.array([2, 1]), info)
+    assert gap == math.inf and "token id" in reason
+    assert selection.first_unexplained({0: logits}, np.array([[2, 3]]), info) is None
+    assert selection.first_unexplained({0: logits}, np.array([[2, 3]]), None) == 0  # not the top-k of its logits
+    with pytest.raises(ValueError, match="no bias and no groups"):
+        RouterInfo(top_k=2, score="token", bias=(0.0, 0.0, 0.0, 0.0))
+
+
 def test_a_softmax_router_with_a_bias_in_groups_is_not_judged_by_logit_moves():
     info = RouterInfo(top_k=2, score="softmax", bias=(0.1, 0.0, -0.1, 0.0), n_group=2, topk_group=1)
     assert "softmax router with a bias" in selection.judgeable(info)
