@@ -15,8 +15,9 @@ DeepSeek-V3 with one expert group (plain top-k of sigmoid scores; one shared exp
 dense), and DeepSeek-V3 with its own routing (``deepseek_v3_grouped``: 16 experts in 4 groups,
 top-4 in the best 2, sigmoid scores plus a random bias; judged by the selection ``instrument``
 declares), MiniMax-M2 (``minimax_m2``: sigmoid scores plus a random bias over all 8 experts)
-and Ernie 4.5 (``ernie4_5_moe``: softmax scores plus a random bias over all 8 experts, one
-shared expert). benchmarks/calibrate.py calibrates the thresholds themselves; this
+Ernie 4.5 (``ernie4_5_moe``: softmax scores plus a random bias over all 8 experts, one
+shared expert) and DeepSeek-V4 (``deepseek_v4``: two layers routed by token id, then two by
+sqrt(softplus) scores plus a random bias). benchmarks/calibrate.py calibrates the thresholds themselves; this
 sweep counts verdicts over more random models than it can afford (docs/compare.md, "Expert ids
 and near ties").
 
@@ -66,9 +67,13 @@ CONFIGS = {
     # Ernie 4.5: the top-k of softmax(logits) + a bias over all 8 experts (in the router's moe_statics).
     "ernie4_5_moe": dict(intermediate_size=96, moe_intermediate_size=48, moe_num_experts=8, moe_k=2,
                          moe_layer_start_index=0, moe_num_shared_experts=1, head_dim=16),
+    # DeepSeek-V4: layers 0-1 route by token id (a random table), 2-3 by sqrt(softplus) + a bias.
+    "deepseek_v4": dict(num_local_experts=8, num_hash_layers=2, num_key_value_heads=1, head_dim=32,
+                        q_lora_rank=32, o_lora_rank=32, index_n_heads=4, index_head_dim=16, qk_rope_head_dim=16,
+                        moe_intermediate_size=48),
 }
 MODEL_TYPES = {"deepseek_v3_grouped": "deepseek_v3"}
-BIASED = ("deepseek_v3_grouped", "minimax_m2", "ernie4_5_moe")  # build() draws their router bias
+BIASED = ("deepseek_v3_grouped", "minimax_m2", "ernie4_5_moe", "deepseek_v4")  # build() draws their router bias
 BIAS_STD = 0.02  # about the spread of the sigmoid scores of these random routers
 
 
@@ -82,6 +87,10 @@ def build(model: str, seed: int) -> torch.nn.Module:
             bias = getattr(module, "e_score_correction_bias", None)
             if isinstance(bias, torch.Tensor) and model in BIASED:
                 bias.normal_(0.0, BIAS_STD)
+            table = getattr(module, "tid2eid", None)  # a hash router's token -> experts table (zeros as built)
+            if isinstance(table, torch.Tensor):
+                experts = config.num_local_experts
+                table.copy_(torch.stack([torch.randperm(experts)[:table.shape[1]] for _ in range(table.shape[0])]))
     return built
 
 

@@ -296,6 +296,11 @@ SIGMOID_BIAS_ROUTERS = ("MiniMaxM2TopKRouter", "Step3p7TopKRouter", "HYV3TopKRou
 # Those that pick the top-k of softmax(logits) + the bias (LongCat-Flash's over its zero-computation
 # experts too; Ernie 4.5's bias in the router's `moe_statics`, shaped [1, experts]).
 SOFTMAX_BIAS_ROUTERS = ("LongcatFlashTopkRouter", "Ernie4_5_MoeTopKRouter")
+# Routers that score with their `score_fn` module plus the bias (DeepSeek-V4: sqrt(softplus)), by
+# that module's class; routers that hold a token-id -> experts table (DeepSeek-V4's hash routers).
+SCORE_FN_ROUTERS = ("DeepseekV4TopKRouter",)
+_SCORE_FNS = {"SqrtSoftplusActivation": "sqrtsoftplus", "Sigmoid": "sigmoid"}
+TOKEN_TABLES = ("tid2eid",)
 
 
 def _selection(block: torch.nn.Module, router: torch.nn.Module) -> dict | None:
@@ -306,12 +311,15 @@ def _selection(block: torch.nn.Module, router: torch.nn.Module) -> dict | None:
     the top-k of sigmoid(logits) + bias in the best `topk_group` of `n_group` groups, each scored
     by its two best; MiniMax-M2, Step 3.7 and Hunyuan V3 (SIGMOID_BIAS_ROUTERS) the top-k of
     sigmoid(logits) + bias over every expert; LongCat-Flash and Ernie 4.5 (SOFTMAX_BIAS_ROUTERS)
-    the top-k of softmax(logits) + bias; DeepSeek-V2's `group_limited_greedy` the top-k of
-    softmax(logits) in the groups with the best single scores. Other routers with a bias, or
-    another score function (DeepSeek-V4), are not declared: their flips stay not judged."""
+    the top-k of softmax(logits) + bias; DeepSeek-V4's (SCORE_FN_ROUTERS) the top-k of its
+    score_fn(logits) + bias, and its hash routers (a `tid2eid` table) as routing by token id;
+    DeepSeek-V2's `group_limited_greedy` the top-k of softmax(logits) in the groups with the
+    best single scores. Other routers with a bias are not declared: their flips stay not judged."""
     top_k = _int_attr((block, router), ("top_k", "num_experts_per_tok"))
     if top_k is None:
         return None
+    if any(isinstance(getattr(router, name, None), torch.Tensor) for name in TOKEN_TABLES):
+        return dict(top_k=top_k, score="token")
     holders = (router, block, getattr(router, "moe_statics", None))
     bias = next((getattr(m, "e_score_correction_bias") for m in holders
                  if isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor)), None)
@@ -329,6 +337,9 @@ def _selection(block: torch.nn.Module, router: torch.nn.Module) -> dict | None:
         return _with_bias(dict(top_k=top_k, score="sigmoid"), bias)
     elif bias is not None and type(router).__name__ in SOFTMAX_BIAS_ROUTERS:
         return _with_bias(dict(top_k=top_k, score="softmax"), bias)
+    elif bias is not None and type(router).__name__ in SCORE_FN_ROUTERS \
+            and type(getattr(router, "score_fn", None)).__name__ in _SCORE_FNS:
+        return _with_bias(dict(top_k=top_k, score=_SCORE_FNS[type(router.score_fn).__name__]), bias)
     if bias is not None:
         warn_once(f"instrument: {type(router).__name__} adds an e_score_correction_bias in a way compiledump "
                   "does not know, so compare cannot judge its expert-id flips (they are reported as not judged); "

@@ -22,11 +22,13 @@ from .state import STATE
 def declare_router(tag: str, *, top_k: int, score: str = "softmax", bias: torch.Tensor | Sequence[float] | None = None,
                    n_group: int = 1, topk_group: int = 1, group_topk: int = 2) -> RouterInfo:
     """Declare how the router whose logits are recorded as `tag` (`layer3_router`; its decode
-    steps' `layer3_step_router` follow it) selects `top_k` experts: by `score` ("softmax" or
-    "sigmoid") of its logits, plus `bias` (one value per expert, e.g. DeepSeek-V3's
+    steps' `layer3_step_router` follow it) selects `top_k` experts: by `score` ("softmax",
+    "sigmoid" or "sqrtsoftplus", DeepSeek-V4's) of its logits, plus `bias` (one value per expert, e.g. DeepSeek-V3's
     `e_score_correction_bias`), inside the best `topk_group` of `n_group` equal groups of
     consecutive experts, each group scored by the sum of its best `group_topk` scores (2 in
-    DeepSeek-V3; 1, its best score, in DeepSeek-V2). Raises ValueError for a declaration that
+    DeepSeek-V3; 1, its best score, in DeepSeek-V2). `score="token"` says that its experts follow
+    the token id, not its logits (DeepSeek-V4's hash routers): any difference is a divergence.
+    Raises ValueError for a declaration that
     cannot describe a router. The manifest's `routers` holds it (docs/format.md)."""
     if not isinstance(tag, str) or not tag:
         raise TypeError(f"compiledump.declare_router: tag must be a non-empty string, got {tag!r}")

@@ -260,3 +260,51 @@ def test_ernie_4_5_s_softmax_plus_bias_routing_is_judged_in_the_default_mode(tmp
     assert report.exit_status == 1
     assert report.root_cause is not None and report.root_cause.key.endswith("_topk")
     assert any(record.routing is not None and record.routing.verdict == "divergence" for record in report.keys)
+
+
+def _deepseek_v4(seed: int):
+    """DeepSeek-V4 from a config: two hash-routed layers (a random token -> experts table), then two
+    routed by sqrt(softplus(logits)) + a random bias."""
+    config = transformers.AutoConfig.for_model(
+        "deepseek_v4", vocab_size=97, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=1, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=64,
+        num_hash_layers=2, head_dim=32, q_lora_rank=32, o_lora_rank=32, index_n_heads=4, index_head_dim=16,
+        qk_rope_head_dim=16, moe_intermediate_size=48, initializer_range=0.1)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for bias in _biases(model):
+            bias.normal_(0.0, 0.02)
+        for layer in model.model.layers[:2]:
+            table = layer.mlp.gate.tid2eid
+            table.copy_(torch.stack([torch.randperm(8)[:2] for _ in range(table.shape[0])]))
+    return model
+
+
+def test_deepseek_v4_s_routing_is_judged_and_a_wrong_hash_table_is_a_divergence(tmp_path):
+    """DeepSeek-V4 (random seed 6), bf16 against fp32, one-row mode: flips of its sqrt-softplus
+    routers are near ties (before: its hash layers' ids, not the top-k of their logits, left every
+    flip not judged, exit 3 in 14 of 40 random models). An engine whose hash table differs for
+    one token diverges at that hash layer, named as the likely root cause."""
+    reference = _deepseek_v4(6)
+    ids = torch.randint(3, 97, (1, 7), generator=torch.Generator().manual_seed(7))
+    engine = copy.deepcopy(reference).to(torch.bfloat16)
+    for side, model in (("ref", reference), ("run", engine)):
+        dump_prefill(model, tmp_path / side, ids, "one")
+    ref, run = _arrays(tmp_path / "ref"), _arrays(tmp_path / "run")
+    flipped = [key for key in ref if key.endswith("_topk") and
+               any(set(a) != set(b) for a, b in zip(ref[key].tolist(), run[key].tolist()))]
+    assert flipped, "no routing flip: the seed no longer flips (re-pick it)"
+    report = compare(tmp_path / "ref", tmp_path / "run")
+    records = {record.key: record for record in report.keys}
+    assert all(records[key].routing.verdict == "near_tie" for key in flipped)
+    assert report.exit_status == 0 and report.first_divergence is None
+
+    wrong = copy.deepcopy(engine)
+    with torch.no_grad():
+        table = wrong.model.layers[1].mlp.gate.tid2eid
+        table[ids[0, 2]] = (table[ids[0, 2]] + 1) % 8
+    dump_prefill(wrong, tmp_path / "bug", ids, "one")
+    report = compare(tmp_path / "ref", tmp_path / "bug")
+    assert report.exit_status == 1 and report.root_cause.key == "layer1_topk"
+    assert "token id" in report.root_cause.routing.rows[0].reason

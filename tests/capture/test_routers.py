@@ -223,6 +223,35 @@ def test_instrument_declares_softmax_plus_bias_routers(dump_dir, model):
     assert len(biases[0]) == (10 if model == "longcat_flash" else 8)
 
 
+def _deepseek_v4():
+    config = transformers.AutoConfig.for_model(
+        "deepseek_v4", vocab_size=97, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=64,
+        num_hash_layers=2, head_dim=16, q_lora_rank=16, o_lora_rank=16, index_n_heads=2, index_head_dim=8,
+        qk_rope_head_dim=8, moe_intermediate_size=24)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_instrument_declares_deepseek_v4_s_hash_and_sqrt_softplus_routers(dump_dir):
+    """DeepSeek-V4: its first layers' hash routers take the experts from the token id (declared
+    score "token"), the others the top-k of sqrt(softplus(logits)) + bias."""
+    torch.manual_seed(2)
+    model = _deepseek_v4()
+    gates = [layer.mlp.gate for layer in model.model.layers]
+    assert [type(gate).__name__ for gate in gates] == ["DeepseekV4HashRouter"] * 2 + ["DeepseekV4TopKRouter"] * 2
+    for gate in gates[2:]:
+        gate.e_score_correction_bias.normal_(0, 0.05)
+    compiledump.configure(moe_layers=4)
+    routers = _flushed_routers(model, dump_dir)
+    for i in (0, 1):
+        assert routers[f"layer{i}_router"] == {"top_k": 2, "score": "token", "bias": None, "n_group": 1,
+                                               "topk_group": 1, "group_topk": 2}
+    for i in (2, 3):
+        assert routers[f"layer{i}_router"] == {"top_k": 2, "score": "sqrtsoftplus",
+                                               "bias": gates[i].e_score_correction_bias.double().tolist(),
+                                               "n_group": 1, "topk_group": 1, "group_topk": 2}
+
+
 class _SoftplusRouter(torch.nn.Module):
     """A router of a rule compiledump does not know: the top-k of softplus(logits) + a bias."""
 
