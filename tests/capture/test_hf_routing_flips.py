@@ -22,7 +22,7 @@ import torch
 
 from helpers.hf_dump import dump_prefill
 from helpers.reference_metrics import row_metrics
-from compiledump.compare import compare
+from compiledump.compare import compare, format_report
 
 transformers = pytest.importorskip("transformers")
 
@@ -282,12 +282,12 @@ def _deepseek_v4(seed: int):
 
 
 def test_deepseek_v4_s_routing_is_judged_and_a_wrong_hash_table_is_a_divergence(tmp_path):
-    """DeepSeek-V4 (random seed 6), bf16 against fp32, one-row mode: flips of its sqrt-softplus
+    """DeepSeek-V4 (random seed 10), bf16 against fp32, one-row mode: flips of its sqrt-softplus
     routers are near ties (before: its hash layers' ids, not the top-k of their logits, left every
     flip not judged, exit 3 in 14 of 40 random models). An engine whose hash table differs for
     one token diverges at that hash layer, named as the likely root cause."""
-    reference = _deepseek_v4(6)
-    ids = torch.randint(3, 97, (1, 7), generator=torch.Generator().manual_seed(7))
+    reference = _deepseek_v4(10)
+    ids = torch.randint(3, 97, (1, 7), generator=torch.Generator().manual_seed(11))
     engine = copy.deepcopy(reference).to(torch.bfloat16)
     for side, model in (("ref", reference), ("run", engine)):
         dump_prefill(model, tmp_path / side, ids, "one")
@@ -298,7 +298,7 @@ def test_deepseek_v4_s_routing_is_judged_and_a_wrong_hash_table_is_a_divergence(
     report = compare(tmp_path / "ref", tmp_path / "run")
     records = {record.key: record for record in report.keys}
     assert all(records[key].routing.verdict == "near_tie" for key in flipped)
-    assert report.exit_status == 0 and report.first_divergence is None
+    assert report.exit_status == 0 and report.first_divergence is None, format_report(report)[-1]
 
     wrong = copy.deepcopy(engine)
     with torch.no_grad():

@@ -7,6 +7,7 @@ program may round differently: rtol 1e-5), equal int ids, and the same per-tag c
 in the manifest.
 """
 
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -281,6 +282,7 @@ def test_aoti_corner_cases(tmp_path):
         return compiledump.flush()
 
     compiledump.reset()
+    previous = compiledump.get_config()
     try:
         compiledump.configure(dir=str(tmp_path / "eager"), **settings)
         with pytest.warns(RuntimeWarning):
@@ -304,4 +306,4 @@ def test_aoti_corner_cases(tmp_path):
         assert manifest["drops"]["tag_table_full"] == 4
     finally:
         compiledump.reset()
-        compiledump.configure(dir=None, tokens=0, max_tags=1024, arena_mb=256, max_steps=256)
+        compiledump.configure(**dataclasses.asdict(previous))  # not tokens=0: later tests in this process

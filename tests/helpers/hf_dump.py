@@ -3,12 +3,14 @@ compare real models against their float32 reference need it (nothing else is con
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 
 import torch
 
 import compiledump
+from compiledump import config as cd_config
 
 
 def dump_prefill(model: torch.nn.Module, directory: Path, ids: torch.Tensor, rows: str = "one",
@@ -17,7 +19,10 @@ def dump_prefill(model: torch.nn.Module, directory: Path, ids: torch.Tensor, row
     the dump into ``directory``; compiledump is reset before and after. ``router_rows`` as
     ``instrument`` takes it."""
     compiledump.reset()
-    compiledump.configure(dir=str(directory), moe_layers=moe_layers, rows=rows)
+    previous = compiledump.get_config()
+    # Every other setting at its default: a test earlier in this process may have changed one
+    # (COMPILEDUMP_TOKENS=0 would let a later call of another token count overwrite the values).
+    compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory), moe_layers=moe_layers, rows=rows)))
     handle = compiledump.instrument(model, router_rows=router_rows)
     with torch.no_grad():
         model(input_ids=ids, use_cache=False)
@@ -26,3 +31,4 @@ def dump_prefill(model: torch.nn.Module, directory: Path, ids: torch.Tensor, row
         compiledump.flush()
     handle.remove()
     compiledump.reset()
+    compiledump.configure(**dataclasses.asdict(previous))
