@@ -197,6 +197,24 @@ def test_a_near_tie_of_the_last_prompt_token_reaches_its_logits(rows, tmp_path):
     assert report.first_divergence is None and report.exit_status == 0 and not report.problems
 
 
+def _honest_flips_are_near_ties(reference, ids: torch.Tensor, rows: str, tmp_path):
+    """Dump ``reference`` (float32) and its bfloat16 copy on ``ids``; rounding must flip some
+    expert ids, each flip be judged a near tie, and the pair exit 0. Returns (the bfloat16
+    engine, REF's arrays)."""
+    engine = copy.deepcopy(reference).to(torch.bfloat16)
+    for side, model in (("ref", reference), ("run", engine)):
+        dump_prefill(model, tmp_path / side, ids, rows)
+    ref, run = _arrays(tmp_path / "ref"), _arrays(tmp_path / "run")
+    flipped = [key for key in ref if key.endswith("_topk") and
+               any(set(a) != set(b) for a, b in zip(ref[key].tolist(), run[key].tolist()))]
+    assert flipped, "no routing flip: the seed no longer flips (re-pick it)"
+    report = compare(tmp_path / "ref", tmp_path / "run")
+    records = {record.key: record for record in report.keys}
+    assert all(records[key].routing.verdict == "near_tie" for key in flipped)
+    assert report.exit_status == 0 and report.first_divergence is None, format_report(report)[-1]
+    return engine, ref
+
+
 def test_deepseek_v3_s_own_routing_is_judged_by_the_selection_instrument_declares(tmp_path):
     """DeepSeek-V3 with expert groups and a bias (random seed 4 of benchmarks/sweep_routing.py's
     deepseek_v3_grouped), bf16 against fp32, all rows: its ids are not the top-k of its router
@@ -205,19 +223,9 @@ def test_deepseek_v3_s_own_routing_is_judged_by_the_selection_instrument_declare
     An engine that forgets the bias diverges at its first flip (before: exit 3 as well)."""
     reference = _model("deepseek_v3_grouped", 4)
     ids = torch.randint(3, 211, (1, 7), generator=torch.Generator().manual_seed(5))
-    engine = copy.deepcopy(reference).to(torch.bfloat16)
-    for side, model in (("ref", reference), ("run", engine)):
-        dump_prefill(model, tmp_path / side, ids, "all")
-    ref, run = _arrays(tmp_path / "ref"), _arrays(tmp_path / "run")
+    engine, ref = _honest_flips_are_near_ties(reference, ids, "all", tmp_path)
     top_k = np.sort(np.argsort(-ref["layer1_router"], axis=1, kind="stable")[:, :4], axis=1)
     assert (top_k != np.sort(ref["layer1_topk"], axis=1)).any(), "the bias and groups no longer matter here"
-    flipped = [key for key in ref if key.endswith("_topk") and
-               any(set(a) != set(b) for a, b in zip(ref[key].tolist(), run[key].tolist()))]
-    assert flipped, "no routing flip: the sweep's seed no longer flips (re-pick it)"
-    report = compare(tmp_path / "ref", tmp_path / "run")
-    records = {record.key: record for record in report.keys}
-    assert all(records[key].routing.verdict == "near_tie" for key in flipped)
-    assert report.exit_status == 0 and report.first_divergence is None
 
     forgetful = copy.deepcopy(engine)
     with torch.no_grad():
@@ -237,19 +245,9 @@ def test_ernie_4_5_s_softmax_plus_bias_routing_is_judged_in_the_default_mode(tmp
     the bias diverges with a routing flip as the likely root cause (before: exit 3 as well)."""
     reference = _model("ernie4_5_moe", 3)
     ids = torch.randint(3, 211, (1, 7), generator=torch.Generator().manual_seed(4))
-    engine = copy.deepcopy(reference).to(torch.bfloat16)
-    for side, model in (("ref", reference), ("run", engine)):
-        dump_prefill(model, tmp_path / side, ids, "one")
-    ref, run = _arrays(tmp_path / "ref"), _arrays(tmp_path / "run")
+    engine, ref = _honest_flips_are_near_ties(reference, ids, "one", tmp_path)
     top_k = np.sort(np.argsort(-ref["layer1_router"], axis=1, kind="stable")[:, :2], axis=1)
     assert (top_k != np.sort(ref["layer1_topk"], axis=1)).any(), "the bias no longer matters here"
-    flipped = [key for key in ref if key.endswith("_topk") and
-               any(set(a) != set(b) for a, b in zip(ref[key].tolist(), run[key].tolist()))]
-    assert flipped, "no routing flip: the sweep's seed no longer flips (re-pick it)"
-    report = compare(tmp_path / "ref", tmp_path / "run")
-    records = {record.key: record for record in report.keys}
-    assert all(records[key].routing.verdict == "near_tie" for key in flipped)
-    assert report.exit_status == 0 and report.first_divergence is None
 
     forgetful = copy.deepcopy(engine)
     with torch.no_grad():
@@ -288,17 +286,7 @@ def test_deepseek_v4_s_routing_is_judged_and_a_wrong_hash_table_is_a_divergence(
     one token diverges at that hash layer, named as the likely root cause."""
     reference = _deepseek_v4(10)
     ids = torch.randint(3, 97, (1, 7), generator=torch.Generator().manual_seed(11))
-    engine = copy.deepcopy(reference).to(torch.bfloat16)
-    for side, model in (("ref", reference), ("run", engine)):
-        dump_prefill(model, tmp_path / side, ids, "one")
-    ref, run = _arrays(tmp_path / "ref"), _arrays(tmp_path / "run")
-    flipped = [key for key in ref if key.endswith("_topk") and
-               any(set(a) != set(b) for a, b in zip(ref[key].tolist(), run[key].tolist()))]
-    assert flipped, "no routing flip: the seed no longer flips (re-pick it)"
-    report = compare(tmp_path / "ref", tmp_path / "run")
-    records = {record.key: record for record in report.keys}
-    assert all(records[key].routing.verdict == "near_tie" for key in flipped)
-    assert report.exit_status == 0 and report.first_divergence is None, format_report(report)[-1]
+    engine, ref = _honest_flips_are_near_ties(reference, ids, "one", tmp_path)
 
     wrong = copy.deepcopy(engine)
     with torch.no_grad():
