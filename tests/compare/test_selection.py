@@ -72,6 +72,37 @@ def picks(router, logits: np.ndarray) -> np.ndarray:
         return np.sort(router(torch.from_numpy(np.ascontiguousarray(logits, np.float32)))[2].numpy(), axis=-1)
 
 
+def assert_the_witness_at_the_gap_reaches_run(info, router, row: np.ndarray, run: np.ndarray, gap: float) -> None:
+    """The witness just above `gap` makes their router pick `run`, within the move the gap allows
+    (their router computes in float32: 1 % above the gap, with the other experts kept below the
+    chosen ones as at the gap, leaves room for its rounding); a thousandth below the gap none
+    exists (the bisection's resolution)."""
+    reached = selection.witness(info, row, run, gap / 2 * 1.01, cap_epsilon=gap / 2)
+    assert reached is not None and np.max(np.abs(reached - row)) <= gap / 2 * 1.01 * (1 + 1e-12)
+    assert np.array_equal(picks(router, reached[None])[0], run)
+    assert selection.witness(info, row, run, gap / 2 * (1 - 1e-3)) is None
+
+
+def assert_honest_flips_have_the_smallest_gap(info, router, logits: np.ndarray, rng) -> None:
+    """Each row of `logits` moved by a random honest perturbation of at most e: where their router
+    picks the same experts the gap is 0, where it flips the gap is at most 2e, and the witness at
+    the gap reaches the flipped selection. At least 20 rows must flip."""
+    flips = 0
+    for row in logits:
+        e = 10 ** rng.uniform(-3, 0)
+        moved = row + rng.uniform(-e, e, row.shape).astype(np.float32)
+        ref, run = picks(router, row[None])[0], picks(router, moved[None])[0]
+        gap = selection.selection_gap(info, row, run)
+        if set(ref) == set(run):
+            assert gap == 0.0
+            continue
+        flips += 1
+        assert gap <= 2 * float(np.max(np.abs(moved.astype(np.float64) - row))) * (1 + 1e-6) + 1e-9
+        if gap >= 1e-3:
+            assert_the_witness_at_the_gap_reaches_run(info, router, row, run, gap)
+    assert flips >= 20
+
+
 def cases(rng, shape, bias_std: float = 0.05):
     """(RouterInfo, Hugging Face router) of the V3 kind with a random bias, and of the V2 kind."""
     experts, groups, kept, k = shape
@@ -138,13 +169,7 @@ def test_the_witness_at_the_gap_makes_their_router_pick_the_run_s_experts(shape)
             if not math.isfinite(gap) or gap < 1e-3:
                 continue
             checked += 1
-            # Their router computes in float32: 1 % above the gap, with the other experts kept
-            # below the chosen ones as at the gap, leaves room for its rounding.
-            reached = selection.witness(info, logits, run, gap / 2 * 1.01, cap_epsilon=gap / 2)
-            assert reached is not None and np.max(np.abs(reached - logits)) <= gap / 2 * 1.01 * (1 + 1e-12)
-            assert np.array_equal(picks(router, reached[None])[0], run)
-            # The smallest within the bisection's resolution: a thousandth less reaches nothing.
-            assert selection.witness(info, logits, run, gap / 2 * (1 - 1e-3)) is None
+            assert_the_witness_at_the_gap_reaches_run(info, router, logits, run, gap)
         assert checked >= 30
 
 
@@ -233,24 +258,7 @@ def test_softmax_plus_bias_routers_replay_and_their_gap_is_the_smallest_move(mod
     assert np.array_equal(selection.select(info, selection.choice_scores(info, logits)), ids)
     assert selection.unexplained_row(info, logits, ids) is None
     assert not np.array_equal(np.sort(np.argsort(-logits, axis=1)[:, :k], axis=1), ids)  # the bias matters
-    flips = 0
-    for row in logits:
-        e = 10 ** rng.uniform(-3, 0)
-        moved = row + rng.uniform(-e, e, experts).astype(np.float32)
-        ref, run = picks(router, row[None])[0], picks(router, moved[None])[0]
-        if set(ref) == set(run):
-            assert selection.selection_gap(info, row, run) == 0.0
-            continue
-        flips += 1
-        gap = selection.selection_gap(info, row, run)
-        assert gap <= 2 * float(np.max(np.abs(moved.astype(np.float64) - row))) * (1 + 1e-6) + 1e-9
-        if gap < 1e-3:
-            continue
-        reached = selection.witness(info, row, run, gap / 2 * 1.01, cap_epsilon=gap / 2)
-        assert reached is not None and np.max(np.abs(reached - row)) <= gap / 2 * 1.01 * (1 + 1e-12)
-        assert np.array_equal(picks(router, reached[None])[0], run)
-        assert selection.witness(info, row, run, gap / 2 * (1 - 1e-3)) is None
-    assert flips >= 20
+    assert_honest_flips_have_the_smallest_gap(info, router, logits, rng)
 
 
 def test_deepseek_v4_s_sqrt_softplus_router_replays_and_its_gap_is_the_smallest_move():
@@ -270,22 +278,7 @@ def test_deepseek_v4_s_sqrt_softplus_router_replays_and_its_gap_is_the_smallest_
     ids = picks(router, logits)
     assert np.array_equal(selection.select(info, selection.choice_scores(info, logits)), ids)
     assert not np.array_equal(np.sort(np.argsort(-logits, axis=1)[:, :k], axis=1), ids)  # the bias matters
-    flips = 0
-    for row in logits:
-        e = 10 ** rng.uniform(-3, 0)
-        moved = row + rng.uniform(-e, e, experts).astype(np.float32)
-        run = picks(router, moved[None])[0]
-        if set(run) == set(picks(router, row[None])[0]):
-            continue
-        flips += 1
-        gap = selection.selection_gap(info, row, run)
-        assert gap <= 2 * float(np.max(np.abs(moved.astype(np.float64) - row))) * (1 + 1e-6) + 1e-9
-        if gap < 1e-3:
-            continue
-        reached = selection.witness(info, row, run, gap / 2 * 1.01, cap_epsilon=gap / 2)
-        assert reached is not None and np.array_equal(picks(router, reached[None])[0], run)
-        assert selection.witness(info, row, run, gap / 2 * (1 - 1e-3)) is None
-    assert flips >= 20
+    assert_honest_flips_have_the_smallest_gap(info, router, logits, rng)
 
 
 def test_a_router_that_routes_by_token_id_makes_every_difference_far_from_a_tie():
