@@ -13,7 +13,8 @@ Default taps follow the names Hugging Face (and vLLM/SGLang) give a decoder-only
 models), the norm before the MLP, `mlp` (or `block_sparse_moe`/`feed_forward`) and its router
 `gate` (or `router`), then the final `norm` (or `final_layernorm`/`norm_f`) and `lm_head`.
 Hidden states `[batch, seq, hidden]` keep batch row `batch_row` (the request of a padded batch),
-so each position is a token row.
+so each position is a token row; `[batch, seq, hc_mult, hidden]` (hyper-connections) likewise,
+stored as the mean over hc_mult.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from collections.abc import Callable
 import torch
 
 from . import api, routers
-from .state import STATE, warn_once
+from .hf_routers import int_attr, selection_of
+from .state import STATE
 
 # Default tags per decoder layer i (docs/api.md, "instrument").
 LAYER_TAPS = {
@@ -90,10 +92,12 @@ class Instrumented:
 
     def _rows(self, tensor: torch.Tensor) -> torch.Tensor:
         """`[batch, seq, ...]` -> the `[seq, ...]` rows of the request; a flattened
-        `[batch * seq, ...]` (router) likewise; anything else as it is."""
-        if tensor.dim() == 3:
-            return tensor[self.batch_row]
+        `[batch * seq, ...]` (router) likewise; anything else as it is. A hyper-connection
+        residual `[batch, seq, hc_mult, hidden]` (DeepSeek-V4) gives `[seq, hc_mult, hidden]`,
+        which `record` stores as the mean over hc_mult."""
         shape = self._shape
+        if tensor.dim() == 3 or (tensor.dim() == 4 and tuple(tensor.shape[:2]) == (shape.batch, shape.seq)):
+            return tensor[self.batch_row]
         if tensor.dim() == 2 and shape.batch is not None:
             return tensor.reshape(shape.batch, shape.seq, tensor.shape[-1])[self.batch_row]
         return tensor
@@ -110,7 +114,10 @@ class Instrumented:
             return
         self.fired = True
         if tensor.is_floating_point():
-            api.record(tag, self._rows(tensor))
+            rows = self._rows(tensor)
+            # Still 3-D after the request's rows were taken: [seq, hc_mult, hidden] (a decode
+            # step's [1, hc, hidden] too, which record would otherwise doubt).
+            api.record(tag, rows, layout="tokens_hc_dim" if tensor.dim() == 4 and rows.dim() == 3 else None)
         else:
             api.record_ids(tag, self._rows(tensor))
 
@@ -132,12 +139,13 @@ class Instrumented:
         def pre_hook(_module, args, kwargs):
             if STATE.config.active:
                 hidden = args[0] if args else kwargs.get("hidden_states")
-                three_d = isinstance(hidden, torch.Tensor) and hidden.dim() == 3
-                self._shape.batch, self._shape.seq = (hidden.shape[0], hidden.shape[1]) if three_d else (None, None)
+                # [batch, seq, hidden], or [batch, seq, hc_mult, hidden] with hyper-connections
+                batched = isinstance(hidden, torch.Tensor) and hidden.dim() in (3, 4)
+                self._shape.batch, self._shape.seq = (hidden.shape[0], hidden.shape[1]) if batched else (None, None)
         self._handles.append(layer.register_forward_pre_hook(pre_hook, with_kwargs=True))
 
     def _router(self, i: int, block: torch.nn.Module, router: torch.nn.Module):
-        top_k = _int_attr((block, router), ("top_k", "num_experts_per_tok"))
+        top_k = int_attr((block, router), ("top_k", "num_experts_per_tok"))
 
         def capture(output) -> None:
             # Hugging Face 5.x routers return (logits, scores, top-k ids, ...); Llama 4's (scores,
@@ -248,7 +256,7 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
                 handle._add(router, f"layer{i}_router", f"{prefix}.{block_name}.{router_name}", "output",
                             capture=handle._router(i, block, router))
                 # Declared, or else any earlier declaration of the tag withdrawn (another model's).
-                selection = _selection(block, router)
+                selection = selection_of(block, router)
                 if selection is not None:
                     routers.declare_router(f"layer{i}_router", **selection)
                 else:
@@ -283,78 +291,6 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
             # the row set_gather_rows(step=...) names.
             api.record_step("logits", output[handle.batch_row, -1] if output.dim() == 3 else output)
         handle._add(modules[head_path], "logits", head_path, "output", capture=logits)
-
-
-def _int_attr(modules, names: tuple[str, ...]) -> int | None:
-    """The first int attribute among ``names`` of ``modules``, or None."""
-    return next((getattr(m, name) for m in modules for name in names if isinstance(getattr(m, name, None), int)), None)
-
-
-# Routers without expert groups that pick the top-k of sigmoid(logits) + e_score_correction_bias
-# (the bias on the router or on its MoE block), read from their Hugging Face code.
-SIGMOID_BIAS_ROUTERS = ("MiniMaxM2TopKRouter", "Step3p7TopKRouter", "HYV3TopKRouter")
-# Those that pick the top-k of softmax(logits) + the bias (LongCat-Flash's over its zero-computation
-# experts too; Ernie 4.5's bias in the router's `moe_statics`, shaped [1, experts]).
-SOFTMAX_BIAS_ROUTERS = ("LongcatFlashTopkRouter", "Ernie4_5_MoeTopKRouter")
-# Routers that score with their `score_fn` module plus the bias (DeepSeek-V4: sqrt(softplus)), by
-# that module's class; routers that hold a token-id -> experts table (DeepSeek-V4's hash routers).
-SCORE_FN_ROUTERS = ("DeepseekV4TopKRouter",)
-_SCORE_FNS = {"SqrtSoftplusActivation": "sqrtsoftplus", "Sigmoid": "sigmoid"}
-TOKEN_TABLES = ("tid2eid",)
-
-
-def _selection(block: torch.nn.Module, router: torch.nn.Module) -> dict | None:
-    """How a router that is not a plain top-k of its logits selects experts, as
-    `declare_router` takes it; None for plain top-k, and for routers whose rule is not known here.
-    Hugging Face's DeepSeek-V3 family (DeepSeek-V3, Kimi K2, GLM-4.5, dots.llm1, MiMo, Nemotron-H:
-    `num_group`/`n_group`, `topk_group` and an `e_score_correction_bias`, sigmoid scores) takes
-    the top-k of sigmoid(logits) + bias in the best `topk_group` of `n_group` groups, each scored
-    by its two best; MiniMax-M2, Step 3.7 and Hunyuan V3 (SIGMOID_BIAS_ROUTERS) the top-k of
-    sigmoid(logits) + bias over every expert; LongCat-Flash and Ernie 4.5 (SOFTMAX_BIAS_ROUTERS)
-    the top-k of softmax(logits) + bias; DeepSeek-V4's (SCORE_FN_ROUTERS) the top-k of its
-    score_fn(logits) + bias, and its hash routers (a `tid2eid` table) as routing by token id;
-    DeepSeek-V2's `group_limited_greedy` the top-k of softmax(logits) in the groups with the
-    best single scores. Other routers with a bias are not declared: their flips stay not judged."""
-    top_k = _int_attr((block, router), ("top_k", "num_experts_per_tok"))
-    if top_k is None:
-        return None
-    if any(isinstance(getattr(router, name, None), torch.Tensor) for name in TOKEN_TABLES):
-        return dict(top_k=top_k, score="token")
-    holders = (router, block, getattr(router, "moe_statics", None))
-    bias = next((getattr(m, "e_score_correction_bias") for m in holders
-                 if isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor)), None)
-    n_group = _int_attr((router, block), ("num_group", "n_group"))
-    topk_group = _int_attr((router, block), ("topk_group",))
-    scoring = next((getattr(m, name) for m in (router, block) for name in ("scoring_func", "score_fn")
-                    if isinstance(getattr(m, name, None), str)), "sigmoid")
-    if n_group is not None and topk_group is not None:
-        groups = dict(top_k=top_k, n_group=n_group, topk_group=topk_group)
-        if bias is not None and scoring == "sigmoid":
-            return _with_bias(dict(score="sigmoid", group_topk=2, **groups), bias)
-        if bias is None and getattr(router, "topk_method", None) == "group_limited_greedy" and n_group > 1:
-            return dict(score="softmax", group_topk=1, **groups)
-    elif bias is not None and type(router).__name__ in SIGMOID_BIAS_ROUTERS:
-        return _with_bias(dict(top_k=top_k, score="sigmoid"), bias)
-    elif bias is not None and type(router).__name__ in SOFTMAX_BIAS_ROUTERS:
-        return _with_bias(dict(top_k=top_k, score="softmax"), bias)
-    elif bias is not None and type(router).__name__ in SCORE_FN_ROUTERS \
-            and type(getattr(router, "score_fn", None)).__name__ in _SCORE_FNS:
-        return _with_bias(dict(top_k=top_k, score=_SCORE_FNS[type(router.score_fn).__name__]), bias)
-    if bias is not None:
-        warn_once(f"instrument: {type(router).__name__} adds an e_score_correction_bias in a way compiledump "
-                  "does not know, so compare cannot judge its expert-id flips (they are reported as not judged); "
-                  "if its rule is the top-k of sigmoid or softmax scores plus the bias, in expert groups or not, "
-                  "call compiledump.declare_router('layer<i>_router', ...) for each MoE layer")
-    return None
-
-
-def _with_bias(selection: dict, bias: torch.Tensor) -> dict | None:
-    if bias.is_meta:  # weights not loaded yet (init_empty_weights, offloading)
-        warn_once("instrument: a router's e_score_correction_bias is on the meta device, so its selection "
-                  "is not declared and its expert-id flips cannot be judged; call instrument() after the "
-                  "weights are loaded")
-        return None
-    return {**selection, "bias": bias.reshape(-1)}  # Ernie 4.5 keeps it as [1, experts]
 
 
 def _child(module: torch.nn.Module, names: tuple[str, ...]) -> str | None:

@@ -183,6 +183,43 @@ def test_default_taps_follow_other_layer_structures(dump_dir, name):
         np.testing.assert_allclose(arrays["layer1_router"], logits.numpy(), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows", ["one", "all"])
+def test_a_hyper_connection_residual_is_the_request_s_mean_over_hc_mult(dump_dir, rows):
+    """DeepSeek-V4 keeps its residual as hc_mult parallel streams, `[batch, seq, hc_mult, hidden]`:
+    `layer<i>` is the request's rows averaged over hc_mult (as `record` stores `[tokens, hc,
+    dim]`), in a batch of two with the second request recorded; the router rows and ids are that
+    request's too. (Before, the 4-D layer output was read as one token and the token gate dropped
+    every `layer<i>`, and the router logits kept both requests' rows.)"""
+    config = transformers.AutoConfig.for_model(
+        "deepseek_v4", vocab_size=97, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=64,
+        num_hash_layers=1, head_dim=16, q_lora_rank=16, o_lora_rank=16, index_n_heads=2, index_head_dim=8,
+        qk_rope_head_dim=8, moe_intermediate_size=24)
+    torch.manual_seed(4)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    compiledump.configure(moe_layers=3, rows=rows)
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(4))
+    gates = []
+    hook = model.model.layers[2].mlp.gate.register_forward_hook(lambda _m, _a, out: gates.append(out))
+    handle = compiledump.instrument(model, batch_row=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no drop, no doubtful layout
+        out = _forward(model, ids)
+        arrays, manifest = _load(compiledump.flush())
+    handle.remove()
+    hook.remove()
+    last = slice(None) if rows == "all" else -1
+    assert out.hidden_states[1].shape == (2, 9, config.hc_mult, 32) and config.hc_mult > 1
+    for i in range(2):  # hidden_states[i + 1]: layer i's output, all hc streams
+        expected = out.hidden_states[i + 1][1].double().mean(dim=1)[last].numpy()
+        np.testing.assert_allclose(arrays[f"layer{i}"], expected, rtol=1e-5, atol=1e-6)
+        assert manifest["keys"][f"layer{i}"]["source_shape"] == [9, config.hc_mult, 32]
+    logits, _, top = gates[0]
+    np.testing.assert_allclose(arrays["layer2_router"], logits.reshape(2, 9, -1)[1].numpy(), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(arrays["layer2_topk"], top.reshape(2, 9, -1)[1].numpy())
+    assert "drops" not in manifest or not manifest["drops"]
+
+
 def test_a_vision_language_model_is_tapped_in_its_language_model(dump_dir):
     """Llava's vision encoder also has `layers` with `self_attn`, first in module order; the
     decoder's are the ones beside `embed_tokens`."""

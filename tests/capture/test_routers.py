@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import compiledump
-from compiledump.capture import instrument as instrument_module
+from compiledump.capture import hf_routers
 from compiledump.capture.recover import recover_directory
 from compiledump.capture.state import STATE
 
@@ -203,7 +203,7 @@ def test_instrument_declares_softmax_plus_bias_routers(dump_dir, model):
     + bias: declared with the bias as their forward adds it."""
     torch.manual_seed(1)
     built = _longcat_flash() if model == "longcat_flash" else _ernie4_5_moe()
-    routers_by_layer = [m for m in built.modules() if type(m).__name__ in instrument_module.SOFTMAX_BIAS_ROUTERS]
+    routers_by_layer = [m for m in built.modules() if type(m).__name__ in hf_routers.SOFTMAX_BIAS_ROUTERS]
     assert routers_by_layer, "no router of the expected class"
     biases = []
     for router in routers_by_layer:

@@ -189,7 +189,7 @@ def test_a_group_kept_by_an_expert_the_run_did_not_choose():
 
 @pytest.mark.parametrize("model", ["hy_v3", "step3p7"])
 def test_the_other_sigmoid_and_bias_routers_instrument_declares_select_the_same(model):
-    """Hunyuan V3's and Step 3.7's routers (instrument.SIGMOID_BIAS_ROUTERS besides MiniMax-M2):
+    """Hunyuan V3's and Step 3.7's routers (hf_routers.SIGMOID_BIAS_ROUTERS besides MiniMax-M2):
     the top-k of sigmoid(logits) + bias over every expert, as their own code picks."""
     experts, k = 12, 3
     rng = np.random.default_rng(9)
