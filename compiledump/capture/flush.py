@@ -168,6 +168,25 @@ def _warn_drops(manifest: dict) -> None:
         STATE.warned.add(("*", "filters"))
         summary = ", ".join(f"{reason}: {count}" for reason, count in sorted(deliberate.items()))
         warnings.warn(f"compiledump: captures skipped by filters ({summary})", RuntimeWarning, stacklevel=4)
+    _warn_never_kept(manifest)
+
+
+def _warn_never_kept(manifest: dict) -> None:
+    """One warning naming the tags the token gate skipped every time: the gate is deliberate, but
+    a tag with nothing kept is almost always a tensor whose first dim is not its tokens (or a
+    decode-only value recorded with `record`), and one summary line would hide it."""
+    gated = sorted(info["tag"] for info in manifest["tags"].values()
+                   if info.get("kept") == 0 and info["drops"].get("token_gate"))
+    fresh = [tag for tag in gated if (tag, "never_kept") not in STATE.warned]
+    if not fresh:
+        return
+    STATE.warned.update((tag, "never_kept") for tag in fresh)
+    warnings.warn(
+        f"compiledump: nothing kept of tag(s) {', '.join(map(repr, fresh))}: the token gate (COMPILEDUMP_TOKENS) "
+        f"skipped every capture, whose first dim was never the prompt's {manifest.get('prompt_tokens')} token "
+        "rows. Record a decode-only value with record_step, pass tensors with their tokens first (layout= for a "
+        "3-D one), or set COMPILEDUMP_TOKENS=0 to keep the last write whatever its size",
+        RuntimeWarning, stacklevel=4)
 
 
 def flush_at_exit() -> None:

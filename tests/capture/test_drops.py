@@ -114,7 +114,11 @@ def test_gates_and_suspension_are_counted(dump_dir):
     assert manifest["tags"]["h"]["drops"] == {"token_gate": 1, "suspended": 1}
     assert manifest["tags"]["ids"]["drops"] == {"token_gate": 1}
     assert manifest["tags"]["s_<n>"]["drops"] == {"rows_gate": 1, "suspended": 1}
-    assert messages == ["compiledump: captures skipped by filters (rows_gate: 1, suspended: 2, token_gate: 2)"]
+    assert messages[0] == "compiledump: captures skipped by filters (rows_gate: 1, suspended: 2, token_gate: 2)"
+    # A tag the gate skipped every time is named, with the fix; "h" kept a capture, so it is not.
+    assert len(messages) == 2 and messages[1].startswith(
+        "compiledump: nothing kept of tag(s) 'ids': the token gate (COMPILEDUMP_TOKENS) skipped every capture, "
+        "whose first dim was never the prompt's 5 token rows. Record a decode-only value with record_step")
     _check_accounting(manifest)
 
 
