@@ -99,12 +99,14 @@ class Routing:
         return [row.row for row in self.rows]
 
     def _flipped(self, row: RoutingRow) -> bool:
-        """A row whose experts may have changed: in the low-precision classes a reorder is none."""
-        return self.klass in STRICT_CLASSES or not row.same_set
+        """A row whose experts changed. The same experts in another order are none, in every
+        class: the MoE output is the same weighted sum (fused top-k kernels sort their output,
+        Hugging Face's DeepSeek-V3 asks torch.topk for sorted=False)."""
+        return not row.same_set
 
     @property
     def reordered_rows(self) -> list[int]:
-        """The same experts in another order (low-precision classes; not a routing flip)."""
+        """The same experts in another order (not a routing flip)."""
         return [row.row for row in self.rows if not self._flipped(row)]
 
     @property
@@ -134,7 +136,7 @@ class Routing:
 
     def decide(self) -> None:
         """Set ``verdict`` from the rows (the rule in the module docstring)."""
-        if self.klass in STRICT_CLASSES or self.far_rows:
+        if self.far_rows or (self.klass in STRICT_CLASSES and not self.reorder_only):
             self.verdict = "divergence"
         elif self.not_judged_rows:
             self.verdict = "not_judged"
@@ -304,9 +306,9 @@ def _row_list(rows: list[int], limit: int = 12) -> str:
 def describe_routing(routing: Routing) -> str:
     """One phrase: why the mismatch is or is not a divergence."""
     total = len(routing.rows)
-    if routing.klass in STRICT_CLASSES:
+    if routing.klass in STRICT_CLASSES and not routing.reorder_only:
         worst = routing.worst
-        text = f"a divergence in the {routing.klass} class, where ids must match"
+        text = f"a divergence in the {routing.klass} class, where each token's experts must match"
         if worst is not None:
             text += f" (largest router logit gap {worst.gap:.3g} at row {worst.row}; near-tie epsilon {worst.epsilon:.3g})"
         return text

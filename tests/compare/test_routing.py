@@ -404,8 +404,8 @@ def test_float_keys_after_a_near_tie_are_not_judged_at_that_token_only(tmp_path)
 def test_the_same_experts_in_another_order_are_no_routing_flip(tmp_path):
     """A row whose run lists the reference's experts in another order computes the same weighted
     sum: in a low-precision class it is no divergence however far apart their scores are, with
-    or without logits to judge it, and it reaches nothing after it. fp32 keeps any mismatch a
-    divergence."""
+    or without logits to judge it, and it reaches nothing after it; in fp32 neither (an fp32
+    engine whose fused top-k sorts its output), where another expert is a divergence."""
     rng = np.random.default_rng(13)
     for all_rows in (True, False):
         ref = moe_captures(np.random.default_rng(12), all_rows=all_rows)
@@ -425,7 +425,13 @@ def test_the_same_experts_in_another_order_are_no_routing_flip(tmp_path):
                                      "bfloat16", all_rows=all_rows))
         assert report.exit_status == 1 and report.first_divergence.layer == 1
     strict = compare(*write_pair(tmp_path / "fp32", ref, run_side(ref, rng, reordered), "float32", all_rows=False))
+    record = next(r for r in strict.keys if r.key == "layer0_topk")
+    assert strict.exit_status == 0 and record.ids_differ and record.routing.reorder_only
+    assert "layer0_topk (same experts, reordered)" in format_report(strict)[-1]
+    other = {(0, 3): np.array([ids[0], next(e for e in range(EXPERTS) if e not in ids)])}  # another expert
+    strict = compare(*write_pair(tmp_path / "fp32_other", ref, run_side(ref, rng, other), "float32", all_rows=False))
     assert strict.exit_status == 1 and strict.first_divergence.key == "layer0_topk"
+    assert "each token's experts must match" in "\n".join(format_report(strict))
 
 
 def _with_router_noise(run: list, layer: int, rows: list[int], size: float) -> list:
