@@ -16,17 +16,26 @@ def int_attr(modules, names: tuple[str, ...]) -> int | None:
     return next((getattr(m, name) for m in modules for name in names if isinstance(getattr(m, name, None), int)), None)
 
 
-# Routers without expert groups that pick the top-k of sigmoid(logits) + e_score_correction_bias
-# (the bias on the router or on its MoE block), read from their Hugging Face code.
-SIGMOID_BIAS_ROUTERS = ("MiniMaxM2TopKRouter", "Step3p7TopKRouter", "HYV3TopKRouter")
+# Routers without expert groups that pick the top-k of sigmoid(logits) + bias (the bias on the
+# router or on its MoE block: BIAS_NAMES), read from their Hugging Face code.
+SIGMOID_BIAS_ROUTERS = ("MiniMaxM2TopKRouter", "Step3p7TopKRouter", "HYV3TopKRouter", "LagunaTopKRouter",
+                        "MuseSparkTopkRouter", "Lfm2MoeTopKRouter")
 # Those that pick the top-k of softmax(logits) + the bias (LongCat-Flash's over its zero-computation
 # experts too; Ernie 4.5's bias in the router's `moe_statics`, shaped [1, experts]).
 SOFTMAX_BIAS_ROUTERS = ("LongcatFlashTopkRouter", "Ernie4_5_MoeTopKRouter")
-# Routers that score with their `score_fn` module plus the bias (DeepSeek-V4: sqrt(softplus)), by
-# that module's class; routers that hold a token-id -> experts table (DeepSeek-V4's hash routers).
-SCORE_FN_ROUTERS = ("DeepseekV4TopKRouter",)
-_SCORE_FNS = {"SqrtSoftplusActivation": "sqrtsoftplus", "Sigmoid": "sigmoid"}
+# Those that pick the top-k of the logits + the bias themselves (Kolibri; sigmoid weights the chosen).
+LOGITS_BIAS_ROUTERS = ("Kolibri1TopKRouter",)
+# Routers that score with their `score_fn` module plus the bias (DeepSeek-V4: sqrt(softplus);
+# Inkling 2: its config's scoring_func), by that module's class.
+SCORE_FN_ROUTERS = ("DeepseekV4TopKRouter", "Inkling2TopKRouter", "Inkling2LoopTopKRouter")
+_SCORE_FNS = {"SqrtSoftplusActivation": "sqrtsoftplus", "Sigmoid": "sigmoid", "SigmoidActivation": "sigmoid"}
+# Routers with expert groups and no bias that keep the groups with the best sums of two softmax
+# scores (Mistral 4 and Mistral Large 4's text model).
+GROUPED_SOFTMAX_ROUTERS = ("Mistral4TopkRouter", "MistralLarge4TextTopkRouter")
+# Routers that hold a token-id -> experts table (DeepSeek-V4's hash routers).
 TOKEN_TABLES = ("tid2eid",)
+# Where the per-expert selection bias lives, on the router, its MoE block or Ernie's moe_statics.
+BIAS_NAMES = ("e_score_correction_bias", "expert_bias")
 
 
 def selection_of(block: torch.nn.Module, router: torch.nn.Module) -> dict | None:
@@ -35,20 +44,24 @@ def selection_of(block: torch.nn.Module, router: torch.nn.Module) -> dict | None
     Hugging Face's DeepSeek-V3 family (DeepSeek-V3, Kimi K2, GLM-4.5, dots.llm1, MiMo, Nemotron-H:
     `num_group`/`n_group`, `topk_group` and an `e_score_correction_bias`, sigmoid scores) takes
     the top-k of sigmoid(logits) + bias in the best `topk_group` of `n_group` groups, each scored
-    by its two best; MiniMax-M2, Step 3.7 and Hunyuan V3 (SIGMOID_BIAS_ROUTERS) the top-k of
-    sigmoid(logits) + bias over every expert; LongCat-Flash and Ernie 4.5 (SOFTMAX_BIAS_ROUTERS)
-    the top-k of softmax(logits) + bias; DeepSeek-V4's (SCORE_FN_ROUTERS) the top-k of its
-    score_fn(logits) + bias, and its hash routers (a `tid2eid` table) as routing by token id;
-    DeepSeek-V2's `group_limited_greedy` the top-k of softmax(logits) in the groups with the
-    best single scores. Other routers with a bias are not declared: their flips stay not judged."""
+    by its two best; MiniMax-M2, Step 3.7, Hunyuan V3, Laguna, MuseSpark and LFM2-MoE
+    (SIGMOID_BIAS_ROUTERS) the top-k of sigmoid(logits) + bias over every expert; LongCat-Flash
+    and Ernie 4.5 (SOFTMAX_BIAS_ROUTERS) the top-k of softmax(logits) + bias; Kolibri
+    (LOGITS_BIAS_ROUTERS) the top-k of logits + bias; DeepSeek-V4's and Inkling 2's
+    (SCORE_FN_ROUTERS) the top-k of their score_fn(logits) + bias, and DeepSeek-V4's hash routers
+    (a `tid2eid` table) as routing by token id; DeepSeek-V2's `group_limited_greedy` the top-k of
+    softmax(logits) in the groups with the best single scores, Mistral 4's
+    (GROUPED_SOFTMAX_ROUTERS) in the groups with the best two. Other routers with a bias, or with
+    expert groups, are not declared (their flips stay not judged), with one warning per class."""
     top_k = int_attr((block, router), ("top_k", "num_experts_per_tok"))
     if top_k is None:
         return None
     if any(isinstance(getattr(router, name, None), torch.Tensor) for name in TOKEN_TABLES):
         return dict(top_k=top_k, score="token")
+    kind = type(router).__name__
     holders = (router, block, getattr(router, "moe_statics", None))
-    bias = next((getattr(m, "e_score_correction_bias") for m in holders
-                 if isinstance(getattr(m, "e_score_correction_bias", None), torch.Tensor)), None)
+    bias_name, bias = next(((name, getattr(m, name)) for m in holders for name in BIAS_NAMES
+                            if isinstance(getattr(m, name, None), torch.Tensor)), (None, None))
     n_group = int_attr((router, block), ("num_group", "n_group"))
     topk_group = int_attr((router, block), ("topk_group",))
     scoring = next((getattr(m, name) for m in (router, block) for name in ("scoring_func", "score_fn")
@@ -57,21 +70,43 @@ def selection_of(block: torch.nn.Module, router: torch.nn.Module) -> dict | None
         groups = dict(top_k=top_k, n_group=n_group, topk_group=topk_group)
         if bias is not None and scoring == "sigmoid":
             return _with_bias(dict(score="sigmoid", group_topk=2, **groups), bias)
-        if bias is None and getattr(router, "topk_method", None) == "group_limited_greedy" and n_group > 1:
+        if bias is None and n_group > 1 and getattr(router, "topk_method", None) == "group_limited_greedy":
             return dict(score="softmax", group_topk=1, **groups)
-    elif bias is not None and type(router).__name__ in SIGMOID_BIAS_ROUTERS:
+        if bias is None and n_group > 1 and kind in GROUPED_SOFTMAX_ROUTERS:
+            return dict(score="softmax", group_topk=2, **groups)
+    elif bias is not None and kind in SIGMOID_BIAS_ROUTERS:
         return _with_bias(dict(top_k=top_k, score="sigmoid"), bias)
-    elif bias is not None and type(router).__name__ in SOFTMAX_BIAS_ROUTERS:
+    elif bias is not None and kind in SOFTMAX_BIAS_ROUTERS:
         return _with_bias(dict(top_k=top_k, score="softmax"), bias)
-    elif bias is not None and type(router).__name__ in SCORE_FN_ROUTERS \
+    elif bias is not None and kind in LOGITS_BIAS_ROUTERS:
+        return _with_bias(dict(top_k=top_k, score="logits"), bias)
+    elif bias is not None and kind in SCORE_FN_ROUTERS \
             and type(getattr(router, "score_fn", None)).__name__ in _SCORE_FNS:
         return _with_bias(dict(top_k=top_k, score=_SCORE_FNS[type(router.score_fn).__name__]), bias)
-    if bias is not None:
-        warn_once(f"instrument: {type(router).__name__} adds an e_score_correction_bias in a way compiledump "
-                  "does not know, so compare cannot judge its expert-id flips (they are reported as not judged); "
-                  "if its rule is the top-k of sigmoid or softmax scores plus the bias, in expert groups or not, "
-                  "call compiledump.declare_router('layer<i>_router', ...) for each MoE layer")
+    _warn_unknown_rule(kind, bias_name, holders, n_group, topk_group)
     return None
+
+
+def _warn_unknown_rule(kind: str, bias_name: str | None, holders, n_group: int | None,
+                       topk_group: int | None) -> None:
+    """Warn once per router class whose selection may not be the top-k of its logits: a known
+    bias it adds in a way not listed above, another per-expert bias buffer (ZAYA's
+    `balancing_biases`), or expert groups that matter. Its flips are then reported not judged."""
+    if bias_name is not None:
+        what = f"adds an {bias_name}"
+    elif n_group is not None and topk_group is not None and topk_group < n_group:
+        what = f"selects inside the best {topk_group} of {n_group} expert groups"
+    else:
+        other = sorted({name for m in holders if m is not None
+                        for name, _ in [*m.named_buffers(recurse=False), *m.named_parameters(recurse=False)]
+                        if "bias" in name and name != "bias"})
+        if not other:
+            return
+        what = f"holds {', '.join(other)}"
+    warn_once(f"instrument: {kind} {what} in a way compiledump does not know, so its expert ids may not be the "
+              "top-k of its logits and compare cannot judge their flips (reported as not judged); if its rule is "
+              "the top-k of sigmoid, softmax or raw scores plus a bias, in expert groups or not, call "
+              "compiledump.declare_router('layer<i>_router', ...) for each MoE layer")
 
 
 def _with_bias(selection: dict, bias: torch.Tensor) -> dict | None:

@@ -23,8 +23,8 @@ def declare_router(tag: str, *, top_k: int, score: str = "softmax", bias: torch.
                    n_group: int = 1, topk_group: int = 1, group_topk: int = 2) -> RouterInfo:
     """Declare how the router whose logits are recorded as `tag` (`layer3_router`; its decode
     steps' `layer3_step_router` follow it) selects `top_k` experts: by `score` ("softmax",
-    "sigmoid" or "sqrtsoftplus", DeepSeek-V4's) of its logits, plus `bias` (one value per expert, e.g. DeepSeek-V3's
-    `e_score_correction_bias`), inside the best `topk_group` of `n_group` equal groups of
+    "sigmoid", "sqrtsoftplus" (DeepSeek-V4's) or "logits" (the logits themselves)) of its
+    logits, plus `bias` (one value per expert, e.g. DeepSeek-V3's `e_score_correction_bias`), inside the best `topk_group` of `n_group` equal groups of
     consecutive experts, each group scored by the sum of its best `group_topk` scores (2 in
     DeepSeek-V3; 1, its best score, in DeepSeek-V2). `score="token"` says that its experts follow
     the token id, not its logits (DeepSeek-V4's hash routers): any difference is a divergence.

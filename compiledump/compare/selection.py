@@ -60,8 +60,9 @@ def _logit_of_sqrtsoftplus(score: np.ndarray) -> np.ndarray:
 
 
 # Scores that depend on their own logit alone, increasing: the score, and its inverse.
-_PER_LOGIT = {"sigmoid": _sigmoid, "sqrtsoftplus": _sqrtsoftplus}
-_INVERSE = {"sigmoid": lambda p: np.log(p) - np.log1p(-p), "sqrtsoftplus": _logit_of_sqrtsoftplus}
+_PER_LOGIT = {"sigmoid": _sigmoid, "sqrtsoftplus": _sqrtsoftplus, "logits": lambda x: x}
+_INVERSE = {"sigmoid": lambda p: np.log(p) - np.log1p(-p), "sqrtsoftplus": _logit_of_sqrtsoftplus,
+            "logits": lambda score: score}
 
 
 def _bias(info: RouterInfo) -> np.ndarray | float:

@@ -15,9 +15,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# How a router scores experts from its logits; "token": it does not (DeepSeek-V4's hash routers
-# take the experts from the token id, so no rounding of the logits can move them).
-SCORES = ("softmax", "sigmoid", "sqrtsoftplus", "token")
+# How a router scores experts from its logits ("logits": the logits themselves, as Kolibri adds its
+# bias to them); "token": it does not (DeepSeek-V4's hash routers take the experts from the token
+# id, so no rounding of the logits can move them).
+SCORES = ("softmax", "sigmoid", "sqrtsoftplus", "logits", "token")
 
 
 @dataclass(frozen=True)
