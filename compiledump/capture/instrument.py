@@ -28,7 +28,7 @@ import torch
 
 from . import api, routers
 from .hf_routers import int_attr, selection_of
-from .state import STATE
+from .state import STATE, warn_once
 
 # Default tags per decoder layer i (docs/api.md, "instrument").
 LAYER_TAPS = {
@@ -43,10 +43,11 @@ LAYER_TAPS = {
 _PATH_SIDE = re.compile(r"^(?P<path>[^:]*)(?::(?P<side>input|output))?$")
 # A decoder layer has one of these token mixers (attention, or a hybrid model's linear attention
 # or state-space block).
-MIXERS = ("self_attn", "linear_attn", "mamba", "mixer")
+MIXERS = ("self_attn", "linear_attn", "mamba", "mixer", "self_attention", "conv")  # JetMoE; LFM2's conv layers
 MLP_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward")
 ROUTERS = ("gate", "router")  # the MoE block's router: Qwen/Mixtral/DeepSeek, gpt-oss/Granite
-FINAL_NORMS = ("norm", "final_layernorm", "norm_f")  # beside `layers`: most models, Jamba/Falcon-H1, Nemotron-H
+# Beside `layers`: most models, Jamba/Falcon-H1, Nemotron-H, LFM2 (whose final norm is embedding_norm).
+FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "embedding_norm")
 # Where the residual stream after attention is a module's input. Pre-norm layers (Llama, Qwen,
 # Mixtral) normalise it in post_attention_layernorm (ffn_norm, pre_ff_layernorm: other names);
 # sandwich-norm layers (Gemma 2/3) use post_attention_layernorm on the attention output before the
@@ -160,6 +161,10 @@ class Instrumented:
                 logits, ids = output, None
             self.fired = True
             if not (isinstance(logits, torch.Tensor) and logits.is_floating_point()):
+                if not torch.compiler.is_compiling():  # a constant while tracing: no graph break
+                    warn_once(f"instrument: {type(router).__name__} (a router) returns no "
+                              "floating-point logits where Hugging Face routers do (first, or second of two), "
+                              "so no layer<i>_router/_topk is recorded; add them with taps=")
                 return  # not a router of these conventions (its taps are the user's to add)
             rows = self._rows(logits)
             # Every prompt row by default: a routing flip in any row can then be judged by its own
@@ -245,6 +250,8 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
         prefix = f"{layers_path}.{i}"
         handle._track_shape(layer)
         block_name = _child(layer, MLP_BLOCKS)
+        if block_name is None and _holds_experts(getattr(layer, "mixer", None)):
+            block_name = "mixer"  # Nemotron-H: one block per layer, an MoE one in its MoE layers
         attn_input = _residual_after_attention(layer, block_name)
         if attn_input is not None:
             handle._add(getattr(layer, attn_input), f"layer{i}_attn", f"{prefix}.{attn_input}", "input")
@@ -264,7 +271,7 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
                 steps = (f"layer{i}_step_router", f"layer{i}_step_topk") if handle.step_routing else ()
                 for tag in (f"layer{i}_topk", *steps):
                     handle.taps[tag] = f"{prefix}.{block_name}.{router_name}"
-            elif isinstance(getattr(block, "experts", None), torch.nn.Module):
+            elif _holds_experts(block):
                 unrouted.append(f"{prefix}.{block_name}")
             handle._add(block, f"layer{i}_mlp", f"{prefix}.{block_name}", "output")
         handle._add(layer, f"layer{i}", prefix, "output")
@@ -294,8 +301,14 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
 
 
 def _child(module: torch.nn.Module, names: tuple[str, ...]) -> str | None:
-    """The first of `names` that is a submodule of `module`, or None."""
-    return next((name for name in names if isinstance(getattr(module, name, None), torch.nn.Module)), None)
+    """The first of `names` that is a submodule of `module` that runs (not a ModuleList or
+    ModuleDict, whose hooks never fire: LongCat-Flash keeps two norms in a list), or None."""
+    return next((name for name in names if isinstance(getattr(module, name, None), torch.nn.Module)
+                 and not isinstance(getattr(module, name), (torch.nn.ModuleList, torch.nn.ModuleDict))), None)
+
+
+def _holds_experts(block) -> bool:
+    return isinstance(getattr(block, "experts", None), torch.nn.Module)
 
 
 def _residual_after_attention(layer: torch.nn.Module, block_name: str | None) -> str | None:

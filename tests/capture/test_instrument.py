@@ -538,3 +538,73 @@ def test_an_engine_gate_returning_logits_and_none_records_the_logits_only(dump_d
     np.testing.assert_array_equal(arrays["layer0_router"], seen[0].numpy())  # every row: router_rows="all"
     np.testing.assert_array_equal(arrays["layer1_router"], seen[1].numpy())
     assert not any("topk" in key or "step_router" in key for key in arrays), sorted(arrays)
+
+
+_COMMON = dict(vocab_size=211, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+               max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, num_experts_per_tok=2)
+# Decoder layers named otherwise: Nemotron-H's MoE block is the layer's `mixer`; LFM2-MoE's layers
+# are `conv` or `self_attn`, its MLP `feed_forward`, its final norm `embedding_norm`; JetMoE's
+# attention is `self_attention`.
+_OTHER_NAMES = {
+    "nemotron_h": dict(layers_block_type=["mamba", "moe", "attention", "moe"], n_routed_experts=8,
+                       moe_intermediate_size=48, moe_shared_expert_intermediate_size=48, n_group=1, topk_group=1,
+                       head_dim=16, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=1,
+                       chunk_size=8, use_mamba_kernels=False, intermediate_size=96),
+    "lfm2_moe": dict(intermediate_size=96, moe_intermediate_size=48, num_experts=8, num_dense_layers=1,
+                     layer_types=["conv", "full_attention", "conv", "full_attention"]),
+    "jetmoe": dict(intermediate_size=48, num_local_experts=8, kv_channels=16, num_key_value_heads=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_OTHER_NAMES))
+def test_default_taps_find_other_layer_names(dump_dir, name):
+    """Each model's layers are found, `layer<i>` and `final_norm` hold what the model returns, the
+    MoE blocks' outputs and routers are tapped where the router returns Hugging Face's (logits,
+    weights, ids), and JetMoE's router, which returns its ids first and logits last, is named in a
+    warning instead of being skipped silently."""
+    compiledump.configure(moe_layers=4)
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(name, **{**_COMMON, **_OTHER_NAMES[name]})
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(3, 211, (1, 7), generator=torch.Generator().manual_seed(9))
+    blocks = {i: getattr(layer, "mixer" if name == "nemotron_h" else ("feed_forward" if name == "lfm2_moe" else "mlp"))
+              for i, layer in enumerate(model.model.layers)}
+    moe = [i for i, block in blocks.items() if any(isinstance(getattr(block, child, None), torch.nn.Module)
+                                                   for child in ("experts", "router"))]
+    outputs = {}
+    hooks = [blocks[i].register_forward_hook(lambda _m, _a, out, i=i: outputs.__setitem__(i, out)) for i in moe]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = compiledump.instrument(model)
+        out = _forward(model, ids)
+        arrays, _ = _load(compiledump.flush())
+    handle.remove()
+    for hook in hooks:
+        hook.remove()
+    assert moe and "final_norm" in handle.taps
+    np.testing.assert_allclose(arrays["final_norm"], out.hidden_states[-1][0, -1].numpy(), rtol=1e-6, atol=1e-6)
+    for i in range(3):
+        np.testing.assert_allclose(arrays[f"layer{i}"], out.hidden_states[i + 1][0, -1].numpy(), rtol=1e-5, atol=1e-6)
+    messages = [str(w.message) for w in caught]
+    for i in moe:
+        block_out = outputs[i][0] if isinstance(outputs[i], tuple) else outputs[i]
+        np.testing.assert_allclose(arrays[f"layer{i}_mlp"], block_out.reshape(7, -1)[-1].numpy(), rtol=1e-6, atol=1e-6)
+        if name == "jetmoe":
+            assert f"layer{i}_router" not in arrays
+        else:
+            assert arrays[f"layer{i}_router"].shape == (7, 8) and arrays[f"layer{i}_topk"].shape == (7, 2)
+    assert any("JetMoeTopKGating (a router) returns no floating-point logits" in m for m in messages) == \
+        (name == "jetmoe")
+
+
+def test_a_norm_kept_in_a_module_list_is_not_tapped(dump_dir):
+    """LongCat-Flash keeps its two post-attention norms in a ModuleList, which is never called:
+    a hook on it would never fire. No `layer<i>_attn` then, and the other taps stand."""
+    layer = torch.nn.Module()
+    layer.self_attn = torch.nn.Identity()
+    layer.post_attention_layernorm = torch.nn.ModuleList([torch.nn.LayerNorm(4), torch.nn.LayerNorm(4)])
+    layer.mlp = torch.nn.Linear(4, 4)
+    from compiledump.capture.instrument import _residual_after_attention
+    assert _residual_after_attention(layer, "mlp") is None
+    layer.post_attention_layernorm = torch.nn.LayerNorm(4)
+    assert _residual_after_attention(layer, "mlp") == "post_attention_layernorm"
