@@ -19,7 +19,7 @@ def int_attr(modules, names: tuple[str, ...]) -> int | None:
 # Routers without expert groups that pick the top-k of sigmoid(logits) + bias (the bias on the
 # router or on its MoE block: BIAS_NAMES), read from their Hugging Face code.
 SIGMOID_BIAS_ROUTERS = ("MiniMaxM2TopKRouter", "Step3p7TopKRouter", "HYV3TopKRouter", "LagunaTopKRouter",
-                        "MuseSparkTopkRouter", "Lfm2MoeTopKRouter")
+                        "MuseSparkTopkRouter", "Lfm2MoeTopKRouter", "AfmoeTokenChoiceRouter", "AXK2TopkRouter")
 # Those that pick the top-k of softmax(logits) + the bias (LongCat-Flash's over its zero-computation
 # experts too; Ernie 4.5's bias in the router's `moe_statics`, shaped [1, experts]).
 SOFTMAX_BIAS_ROUTERS = ("LongcatFlashTopkRouter", "Ernie4_5_MoeTopKRouter")
@@ -32,6 +32,9 @@ _SCORE_FNS = {"SqrtSoftplusActivation": "sqrtsoftplus", "Sigmoid": "sigmoid", "S
 # Routers with expert groups and no bias that keep the groups with the best sums of two softmax
 # scores (Mistral 4 and Mistral Large 4's text model).
 GROUPED_SOFTMAX_ROUTERS = ("Mistral4TopkRouter", "MistralLarge4TextTopkRouter")
+# Routers whose first output is softmax probabilities instead of logits (Gemma 4); instrument records
+# their log, which is the logits up to a per-row constant.
+PROBABILITY_ROUTERS = ("Gemma4TextRouter",)
 # Routers that hold a token-id -> experts table (DeepSeek-V4's hash routers).
 TOKEN_TABLES = ("tid2eid",)
 # Where the per-expert selection bias lives, on the router, its MoE block or Ernie's moe_statics.
@@ -44,8 +47,8 @@ def selection_of(block: torch.nn.Module, router: torch.nn.Module) -> dict | None
     Hugging Face's DeepSeek-V3 family (DeepSeek-V3, Kimi K2, GLM-4.5, dots.llm1, MiMo, Nemotron-H:
     `num_group`/`n_group`, `topk_group` and an `e_score_correction_bias`, sigmoid scores) takes
     the top-k of sigmoid(logits) + bias in the best `topk_group` of `n_group` groups, each scored
-    by its two best; MiniMax-M2, Step 3.7, Hunyuan V3, Laguna, MuseSpark and LFM2-MoE
-    (SIGMOID_BIAS_ROUTERS) the top-k of sigmoid(logits) + bias over every expert; LongCat-Flash
+    by its two best; MiniMax-M2, Step 3.7, Hunyuan V3, Laguna, MuseSpark, LFM2-MoE, AFMoE and
+    A.X-K2-Light (SIGMOID_BIAS_ROUTERS) the top-k of sigmoid(logits) + bias over every expert; LongCat-Flash
     and Ernie 4.5 (SOFTMAX_BIAS_ROUTERS) the top-k of softmax(logits) + bias; Kolibri
     (LOGITS_BIAS_ROUTERS) the top-k of logits + bias; DeepSeek-V4's and Inkling 2's
     (SCORE_FN_ROUTERS) the top-k of their score_fn(logits) + bias, and DeepSeek-V4's hash routers

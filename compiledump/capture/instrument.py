@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from . import api, routers
-from .hf_routers import int_attr, selection_of
+from .hf_routers import PROBABILITY_ROUTERS, int_attr, selection_of
 from .state import STATE, warn_once
 
 # Default tags per decoder layer i (docs/api.md, "instrument").
@@ -53,7 +53,7 @@ FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "embedding_norm")
 # sandwich-norm layers (Gemma 2/3) use post_attention_layernorm on the attention output before the
 # residual add and pre_feedforward_layernorm after it; post-norm layers (OLMo 2, EXAONE 4: a
 # post_feedforward_layernorm and no norm before the MLP) feed it to the MLP block itself.
-_MLP_NORMS = ("pre_feedforward_layernorm", "pre_ff_layernorm", "ffn_norm")
+_MLP_NORMS = ("pre_feedforward_layernorm", "pre_ff_layernorm", "ffn_norm", "pre_mlp_layernorm")  # last: AFMoE
 
 
 @dataclasses.dataclass
@@ -160,6 +160,10 @@ class Instrumented:
             else:
                 logits, ids = output, None
             self.fired = True
+            if type(router).__name__ in PROBABILITY_ROUTERS and isinstance(logits, torch.Tensor):
+                # softmax probabilities: their log is the logits up to a per-row constant, which no
+                # top-k or logit gap sees (the floor keeps an underflowed probability finite)
+                logits = torch.log(logits.float().clamp_min(1e-30))
             if not (isinstance(logits, torch.Tensor) and logits.is_floating_point()):
                 if not torch.compiler.is_compiling():  # a constant while tracing: no graph break
                     warn_once(f"instrument: {type(router).__name__} (a router) returns no "
@@ -259,21 +263,12 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
             block = getattr(layer, block_name)
             router_name = _child(block, ROUTERS)
             if router_name is not None:
-                router = getattr(block, router_name)
-                handle._add(router, f"layer{i}_router", f"{prefix}.{block_name}.{router_name}", "output",
-                            capture=handle._router(i, block, router))
-                # Declared, or else any earlier declaration of the tag withdrawn (another model's).
-                selection = selection_of(block, router)
-                if selection is not None:
-                    routers.declare_router(f"layer{i}_router", **selection)
-                else:
-                    routers.withdraw(f"layer{i}_router")
-                steps = (f"layer{i}_step_router", f"layer{i}_step_topk") if handle.step_routing else ()
-                for tag in (f"layer{i}_topk", *steps):
-                    handle.taps[tag] = f"{prefix}.{block_name}.{router_name}"
+                _tap_router(handle, i, f"{prefix}.{block_name}", block, router_name)
             elif _holds_experts(block):
                 unrouted.append(f"{prefix}.{block_name}")
             handle._add(block, f"layer{i}_mlp", f"{prefix}.{block_name}", "output")
+        if _holds_experts(layer) and (router_name := _child(layer, ROUTERS)) is not None:
+            _tap_router(handle, i, prefix, layer, router_name)  # Gemma 4: router and experts beside a dense mlp
         handle._add(layer, f"layer{i}", prefix, "output")
     if unrouted:
         # Without ids, a routing flip would show only as a divergent MLP output, with no root cause.
@@ -298,6 +293,22 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
             # the row set_gather_rows(step=...) names.
             api.record_step("logits", output[handle.batch_row, -1] if output.dim() == 3 else output)
         handle._add(modules[head_path], "logits", head_path, "output", capture=logits)
+
+
+def _tap_router(handle: Instrumented, i: int, block_path: str, block: torch.nn.Module, router_name: str) -> None:
+    """Layer i's router tags on `block`'s child `router_name`, and its selection declared (or any
+    earlier declaration of the tag withdrawn: another model's)."""
+    router = getattr(block, router_name)
+    handle._add(router, f"layer{i}_router", f"{block_path}.{router_name}", "output",
+                capture=handle._router(i, block, router))
+    selection = selection_of(block, router)
+    if selection is not None:
+        routers.declare_router(f"layer{i}_router", **selection)
+    else:
+        routers.withdraw(f"layer{i}_router")
+    steps = (f"layer{i}_step_router", f"layer{i}_step_topk") if handle.step_routing else ()
+    for tag in (f"layer{i}_topk", *steps):
+        handle.taps[tag] = f"{block_path}.{router_name}"
 
 
 def _child(module: torch.nn.Module, names: tuple[str, ...]) -> str | None:

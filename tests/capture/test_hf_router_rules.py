@@ -37,6 +37,13 @@ def _router(model: str, **extra):
                                             **common, **extra)
         block = module.Lfm2MoeSparseMoeBlock(config)
         return block, block.gate, lambda hidden: block.gate(hidden, block.expert_bias)
+    elif model == "afmoe":  # the bias on the MoE block, the weight in the router's `gate`, [batch, seq, hidden] in
+        config = transformers.AfmoeConfig(num_experts=EXPERTS, moe_intermediate_size=8, **common, **extra)
+        block = module.AfmoeSparseMoeBlock(config)
+        block.router.weight = block.router.gate.weight
+        return block, block.router, lambda hidden: block.router(hidden[None], block.expert_bias)
+    elif model == "axk2":  # A.X-K2-Light: no expert groups
+        router = module.AXK2TopkRouter(transformers.AXK2Config(num_local_experts=EXPERTS, **common, **extra))
     elif model == "inkling2":
         from transformers.models.inkling2.configuration_inkling2 import Inkling2TextConfig
         router = module.Inkling2TopKRouter(Inkling2TextConfig(num_local_experts=EXPERTS, **common, **extra))
@@ -57,6 +64,8 @@ DECLARED = [
     ("muse_spark", {}, dict(score="sigmoid")),
     ("lfm2_moe", {}, dict(score="sigmoid")),
     ("inkling2", {}, dict(score="sigmoid")),
+    ("afmoe", {}, dict(score="sigmoid")),
+    ("axk2", {}, dict(score="sigmoid")),
     ("kolibri1", {}, dict(score="logits")),
     ("mistral4", dict(n_group=4, topk_group=2), dict(score="softmax", n_group=4, topk_group=2, group_topk=2)),
     ("mistral_large4", dict(n_group=4, topk_group=2), dict(score="softmax", n_group=4, topk_group=2, group_topk=2)),

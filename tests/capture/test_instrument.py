@@ -608,3 +608,45 @@ def test_a_norm_kept_in_a_module_list_is_not_tapped(dump_dir):
     assert _residual_after_attention(layer, "mlp") is None
     layer.post_attention_layernorm = torch.nn.LayerNorm(4)
     assert _residual_after_attention(layer, "mlp") == "post_attention_layernorm"
+
+
+def test_gemma4_s_router_beside_its_dense_mlp_and_afmoe_s_pre_mlp_norm(dump_dir):
+    """Gemma 4 keeps its MoE router and experts on the layer, beside a dense `mlp`, and its router
+    returns softmax probabilities first: `layer<i>_router` holds their log (the logits up to a
+    per-row constant: the same top-k and gaps), `layer<i>_topk` its ids. AFMoE normalises the
+    residual stream after attention in `pre_mlp_layernorm`."""
+    compiledump.configure(moe_layers=4)
+    text = dict(_COMMON, intermediate_size=96, head_dim=16, enable_moe_block=True, num_experts=8, top_k_experts=2,
+                moe_intermediate_size=48, hidden_size_per_layer_input=0, vocab_size_per_layer_input=211,
+                sliding_window=16)
+    del text["num_experts_per_tok"]
+    torch.manual_seed(0)
+    gemma = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
+        "gemma4", text_config=text, vision_config=None, audio_config=None, tie_word_embeddings=True)).eval()
+    ids = torch.randint(3, 211, (1, 7), generator=torch.Generator().manual_seed(10))
+    layer = gemma.model.language_model.layers[1] if hasattr(gemma.model, "language_model") else gemma.model.layers[1]
+    got = []
+    hook = layer.router.register_forward_hook(lambda _m, _a, out: got.append(out))
+    handle = compiledump.instrument(gemma)
+    _forward(gemma, ids)
+    arrays, manifest = _load(compiledump.flush())
+    handle.remove()
+    hook.remove()
+    probabilities, _, top = got[0]
+    np.testing.assert_allclose(arrays["layer1_router"], np.log(probabilities.numpy()), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(arrays["layer1_topk"], top.numpy())
+    assert handle.taps["layer1_router"].endswith("layers.1.router") and "layer1_mlp" in arrays  # the dense MLP
+
+    torch.manual_seed(0)
+    afmoe = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
+        "afmoe", **_COMMON, intermediate_size=96, moe_intermediate_size=48, num_experts=8, num_dense_layers=1,
+        num_shared_experts=1, head_dim=16, sliding_window=16, global_attn_every_n_layers=2)).eval()
+    norm_inputs = []
+    hook = afmoe.model.layers[2].pre_mlp_layernorm.register_forward_pre_hook(lambda _m, args: norm_inputs.append(args[0]))
+    handle = compiledump.instrument(afmoe)
+    _forward(afmoe, ids)
+    arrays, manifest = _load(compiledump.flush())
+    handle.remove()
+    hook.remove()
+    np.testing.assert_allclose(arrays["layer2_attn"], norm_inputs[0][0, -1].numpy(), rtol=1e-6, atol=1e-6)
+    assert manifest["routers"]["layer2_router"]["score"] == "sigmoid"  # its expert_bias, on the MoE block
