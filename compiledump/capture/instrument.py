@@ -233,7 +233,8 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
     for tag_pattern, path_pattern in (taps or {}).items():
         match = _PATH_SIDE.match(path_pattern)
         path, side = match.group("path"), match.group("side") or "output"
-        indices = range(len(layers) if layers is not None else 0) if "{i}" in path else [None]
+        indices = ([None] if "{i}" not in path else range(len(layers)) if layers is not None
+                   else _consecutive(path, modules))  # no `layers` found (DBRX's `blocks`): 0, 1, ... while they exist
         found = False
         for i in indices:
             name = path.format(i=i) if i is not None else path
@@ -243,7 +244,7 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
                 found = True
         if not found:
             raise ValueError(f"compiledump.instrument: tap {tag_pattern!r}: no module at {path_pattern!r} "
-                             f"(module paths are relative to the model, e.g. {next(iter(modules), '')!r})")
+                             f"(module paths are relative to the model, e.g. {next((n for n in modules if n), '')!r})")
     STATE.instruments.append(handle)
     return handle
 
@@ -293,6 +294,14 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
             # the row set_gather_rows(step=...) names.
             api.record_step("logits", output[handle.batch_row, -1] if output.dim() == 3 else output)
         handle._add(modules[head_path], "logits", head_path, "output", capture=logits)
+
+
+def _consecutive(path: str, modules: dict) -> range:
+    """0..n-1 for the longest run of `path.format(i=...)` from 0 that names modules."""
+    n = 0
+    while path.format(i=n) in modules:
+        n += 1
+    return range(n)
 
 
 def _tap_router(handle: Instrumented, i: int, block_path: str, block: torch.nn.Module, router_name: str) -> None:

@@ -371,8 +371,38 @@ def test_explicit_taps_inputs_and_remove(dump_dir):
 
 def test_bad_arguments_are_clear_errors(dump_dir):
     model = ex.build_model("llama")
-    with pytest.raises(ValueError, match="no module at 'model.layers.{i}.nope'"):
+    with pytest.raises(ValueError, match=r"no module at 'model.layers.{i}.nope' \(.*e.g. 'model'\)"):
         compiledump.instrument(model, {"x{i}": "model.layers.{i}.nope"}, defaults=False)
+
+
+def test_an_i_tap_expands_over_blocks_that_are_not_named_layers(dump_dir):
+    """DBRX-style: the decoder's blocks are `transformer.blocks`, so no `layers` are found; a `{i}`
+    tap expands over the indices whose module exists, from 0."""
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.transformer = torch.nn.Module()
+            self.transformer.blocks = torch.nn.ModuleList([torch.nn.Linear(5, 5) for _ in range(3)])
+
+        def forward(self, x):
+            for block in self.transformer.blocks:
+                x = block(x)
+            return x
+
+    torch.manual_seed(0)
+    model, x = Model(), torch.randn(4, 5)
+    with torch.no_grad():
+        expected, h = [], x
+        for block in model.transformer.blocks:
+            expected.append(h := block(h))
+    handle = compiledump.instrument(model, {"block{i}": "transformer.blocks.{i}"}, defaults=False)
+    with torch.no_grad():
+        model(x)
+    arrays, _ = _load(compiledump.flush())
+    handle.remove()
+    assert sorted(handle.taps) == ["block0", "block1", "block2"]
+    for i in range(3):
+        np.testing.assert_allclose(arrays[f"block{i}"], expected[i][-1].numpy(), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="no decoder layers found"):
         compiledump.instrument(torch.nn.Linear(3, 3))
     with pytest.raises(TypeError, match="expected a torch.nn.Module"):
