@@ -79,6 +79,7 @@ class Instrumented:
         self.fired = False
         self._handles: list = []
         self._shape = _Shape()
+        self._ran: set[str] = set()  # the decoder layers this forward of the model ran (eager)
 
     def remove(self) -> None:
         """Detach every hook (compiled code traced with them keeps them until re-traced). Router
@@ -136,14 +137,27 @@ class Instrumented:
             self._handles.append(module.register_forward_hook(hook))
         self.taps[tag] = f"{path}:input" if side == "input" else path
 
-    def _track_shape(self, layer: torch.nn.Module) -> None:
+    def _track_shape(self, path: str, layer: torch.nn.Module) -> None:
         def pre_hook(_module, args, kwargs):
             if STATE.config.active:
                 hidden = args[0] if args else kwargs.get("hidden_states")
                 # [batch, seq, hidden], or [batch, seq, hc_mult, hidden] with hyper-connections
                 batched = isinstance(hidden, torch.Tensor) and hidden.dim() in (3, 4)
                 self._shape.batch, self._shape.seq = (hidden.shape[0], hidden.shape[1]) if batched else (None, None)
+                if not torch.compiler.is_compiling():  # eager only: a constant while tracing
+                    self._count_pass(path)
         self._handles.append(layer.register_forward_pre_hook(pre_hook, with_kwargs=True))
+
+    def _count_pass(self, path: str) -> None:
+        """Warn once when a decoder layer runs twice in one forward of the model (a looped layer,
+        as in Inkling 2 Loop): its tags keep the last pass only, and its step tags gain a step per
+        pass, which would pair the wrong values with the reference's."""
+        if path in self._ran:
+            warn_once(f"instrument: decoder layer {path} ran more than once in one forward (a looped or shared "
+                      "layer): its layer<i> tags keep the last pass and its step tags count a step per pass. "
+                      "Tap each pass with record()/record_step() under tags of its own, or compare with "
+                      "--map to pair them")
+        self._ran.add(path)
 
     def _router(self, i: int, block: torch.nn.Module, router: torch.nn.Module):
         top_k = int_attr((block, router), ("top_k", "num_experts_per_tok"))
@@ -230,6 +244,11 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
                              f"whose modules each have one of {', '.join(MIXERS)}); pass defaults=False and "
                              "taps={...}")
         _default_taps(handle, layers_path, layers, modules)
+
+        def new_forward(_module, _args) -> None:
+            if not torch.compiler.is_compiling():
+                handle._ran.clear()
+        handle._handles.append(inner.register_forward_pre_hook(new_forward))
     for tag_pattern, path_pattern in (taps or {}).items():
         match = _PATH_SIDE.match(path_pattern)
         path, side = match.group("path"), match.group("side") or "output"
@@ -253,7 +272,7 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
     unrouted = []  # MoE blocks (they hold `experts`) whose router has none of the ROUTERS names
     for i, layer in enumerate(layers):
         prefix = f"{layers_path}.{i}"
-        handle._track_shape(layer)
+        handle._track_shape(prefix, layer)
         block_name = _child(layer, MLP_BLOCKS)
         if block_name is None and _holds_experts(getattr(layer, "mixer", None)):
             block_name = "mixer"  # Nemotron-H: one block per layer, an MoE one in its MoE layers

@@ -680,3 +680,43 @@ def test_gemma4_s_router_beside_its_dense_mlp_and_afmoe_s_pre_mlp_norm(dump_dir)
     hook.remove()
     np.testing.assert_allclose(arrays["layer2_attn"], norm_inputs[0][0, -1].numpy(), rtol=1e-6, atol=1e-6)
     assert manifest["routers"]["layer2_router"]["score"] == "sigmoid"  # its expert_bias, on the MoE block
+
+
+def test_a_layer_that_runs_twice_in_one_forward_is_named_once(dump_dir):
+    """A looped decoder (Inkling 2 Loop runs some layers twice per forward) keeps only the last
+    pass under `layer<i>`: a warning names the layer. Two forwards of a plain decoder do not warn."""
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return x + self.self_attn(x)
+
+    class Decoder(torch.nn.Module):
+        def __init__(self, loop: bool):
+            super().__init__()
+            self.model = torch.nn.Module()
+            self.model.layers = torch.nn.ModuleList([Layer() for _ in range(3)])
+            self.loop = loop
+
+        def forward(self, x):
+            for layer in self.model.layers:
+                x = layer(x)
+            return self.model.layers[1](x) if self.loop else x
+
+    x = torch.randn(1, 5, 8)
+    for loop in (False, True):
+        compiledump.reset()
+        model = Decoder(loop)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            handle = compiledump.instrument(model)
+            with torch.no_grad():
+                model(x)
+                model(x)
+        handle.remove()
+        named = [str(w.message) for w in caught if "ran more than once" in str(w.message)]
+        assert len(named) == (1 if loop else 0)
+        if loop:
+            assert "decoder layer model.layers.1 ran more than once in one forward" in named[0]
