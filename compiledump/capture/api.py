@@ -28,7 +28,7 @@ from .. import config as _config
 from ..format import spec
 from ..ops import layout as L
 from ..ops import register, schemas
-from . import dispatch, layouts, persist, routers, signals
+from . import dispatch, layouts, mixers, persist, routers, signals
 from .arena import Runtime
 from .flush import dump_stem, flush, flush_at_exit, flush_on_signal, process_fields, remove_live_files
 from .state import STATE
@@ -137,6 +137,7 @@ def _create_runtime(device: torch.device) -> Runtime:
     if rt.live is not None:
         persist.install_excepthook(lambda: getattr(STATE.runtime, "live", None))
         routers.journal_routers(rt.live)  # declared before the arena existed
+        mixers.journal_mixers(rt.live)
     for index, value in STATE.pending_registers.items():
         rt.set_register(index, value)
     STATE.pending_registers.clear()

@@ -18,7 +18,7 @@ from .. import config as _config
 from ..format import spec, writer
 from ..ops.register import KERNEL_LOCK
 from ..version import __version__
-from . import collect, parallel, routers
+from . import collect, mixers, parallel, routers
 from .arena import Runtime
 from .state import STATE, warn_once
 
@@ -129,6 +129,7 @@ def _collect(rt: Runtime, arena: np.ndarray, ctrl: np.ndarray) -> tuple[dict, di
         drops=got.drops,
         # Only when some captured router was declared (readers that predate it ignore it).
         **({"routers": declared} if declared else {}),
+        **({"mixers": mixers.manifest_mixers()} if STATE.mixers else {}),  # instrument()'s
     )
     return got.arrays, manifest
 

@@ -39,6 +39,7 @@ class State:
     parallel_groups: dict[str, int] = field(default_factory=dict)  # set_parallel()
     shards: list = field(default_factory=list)  # declare_shard(): [(compiled regex, ShardSpec)]
     routers: dict = field(default_factory=dict)  # declare_router(): {tag: format.routers.RouterInfo}
+    mixers: dict = field(default_factory=dict)  # instrument(): {layer index (str): token mixer kind}
     export_binding: tuple | None = None  # (arena, ctrl) inputs of a program being exported
     instruments: list = field(default_factory=list)  # instrument() handles not removed
     dist_seen: dict = field(default_factory=lambda: {"rank": None, "world_size": None})  # kept
@@ -48,7 +49,7 @@ class State:
     flush_lock: threading.RLock = field(default_factory=threading.RLock)  # kept
 
     def reset(self) -> None:
-        """Forget every capture, the arena, parallel groups, shard and router declarations."""
+        """Forget every capture, the arena, parallel groups, shard, router and mixer declarations."""
         live = getattr(self.runtime, "live", None)
         if live is not None:
             live.remove()  # its crash-proof files: what they hold is being forgotten

@@ -128,6 +128,28 @@ def recovered_note(side: str, dump: Dump) -> str | None:
             "where that process stopped")
 
 
+# The mixer kinds capture/mixers.py writes for layers that are not recurrent.
+_NOT_RECURRENT = ("attention", "mlp")
+
+
+def hybrid_note(manifest: dict | None, layer: int | None, klass: str | None) -> str | None:
+    """A caution when a low-precision pair first diverges at or after a linear-attention or
+    state-space layer (the manifest's `mixers`, written by `instrument`): their honest bf16
+    rounding can exceed the defaults calibrated on attention models (docs/compare.md)."""
+    mixers = (manifest or {}).get("mixers")
+    if layer is None or klass in (None, "fp32") or not isinstance(mixers, dict):
+        return None
+    recurrent = sorted((int(i), kind) for i, kind in mixers.items()
+                       if str(i).isdigit() and int(i) <= layer and kind not in _NOT_RECURRENT)
+    if not recurrent:
+        return None
+    kinds = ", ".join(sorted({kind for _, kind in recurrent}))
+    return (f"the first divergence (layer {layer}) is at or after {len(recurrent)} layer(s) whose token mixer is not "
+            f"attention ({kinds}; first: layer {recurrent[0][0]}): in {klass} their honest rounding can exceed the "
+            "defaults, so a small crossing there may be noise; compare an fp32 engine run to localise a bug of a "
+            "few percent (docs/compare.md, \"Hybrid models\")")
+
+
 _FILTERS = {"moe_layers": "COMPILEDUMP_MOE_LAYERS"}
 
 

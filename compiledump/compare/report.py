@@ -72,6 +72,7 @@ class Divergence:
     divergent_rows: list[int] | None = None  # all-rows keys: the token positions that diverge
     row_count: int | None = None
     routing: Routing | None = None  # ids: the routing judgement (near tie, not judged, divergence)
+    caution: str | None = None  # why this divergence may be noise (a hybrid model's bf16 layers: a note says more)
 
     @property
     def routing_verdict(self) -> str | None:
@@ -94,6 +95,8 @@ class Divergence:
                        divergent_ranks=self.merge.divergent_ranks)
         if self.reason is not None:
             out["reason"] = self.reason
+        if self.caution is not None:
+            out["caution"] = self.caution
         if self.divergent_rows is not None:
             out.update(divergent_rows=self.divergent_rows, row_count=self.row_count)
         return out

@@ -348,4 +348,5 @@ def final_line(report: Report) -> str:
     if cause is not None:
         kind = f" ({ROUTING_WORDS[cause.routing_verdict]})" if cause.routing_verdict in ROUTING_WORDS else ""
         why = f"; likely root cause: {cause.key}{where(cause)} ids differ{kind}"
-    return f"first divergence: {describe_divergence(first)}{rank}{last}{why}"
+    caution = f"; caution: {first.caution}" if first.caution else ""
+    return f"first divergence: {describe_divergence(first)}{rank}{last}{why}{caution}"

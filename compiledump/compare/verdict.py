@@ -18,6 +18,7 @@ from .options import CompareOptions
 from .pairing import find_pairs
 from .phases import (
     first_nonfinite,
+    hybrid_note,
     mixed_phase_detail,
     mixed_phase_keys,
     not_captured,
@@ -118,6 +119,13 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
                         nonfinite={"REF": first_nonfinite(ref), "RUN": first_nonfinite(run)},
                         renamed=run.renamed() if isinstance(run, RenamedDump) else {})
     analyse_pair(result)
+    first = result.first_divergence
+    if first is not None and first.metric != "ids":
+        limits = records[first.position].limits
+        note = hybrid_note(authority.manifest, first.layer, limits.klass if limits is not None else None)
+        if note is not None:
+            result.notes.append(note)
+            first.caution = "after layers whose bf16 rounding can exceed the defaults (see the note)"
     return result
 
 

@@ -1,0 +1,99 @@
+"""Hybrid models: `instrument` writes each decoder layer's token mixer into the manifest
+(`mixers`, also in a recovered dump), and a low-precision pair that first diverges at or after a
+linear-attention or state-space layer gets a note and a caution on its verdict line (their
+honest bf16 rounding can exceed the defaults: docs/compare.md, "Hybrid models")."""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import compiledump
+from compiledump.capture.recover import recover_directory
+from compiledump.compare import compare, format_report
+from compiledump.compare.phases import hybrid_note
+
+transformers = pytest.importorskip("transformers")
+
+
+def _qwen3_next(seed: int) -> torch.nn.Module:
+    """Qwen3-Next: Gated DeltaNet layers 0 and 2, full attention 1 and 3 (random weights)."""
+    config = transformers.AutoConfig.for_model(
+        "qwen3_next", vocab_size=211, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=16, max_position_embeddings=64, initializer_range=0.1, intermediate_size=96,
+        moe_intermediate_size=48, shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"] * 2)
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def _dump(model, directory: Path, ids) -> Path:
+    compiledump.reset()
+    compiledump.configure(dir=str(directory), moe_layers=4, rows="all")
+    handle = compiledump.instrument(model)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(input_ids=ids, use_cache=False)
+        path = compiledump.flush()
+    handle.remove()
+    return Path(path)
+
+
+def test_the_manifest_names_each_layer_s_mixer_and_a_recovered_dump_keeps_it(dump_dir):
+    ids = torch.randint(3, 211, (1, 7), generator=torch.Generator().manual_seed(1))
+    path = _dump(_qwen3_next(0), dump_dir, ids)
+    want = {"0": "linear_attn", "1": "attention", "2": "linear_attn", "3": "attention"}
+    assert json.loads(path.with_suffix(".json").read_text())["mixers"] == want
+    results, errors = recover_directory(dump_dir, force=True, keep=True)
+    assert errors == [] and json.loads(path.with_suffix(".json").read_text())["mixers"] == want
+
+
+def test_an_attention_model_has_no_caution(dump_dir):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "hf_example", Path(__file__).resolve().parents[2] / "examples" / "hf_reference_vs_compiled.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    path = _dump(example.build_model("qwen3_moe"), dump_dir, torch.randint(3, 200, (1, 7)))
+    mixers = json.loads(path.with_suffix(".json").read_text())["mixers"]
+    assert set(mixers.values()) == {"attention"} and hybrid_note({"mixers": mixers}, 3, "bf16") is None
+
+
+@pytest.mark.parametrize("layer, klass, expected", [
+    (2, "bf16", "at or after 2 layer(s) whose token mixer is not attention (linear_attn, mamba; first: layer 0)"),
+    (0, "fp16", "at or after 1 layer(s)"),
+    (3, "fp32", None),  # fp32 defaults are not calibrated against bf16 rounding
+    (None, "bf16", None),  # no layer (logits)
+])
+def test_the_note_names_the_recurrent_layers_at_or_before_the_divergence(layer, klass, expected):
+    manifest = {"mixers": {"0": "linear_attn", "1": "attention", "2": "mamba", "3": "mlp"}}
+    note = hybrid_note(manifest, layer, klass)
+    assert (note is None) if expected is None else expected in note
+    assert hybrid_note({"mixers": {"0": "attention", "1": "mlp"}}, 1, "bf16") is None
+    assert hybrid_note({}, 1, "bf16") is None and hybrid_note(None, 1, "bf16") is None
+
+
+def test_a_bf16_divergence_in_a_hybrid_model_carries_the_caution(dump_dir, tmp_path):
+    """An engine with a bug in layer 2 (a Gated DeltaNet layer): exit 1 there, with the caution on
+    the verdict line and the note; the fp32 engine with the same bug has neither."""
+    reference = _qwen3_next(3)
+    ids = torch.randint(3, 211, (1, 7), generator=torch.Generator().manual_seed(4))
+    _dump(reference, tmp_path / "ref", ids)
+    for dtype in (torch.bfloat16, torch.float32):
+        engine = copy.deepcopy(reference).to(dtype)
+        with torch.no_grad():
+            engine.model.layers[2].linear_attn.out_proj.weight.mul_(1.3)
+        _dump(engine, tmp_path / str(dtype), ids)
+        report = compare(tmp_path / "ref", tmp_path / str(dtype))
+        lines = format_report(report)
+        assert report.exit_status == 1 and report.first_divergence.layer == 2, lines[-1]
+        cautioned = "caution: after layers whose bf16 rounding can exceed the defaults" in lines[-1]
+        assert cautioned == (dtype == torch.bfloat16)
+        assert any("(linear_attn; first: layer 0)" in line for line in lines) == (dtype == torch.bfloat16)
+    compiledump.reset()
