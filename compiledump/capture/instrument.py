@@ -270,7 +270,7 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
 
 def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict) -> None:
     unrouted = []  # MoE blocks (they hold `experts`) whose router has none of the ROUTERS names
-    mixers.declare_mixers({i: _mixer_kind(layer) for i, layer in enumerate(layers)})
+    mixers.declare_mixers({i: mixers.kind_of(layer, _child(layer, MIXERS)) for i, layer in enumerate(layers)})
     for i, layer in enumerate(layers):
         prefix = f"{layers_path}.{i}"
         handle._track_shape(prefix, layer)
@@ -314,19 +314,6 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
             # the row set_gather_rows(step=...) names.
             api.record_step("logits", output[handle.batch_row, -1] if output.dim() == 3 else output)
         handle._add(modules[head_path], "logits", head_path, "output", capture=logits)
-
-
-def _mixer_kind(layer: torch.nn.Module) -> str:
-    """The layer's token mixer as capture/mixers.py names it."""
-    name = _child(layer, MIXERS)
-    if name in ("self_attn", "self_attention"):
-        return mixers.ATTENTION
-    if name != "mixer":
-        return name or mixers.NO_MIXING
-    kind = type(layer.mixer).__name__  # Nemotron-H / Falcon-H1: the class says which
-    if _holds_experts(layer.mixer) or "mlp" in kind.lower():
-        return mixers.NO_MIXING
-    return mixers.ATTENTION if "attention" in kind.lower() and "linear" not in kind.lower() else kind
 
 
 def _consecutive(path: str, modules: dict) -> range:

@@ -9,11 +9,26 @@ a `mixer` module's class name).
 
 from __future__ import annotations
 
+import torch
+
 from .state import STATE
 
 ATTENTION = "attention"
 NO_MIXING = "mlp"
 NOT_RECURRENT = (ATTENTION, NO_MIXING)
+
+
+def kind_of(layer: torch.nn.Module, name: str | None) -> str:
+    """The kind of `layer`'s token mixer, its child `name` (one of instrument's MIXERS, or None)."""
+    if name in ("self_attn", "self_attention"):
+        return ATTENTION
+    if name != "mixer":
+        return name or NO_MIXING
+    mixer = layer.mixer  # Nemotron-H / Falcon-H1: one `mixer` per layer, its class says which
+    kind = type(mixer).__name__
+    if isinstance(getattr(mixer, "experts", None), torch.nn.Module) or "mlp" in kind.lower():
+        return NO_MIXING
+    return ATTENTION if "attention" in kind.lower() and "linear" not in kind.lower() else kind
 
 
 def declare_mixers(mixers: dict[int, str]) -> None:
