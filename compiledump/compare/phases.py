@@ -132,11 +132,11 @@ def recovered_note(side: str, dump: Dump) -> str | None:
 _NOT_RECURRENT = ("attention", "mlp")
 
 
-def hybrid_note(manifest: dict | None, layer: int | None, klass: str | None) -> str | None:
+def hybrid_note(manifests: list, layer: int | None, klass: str | None) -> str | None:
     """A caution when a low-precision pair first diverges at or after a linear-attention or
-    state-space layer (the manifest's `mixers`, written by `instrument`): their honest bf16
-    rounding can exceed the defaults calibrated on attention models (docs/compare.md)."""
-    mixers = (manifest or {}).get("mixers")
+    state-space layer (the first of `manifests` with `mixers`, which `instrument` writes): their
+    honest bf16 rounding can exceed the defaults calibrated on attention models (docs/compare.md)."""
+    mixers = next((m["mixers"] for m in manifests if isinstance(m, dict) and m.get("mixers")), None)
     if layer is None or klass in (None, "fp32") or not isinstance(mixers, dict):
         return None
     recurrent = sorted((int(i), kind) for i, kind in mixers.items()

@@ -122,7 +122,8 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     first = result.first_divergence
     if first is not None and first.metric != "ids":
         limits = records[first.position].limits
-        note = hybrid_note(authority.manifest, first.layer, limits.klass if limits is not None else None)
+        # Either side's: an instrumented reference beside an engine's hand-written captures.
+        note = hybrid_note([ref.manifest, run.manifest], first.layer, limits.klass if limits is not None else None)
         if note is not None:
             result.notes.append(note)
             first.caution = "after layers whose bf16 rounding can exceed the defaults (see the note)"
@@ -212,8 +213,9 @@ def analyse_pair(pair: PairResult) -> None:
             margin_run=run_top.margin, argmax_ref=ref_top.argmax, argmax_run=run_top.argmax, epsilon=epsilon,
             position=flip.position)
     float_first = pair.prefill_divergence or pair.decode_divergence
-    # The same experts in another order change no token's experts: no root cause.
-    cause = next((item for item in pair.id_mismatches if item.routing is None or not item.routing.reorder_only), None)
+    # The same experts in another order change no token's experts: no root cause; nor can a flip
+    # only at tokens after every token a prefill key diverges at (causal attention).
+    cause = next((item for item in pair.id_mismatches if _can_cause(item, float_first)), None)
     if float_first is not None and cause is not None and cause.position < float_first.position:
         reason = "integer ids differ before the first float divergence"
         if cause.routing_verdict in ("near_tie", "not_judged"):
@@ -240,6 +242,19 @@ def analyse_pair(pair: PairResult) -> None:
             smallest_step=smallest.step, smallest_key=smallest.key,
             smallest_value=smallest.floats.margins.ref.margin,
         )
+
+
+def _can_cause(ids: Divergence, float_first: Divergence | None) -> bool:
+    """Whether the ids mismatch `ids` can explain `float_first`: some token's experts changed
+    (not only their order) at or before a token where it diverges (an all-rows key's rows)."""
+    if ids.routing is None:
+        return True
+    flipped = [row for row in ids.routing.differing_rows if row not in ids.routing.reordered_rows]
+    if not flipped:
+        return False
+    if float_first is None or not float_first.divergent_rows or ids.step is not None or float_first.step is not None:
+        return True
+    return min(flipped) <= max(float_first.divergent_rows)
 
 
 def _flip_kind(record: KeyRecord, margin: float, epsilon: float) -> str:

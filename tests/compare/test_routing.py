@@ -547,3 +547,37 @@ def test_a_reorder_needs_exactly_the_same_experts():
         routing = judge_routing(ref, run, None, None, False, "bf16", "pair", None, 4.0)
         assert routing.reordered_rows == reordered
         assert routing.reorder_only == (reordered == routing.differing_rows)
+
+
+@pytest.mark.parametrize("flip_row, diverges_at, near, named", [(5, 2, True, False), (5, 2, False, False),
+                                                                 (5, 6, False, True), (1, 2, False, True)])
+def test_a_flip_is_a_root_cause_only_for_tokens_it_can_reach(tmp_path, flip_row, diverges_at, near, named):
+    """All rows recorded, bf16: a flip at one token of layer 0 (a near tie, or far from one), a far
+    error at one token of layer 1's output. A flip can reach its own token and, through causal
+    attention, later ones, never an earlier token: it is named as the likely root cause only when
+    it is at or before the divergent token (an audit on Gemma 4 found a near tie at token 5 named
+    for a divergence at token 3). A near tie at or before the token would excuse it instead."""
+    rng = np.random.default_rng(31 + flip_row + diverges_at)
+    logits = rng.standard_normal((TOKENS + 2, EXPERTS)).astype(np.float32)
+    order = np.argsort(-logits[flip_row].astype(np.float64))
+    if near:  # the k-th expert and the runner-up within a thousandth
+        logits[flip_row, order[TOPK]] = logits[flip_row, order[TOPK - 1]] - 1e-3
+    ids = np.stack([top_k(row.astype(np.float64)) for row in logits])
+    hidden = rng.standard_normal((TOKENS + 2, DIM)).astype(np.float32)
+    ref = [factory.Capture("layer0_router", logits, "record", "layer0_router"),
+           factory.Capture("layer0_topk", ids, "ids", "layer0_topk"),
+           factory.Capture("layer1", hidden, "record", "layer1")]
+    run_ids = ids.copy()
+    run_ids[flip_row, TOPK - 1] = order[TOPK] if near else order[-1]  # the runner-up, or the last expert
+    run_hidden = hidden.copy()
+    run_hidden[diverges_at] *= 1.5
+    run = [ref[0], factory.Capture("layer0_topk", run_ids, "ids", "layer0_topk"),
+           factory.Capture("layer1", run_hidden, "record", "layer1")]
+    fields = {"layer0_router": {"rows": "all"}, "layer1": {"rows": "all"}}
+    report = compare(*factory.write_pair(tmp_path, ref, run, "float32", "bfloat16", key_fields=fields))
+    record = next(r for r in report.keys if r.key == "layer0_topk")
+    assert (record.routing.near_tie_rows, record.routing.far_rows) == (([flip_row], []) if near else ([], [flip_row]))
+    assert report.exit_status == 1 and report.first_divergence.key == "layer1"
+    assert report.first_divergence.divergent_rows == [diverges_at]
+    assert (report.root_cause is not None and report.root_cause.key == "layer0_topk") == named
+    assert ("likely root cause: layer0_topk" in format_report(report)[-1]) == named
