@@ -80,6 +80,7 @@ class Instrumented:
         self._handles: list = []
         self._shape = _Shape()
         self._ran: set[str] = set()  # the decoder layers this forward of the model ran (eager)
+        self._first_layer: str | None = None  # its path: a forward starts there
 
     def remove(self) -> None:
         """Detach every hook (compiled code traced with them keeps them until re-traced). Router
@@ -151,7 +152,10 @@ class Instrumented:
     def _count_pass(self, path: str) -> None:
         """Warn once when a decoder layer runs twice in one forward of the model (a looped layer,
         as in Inkling 2 Loop): its tags keep the last pass only, and its step tags gain a step per
-        pass, which would pair the wrong values with the reference's."""
+        pass, which would pair the wrong values with the reference's. A forward starts at the
+        first layer (however the model is called), so its pass starts the count again."""
+        if path == self._first_layer:
+            self._ran.clear()
         if path in self._ran:
             warn_once(f"instrument: decoder layer {path} ran more than once in one forward (a looped or shared "
                       "layer): its layer<i> tags keep the last pass and its step tags count a step per pass. "
@@ -244,11 +248,6 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
                              f"whose modules each have one of {', '.join(MIXERS)}); pass defaults=False and "
                              "taps={...}")
         _default_taps(handle, layers_path, layers, modules)
-
-        def new_forward(_module, _args) -> None:
-            if not torch.compiler.is_compiling():
-                handle._ran.clear()
-        handle._handles.append(inner.register_forward_pre_hook(new_forward))
     for tag_pattern, path_pattern in (taps or {}).items():
         match = _PATH_SIDE.match(path_pattern)
         path, side = match.group("path"), match.group("side") or "output"
@@ -271,6 +270,7 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
 def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict) -> None:
     unrouted = []  # MoE blocks (they hold `experts`) whose router has none of the ROUTERS names
     mixers.declare_mixers({i: mixers.kind_of(layer, _child(layer, MIXERS)) for i, layer in enumerate(layers)})
+    handle._first_layer = f"{layers_path}.0"
     for i, layer in enumerate(layers):
         prefix = f"{layers_path}.{i}"
         handle._track_shape(prefix, layer)
