@@ -24,7 +24,8 @@ sweep counts verdicts over more random models than it can afford (docs/compare.m
 and near ties").
 
 Usage: python benchmarks/sweep_routing.py [--seeds 100] [--models qwen3_moe,mixtral,deepseek_v3,...]
-       [--rows one,all] [--tokens 7] [--engine-bug none|no_bias|no_groups] [--verbose]
+       [--rows one,all] [--tokens 7] [--engine-bug none|no_bias|no_groups] [--hidden 64] [--layers 4]
+       [--init 0.1] [--verbose]
 (about 30 seconds for the defaults on a 2-core CPU box; results in benchmarks/RESULTS.md).
 """
 
@@ -113,7 +114,11 @@ BIAS_STD = 0.02  # about the spread of the sigmoid scores of these random router
 
 def build(model: str, seed: int) -> torch.nn.Module:
     """The float32 model ``model`` with random weights from ``seed``, eval mode."""
-    config = transformers.AutoConfig.for_model(MODEL_TYPES.get(model, model), **{**COMMON, **CONFIGS[model]})
+    fields = {**COMMON, **CONFIGS[model]}
+    for name, value in fields.items():  # per-layer patterns (layer_types, ...) repeated to --layers
+        if isinstance(value, list) and len(value) != COMMON["num_hidden_layers"]:
+            fields[name] = (value * COMMON["num_hidden_layers"])[:COMMON["num_hidden_layers"]]
+    config = transformers.AutoConfig.for_model(MODEL_TYPES.get(model, model), **fields)
     torch.manual_seed(seed)
     built = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
@@ -164,8 +169,14 @@ def main() -> int:
     parser.add_argument("--engine-bug", default="none", choices=sorted(ENGINE_BUGS),
                         help="break the engine's routing (the biased routers): every pair is then wrong, and "
                              "exit 1 is the detection (default none: every pair honest)")
+    parser.add_argument("--hidden", type=int, default=COMMON["hidden_size"], help="hidden size (default 64)")
+    parser.add_argument("--layers", type=int, default=COMMON["num_hidden_layers"], help="decoder layers (default 4)")
+    parser.add_argument("--init", type=float, default=COMMON["initializer_range"],
+                        help="initializer_range (default 0.1)")
     parser.add_argument("--verbose", action="store_true", help="print the report of every pair that exits 1")
     args = parser.parse_args()
+    # Larger or deeper models than the tiny default: is it the worst case for the bf16 defaults?
+    COMMON.update(hidden_size=args.hidden, num_hidden_layers=args.layers, initializer_range=args.init)
     torch.set_num_threads(1)
     started = time.perf_counter()
     counts: dict[tuple[str, str], collections.Counter] = {}
