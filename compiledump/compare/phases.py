@@ -146,8 +146,8 @@ def hybrid_note(manifests: list, layer: int | None, klass: str | None) -> str | 
     kinds = ", ".join(sorted({kind for _, kind in recurrent}))
     return (f"the first divergence (layer {layer}) is at or after {len(recurrent)} layer(s) whose token mixer is not "
             f"attention ({kinds}; first: layer {recurrent[0][0]}): in {klass} their honest rounding can exceed the "
-            "defaults, so a small crossing there may be noise; compare an fp32 engine run to localise a bug of a "
-            "few percent (docs/compare.md, \"Hybrid models\")")
+            "defaults (seen with random weights of larger scale), so a small crossing there may be noise; compare "
+            "an fp32 engine run to localise a bug of a few percent (docs/compare.md, \"Hybrid models\")")
 
 
 _FILTERS = {"moe_layers": "COMPILEDUMP_MOE_LAYERS"}
