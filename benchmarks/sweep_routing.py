@@ -18,8 +18,8 @@ declares), MiniMax-M2 (``minimax_m2``: sigmoid scores plus a random bias over al
 Ernie 4.5 (``ernie4_5_moe``: softmax scores plus a random bias over all 8 experts, one
 shared expert) and DeepSeek-V4 (``deepseek_v4``: two layers routed by token id, then two by
 sqrt(softplus) scores plus a random bias). ``--models`` also takes AFMoE, A.X-K2-Light (its
-indexer keeping every key), Laguna, Kolibri, LFM2-MoE, Nemotron-H and Qwen3-Next (MORE_CONFIGS:
-the seventh session's audit). benchmarks/calibrate.py calibrates the thresholds themselves; this
+indexer keeping every key), Laguna, Kolibri, LFM2-MoE, Nemotron-H, gpt-oss, Granite-MoE with
+sliding windows and Qwen3-Next (MORE_CONFIGS: the seventh session's audit). benchmarks/calibrate.py calibrates the thresholds themselves; this
 sweep counts verdicts over more random models than it can afford (docs/compare.md, "Expert ids
 and near ties").
 
@@ -97,6 +97,8 @@ MORE_CONFIGS = {
                        n_routed_experts=8, moe_intermediate_size=48, moe_shared_expert_intermediate_size=48,
                        n_group=1, topk_group=1, head_dim=16, mamba_num_heads=4, mamba_head_dim=16,
                        ssm_state_size=16, n_groups=1, chunk_size=8, use_mamba_kernels=False),
+    "gpt_oss": dict(intermediate_size=48, num_local_experts=8, head_dim=16, sliding_window=16),
+    "granitemoe_swa": dict(intermediate_size=48, num_local_experts=8, sliding_window=16, shared_intermediate_size=48),
     "qwen3_next": dict(intermediate_size=96, moe_intermediate_size=48, shared_expert_intermediate_size=48,
                        num_experts=8, head_dim=16, layer_types=["linear_attention", "full_attention"] * 2,
                        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
