@@ -86,7 +86,8 @@ def selection_of(block: torch.nn.Module, router: torch.nn.Module) -> dict | None
     elif bias is not None and kind in SCORE_FN_ROUTERS \
             and type(getattr(router, "score_fn", None)).__name__ in _SCORE_FNS:
         return _with_bias(dict(top_k=top_k, score=_SCORE_FNS[type(router.score_fn).__name__]), bias)
-    _warn_unknown_rule(kind, bias_name, holders, n_group, topk_group)
+    if getattr(router, "topk_method", None) != "greedy":  # DeepSeek-V2's greedy: the groups are not used
+        _warn_unknown_rule(kind, bias_name, holders, n_group, topk_group)
     return None
 
 

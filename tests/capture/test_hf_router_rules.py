@@ -121,10 +121,14 @@ def test_a_router_with_an_unknown_bias_or_groups_is_warned_about_once_and_not_de
     class PlainRouter(torch.nn.Linear):  # a linear layer's own `bias` is part of the logits
         top_k = 2
 
+    class GreedyRouter(GroupedRouter):  # DeepSeek-V2's topk_method="greedy" ignores its groups
+        topk_method = "greedy"
+
     STATE.warned.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for router in (BalancedRouter(), BalancedRouter(), GroupedRouter(), CorrectedRouter(), PlainRouter(4, 8)):
+        for router in (BalancedRouter(), BalancedRouter(), GroupedRouter(), CorrectedRouter(), PlainRouter(4, 8),
+                       GreedyRouter()):
             assert hf_routers.selection_of(torch.nn.Module(), router) is None
     messages = [str(w.message) for w in caught]
     assert len(messages) == 3
