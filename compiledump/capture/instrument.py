@@ -269,7 +269,7 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
 
 def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict) -> None:
     unrouted = []  # MoE blocks (they hold `experts`) whose router has none of the ROUTERS names
-    mixers.declare_mixers({i: mixers.kind_of(layer, _child(layer, MIXERS)) for i, layer in enumerate(layers)})
+    mixers.declare_mixers(mixers.kinds_of(layers, [_child(layer, MIXERS) for layer in layers]))
     handle._first_layer = f"{layers_path}.0"
     for i, layer in enumerate(layers):
         prefix = f"{layers_path}.{i}"

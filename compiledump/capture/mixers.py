@@ -4,7 +4,7 @@ The comparator reads it to qualify a low-precision divergence in a hybrid model:
 linear-attention and state-space layers can exceed the defaults calibrated on attention models
 (docs/compare.md, "Hybrid models"). Kinds: "attention", "mlp" (a layer without token mixing:
 Nemotron-H's MoE layers), or the non-attention mixer's name ("linear_attn", "mamba", "conv", or
-a `mixer` module's class name).
+the class name of a `self_attn`/`mixer` module that is not softmax attention).
 """
 
 from __future__ import annotations
@@ -18,17 +18,46 @@ NO_MIXING = "mlp"
 NOT_RECURRENT = (ATTENTION, NO_MIXING)
 
 
-def kind_of(layer: torch.nn.Module, name: str | None) -> str:
-    """The kind of `layer`'s token mixer, its child `name` (one of instrument's MIXERS, or None)."""
-    if name in ("self_attn", "self_attention"):
-        return ATTENTION
-    if name != "mixer":
-        return name or NO_MIXING
-    mixer = layer.mixer  # Nemotron-H / Falcon-H1: one `mixer` per layer, its class says which
-    kind = type(mixer).__name__
-    if isinstance(getattr(mixer, "experts", None), torch.nn.Module) or "mlp" in kind.lower():
-        return NO_MIXING
-    return ATTENTION if "attention" in kind.lower() and "linear" not in kind.lower() else kind
+# Words in a mixer's class name that say it is not softmax attention, though a model may name the
+# child `self_attn` (Kimi-Linear's KimiLinearDeltaAttention, MiniMax's MiniMaxLightningAttention,
+# Bailing's BailingHybridDeltaAttention) or `mixer` (Nemotron-H's NemotronHMamba2Mixer). They are
+# looked for after the prefix every mixer class of the model shares (its name: "KimiLinear").
+RECURRENT_WORDS = ("linear", "delta", "lightning", "mamba", "ssm", "retention", "rwkv", "recurrent")
+_BY_CLASS = ("self_attn", "self_attention", "mixer")
+
+
+def kinds_of(layers, names: list[str | None]) -> dict[int, str]:
+    """{layer index: kind} for decoder `layers` whose token mixer is their child `names[i]` (one of
+    instrument's MIXERS, or None): a child named for what it is (`linear_attn`, `mamba`, `conv`)
+    is that; `self_attn`, `self_attention` and `mixer` are what their class says."""
+    classes = {i: type(getattr(layer, name)).__name__ for i, (layer, name) in enumerate(zip(layers, names))
+               if name in _BY_CLASS}
+    distinct = sorted(set(classes.values()))
+    shared = len(_common_prefix(distinct)) if len(distinct) > 1 else 0
+    kinds = {}
+    for i, (layer, name) in enumerate(zip(layers, names)):
+        if name is None or name not in _BY_CLASS:
+            kinds[i] = name or NO_MIXING
+            continue
+        kind = classes[i]
+        words = kind[shared:].lower()
+        mixer = getattr(layer, name)
+        if name == "mixer" and (isinstance(getattr(mixer, "experts", None), torch.nn.Module)
+                                or "mlp" in words or "moe" in words):
+            kinds[i] = NO_MIXING  # Nemotron-H's MoE layers: one `mixer` per layer, its class says which
+        elif "mamba" in words:
+            kinds[i] = "mamba"
+        elif any(word in words for word in RECURRENT_WORDS):
+            kinds[i] = kind
+        else:
+            kinds[i] = ATTENTION if name != "mixer" or "attention" in words else kind
+    return kinds
+
+
+def _common_prefix(names: list[str]) -> str:
+    first, last = min(names), max(names)
+    end = next((n for n, (a, b) in enumerate(zip(first, last)) if a != b), min(len(first), len(last)))
+    return first[:end]
 
 
 def declare_mixers(mixers: dict[int, str]) -> None:

@@ -613,7 +613,7 @@ def test_default_taps_find_other_layer_names(dump_dir, name):
         hook.remove()
     assert moe and "final_norm" in handle.taps
     # Each layer's token mixer, as the comparator's hybrid caution reads it.
-    assert manifest["mixers"] == {"nemotron_h": {"0": "NemotronHMamba2Mixer", "1": "mlp", "2": "attention", "3": "mlp"},
+    assert manifest["mixers"] == {"nemotron_h": {"0": "mamba", "1": "mlp", "2": "attention", "3": "mlp"},
                                   "lfm2_moe": {"0": "conv", "1": "attention", "2": "conv", "3": "attention"},
                                   "jetmoe": {str(i): "attention" for i in range(4)}}[name]
     np.testing.assert_allclose(arrays["final_norm"], out.hidden_states[-1][0, -1].numpy(), rtol=1e-6, atol=1e-6)

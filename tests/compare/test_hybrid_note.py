@@ -65,6 +65,33 @@ def test_an_attention_model_has_no_caution(dump_dir):
     assert set(mixers.values()) == {"attention"} and hybrid_note([{"mixers": mixers}], 3, "bf16") is None
 
 
+@pytest.mark.parametrize("layers, expected", [
+    ([("self_attn", "Qwen3MoeAttention")] * 2, ["attention"] * 2),
+    # Kimi-Linear, MiniMax, Bailing: their linear layers are `self_attn` too; the model's name
+    # ("KimiLinear") is the prefix their classes share, so its "Linear" says nothing.
+    ([("self_attn", "KimiLinearDeltaAttention"), ("self_attn", "KimiLinearAttention")],
+     ["KimiLinearDeltaAttention", "attention"]),
+    ([("self_attn", "MiniMaxAttention"), ("self_attn", "MiniMaxLightningAttention")],
+     ["attention", "MiniMaxLightningAttention"]),
+    ([("self_attn", "Glm5NextTextLinearAttention"), ("self_attn", "Glm5NextTextAttention")],
+     ["Glm5NextTextLinearAttention", "attention"]),
+    ([("linear_attn", "Qwen3NextGatedDeltaNet"), ("self_attn", "Qwen3NextAttention")], ["linear_attn", "attention"]),
+    ([("mamba", "JambaMambaMixer"), ("self_attn", "JambaAttention")], ["mamba", "attention"]),
+    ([("mixer", "NemotronHMamba2Mixer"), ("mixer", "NemotronHMoE"), ("mixer", "NemotronHAttention"),
+      ("mixer", "NemotronHMLP")], ["mamba", "mlp", "attention", "mlp"]),
+    ([("conv", "Lfm2MoeShortConv"), ("self_attn", "Lfm2MoeAttention"), (None, None)], ["conv", "attention", "mlp"]),
+])
+def test_a_layer_s_mixer_kind_comes_from_its_class_as_well_as_its_name(layers, expected):
+    from compiledump.capture.mixers import kinds_of
+    modules = []
+    for child, kind in layers:
+        layer = torch.nn.Module()
+        if child is not None:
+            setattr(layer, child, type(kind, (torch.nn.Module,), {})())
+        modules.append(layer)
+    assert kinds_of(modules, [child for child, _ in layers]) == dict(enumerate(expected))
+
+
 @pytest.mark.parametrize("layer, klass, expected", [
     (2, "bf16", "at or after 2 layer(s) whose token mixer is not attention (linear_attn, mamba; first: layer 0)"),
     (0, "fp16", "at or after 1 layer(s)"),
