@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ..format.spec import MIXER_ATTENTION as ATTENTION, MIXER_NONE as NO_MIXING
 from .state import STATE
-
-ATTENTION = "attention"
-NO_MIXING = "mlp"
-NOT_RECURRENT = (ATTENTION, NO_MIXING)
 
 
 # Words in a mixer's class name that say it is not softmax attention, though a model may name the

@@ -16,6 +16,7 @@ from collections import Counter
 
 from ..format.keys import KeyInfo, order_key_infos
 from ..format.reader import Dump, preview
+from ..format.spec import NOT_RECURRENT_MIXERS
 
 RECORD_KINDS = ("record", "record_once")
 
@@ -128,10 +129,6 @@ def recovered_note(side: str, dump: Dump) -> str | None:
             "where that process stopped")
 
 
-# The mixer kinds capture/mixers.py writes for layers that are not recurrent.
-_NOT_RECURRENT = ("attention", "mlp")
-
-
 def hybrid_note(manifests: list, layer: int | None, klass: str | None) -> str | None:
     """A caution when a low-precision pair first diverges at or after a linear-attention or
     state-space layer (the first of `manifests` with `mixers`, which `instrument` writes): their
@@ -140,7 +137,7 @@ def hybrid_note(manifests: list, layer: int | None, klass: str | None) -> str | 
     if layer is None or klass in (None, "fp32") or not isinstance(mixers, dict):
         return None
     recurrent = sorted((int(i), kind) for i, kind in mixers.items()
-                       if str(i).isdigit() and int(i) <= layer and kind not in _NOT_RECURRENT)
+                       if str(i).isdigit() and int(i) <= layer and kind not in NOT_RECURRENT_MIXERS)
     if not recurrent:
         return None
     kinds = ", ".join(sorted({kind for _, kind in recurrent}))

@@ -32,6 +32,12 @@ DROP_REASONS = (
 # Reported in the manifest but not warned about: the user asked for these filters.
 DELIBERATE_REASONS = frozenset({"suspended", "token_gate", "rows_gate"})
 
+# The manifest's `mixers` ({layer index: kind}, written by instrument()): softmax attention, a layer
+# without token mixing, or else the name of a linear-attention / state-space mixer.
+MIXER_ATTENTION = "attention"
+MIXER_NONE = "mlp"
+NOT_RECURRENT_MIXERS = (MIXER_ATTENTION, MIXER_NONE)
+
 # File names: `<stem>.npz` + `<stem>.json`, stem `compiledump_rank<R>_pid<P>`. debug_dump.py
 # wrote `deepinfer_layers_rank<R>_pid<P>.npz` without a manifest; readers accept both.
 STEM_PREFIX = "compiledump"
