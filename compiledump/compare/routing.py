@@ -110,9 +110,14 @@ class Routing:
         return [row.row for row in self.rows if not self._flipped(row)]
 
     @property
+    def flipped_rows(self) -> list[int]:
+        """The rows whose experts changed (not only their order)."""
+        return [row.row for row in self.rows if self._flipped(row)]
+
+    @property
     def reorder_only(self) -> bool:
         """Every differing row lists the same experts in another order: no token's experts changed."""
-        return bool(self.rows) and len(self.reordered_rows) == len(self.rows)
+        return bool(self.rows) and not self.flipped_rows
 
     @property
     def near_tie_rows(self) -> list[int]:

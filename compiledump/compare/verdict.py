@@ -249,7 +249,7 @@ def _can_cause(ids: Divergence, float_first: Divergence | None) -> bool:
     (not only their order) at or before a token where it diverges (an all-rows key's rows)."""
     if ids.routing is None:
         return True
-    flipped = [row for row in ids.routing.differing_rows if row not in ids.routing.reordered_rows]
+    flipped = ids.routing.flipped_rows
     if not flipped:
         return False
     if float_first is None or not float_first.divergent_rows or ids.step is not None or float_first.step is not None:
