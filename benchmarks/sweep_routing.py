@@ -43,6 +43,7 @@ import torch
 import transformers
 
 import compiledump
+from compiledump.capture.hf_routers import BIAS_NAMES  # where routers keep their selection bias
 from compiledump.compare import compare, format_report
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,7 +111,6 @@ MODEL_TYPES = {"deepseek_v3_grouped": "deepseek_v3"}
 # build() draws their router bias (zeros as built; a trained model's is not).
 BIASED = ("deepseek_v3_grouped", "minimax_m2", "ernie4_5_moe", "deepseek_v4", "afmoe", "axk2", "laguna", "kolibri1",
           "lfm2_moe", "nemotron_h")
-BIAS_NAMES = ("e_score_correction_bias", "expert_bias")
 BIAS_STD = 0.02  # about the spread of the sigmoid scores of these random routers
 
 
