@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import compiledump
+from helpers.hf_dump import dump_prefill
 from compiledump.capture.recover import recover_directory
 from compiledump.compare import compare, format_report
 from compiledump.compare.phases import hybrid_note
@@ -33,25 +34,25 @@ def _qwen3_next(seed: int) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-def _dump(model, directory: Path, ids) -> Path:
-    compiledump.reset()
-    compiledump.configure(dir=str(directory), moe_layers=4, rows="all")
+def _mixers(directory: Path) -> dict:
+    (manifest,) = directory.glob("*.json")
+    return json.loads(manifest.read_text())["mixers"]
+
+
+def test_the_manifest_names_each_layer_s_mixer_and_a_recovered_dump_keeps_it(dump_dir):
+    """Captured here rather than with dump_prefill, whose reset would remove the crash-proof files
+    that recover reads."""
+    model, ids = _qwen3_next(0), torch.randint(3, 211, (1, 7), generator=torch.Generator().manual_seed(1))
     handle = compiledump.instrument(model)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model(input_ids=ids, use_cache=False)
-        path = compiledump.flush()
+        path = Path(compiledump.flush())
     handle.remove()
-    return Path(path)
-
-
-def test_the_manifest_names_each_layer_s_mixer_and_a_recovered_dump_keeps_it(dump_dir):
-    ids = torch.randint(3, 211, (1, 7), generator=torch.Generator().manual_seed(1))
-    path = _dump(_qwen3_next(0), dump_dir, ids)
     want = {"0": "linear_attn", "1": "attention", "2": "linear_attn", "3": "attention"}
-    assert json.loads(path.with_suffix(".json").read_text())["mixers"] == want
+    assert _mixers(dump_dir) == want
     results, errors = recover_directory(dump_dir, force=True, keep=True)
-    assert errors == [] and json.loads(path.with_suffix(".json").read_text())["mixers"] == want
+    assert errors == [] and results[0].npz == path and _mixers(dump_dir) == want
 
 
 def test_an_attention_model_has_no_caution(dump_dir):
@@ -60,8 +61,8 @@ def test_an_attention_model_has_no_caution(dump_dir):
         "hf_example", Path(__file__).resolve().parents[2] / "examples" / "hf_reference_vs_compiled.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    path = _dump(example.build_model("qwen3_moe"), dump_dir, torch.randint(3, 200, (1, 7)))
-    mixers = json.loads(path.with_suffix(".json").read_text())["mixers"]
+    dump_prefill(example.build_model("qwen3_moe"), dump_dir, torch.randint(3, 200, (1, 7)), "all")
+    mixers = _mixers(dump_dir)
     assert set(mixers.values()) == {"attention"} and hybrid_note([{"mixers": mixers}], 3, "bf16") is None
 
 
@@ -111,16 +112,15 @@ def test_a_bf16_divergence_in_a_hybrid_model_carries_the_caution(dump_dir, tmp_p
     the verdict line and the note; the fp32 engine with the same bug has neither."""
     reference = _qwen3_next(3)
     ids = torch.randint(3, 211, (1, 7), generator=torch.Generator().manual_seed(4))
-    _dump(reference, tmp_path / "ref", ids)
+    dump_prefill(reference, tmp_path / "ref", ids, "all")
     for dtype in (torch.bfloat16, torch.float32):
         engine = copy.deepcopy(reference).to(dtype)
         with torch.no_grad():
             engine.model.layers[2].linear_attn.out_proj.weight.mul_(1.3)
-        _dump(engine, tmp_path / str(dtype), ids)
+        dump_prefill(engine, tmp_path / str(dtype), ids, "all")
         report = compare(tmp_path / "ref", tmp_path / str(dtype))
         lines = format_report(report)
         assert report.exit_status == 1 and report.first_divergence.layer == 2, lines[-1]
         cautioned = "caution: after layers whose bf16 rounding can exceed the defaults" in lines[-1]
         assert cautioned == (dtype == torch.bfloat16)
         assert any("(linear_attn; first: layer 0)" in line for line in lines) == (dtype == torch.bfloat16)
-    compiledump.reset()
