@@ -8,10 +8,8 @@ once it is compiled, clears dynamo's caches so that the next call re-traces the 
 hooks, and the flush at exit says so when instrumented modules never ran (e.g. a function
 compiled before `instrument`).
 
-Default taps follow the names Hugging Face (and vLLM/SGLang) give a decoder-only causal LM:
-`<...>.layers.<i>` with a token mixer (`self_attn`, or `linear_attn`/`mamba`/`mixer` in hybrid
-models), the norm before the MLP, `mlp` (or `block_sparse_moe`/`feed_forward`) and its router
-`gate` (or `router`), then the final `norm` (or `final_layernorm`/`norm_f`) and `lm_head`.
+Default taps follow the names Hugging Face (and vLLM/SGLang) give a decoder-only causal LM
+(capture/hf_layout.py finds the modules); a default tag some layers cannot get is warned about.
 Hidden states `[batch, seq, hidden]` keep batch row `batch_row` (the request of a padded batch),
 so each position is a token row; `[batch, seq, hc_mult, hidden]` (hyper-connections) likewise,
 stored as the mean over hc_mult.
@@ -26,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import api, mixers, routers
+from . import api, hf_layout as layout, mixers, routers
 from .hf_routers import PROBABILITY_ROUTERS, int_attr, selection_of
 from .state import STATE, warn_once
 
@@ -41,19 +39,6 @@ LAYER_TAPS = {
     "": "layer output (the tag is layer<i>)",
 }
 _PATH_SIDE = re.compile(r"^(?P<path>[^:]*)(?::(?P<side>input|output))?$")
-# A decoder layer has one of these token mixers (attention, or a hybrid model's linear attention
-# or state-space block).
-MIXERS = ("self_attn", "linear_attn", "mamba", "mixer", "self_attention", "conv")  # JetMoE; LFM2's conv layers
-MLP_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward")
-ROUTERS = ("gate", "router")  # the MoE block's router: Qwen/Mixtral/DeepSeek, gpt-oss/Granite
-# Beside `layers`: most models, Jamba/Falcon-H1, Nemotron-H, LFM2 (whose final norm is embedding_norm).
-FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "embedding_norm")
-# Where the residual stream after attention is a module's input. Pre-norm layers (Llama, Qwen,
-# Mixtral) normalise it in post_attention_layernorm (ffn_norm, pre_ff_layernorm: other names);
-# sandwich-norm layers (Gemma 2/3) use post_attention_layernorm on the attention output before the
-# residual add and pre_feedforward_layernorm after it; post-norm layers (OLMo 2, EXAONE 4: a
-# post_feedforward_layernorm and no norm before the MLP) feed it to the MLP block itself.
-_MLP_NORMS = ("pre_feedforward_layernorm", "pre_ff_layernorm", "ffn_norm", "pre_mlp_layernorm")  # last: AFMoE
 
 
 @dataclasses.dataclass
@@ -163,16 +148,21 @@ class Instrumented:
                       "--map to pair them")
         self._ran.add(path)
 
-    def _router(self, i: int, block: torch.nn.Module, router: torch.nn.Module):
+    def _router(self, name: str, block: torch.nn.Module, router: torch.nn.Module):
+        """The capture of a router whose tags are `<name>_router`, `<name>_topk` and their steps."""
         top_k = int_attr((block, router), ("top_k", "num_experts_per_tok"))
 
         def capture(output) -> None:
             # Hugging Face 5.x routers return (logits, scores, top-k ids, ...); Llama 4's (scores,
-            # logits); older ones bare logits; vLLM's and SGLang's gates (linear layers) return
-            # (logits, None), the None their unused output bias. The checks below are on types and
-            # dtypes only, so dynamo resolves them while tracing (no graph break).
+            # logits); JetMoE's (sorted expert ids, ..., logits); older ones bare logits; vLLM's and
+            # SGLang's gates (linear layers) return (logits, None), the None their unused output
+            # bias. The checks below are on types and dtypes only, so dynamo resolves them while
+            # tracing (no graph break).
             engine_gate = isinstance(output, (tuple, list)) and len(output) == 2 and output[1] is None
-            if isinstance(output, (tuple, list)):
+            if isinstance(output, (tuple, list)) and len(output) >= 3 and not _is_float(output[0]) \
+                    and _is_float(output[-1]):
+                logits, ids = output[-1], None  # JetMoE: its ids are sorted for dispatch, not per token
+            elif isinstance(output, (tuple, list)):
                 logits = output[0] if engine_gate or len(output) != 2 else output[1]
                 ids = output[2] if len(output) >= 3 else None
             else:
@@ -182,16 +172,18 @@ class Instrumented:
                 # softmax probabilities: their log is the logits up to a per-row constant, which no
                 # top-k or logit gap sees (the floor keeps an underflowed probability finite)
                 logits = torch.log(logits.float().clamp_min(1e-30))
-            if not (isinstance(logits, torch.Tensor) and logits.is_floating_point()):
+            if not _is_float(logits):
                 if not torch.compiler.is_compiling():  # a constant while tracing: no graph break
+                    for tag in ("router", "topk", "step_router", "step_topk"):
+                        self.taps.pop(f"{name}_{tag}", None)  # nothing of them is recorded
                     warn_once(f"instrument: {type(router).__name__} (a router) returns no "
-                              "floating-point logits where Hugging Face routers do (first, or second of two), "
-                              "so no layer<i>_router/_topk is recorded; add them with taps=")
+                              "floating-point logits where Hugging Face routers do (first, second of two, or last after ids), "
+                              "so no layer<i>_router/_topk is recorded (nor listed in handle.taps); add them with taps=")
                 return  # not a router of these conventions (its taps are the user's to add)
             rows = self._rows(logits)
             # Every prompt row by default: a routing flip in any row can then be judged by its own
             # router logits (ids are recorded whole), which one row cannot do for the others.
-            api.record(f"layer{i}_router", rows, rows=self.router_rows)
+            api.record(f"{name}_router", rows, rows=self.router_rows)
             if engine_gate:
                 # The engine's fused MoE picks the experts, by a rule (a bias, groups) not visible
                 # here: no ids, and no step routing (a step's logits are read to judge its ids).
@@ -199,14 +191,14 @@ class Instrumented:
             # Each step's routing of the token whose logits `logits_<n>` holds (the same row), so
             # that the comparator can tell a decode step's routing flip from a bug.
             if self.step_routing:
-                api.record_step(f"layer{i}_step_router", self._step_row(rows), moe_filtered=True)
+                api.record_step(f"{name}_step_router", self._step_row(rows), moe_filtered=True)
             if ids is None and top_k is not None:
                 ids = torch.topk(logits, top_k, dim=-1).indices
             if isinstance(ids, torch.Tensor) and not ids.is_floating_point():
                 rows = self._rows(ids)
-                api.record_ids(f"layer{i}_topk", rows)
+                api.record_ids(f"{name}_topk", rows)
                 if self.step_routing:
-                    api.record_step(f"layer{i}_step_topk", self._step_row(rows), moe_filtered=True)
+                    api.record_step(f"{name}_step_topk", self._step_row(rows), moe_filtered=True)
 
         return capture
 
@@ -241,13 +233,18 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
         raise ValueError(f"compiledump.instrument: router_rows must be 'all', 'one' or None, got {router_rows!r}")
     handle = Instrumented(inner, batch_row, step_routing, router_rows)
     modules = dict(inner.named_modules())
-    layers_path, layers = _find_layers(modules)
+    layers_path, layers = layout.find_layers(modules)
     if defaults:
         if layers is None:
             raise ValueError("compiledump.instrument: no decoder layers found (a ModuleList named 'layers' "
-                             f"whose modules each have one of {', '.join(MIXERS)}); pass defaults=False and "
+                             f"whose modules each have one of {', '.join(layout.MIXERS)}); pass defaults=False and "
                              "taps={...}")
         _default_taps(handle, layers_path, layers, modules)
+        if others := layout.other_token_stacks(modules, layers_path):
+            warnings.warn(f"compiledump.instrument: tapped the layers at {layers_path}; {', '.join(others)} also "
+                          "hold layers beside a token embedding (an encoder and a decoder?), which get no default "
+                          "taps. If those are the ones to compare, pass defaults=False and taps={'layer{i}': "
+                          f"'{others[0]}.{{i}}', ...}}", RuntimeWarning, stacklevel=2)
     for tag_pattern, path_pattern in (taps or {}).items():
         match = _PATH_SIDE.match(path_pattern)
         path, side = match.group("path"), match.group("side") or "output"
@@ -268,52 +265,76 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
 
 
 def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict) -> None:
-    unrouted = []  # MoE blocks (they hold `experts`) whose router has none of the ROUTERS names
-    mixers.declare_mixers(mixers.kinds_of(layers, [_child(layer, MIXERS) for layer in layers]))
+    unrouted = []  # MoE blocks whose router has none of the ROUTERS names
+    no_attn = []  # layers where no module's input is the residual stream after attention
+    mixers.declare_mixers(mixers.kinds_of(layers, [layout.child(layer, layout.MIXERS) for layer in layers]))
     handle._first_layer = f"{layers_path}.0"
     for i, layer in enumerate(layers):
         prefix = f"{layers_path}.{i}"
         handle._track_shape(prefix, layer)
-        block_name = _child(layer, MLP_BLOCKS)
-        if block_name is None and _holds_experts(getattr(layer, "mixer", None)):
+        block_name = layout.child(layer, layout.MLP_BLOCKS)
+        if block_name is None and layout.holds_experts(getattr(layer, "mixer", None)):
             block_name = "mixer"  # Nemotron-H: one block per layer, an MoE one in its MoE layers
-        attn_input = _residual_after_attention(layer, block_name)
+        mixer_name = layout.child(layer, layout.MIXERS)
+        heads = getattr(getattr(layer, mixer_name, None), "experts", None) if mixer_name else None
+        if isinstance(heads, torch.nn.Module) and layout.child(heads, ("router",)) is not None:
+            # JetMoE's mixture of attention heads: its router picks each token's heads, so its
+            # flips are judged as the MLP's are (layer<i>_attn_router, layer<i>_attn_topk).
+            _tap_router(handle, f"layer{i}_attn", f"{prefix}.{mixer_name}.experts", heads, "router")
+        attn_input = layout.residual_after_attention(layer, block_name)
         if attn_input is not None:
             handle._add(getattr(layer, attn_input), f"layer{i}_attn", f"{prefix}.{attn_input}", "input")
+        else:
+            no_attn.append(prefix)
         if block_name is not None:
             block = getattr(layer, block_name)
-            router_name = _child(block, ROUTERS)
+            router_name = layout.child(block, layout.ROUTERS)
             if router_name is not None:
-                _tap_router(handle, i, f"{prefix}.{block_name}", block, router_name)
-            elif _holds_experts(block):
-                unrouted.append(f"{prefix}.{block_name}")
+                _tap_router(handle, f"layer{i}", f"{prefix}.{block_name}", block, router_name)
+            elif layout.routes_tokens(block):
+                unrouted.append((f"{prefix}.{block_name}", block))
             handle._add(block, f"layer{i}_mlp", f"{prefix}.{block_name}", "output")
-        if _holds_experts(layer) and (router_name := _child(layer, ROUTERS)) is not None:
-            _tap_router(handle, i, prefix, layer, router_name)  # Gemma 4: router and experts beside a dense mlp
+        if layout.holds_experts(layer) and (router_name := layout.child(layer, layout.ROUTERS)) is not None:
+            _tap_router(handle, f"layer{i}", prefix, layer, router_name)  # Gemma 4: router and experts beside a dense mlp
         handle._add(layer, f"layer{i}", prefix, "output")
-    if unrouted:
-        # Without ids, a routing flip would show only as a divergent MLP output, with no root cause.
-        named = ", ".join(unrouted[:3]) + (", ..." if len(unrouted) > 3 else "")
-        warnings.warn(f"compiledump.instrument: {len(unrouted)} MoE block(s) ({named}) have experts but "
-                      f"no router submodule named {' or '.join(ROUTERS)}: no layer<i>_router/_topk tags. Add them "
-                      f"with taps={{'layer{{i}}_router': '{layers_path}.{{i}}.<block>.<router>'}} (integer outputs "
-                      "are recorded as ids).", RuntimeWarning, stacklevel=3)
-    parent = layers_path.rpartition(".")[0]
-    norm_path = next((path for path in (f"{parent}.{name}" if parent else name for name in FINAL_NORMS)
-                      if path in modules), None)
-    if norm_path is not None:
+    _warn_untapped(layers_path, layers, unrouted, no_attn)
+    if (norm_path := layout.final_norm_path(layers_path, modules)) is not None:
         handle._add(modules[norm_path], "final_norm", norm_path, "output")
-    # The model's own lm_head, else the nearest nested one (Llama 4's multimodal class holds
-    # language_model.lm_head).
-    head_path = "lm_head" if "lm_head" in modules else next((path for path in modules if path.endswith(".lm_head")),
-                                                             None)
-    if head_path is not None:
+    if (head_path := layout.lm_head_path(modules)) is not None:
         def logits(output) -> None:
             handle.fired = True
             # [batch, seq, vocab]: the request's last position; flat [tokens, vocab] (vLLM-style):
             # the row set_gather_rows(step=...) names.
             api.record_step("logits", output[handle.batch_row, -1] if output.dim() == 3 else output)
         handle._add(modules[head_path], "logits", head_path, "output", capture=logits)
+
+
+def _warn_untapped(layers_path: str, layers, unrouted: list, no_attn: list[str]) -> None:
+    """One warning per default tag that some layers could not get, naming them and the fix."""
+    def named(paths: list[str]) -> str:
+        return ", ".join(paths[:3]) + (", ..." if len(paths) > 3 else "")
+
+    if unrouted:
+        # Without ids, a routing flip would show only as a divergent MLP output, with no root cause.
+        candidates = sorted({name for _, block in unrouted for name in layout.router_like_children(block)})
+        hint = f" (a router under another name: {', '.join(candidates)}?)" if candidates else ""
+        warnings.warn(f"compiledump.instrument: {len(unrouted)} MoE block(s) ({named([p for p, _ in unrouted])}) "
+                      f"route tokens to experts but have no router submodule named {' or '.join(layout.ROUTERS)}"
+                      f"{hint}: no layer<i>_router/_topk tags, so a routing flip shows only as a divergent "
+                      f"layer<i>_mlp. Add them with taps={{'layer{{i}}_router': '{layers_path}.{{i}}.<block>.<router>'}} "
+                      "(integer outputs are recorded as ids).", RuntimeWarning, stacklevel=4)
+    if no_attn:
+        kind = type(layers[0]).__name__
+        warnings.warn(f"compiledump.instrument: {len(no_attn)} decoder layer(s) ({named(no_attn)}, {kind}) have no "
+                      "module whose input is the residual stream after attention (its norms under other names, attention "
+                      "and MLP in parallel, or the norm kept in a ModuleList): no layer<i>_attn tags, so a divergence "
+                      "in attention shows first at layer<i>_mlp or layer<i>. Add one with "
+                      f"taps={{'layer{{i}}_attn': '{layers_path}.{{i}}.<module>:input'}} where such a module exists.",
+                      RuntimeWarning, stacklevel=4)
+
+
+def _is_float(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
 
 
 def _consecutive(path: str, modules: dict) -> range:
@@ -324,54 +345,28 @@ def _consecutive(path: str, modules: dict) -> range:
     return range(n)
 
 
-def _tap_router(handle: Instrumented, i: int, block_path: str, block: torch.nn.Module, router_name: str) -> None:
-    """Layer i's router tags on `block`'s child `router_name`, and its selection declared (or any
-    earlier declaration of the tag withdrawn: another model's)."""
+def _tap_router(handle: Instrumented, name: str, block_path: str, block: torch.nn.Module, router_name: str) -> None:
+    """The router tags `<name>_router`, `<name>_topk` (and steps) on `block`'s child `router_name`,
+    and its selection declared (or any earlier declaration of the tag withdrawn: another model's)."""
     router = getattr(block, router_name)
-    handle._add(router, f"layer{i}_router", f"{block_path}.{router_name}", "output",
-                capture=handle._router(i, block, router))
+    handle._add(router, f"{name}_router", f"{block_path}.{router_name}", "output",
+                capture=handle._router(name, block, router))
     selection = selection_of(block, router)
     if selection is not None:
-        routers.declare_router(f"layer{i}_router", **selection)
+        routers.declare_router(f"{name}_router", **selection)
     else:
-        routers.withdraw(f"layer{i}_router")
-    steps = (f"layer{i}_step_router", f"layer{i}_step_topk") if handle.step_routing else ()
-    for tag in (f"layer{i}_topk", *steps):
+        routers.withdraw(f"{name}_router")
+    steps = (f"{name}_step_router", f"{name}_step_topk") if handle.step_routing else ()
+    for tag in (f"{name}_topk", *steps):
         handle.taps[tag] = f"{block_path}.{router_name}"
 
 
-def _child(module: torch.nn.Module, names: tuple[str, ...]) -> str | None:
-    """The first of `names` that is a submodule of `module` that runs (not a ModuleList or
-    ModuleDict, whose hooks never fire: LongCat-Flash keeps two norms in a list), or None."""
-    return next((name for name in names if isinstance(getattr(module, name, None), torch.nn.Module)
-                 and not isinstance(getattr(module, name), (torch.nn.ModuleList, torch.nn.ModuleDict))), None)
 
 
-def _holds_experts(block) -> bool:
-    return isinstance(getattr(block, "experts", None), torch.nn.Module)
 
 
-def _residual_after_attention(layer: torch.nn.Module, block_name: str | None) -> str | None:
-    """The name of `layer`'s child whose input is the residual stream after attention (see
-    _MLP_NORMS), or None when the layer's structure does not say."""
-    if (norm := _child(layer, _MLP_NORMS)) is not None:
-        return norm
-    if _child(layer, ("post_feedforward_layernorm",)) is not None:
-        return block_name  # post-norm: the MLP block reads the residual stream itself
-    return _child(layer, ("post_attention_layernorm",))
 
 
-def _find_layers(modules: dict[str, torch.nn.Module]):
-    """The decoder's `layers` among `modules` (the model's `named_modules()`). A vision-language
-    model also has a vision encoder's `layers` (Llava, Gemma 3, Llama 4, Idefics 3), often first in
-    module order: the language model's are the ones beside a token embedding (`embed_tokens`),
-    which vision encoders do not have."""
-    found = [(name, module) for name, module in modules.items()
-             if isinstance(module, torch.nn.ModuleList) and (name == "layers" or name.endswith(".layers"))
-             and len(module) and all(any(hasattr(layer, mixer) for mixer in MIXERS) for layer in module)]
-    beside_embeddings = [(name, module) for name, module in found
-                         if hasattr(modules[name.rpartition(".")[0]], "embed_tokens")]
-    return (beside_embeddings or found or [(None, None)])[0]
 
 
 def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:

@@ -409,32 +409,6 @@ def test_an_i_tap_expands_over_blocks_that_are_not_named_layers(dump_dir):
         compiledump.instrument(lambda x: x)
 
 
-def test_an_moe_block_without_a_known_router_is_named_in_a_warning(dump_dir):
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
-            self.switch = torch.nn.Linear(8, 3)  # the router, under a name instrument does not know
-
-    class Layer(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.self_attn, self.post_attention_layernorm, self.mlp = torch.nn.Identity(), torch.nn.Identity(), Block()
-
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = torch.nn.ModuleList(Layer() for _ in range(2))
-
-    with pytest.warns(RuntimeWarning, match=r"2 MoE block\(s\) \(layers.0.mlp, layers.1.mlp\) have experts but "
-                                            r"no router submodule named gate or router.*taps="):
-        handle = compiledump.instrument(Model())
-    assert "layer0_router" not in handle.taps and {"layer0_attn", "layer0_mlp", "layer1"} <= set(handle.taps)
-    # Hugging Face MoE models' routers are found: no warning.
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        for name in ("qwen3_moe", "mixtral"):
-            assert "layer1_topk" in compiledump.instrument(ex.build_model(name)).taps
 
 
 def test_a_compiled_model_is_retraced_with_the_hooks(dump_dir):
@@ -590,8 +564,9 @@ _OTHER_NAMES = {
 def test_default_taps_find_other_layer_names(dump_dir, name):
     """Each model's layers are found, `layer<i>` and `final_norm` hold what the model returns, the
     MoE blocks' outputs and routers are tapped where the router returns Hugging Face's (logits,
-    weights, ids), and JetMoE's router, which returns its ids first and logits last, is named in a
-    warning instead of being skipped silently."""
+    weights, ids) and where JetMoE's returns its dispatch ids first and its logits last (its ids
+    are then the top-k of those logits, as its router takes them); JetMoE's attention, a mixture
+    of heads, has its router tapped as `layer<i>_attn_router`/`_attn_topk`."""
     compiledump.configure(moe_layers=4)
     torch.manual_seed(0)
     config = transformers.AutoConfig.for_model(name, **{**_COMMON, **_OTHER_NAMES[name]})
@@ -601,8 +576,14 @@ def test_default_taps_find_other_layer_names(dump_dir, name):
               for i, layer in enumerate(model.model.layers)}
     moe = [i for i, block in blocks.items() if any(isinstance(getattr(block, child, None), torch.nn.Module)
                                                    for child in ("experts", "router"))]
-    outputs = {}
+    outputs, routed = {}, {}
     hooks = [blocks[i].register_forward_hook(lambda _m, _a, out, i=i: outputs.__setitem__(i, out)) for i in moe]
+    heads = {}  # JetMoE's attention routes each token to its heads too
+    if name == "jetmoe":
+        hooks += [blocks[i].router.register_forward_hook(lambda _m, _a, out, i=i: routed.__setitem__(i, out[-1]))
+                  for i in moe]
+        hooks += [layer.self_attention.experts.router.register_forward_hook(
+            lambda _m, _a, out, i=i: heads.__setitem__(i, out[-1])) for i, layer in enumerate(model.model.layers)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         handle = compiledump.instrument(model)
@@ -623,25 +604,16 @@ def test_default_taps_find_other_layer_names(dump_dir, name):
     for i in moe:
         block_out = outputs[i][0] if isinstance(outputs[i], tuple) else outputs[i]
         np.testing.assert_allclose(arrays[f"layer{i}_mlp"], block_out.reshape(7, -1)[-1].numpy(), rtol=1e-6, atol=1e-6)
+        assert arrays[f"layer{i}_router"].shape == (7, 8) and arrays[f"layer{i}_topk"].shape == (7, 2)
         if name == "jetmoe":
-            assert f"layer{i}_router" not in arrays
+            for tag, logits in ((f"layer{i}_router", routed[i]), (f"layer{i}_attn_router", heads[i])):
+                np.testing.assert_allclose(arrays[tag], logits.numpy(), rtol=1e-6, atol=1e-6)
+                np.testing.assert_array_equal(arrays[tag.replace("router", "topk")], torch.topk(logits, 2).indices.numpy())
         else:
-            assert arrays[f"layer{i}_router"].shape == (7, 8) and arrays[f"layer{i}_topk"].shape == (7, 2)
-    assert any("JetMoeTopKGating (a router) returns no floating-point logits" in m for m in messages) == \
-        (name == "jetmoe")
+            assert not [tag for tag in arrays if tag.endswith("_attn_router")]
+    assert not [m for m in messages if "returns no floating-point logits" in m or "no router submodule" in m]
 
 
-def test_a_norm_kept_in_a_module_list_is_not_tapped(dump_dir):
-    """LongCat-Flash keeps its two post-attention norms in a ModuleList, which is never called:
-    a hook on it would never fire. No `layer<i>_attn` then, and the other taps stand."""
-    layer = torch.nn.Module()
-    layer.self_attn = torch.nn.Identity()
-    layer.post_attention_layernorm = torch.nn.ModuleList([torch.nn.LayerNorm(4), torch.nn.LayerNorm(4)])
-    layer.mlp = torch.nn.Linear(4, 4)
-    from compiledump.capture.instrument import _residual_after_attention
-    assert _residual_after_attention(layer, "mlp") is None
-    layer.post_attention_layernorm = torch.nn.LayerNorm(4)
-    assert _residual_after_attention(layer, "mlp") == "post_attention_layernorm"
 
 
 def test_gemma4_s_router_beside_its_dense_mlp_and_afmoe_s_pre_mlp_norm(dump_dir):

@@ -1,0 +1,99 @@
+"""Where a Hugging Face decoder keeps its parts: the module names `instrument()` looks for.
+
+Default taps follow the names Hugging Face (and vLLM/SGLang) give a decoder-only causal LM:
+`<...>.layers.<i>` with a token mixer (`self_attn`, or `linear_attn`/`mamba`/`mixer` in hybrid
+models), the norm before the MLP, `mlp` (or `block_sparse_moe`/`feed_forward`) and its router
+`gate` (or `router`), then the final `norm` (or `final_layernorm`/`norm_f`) and `lm_head`. This
+module only finds modules; instrument.py hooks them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .hf_routers import int_attr
+
+# A decoder layer has one of these token mixers (attention, or a hybrid model's linear attention
+# or state-space block).
+MIXERS = ("self_attn", "linear_attn", "mamba", "mixer", "self_attention", "conv")  # JetMoE; LFM2's conv layers
+MLP_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward")
+ROUTERS = ("gate", "router")  # the MoE block's router: Qwen/Mixtral/DeepSeek, gpt-oss/Granite
+# Beside `layers`: most models, Jamba/Falcon-H1, Nemotron-H, LFM2 (whose final norm is embedding_norm).
+FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "embedding_norm")
+# Where the residual stream after attention is a module's input. Pre-norm layers (Llama, Qwen,
+# Mixtral) normalise it in post_attention_layernorm (ffn_norm, pre_ff_layernorm: other names);
+# sandwich-norm layers (Gemma 2/3) use post_attention_layernorm on the attention output before the
+# residual add and pre_feedforward_layernorm after it; post-norm layers (OLMo 2, EXAONE 4: a
+# post_feedforward_layernorm and no norm before the MLP) feed it to the MLP block itself.
+_MLP_NORMS = ("pre_feedforward_layernorm", "pre_ff_layernorm", "ffn_norm", "pre_mlp_layernorm")  # last: AFMoE
+
+
+def child(module: torch.nn.Module, names: tuple[str, ...]) -> str | None:
+    """The first of `names` that is a submodule of `module` that runs (not a ModuleList or
+    ModuleDict, whose hooks never fire: LongCat-Flash keeps two norms in a list), or None."""
+    return next((name for name in names if isinstance(getattr(module, name, None), torch.nn.Module)
+                 and not isinstance(getattr(module, name), (torch.nn.ModuleList, torch.nn.ModuleDict))), None)
+
+
+def holds_experts(block) -> bool:
+    return isinstance(getattr(block, "experts", None), torch.nn.Module)
+
+
+def routes_tokens(block) -> bool:
+    """An MoE block: it holds `experts`, or says how many experts a token gets (Doge's product-key
+    MoE keeps its experts as embeddings and a `top_k`)."""
+    return holds_experts(block) or int_attr((block,), ("top_k", "num_experts_per_tok")) is not None
+
+
+def router_like_children(block: torch.nn.Module) -> list[str]:
+    """The names of `block`'s children that look like a router under another name (`router_gate`)."""
+    return [name for name, _ in block.named_children() if "router" in name or "gating" in name]
+
+
+def residual_after_attention(layer: torch.nn.Module, block_name: str | None) -> str | None:
+    """The name of `layer`'s child whose input is the residual stream after attention (see
+    _MLP_NORMS), or None when the layer's structure does not say."""
+    if (norm := child(layer, _MLP_NORMS)) is not None:
+        return norm
+    if child(layer, ("post_feedforward_layernorm",)) is not None:
+        return block_name  # post-norm: the MLP block reads the residual stream itself
+    return child(layer, ("post_attention_layernorm",))
+
+
+def find_layers(modules: dict[str, torch.nn.Module]):
+    """The decoder's `layers` among `modules` (the model's `named_modules()`), as (path, ModuleList),
+    or (None, None). A vision-language model also has a vision encoder's `layers` (Llava, Gemma 3,
+    Llama 4, Idefics 3), often first in module order: the language model's are the ones beside a
+    token embedding (`embed_tokens`), which vision encoders do not have."""
+    found = _layer_lists(modules)
+    return (_beside_embeddings(found, modules) or found or [(None, None)])[0]
+
+
+def other_token_stacks(modules: dict[str, torch.nn.Module], taken: str) -> list[str]:
+    """The paths of layer lists beside a token embedding other than `taken`: a text encoder's
+    and a decoder's (Bart, DiffusionGemma), of which `find_layers` takes the first."""
+    return [name for name, _ in _beside_embeddings(_layer_lists(modules), modules) if name != taken]
+
+
+def _layer_lists(modules: dict[str, torch.nn.Module]) -> list[tuple[str, torch.nn.ModuleList]]:
+    """Every non-empty ModuleList named `layers` whose modules each have a token mixer."""
+    return [(name, module) for name, module in modules.items()
+            if isinstance(module, torch.nn.ModuleList) and (name == "layers" or name.endswith(".layers"))
+            and len(module) and all(any(hasattr(layer, mixer) for mixer in MIXERS) for layer in module)]
+
+
+def _beside_embeddings(found: list, modules: dict[str, torch.nn.Module]) -> list:
+    return [(name, module) for name, module in found if hasattr(modules[name.rpartition(".")[0]], "embed_tokens")]
+
+
+def final_norm_path(layers_path: str, modules: dict) -> str | None:
+    """The final norm beside `layers` (FINAL_NORMS), or None."""
+    parent = layers_path.rpartition(".")[0]
+    return next((path for path in (f"{parent}.{name}" if parent else name for name in FINAL_NORMS)
+                 if path in modules), None)
+
+
+def lm_head_path(modules: dict) -> str | None:
+    """The model's own lm_head, else the nearest nested one (Llama 4's multimodal class holds
+    language_model.lm_head)."""
+    return "lm_head" if "lm_head" in modules else next((path for path in modules if path.endswith(".lm_head")), None)
