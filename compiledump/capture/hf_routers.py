@@ -19,12 +19,13 @@ def int_attr(modules, names: tuple[str, ...]) -> int | None:
 # Routers without expert groups that pick the top-k of sigmoid(logits) + bias (the bias on the
 # router or on its MoE block: BIAS_NAMES), read from their Hugging Face code.
 SIGMOID_BIAS_ROUTERS = ("MiniMaxM2TopKRouter", "Step3p7TopKRouter", "HYV3TopKRouter", "LagunaTopKRouter",
-                        "MuseSparkTopkRouter", "Lfm2MoeTopKRouter", "AfmoeTokenChoiceRouter", "AXK2TopkRouter")
+                        "MuseSparkTopkRouter", "Lfm2MoeTopKRouter", "AfmoeTokenChoiceRouter", "AXK2TopkRouter",
+                        "ErgoTopkRouter", "MiniMaxM3VLTopKRouter")
 # Those that pick the top-k of softmax(logits) + the bias (LongCat-Flash's over its zero-computation
 # experts too; Ernie 4.5's bias in the router's `moe_statics`, shaped [1, experts]).
 SOFTMAX_BIAS_ROUTERS = ("LongcatFlashTopkRouter", "Ernie4_5_MoeTopKRouter")
 # Those that pick the top-k of the logits + the bias themselves (Kolibri; sigmoid weights the chosen).
-LOGITS_BIAS_ROUTERS = ("Kolibri1TopKRouter",)
+LOGITS_BIAS_ROUTERS = ("Kolibri1TopKRouter", "Kolibri1_1TopKRouter")
 # Routers that score with their `score_fn` module plus the bias (DeepSeek-V4: sqrt(softplus);
 # Inkling 2: its config's scoring_func), by that module's class.
 SCORE_FN_ROUTERS = ("DeepseekV4TopKRouter", "Inkling2TopKRouter", "Inkling2LoopTopKRouter")
@@ -32,9 +33,9 @@ _SCORE_FNS = {"SqrtSoftplusActivation": "sqrtsoftplus", "Sigmoid": "sigmoid", "S
 # Routers with expert groups and no bias that keep the groups with the best sums of two softmax
 # scores (Mistral 4 and Mistral Large 4's text model).
 GROUPED_SOFTMAX_ROUTERS = ("Mistral4TopkRouter", "MistralLarge4TextTopkRouter")
-# Routers whose first output is softmax probabilities instead of logits (Gemma 4); instrument records
-# their log, which is the logits up to a per-row constant.
-PROBABILITY_ROUTERS = ("Gemma4TextRouter",)
+# Routers whose first output is softmax probabilities instead of logits (Gemma 4, DiffusionGemma);
+# instrument records their log, which is the logits up to a per-row constant.
+PROBABILITY_ROUTERS = ("Gemma4TextRouter", "DiffusionGemmaTextRouter")
 # Routers that hold a token-id -> experts table (DeepSeek-V4's hash routers).
 TOKEN_TABLES = ("tid2eid",)
 # Where the per-expert selection bias lives, on the router, its MoE block or Ernie's moe_statics.
@@ -86,16 +87,19 @@ def selection_of(block: torch.nn.Module, router: torch.nn.Module) -> dict | None
     elif bias is not None and kind in SCORE_FN_ROUTERS \
             and type(getattr(router, "score_fn", None)).__name__ in _SCORE_FNS:
         return _with_bias(dict(top_k=top_k, score=_SCORE_FNS[type(router.score_fn).__name__]), bias)
-    if getattr(router, "topk_method", None) != "greedy":  # DeepSeek-V2's greedy: the groups are not used
-        _warn_unknown_rule(kind, bias_name, holders, n_group, topk_group)
+    if getattr(router, "topk_method", None) != "greedy" \
+            and _warn_unknown_rule(kind, bias_name, holders, n_group, topk_group):  # DeepSeek-V2's greedy: no groups
+        return dict(top_k=top_k, score="unknown")  # its flips are reported not judged, not judged by its logits
     return None
 
 
 def _warn_unknown_rule(kind: str, bias_name: str | None, holders, n_group: int | None,
-                       topk_group: int | None) -> None:
+                       topk_group: int | None) -> bool:
     """Warn once per router class whose selection may not be the top-k of its logits: a known
     bias it adds in a way not listed above, another per-expert bias buffer (ZAYA's
-    `balancing_biases`), or expert groups that matter. Its flips are then reported not judged."""
+    `balancing_biases`), or expert groups that matter; True when it is such a router. Its flips
+    are then reported not judged (declared with score "unknown": the reference's ids may agree
+    with the top-k of its logits in every row by chance, which would not make those gaps judge)."""
     if bias_name is not None:
         what = f"adds an {bias_name}"
     elif n_group is not None and topk_group is not None and topk_group < n_group:
@@ -105,12 +109,13 @@ def _warn_unknown_rule(kind: str, bias_name: str | None, holders, n_group: int |
                         for name, _ in [*m.named_buffers(recurse=False), *m.named_parameters(recurse=False)]
                         if "bias" in name and name != "bias"})
         if not other:
-            return
+            return False
         what = f"holds {', '.join(other)}"
     warn_once(f"instrument: {kind} {what} in a way compiledump does not know, so its expert ids may not be the "
               "top-k of its logits and compare cannot judge their flips (reported as not judged); if its rule is "
               "the top-k of sigmoid, softmax or raw scores plus a bias, in expert groups or not, call "
               "compiledump.declare_router('layer<i>_router', ...) for each MoE layer")
+    return True
 
 
 def _with_bias(selection: dict, bias: torch.Tensor) -> dict | None:

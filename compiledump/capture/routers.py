@@ -27,7 +27,8 @@ def declare_router(tag: str, *, top_k: int, score: str = "softmax", bias: torch.
     logits, plus `bias` (one value per expert, e.g. DeepSeek-V3's `e_score_correction_bias`), inside the best `topk_group` of `n_group` equal groups of
     consecutive experts, each group scored by the sum of its best `group_topk` scores (2 in
     DeepSeek-V3; 1, its best score, in DeepSeek-V2). `score="token"` says that its experts follow
-    the token id, not its logits (DeepSeek-V4's hash routers): any difference is a divergence.
+    the token id, not its logits (DeepSeek-V4's hash routers): any difference is a divergence;
+    `score="unknown"` that its rule is none of these: no difference is judged by its logits.
     Raises ValueError for a declaration that
     cannot describe a router. The manifest's `routers` holds it (docs/format.md)."""
     if not isinstance(tag, str) or not tag:

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..format.routers import RouterInfo
+from ..format.routers import UNKNOWN, RouterInfo
 from .metrics import bf16_spacing
-from .selection import first_unexplained, row_gap
+from .selection import UNKNOWN_RULE, first_unexplained, row_gap
 
 STRICT_CLASSES = ("fp32",)
 # Most rows listed per routing record (JSON) and in a text line.
@@ -284,7 +284,9 @@ def judge_routing(ref_ids: np.ndarray, run_ids: np.ndarray, router: np.ndarray |
     for row in np.flatnonzero(np.any(a != b, axis=1)).tolist():
         ref_set, run_set = set(a[row].tolist()), set(b[row].tolist())
         entry = RoutingRow(row, len(ref_set & run_set), len(ref_set), same_set=ref_set == run_set)
-        if row in covered and not_top_k is not None and selection is not None and not selection.plain:
+        if selection is not None and selection.score == UNKNOWN:
+            entry.reason = UNKNOWN_RULE  # covered or not: no logits would judge it
+        elif row in covered and not_top_k is not None and selection is not None and not selection.plain:
             entry.reason = (f"REF's ids are not what its declared router ({selection.describe()}) selects "
                             f"({not_top_k}): the declaration does not describe this model, so it judges no row")
         elif row in covered and not_top_k is not None:

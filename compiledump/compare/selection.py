@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from ..format.routers import RouterInfo
+from ..format.routers import TOKEN, UNKNOWN, RouterInfo
 from . import softmax_bias
 
 # Bisection: relative resolution of the epsilon, and the iteration cap that reaches it.
@@ -35,6 +35,9 @@ _FARTHEST = 1e6
 
 # Why a differing row of a router that routes by token id is far from any tie.
 TOKEN_ROUTED = "its experts follow the token id (hash routing), not its logits: no rounding moves them"
+# Why a differing row of a router whose rule is not known is not judged.
+UNKNOWN_RULE = ("its router selects by a rule compiledump does not know (a bias it cannot place; instrument warned), "
+                "so its logits cannot tell a near tie: declare it with compiledump.declare_router")
 
 
 def choice_scores(info: RouterInfo, logits: np.ndarray) -> np.ndarray:
@@ -222,8 +225,10 @@ def row_gap(logits: np.ndarray, ref_row: np.ndarray, run_row: np.ndarray,
     ref_ids, run_ids = [int(i) for i in ref_row], [int(i) for i in run_row]
     if any(not 0 <= i < experts for i in ref_ids + run_ids):
         return None, f"ids outside the {experts} router logits"
-    if selection is not None and selection.score == "token":
+    if selection is not None and selection.score == TOKEN:
         return math.inf, TOKEN_ROUTED
+    if selection is not None and selection.score == UNKNOWN:
+        return None, UNKNOWN_RULE
     if selection is not None and not selection.plain:
         misfit = _misfit(selection, experts, len(ref_ids)) or judgeable(selection)
         if misfit is not None:
@@ -258,8 +263,8 @@ def first_unexplained(covered: dict[int, np.ndarray], a: np.ndarray, selection: 
     plain top-k, not what it selects (any row, when the declaration does not fit the logits);
     None when every covered row is explained. Rows with ids outside the logits are skipped: their
     own rows are not judged (``row_gap``)."""
-    if selection is not None and selection.score == "token":
-        return None  # its ids follow the token ids: nothing in the logits to explain
+    if selection is not None and selection.score in (TOKEN, UNKNOWN):
+        return None  # its ids follow the token ids, or a rule not known: nothing in the logits to explain
     rows = [row for row, logits in sorted(covered.items()) if np.all((0 <= a[row]) & (a[row] < np.shape(logits)[0]))]
     if selection is not None and not selection.plain and rows:
         logits = np.stack([np.asarray(covered[row], np.float64) for row in rows])

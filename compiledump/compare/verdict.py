@@ -30,6 +30,7 @@ from .rename import RenamedDump
 from .key_record import KeyRecord
 from .report import ArgmaxFlip, DecodeMargins, Divergence, PairResult, Problem, Report
 from .routing import describe_routing
+from .selection import UNKNOWN_RULE
 
 
 class NoCommonKeys(DumpError):
@@ -188,7 +189,8 @@ def analyse_pair(pair: PairResult) -> None:
             # Rows the reference's logits do not cover (one-row mode keeps the last row only), in a
             # model whose logits could judge them.
             uncovered = routing.router_key is not None and routing.not_top_k is None and any(
-                row not in routing.router_rows for row in routing.not_judged_rows)
+                row not in routing.router_rows for row in routing.not_judged_rows) and not any(
+                row.reason == UNKNOWN_RULE for row in routing.rows)
             hint = ("; the router logits of every row would judge each row (instrument's default, "
                     "router_rows=\"all\"; by hand, record(..., rows=\"all\"))") if uncovered else ""
             reached = (f"; nor are the {len(keys)} float keys after it that cross a threshold only at or after "

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 # How a router scores experts from its logits ("logits": the logits themselves, as Kolibri adds its
 # bias to them); "token": it does not (DeepSeek-V4's hash routers take the experts from the token
-# id, so no rounding of the logits can move them).
-SCORES = ("softmax", "sigmoid", "sqrtsoftplus", "logits", "token")
+# id, so no rounding of the logits can move them); "unknown": by a rule compiledump does not know
+# (a bias it cannot place), so no gap of its logits judges a flip.
+SCORES = ("softmax", "sigmoid", "sqrtsoftplus", "logits", "token", "unknown")
+TOKEN, UNKNOWN = "token", "unknown"
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,8 @@ class RouterInfo:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {self.score!r}")
-        if self.score == "token" and (self.bias is not None or self.n_group > 1):
-            raise ValueError("a router that routes by token id (score 'token') has no bias and no groups")
+        if self.score in (TOKEN, UNKNOWN) and (self.bias is not None or self.n_group > 1):
+            raise ValueError(f"a router of score {self.score!r} has no bias and no groups")
         if self.topk_group > self.n_group:
             raise ValueError(f"topk_group ({self.topk_group}) is more than n_group ({self.n_group})")
         if self.bias is not None:
@@ -57,7 +59,7 @@ class RouterInfo:
     @property
     def plain(self) -> bool:
         """Its top-k is the top-k of the logits (no bias that moves them, one group)."""
-        return self.score != "token" and self.n_group == 1 and (self.bias is None or not any(self.bias))
+        return self.score not in (TOKEN, UNKNOWN) and self.n_group == 1 and (self.bias is None or not any(self.bias))
 
     def fits(self, experts: int) -> str | None:
         """Why this selection cannot apply to ``experts`` logits, or None."""
@@ -73,8 +75,10 @@ class RouterInfo:
 
     def describe(self) -> str:
         """``top-8 of sigmoid + bias in the best 4 of 8 groups``."""
-        if self.score == "token":
+        if self.score == TOKEN:
             return f"{self.top_k} experts per token id (hash routing)"
+        if self.score == UNKNOWN:
+            return f"top-{self.top_k} by a rule compiledump does not know"
         text = f"top-{self.top_k} of {self.score}" + (" + bias" if self.bias is not None else "")
         if self.n_group > 1:
             text += f" in the best {self.topk_group} of {self.n_group} groups"

@@ -2,7 +2,7 @@
 the declared rule (compare/selection.py) selects the experts that router selects, on random
 logits and a random bias (routers built from a config with the identity as their weight, so the
 hidden state fed in is the logits row; nothing is downloaded). Routers whose rule it does not
-know are warned about, once per class, and not declared."""
+know are warned about, once per class, and declared of score "unknown"."""
 
 from __future__ import annotations
 
@@ -49,6 +49,15 @@ def _router(model: str, **extra):
         router = module.Inkling2TopKRouter(Inkling2TextConfig(num_local_experts=EXPERTS, **common, **extra))
     elif model == "kolibri1":
         router = module.Kolibri1TopKRouter(transformers.Kolibri1Config(num_experts=EXPERTS, **common, **extra))
+    elif model == "kolibri1_1":
+        router = module.Kolibri1_1TopKRouter(transformers.Kolibri1_1Config(num_experts=EXPERTS, index_num_heads=1,
+                                                                         **common, **extra))
+    elif model == "ergo":  # its weight in the router's `linear`
+        router = module.ErgoTopkRouter(transformers.ErgoConfig(num_experts=EXPERTS, **common, **extra))
+        router.weight = router.linear.weight
+    elif model == "minimax_m3_vl":
+        from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
+        router = module.MiniMaxM3VLTopKRouter(MiniMaxM3VLTextConfig(num_local_experts=EXPERTS, **common, **extra))
     elif model == "mistral4":
         router = module.Mistral4TopkRouter(transformers.Mistral4Config(num_local_experts=EXPERTS, **common, **extra))
     else:
@@ -67,6 +76,9 @@ DECLARED = [
     ("afmoe", {}, dict(score="sigmoid")),
     ("axk2", {}, dict(score="sigmoid")),
     ("kolibri1", {}, dict(score="logits")),
+    ("kolibri1_1", {}, dict(score="logits")),
+    ("ergo", {}, dict(score="sigmoid")),
+    ("minimax_m3_vl", {}, dict(score="sigmoid")),
     ("mistral4", dict(n_group=4, topk_group=2), dict(score="softmax", n_group=4, topk_group=2, group_topk=2)),
     ("mistral_large4", dict(n_group=4, topk_group=2), dict(score="softmax", n_group=4, topk_group=2, group_topk=2)),
 ]
@@ -98,9 +110,11 @@ def test_the_declared_rule_selects_what_their_router_selects(model, extra, rule)
     assert not np.array_equal(np.sort(np.argsort(-logits, axis=-1)[:, :K], axis=-1), theirs)
 
 
-def test_a_router_with_an_unknown_bias_or_groups_is_warned_about_once_and_not_declared():
+def test_a_router_with_an_unknown_bias_or_groups_is_warned_about_once_and_declared_unknown():
     """ZAYA-like: a per-expert `balancing_biases` buffer; a grouped router of an unknown class;
-    an `e_score_correction_bias` added in an unknown way. Each class is named once."""
+    an `e_score_correction_bias` added in an unknown way. Each class is named once, and each such
+    router is declared of score "unknown" (compare then judges none of its flips by its logits);
+    plain routers, DeepSeek-V2's greedy one among them, are not declared."""
     class BalancedRouter(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -127,8 +141,9 @@ def test_a_router_with_an_unknown_bias_or_groups_is_warned_about_once_and_not_de
     STATE.warned.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for router in (BalancedRouter(), BalancedRouter(), GroupedRouter(), CorrectedRouter(), PlainRouter(4, 8),
-                       GreedyRouter()):
+        for router in (BalancedRouter(), BalancedRouter(), GroupedRouter(), CorrectedRouter()):
+            assert hf_routers.selection_of(torch.nn.Module(), router) == {"top_k": 2, "score": "unknown"}
+        for router in (PlainRouter(4, 8), GreedyRouter()):
             assert hf_routers.selection_of(torch.nn.Module(), router) is None
     messages = [str(w.message) for w in caught]
     assert len(messages) == 3
@@ -137,3 +152,20 @@ def test_a_router_with_an_unknown_bias_or_groups_is_warned_about_once_and_not_de
     assert "CorrectedRouter adds an e_score_correction_bias in a way" in messages[2]
     assert all("declare_router" in message for message in messages)
     STATE.warned.clear()
+
+
+@pytest.mark.parametrize("name", hf_routers.PROBABILITY_ROUTERS)
+def test_probability_routers_return_probabilities_first(name):
+    """instrument records the log of these routers' first output: it must be softmax
+    probabilities (rows summing to 1), whose log is the logits up to a per-row constant."""
+    import importlib
+    model = {"Gemma4TextRouter": "gemma4", "DiffusionGemmaTextRouter": "diffusion_gemma"}[name]
+    module = importlib.import_module(f"transformers.models.{model}.modeling_{model}")
+    config_class = getattr(importlib.import_module(f"transformers.models.{model}.configuration_{model}"),
+                           name.replace("Router", "Config"))
+    torch.manual_seed(0)
+    router = getattr(module, name)(config_class(hidden_size=EXPERTS, num_experts=8, top_k_experts=2))
+    with torch.no_grad():
+        first = router(torch.randn(5, EXPERTS))[0]
+    assert first.shape == (5, 8) and torch.all(first > 0)
+    torch.testing.assert_close(first.sum(-1), torch.ones(5))

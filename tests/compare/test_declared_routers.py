@@ -244,3 +244,41 @@ def test_inspect_shows_the_declared_routers(tmp_path, bias, capsys):
     (summary,) = json.loads((tmp_path / "i.json").read_text())["files"]
     assert summary["routers"]["layer9_router"] == "malformed: not used"
     assert summary["routers"]["layer2_router"] == "top-4 of sigmoid + bias in the best 2 of 4 groups"
+
+
+def test_a_router_of_unknown_rule_is_not_judged_even_where_its_ids_look_like_top_k(tmp_path):
+    """`instrument` declares score "unknown" for a router with a bias it cannot place. REF's ids
+    may then agree with the top-k of its logits in every row by chance (a small bias moves few
+    rows), which must not let those logits judge a flip: here RUN swaps in the expert with the
+    lowest logit (far from a tie by the logits, a divergence when undeclared), and with the
+    declaration the flip is not judged (exit 3), without the all-rows hint that cannot help."""
+    rng = np.random.default_rng(17)
+    ref = captures(rng, np.zeros(EXPERTS, np.float32), steps=0)
+    by_key = {c.key: c for c in ref}
+    for layer in range(LAYERS):  # plain top-k ids in every row
+        logits = by_key[f"layer{layer}_router"].array
+        by_key[f"layer{layer}_topk"].array[:] = np.sort(np.argsort(-logits, axis=-1)[:, :TOPK], axis=-1)
+    run = honest_run(ref, rng)
+    ids = {c.key: c for c in run}["layer1_topk"].array
+    ids[5, -1] = int(np.argmin(by_key["layer1_router"].array[5]))
+    ids[5] = np.sort(ids[5])
+
+    def pair(declared: bool):
+        manifests = [factory.manifest_for(side, source_dtype=dtype, key_fields={
+            f"layer{layer}_router": {"rows": "all"} for layer in range(LAYERS)})
+            for side, dtype in ((ref, "float32"), (run, "bfloat16"))]
+        if declared:
+            manifests[0]["routers"] = {f"layer{layer}_router": {"top_k": TOPK, "score": "unknown"}
+                                       for layer in range(LAYERS)}
+        name = "declared" if declared else "undeclared"
+        return factory.write_pair(tmp_path / name, ref, run, ref_manifest=manifests[0], run_manifest=manifests[1])
+
+    report = compare(*pair(declared=False))
+    assert record(report, "layer1_topk").routing.verdict == "divergence" and report.exit_status == 1
+    report = compare(*pair(declared=True))
+    topk = record(report, "layer1_topk")
+    (row,) = topk.routing.rows
+    assert row.row == 5 and row.gap is None and "a rule compiledump does not know" in row.reason
+    assert topk.routing.verdict == "not_judged" and not topk.divergent and report.exit_status == 3
+    problem = next(p for p in report.pairs[0].problems if p.kind == "ids_not_judged")
+    assert "declare_router" in problem.detail and "router_rows" not in problem.detail
