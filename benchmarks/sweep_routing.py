@@ -19,7 +19,8 @@ Ernie 4.5 (``ernie4_5_moe``: softmax scores plus a random bias over all 8 expert
 shared expert) and DeepSeek-V4 (``deepseek_v4``: two layers routed by token id, then two by
 sqrt(softplus) scores plus a random bias). ``--models`` also takes AFMoE, A.X-K2-Light (its
 indexer keeping every key), Laguna, Kolibri, LFM2-MoE, Nemotron-H, gpt-oss, Granite-MoE with
-sliding windows and Qwen3-Next (MORE_CONFIGS: the seventh session's audit). benchmarks/calibrate.py calibrates the thresholds themselves; this
+sliding windows and Qwen3-Next (MORE_CONFIGS: the seventh session's audit), and Ergo, Kolibri 1.1
+and MiniMax-M3-VL's text model (the eighth's). benchmarks/calibrate.py calibrates the thresholds themselves; this
 sweep counts verdicts over more random models than it can afford (docs/compare.md, "Expert ids
 and near ties").
 
@@ -104,13 +105,25 @@ MORE_CONFIGS = {
                        num_experts=8, head_dim=16, layer_types=["linear_attention", "full_attention"] * 2,
                        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
                        linear_num_key_heads=2, linear_num_value_heads=4),
+    # The eighth session's audit of transformers 5.25: routers declared since.
+    "ergo": dict(first_dense_intermediate_size=96, num_dense_blocks=1, moe_intermediate_size=48,
+                 shared_intermediate_size=48, num_experts=8, sliding_window=16, global_attention_every_n_layers=2,
+                 head_dim=16),
+    "kolibri1_1": dict(moe_intermediate_size=48, num_experts=8, head_dim=16, sliding_window=16,
+                       shared_expert_intermediate_size=48, mlp_only_layers=[0], mlp_only_intermediate_size=96,
+                       num_key_value_heads=1, index_num_heads=2, index_topk=64, index_pool_size=64,
+                       index_compression=4, index_num_local_tokens=4, index_num_sink_tokens=1),
+    "minimax_m3_vl": dict(intermediate_size=48, num_local_experts=8, head_dim=16, dense_intermediate_size=96,
+                          shared_intermediate_size=48, rotary_dim=8, index_n_heads=2, index_head_dim=16,
+                          index_block_size=4, index_topk_blocks=4, index_local_blocks=1,
+                          mlp_layer_types=["dense", "sparse", "sparse", "sparse"]),
 }
 CONFIGS.update(MORE_CONFIGS)
 DEFAULT_MODELS = [name for name in CONFIGS if name not in MORE_CONFIGS]
-MODEL_TYPES = {"deepseek_v3_grouped": "deepseek_v3"}
+MODEL_TYPES = {"deepseek_v3_grouped": "deepseek_v3", "minimax_m3_vl": "minimax_m3_vl_text"}  # its text model
 # build() draws their router bias (zeros as built; a trained model's is not).
 BIASED = ("deepseek_v3_grouped", "minimax_m2", "ernie4_5_moe", "deepseek_v4", "afmoe", "axk2", "laguna", "kolibri1",
-          "lfm2_moe", "nemotron_h")
+          "lfm2_moe", "nemotron_h", "ergo", "kolibri1_1", "minimax_m3_vl")
 BIAS_STD = 0.02  # about the spread of the sigmoid scores of these random routers
 
 
@@ -125,7 +138,8 @@ def build(model: str, seed: int) -> torch.nn.Module:
     built = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, parameter in built.named_parameters():
-            if ".router." in name and parameter.dim() == 2 and not parameter.any():  # AFMoE's starts at zero
+            # AFMoE's and Kolibri 1.1's router weights start at zero
+            if (".router." in name or ".gate." in name) and parameter.dim() == 2 and not parameter.any():
                 parameter.normal_(0.0, COMMON["initializer_range"])
         for module in built.modules():
             for name in BIAS_NAMES:
