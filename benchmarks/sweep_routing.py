@@ -7,8 +7,9 @@ engine; one 7-token prompt per model, no KV cache, every MoE layer recorded
 mode, and compared with ``compiledump.compare.compare`` and the defaults, exactly as ``compiledump
 compare`` does. Nothing is wrong in any pair, so every exit 1 is a false divergence; exit 3 means
 the comparator could not tell (expert ids differ where no reference router logits judge them).
-With ``--engine-bug`` the engine's routing is broken instead (the biased routers' bias forgotten,
-DeepSeek-V3's groups ignored), and every exit 1 is the bug found.
+With ``--engine-bug`` the engine is broken instead (the biased routers' bias forgotten,
+DeepSeek-V3's groups ignored, or layer 1's experts scaled by 1.05, where the table also counts the
+verdicts that name layer 1), and every exit 1 is the bug found.
 
 Models (4 layers, hidden 64, 8 experts top-2, ``initializer_range`` 0.1): Qwen3-MoE, Mixtral and
 DeepSeek-V3 with one expert group (plain top-k of sigmoid scores; one shared expert, layer 0
@@ -25,7 +26,7 @@ sweep counts verdicts over more random models than it can afford (docs/compare.m
 and near ties").
 
 Usage: python benchmarks/sweep_routing.py [--seeds 100] [--models qwen3_moe,mixtral,deepseek_v3,...]
-       [--rows one,all] [--tokens 7] [--engine-bug none|no_bias|no_groups] [--hidden 64] [--layers 4]
+       [--rows one,all] [--tokens 7] [--engine-bug none|no_bias|no_groups|experts_x1.05] [--hidden 64] [--layers 4]
        [--init 0.1] [--verbose]
 (about 30 seconds for the defaults on a 2-core CPU box; results in benchmarks/RESULTS.md).
 """
@@ -170,9 +171,26 @@ def _ignore_groups(model: torch.nn.Module) -> None:
         router.num_group = router.topk_group = 1
 
 
-# Routing bugs an engine can have (--engine-bug): forgetting the score-correction bias (DeepSeek-V3,
-# MiniMax-M2, Ernie 4.5), or taking the top-k over every expert instead of inside the best groups (DeepSeek-V3).
-ENGINE_BUGS = {"none": lambda model: None, "no_bias": _forget_bias, "no_groups": _ignore_groups}
+BUG_LAYER = 1  # where --engine-bug experts_x1.05 scales the experts
+
+
+@torch.no_grad()
+def _scale_experts(model: torch.nn.Module) -> None:
+    """x1.05 every weight of layer BUG_LAYER's experts (its MLP where it has none), as calibrate.py's
+    bf16 bug: a wrong scale in one layer, with the router untouched."""
+    layer = next(module for name, module in model.named_modules() if name.endswith("layers"))[BUG_LAYER]
+    block = next(getattr(layer, name) for name in ("mlp", "block_sparse_moe", "feed_forward", "mixer")
+                 if isinstance(getattr(layer, name, None), torch.nn.Module))
+    for parameter in getattr(block, "experts", block).parameters():
+        parameter.mul_(1.05)
+
+
+# Bugs an engine can have (--engine-bug): forgetting the score-correction bias (DeepSeek-V3,
+# MiniMax-M2, Ernie 4.5), taking the top-k over every expert instead of inside the best groups
+# (DeepSeek-V3), or a x1.05 scale on one layer's experts (every model; counted when the verdict
+# names that layer).
+ENGINE_BUGS = {"none": lambda model: None, "no_bias": _forget_bias, "no_groups": _ignore_groups,
+               "experts_x1.05": _scale_experts}
 
 
 def main() -> int:
@@ -183,8 +201,8 @@ def main() -> int:
     parser.add_argument("--rows", default="one,all", help="recording modes (default one,all)")
     parser.add_argument("--tokens", type=int, default=PROMPT_TOKENS, help=f"prompt length (default {PROMPT_TOKENS})")
     parser.add_argument("--engine-bug", default="none", choices=sorted(ENGINE_BUGS),
-                        help="break the engine's routing (the biased routers): every pair is then wrong, and "
-                             "exit 1 is the detection (default none: every pair honest)")
+                        help="break the engine's routing (the biased routers) or scale layer 1's experts: every "
+                             "pair is then wrong, and exit 1 is the detection (default none: every pair honest)")
     parser.add_argument("--hidden", type=int, default=COMMON["hidden_size"], help="hidden size (default 64)")
     parser.add_argument("--layers", type=int, default=COMMON["num_hidden_layers"], help="decoder layers (default 4)")
     parser.add_argument("--init", type=float, default=COMMON["initializer_range"],
@@ -211,14 +229,19 @@ def main() -> int:
                     report = compare(root / "ref", root / "run")
                     lines = format_report(report)
                     counts.setdefault((model, rows), collections.Counter())[report.exit_status] += 1
+                    first = report.first_divergence
+                    counts[model, rows]["named"] += first is not None and first.layer == BUG_LAYER
                     print(f"{model} rows={rows} seed={seed}: exit {report.exit_status} | {lines[-1]}", flush=True)
                     if args.verbose and report.exit_status == 1:
                         print("\n".join("    " + line for line in lines if line[:1] in "!*" or ":" in line[:20]))
     compiledump.configure(dir=None)
     print()
-    print(f"{'model':<12} {'rows':<4} {'pairs':>5} {'exit 0':>7} {'exit 1':>7} {'exit 3':>7}")
+    named = args.engine_bug == "experts_x1.05"  # exits 1 whose first divergence is at the bug's layer
+    print(f"{'model':<12} {'rows':<4} {'pairs':>5} {'exit 0':>7} {'exit 1':>7} {'exit 3':>7}"
+          + (f" {'at layer ' + str(BUG_LAYER):>10}" if named else ""))
     for (model, rows), counter in counts.items():
-        print(f"{model:<12} {rows:<4} {sum(counter.values()):>5} {counter[0]:>7} {counter[1]:>7} {counter[3]:>7}")
+        print(f"{model:<12} {rows:<4} {counter[0] + counter[1] + counter[3]:>5} {counter[0]:>7} {counter[1]:>7} "
+              f"{counter[3]:>7}" + (f" {counter['named']:>10}" if named else ""))
     print(f"elapsed {time.perf_counter() - started:.0f} s; torch {torch.__version__}; transformers "
           f"{transformers.__version__}; seeds {args.seeds}")
     return 0

@@ -23,3 +23,16 @@ def test_sweep_routing_prints_its_verdict_table(tmp_path):
     assert [(row[0], row[1]) for row in rows] == [("qwen3_moe", "one"), ("qwen3_moe", "all"),
                                                   ("deepseek_v3_grouped", "one"), ("deepseek_v3_grouped", "all")]
     assert all(int(row[2]) == 2 == sum(int(value) for value in row[3:6]) for row in rows)
+
+
+def test_sweep_routing_counts_where_a_scaled_layer_is_named(tmp_path):
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "sweep_routing.py"), "--seeds", "2", "--models",
+                          "qwen3_moe", "--rows", "one", "--engine-bug", "experts_x1.05"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("model "))
+    assert header.endswith("at layer 1")
+    (row,) = [line.split() for line in lines[lines.index(header) + 1:] if line.startswith("qwen3_moe ")]
+    pairs, exit0, exit1, exit3, named = (int(value) for value in row[2:7])
+    assert pairs == 2 == exit0 + exit1 + exit3 and named <= exit1
