@@ -155,8 +155,11 @@ def test_sigkill_at_100_moments_loses_no_reported_step(reference, tmp_path):
     while len(moments) < KILLS and child.proc.poll() is None:
         # Spread what is left of the loop over the moments left, at the pace seen so far.
         pace = max(child.last - first, 1) / ran if ran else 2000.0  # steps per second
-        left = (STEPS - child.last) / pace / (KILLS - len(moments))
-        pause = rng.uniform(0, 1.6 * left)
+        remaining = (STEPS - child.last) / pace  # seconds of the loop left, at that pace
+        left = remaining / (KILLS - len(moments))
+        # At most half of what is left: the last few pauses, drawn up to 1.6x their share, could
+        # otherwise outlast the loop (one run under heavy load ended after 99 stops).
+        pause = min(rng.uniform(0, 1.6 * left), 0.5 * remaining)
         time.sleep(pause)
         ran += pause
         child.proc.send_signal(signal.SIGSTOP)
