@@ -18,8 +18,9 @@ from .hf_routers import int_attr
 MIXERS = ("self_attn", "linear_attn", "mamba", "mixer", "self_attention", "conv")  # JetMoE; LFM2's conv layers
 MLP_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward")
 ROUTERS = ("gate", "router")  # the MoE block's router: Qwen/Mixtral/DeepSeek, gpt-oss/Granite
-# Beside `layers`: most models, Jamba/Falcon-H1, Nemotron-H, LFM2 (whose final norm is embedding_norm).
-FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "embedding_norm")
+# Beside `layers`: most models, Jamba/Falcon-H1, Nemotron-H, LFM2 (whose final norm is embedding_norm),
+# Qwen4-Exp (whose hyper-connection streams end in a mixer, not a norm).
+FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "embedding_norm", "hyper_connection_mixer")
 # Where the residual stream after attention is a module's input. Pre-norm layers (Llama, Qwen,
 # Mixtral) normalise it in post_attention_layernorm (ffn_norm, pre_ff_layernorm: other names);
 # sandwich-norm layers (Gemma 2/3) use post_attention_layernorm on the attention output before the

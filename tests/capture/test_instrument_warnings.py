@@ -192,3 +192,27 @@ def test_an_encoder_decoder_model_says_which_layers_it_tapped(dump_dir):
     assert "taps={'layer{i}': 'model.decoder.layers.{i}', ...}" in others[0]
     # A decoder-only model has one such list: no warning.
     assert not [m for m in _instrument(ex.build_model("llama"))[1] if "beside a token embedding" in m]
+
+
+def test_qwen4_exp_s_hyper_connections_no_attn_warned_and_its_mixer_is_the_final_norm(dump_dir):
+    """Qwen4-Exp adds attention into its hyper-connection streams inline (no module takes the
+    residual after attention: warned) and ends in a stream mixer instead of a norm, whose output
+    (the model's last hidden state) `final_norm` records."""
+    from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpTextConfig
+    config = Qwen4ExpTextConfig(
+        **{**_TINY, "vocab_size": 211}, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+        shared_expert_intermediate_size=24, layer_types=["linear_attention", "full_attention"],
+        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=2, hc_count=2, hc_lowrank=8, ple_layer_ids=[], ngram_vocab_size_base=256,
+        heads_per_ngram=2, split_ngram_parts=4, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
+        indexer_budget=64, indexer_compress_ratio=4)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    handle, messages = _instrument(model)
+    assert any("2 decoder layer(s) (model.layers.0, model.layers.1, Qwen4ExpTextDecoderLayer)" in m for m in messages)
+    assert handle.taps["final_norm"] == "model.hyper_connection_mixer" and "layer1_topk" in handle.taps
+    ids = torch.randint(3, 211, (1, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+    arrays = _arrays(compiledump.flush())
+    np.testing.assert_allclose(arrays["final_norm"], out.hidden_states[-1][0, -1].numpy(), rtol=1e-6, atol=1e-6)
