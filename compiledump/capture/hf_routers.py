@@ -30,6 +30,9 @@ LOGITS_BIAS_ROUTERS = ("Kolibri1TopKRouter", "Kolibri1_1TopKRouter")
 # Inkling 2: its config's scoring_func), by that module's class.
 SCORE_FN_ROUTERS = ("DeepseekV4TopKRouter", "Inkling2TopKRouter", "Inkling2LoopTopKRouter")
 _SCORE_FNS = {"SqrtSoftplusActivation": "sqrtsoftplus", "Sigmoid": "sigmoid", "SigmoidActivation": "sigmoid"}
+# Those that compute their choice scores in the dtype of the logits they return (DeepSeek-V4:
+# `score_fn(logits) + bias` on the bf16 logits of a bf16 model), declared `rounded`.
+ROUNDED_SCORE_ROUTERS = ("DeepseekV4TopKRouter",)
 # Routers with expert groups and no bias that keep the groups with the best sums of two softmax
 # scores (Mistral 4 and Mistral Large 4's text model).
 GROUPED_SOFTMAX_ROUTERS = ("Mistral4TopkRouter", "MistralLarge4TextTopkRouter")
@@ -86,7 +89,8 @@ def selection_of(block: torch.nn.Module, router: torch.nn.Module) -> dict | None
         return _with_bias(dict(top_k=top_k, score="logits"), bias)
     elif bias is not None and kind in SCORE_FN_ROUTERS \
             and type(getattr(router, "score_fn", None)).__name__ in _SCORE_FNS:
-        return _with_bias(dict(top_k=top_k, score=_SCORE_FNS[type(router.score_fn).__name__]), bias)
+        return _with_bias(dict(top_k=top_k, score=_SCORE_FNS[type(router.score_fn).__name__],
+                               **({"rounded": True} if kind in ROUNDED_SCORE_ROUTERS else {})), bias)
     if getattr(router, "topk_method", None) != "greedy" \
             and _warn_unknown_rule(kind, bias_name, holders, n_group, topk_group):  # DeepSeek-V2's greedy: no groups
         return dict(top_k=top_k, score="unknown")  # its flips are reported not judged, not judged by its logits

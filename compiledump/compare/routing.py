@@ -28,7 +28,7 @@ import numpy as np
 
 from ..format.routers import UNKNOWN, RouterInfo
 from .metrics import bf16_spacing
-from .selection import UNKNOWN_RULE, first_unexplained, row_gap
+from .selection import UNKNOWN_RULE, first_unexplained, row_gap, score_rounding_epsilon
 
 STRICT_CLASSES = ("fp32",)
 # Most rows listed per routing record (JSON) and in a text line.
@@ -54,6 +54,7 @@ class RoutingRow:
     reason: str | None = None  # why the row was not judged
     after_near_tie: str | None = None  # an earlier ids key whose near tie reaches this token (flips.py)
     after_unjudged: str | None = None  # else one whose rows no reference logits judge reaches it
+    score_rounding: bool = False  # epsilon is the rounding of the choice scores (RouterInfo.rounded)
 
     @property
     def judged(self) -> bool:
@@ -298,6 +299,10 @@ def judge_routing(ref_ids: np.ndarray, run_ids: np.ndarray, router: np.ndarray |
             entry.gap, entry.reason = row_gap(logits, a[row], b[row], selection)
             if entry.gap is not None:
                 entry.epsilon = routing_epsilon(logits, near_tie, near_tie_ulps)
+                rounding = (None if near_tie is not None or selection is None
+                            else score_rounding_epsilon(selection, logits, a[row], b[row], near_tie_ulps))
+                if rounding is not None and rounding > entry.epsilon:
+                    entry.epsilon, entry.score_rounding = rounding, True
         else:
             entry.reason = why
         routing.rows.append(entry)
@@ -339,7 +344,8 @@ def describe_routing(routing: Routing) -> str:
         ties = [row for row in routing.rows if row.row in routing.near_tie_rows]
         top = max(ties, key=lambda row: _ratio(row.gap, row.epsilon))
         noise = (", twice the run's router noise in this layer" if routing.logit_noise is not None
-                 and top.epsilon == 2 * routing.logit_noise else "")
+                 and top.epsilon == 2 * routing.logit_noise else
+                 ", the rounding of its choice scores in the run's precision" if top.score_rounding else "")
         parts.append(f"near tie at row{'s' if len(ties) > 1 else ''} {_row_list(routing.near_tie_rows)} "
                      f"(router logit gap {top.gap:.3g} <= epsilon {top.epsilon:.3g}{noise})")
     if routing.after_unjudged_rows:

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..format.routers import TOKEN, UNKNOWN, RouterInfo
 from . import softmax_bias
+from .metrics import bf16_spacing
 
 # Bisection: relative resolution of the epsilon, and the iteration cap that reaches it.
 _RESOLUTION = 1e-9
@@ -66,6 +67,31 @@ def _logit_of_sqrtsoftplus(score: np.ndarray) -> np.ndarray:
 _PER_LOGIT = {"sigmoid": _sigmoid, "sqrtsoftplus": _sqrtsoftplus, "logits": lambda x: x}
 _INVERSE = {"sigmoid": lambda p: np.log(p) - np.log1p(-p), "sqrtsoftplus": _logit_of_sqrtsoftplus,
             "logits": lambda score: score}
+
+
+# The slope of each per-logit score: how far a choice score moves per unit of its logit.
+_SLOPE = {"sigmoid": lambda x: _sigmoid(x) * _sigmoid(-x),
+          "sqrtsoftplus": lambda x: _sigmoid(x) / (2.0 * _sqrtsoftplus(x)),
+          "logits": lambda x: np.ones_like(x)}
+
+
+def score_rounding_epsilon(info: RouterInfo, logits: np.ndarray, ref_ids, run_ids, ulps: float) -> float | None:
+    """For a router that rounds its choice scores in the run's precision (``info.rounded``): the
+    tie gap, in logit units, that ``ulps`` bf16 spacings of the two rows' choice scores allow
+    between the experts one side chose and the other did not (a score rounding of tau moves the
+    selection as a logit move of tau / slope does), else None. DeepSeek-V4's sqrt(softplus)
+    scores sit near 0.83 where its small logits sit near 0: their rounding, not the logits',
+    decides a flip there."""
+    if not info.rounded or info.score not in _SLOPE:
+        return None
+    swapped = sorted(set(int(i) for i in ref_ids) ^ set(int(i) for i in run_ids))
+    if not swapped:
+        return None
+    x = np.asarray(logits, np.float64)[swapped]
+    scores = _PER_LOGIT[info.score](x) + (np.asarray(info.bias, np.float64)[swapped] if info.bias else 0.0)
+    slope = float(np.min(_SLOPE[info.score](x)))
+    spacing = bf16_spacing(float(np.max(np.abs(scores))))
+    return ulps * spacing / slope if slope > 0 else None
 
 
 def _bias(info: RouterInfo) -> np.ndarray | float:

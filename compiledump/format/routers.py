@@ -29,7 +29,9 @@ class RouterInfo:
 
     Choice scores are ``score(logits)`` (+ ``bias`` when given); with ``n_group`` > 1 the experts
     form ``n_group`` equal groups of consecutive ids, each scored by the sum of its best
-    ``group_topk`` choice scores, and the top-k is taken inside the best ``topk_group`` groups."""
+    ``group_topk`` choice scores, and the top-k is taken inside the best ``topk_group`` groups.
+    ``rounded``: the router computes its choice scores in the dtype of the logits it returns
+    (DeepSeek-V4's ``score_fn(logits) + bias`` with no upcast), so a low-precision run rounds them."""
 
     top_k: int
     score: str = "softmax"
@@ -37,8 +39,11 @@ class RouterInfo:
     n_group: int = 1
     topk_group: int = 1
     group_topk: int = 2
+    rounded: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.rounded, bool):
+            raise ValueError(f"rounded must be a bool, got {self.rounded!r}")
         for name in ("top_k", "n_group", "topk_group", "group_topk"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -82,11 +87,12 @@ class RouterInfo:
         text = f"top-{self.top_k} of {self.score}" + (" + bias" if self.bias is not None else "")
         if self.n_group > 1:
             text += f" in the best {self.topk_group} of {self.n_group} groups"
-        return text
+        return text + (", scores rounded in the model's dtype" if self.rounded else "")
 
     def to_json(self) -> dict:
         return {"top_k": self.top_k, "score": self.score, "bias": None if self.bias is None else list(self.bias),
-                "n_group": self.n_group, "topk_group": self.topk_group, "group_topk": self.group_topk}
+                "n_group": self.n_group, "topk_group": self.topk_group, "group_topk": self.group_topk,
+                **({"rounded": True} if self.rounded else {})}  # absent when False: manifests as before
 
 
 def router_from_json(entry) -> RouterInfo | None:
@@ -99,7 +105,7 @@ def router_from_json(entry) -> RouterInfo | None:
                           bias=None if bias is None else tuple(float(b) if isinstance(b, (int, float))
                                                                and not isinstance(b, bool) else b for b in bias),
                           n_group=entry.get("n_group", 1), topk_group=entry.get("topk_group", 1),
-                          group_topk=entry.get("group_topk", 2))
+                          group_topk=entry.get("group_topk", 2), rounded=entry.get("rounded", False))
     except (TypeError, ValueError):
         return None
 

@@ -241,7 +241,7 @@ def test_instrument_declares_deepseek_v4_s_hash_and_sqrt_softplus_routers(dump_d
     for i in (2, 3):
         assert routers[f"layer{i}_router"] == {"top_k": 2, "score": "sqrtsoftplus",
                                                "bias": gates[i].e_score_correction_bias.double().tolist(),
-                                               "n_group": 1, "topk_group": 1, "group_topk": 2}
+                                               "n_group": 1, "topk_group": 1, "group_topk": 2, "rounded": True}
 
 
 class _SoftplusRouter(torch.nn.Module):

@@ -332,6 +332,7 @@ def test_a_selection_out_of_reach_has_an_infinite_gap():
     (dict(top_k=2, n_group=2, topk_group=3), "topk_group (3) is more than n_group (2)"),
     (dict(top_k=2, bias=(0.1, float("nan"))), "finite floats"),
     (dict(top_k=2, bias=(0.1, 0.2, 0.3), n_group=2), "do not form 2 equal groups"),
+    (dict(top_k=2, rounded=1), "rounded must be a bool"),
 ])
 def test_a_declaration_that_cannot_describe_a_router_is_refused(bad, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -340,7 +341,9 @@ def test_a_declaration_that_cannot_describe_a_router_is_refused(bad, message):
 
 def test_manifest_entries_round_trip_and_malformed_ones_read_as_none():
     info = RouterInfo(top_k=4, score="sigmoid", bias=(0.25, -0.5, 0.0, 1.0, 0.5, 0.125), n_group=3, topk_group=2)
-    assert router_from_json(info.to_json()) == info
+    assert router_from_json(info.to_json()) == info and "rounded" not in info.to_json()  # manifests as before
+    rounded = RouterInfo(top_k=2, score="sqrtsoftplus", bias=(0.5, 0.25, 0.0), rounded=True)
+    assert router_from_json(rounded.to_json()) == rounded and rounded.to_json()["rounded"] is True
     routers = {"layer3_router": info.to_json(), "layer4_router": {"top_k": "two"}}
     assert declared_router(routers, "layer3_router") == info
     assert declared_router(routers, "layer3_step_router") == info  # a decode step follows its layer's
@@ -348,3 +351,38 @@ def test_manifest_entries_round_trip_and_malformed_ones_read_as_none():
     assert declared_router(routers, "layer5_router") is None and declared_router(None, "layer3_router") is None
     assert info.fits(6) is None and "bias holds 6 experts" in info.fits(8)
     assert "does not fit in 2 groups of 1" in RouterInfo(top_k=3, n_group=3, topk_group=2).fits(3)
+
+
+def test_deepseek_v4_s_bf16_score_rounding_stays_within_its_epsilon():
+    """DeepSeek-V4 computes sqrt(softplus(logits)) + bias in the logits' dtype. With the small
+    logits of a router at transformers' default init its scores sit near 0.83, where a bf16
+    rounding moves the selection as a logit move several times the logits' own bf16 spacing:
+    transformers' router in bf16 against the same (bf16-exact) logits in float32 flips rows whose
+    gap exceeds the logit-ulps epsilon, and every such flip is within the epsilon its `rounded`
+    declaration adds (none without it)."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4TopKRouter
+    from compiledump.compare.routing import routing_epsilon
+    experts, k = 8, 2
+    rng = np.random.default_rng(43)
+    bias = (rng.standard_normal(experts) * 0.02).astype(np.float32)
+    router = DeepseekV4TopKRouter(transformers.DeepseekV4Config(hidden_size=experts, num_local_experts=experts,
+                                                                num_experts_per_tok=k))
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(experts))
+        router.e_score_correction_bias.copy_(torch.from_numpy(bias))
+    info = RouterInfo(top_k=k, score="sqrtsoftplus", bias=tuple(float(b) for b in bias), rounded=True)
+    plain_info = RouterInfo(top_k=k, score="sqrtsoftplus", bias=info.bias)
+    logits = torch.from_numpy(rng.standard_normal((3000, experts)).astype(np.float32) * 0.3).bfloat16().float()
+    exact = picks(router, logits.numpy())
+    with torch.no_grad():
+        rounded = np.sort(router.bfloat16()(logits.bfloat16())[2].numpy(), axis=-1)
+    flipped = [row for row in range(len(logits)) if set(exact[row]) != set(rounded[row])]
+    beyond_logit_rule = 0
+    for row in flipped:
+        x = logits[row].double().numpy()
+        gap = selection.selection_gap(info, x, rounded[row])
+        allowed = selection.score_rounding_epsilon(info, x, exact[row], rounded[row], 4.0)
+        assert selection.score_rounding_epsilon(plain_info, x, exact[row], rounded[row], 4.0) is None
+        assert gap <= allowed, (row, gap, allowed)
+        beyond_logit_rule += gap > routing_epsilon(x, None, 4.0)
+    assert len(flipped) >= 20 and beyond_logit_rule >= 5, (len(flipped), beyond_logit_rule)
