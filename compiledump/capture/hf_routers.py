@@ -30,9 +30,10 @@ LOGITS_BIAS_ROUTERS = ("Kolibri1TopKRouter", "Kolibri1_1TopKRouter")
 # Inkling 2: its config's scoring_func), by that module's class.
 SCORE_FN_ROUTERS = ("DeepseekV4TopKRouter", "Inkling2TopKRouter", "Inkling2LoopTopKRouter")
 _SCORE_FNS = {"SqrtSoftplusActivation": "sqrtsoftplus", "Sigmoid": "sigmoid", "SigmoidActivation": "sigmoid"}
-# Those that compute their choice scores in the dtype of the logits they return (DeepSeek-V4:
-# `score_fn(logits) + bias` on the bf16 logits of a bf16 model), declared `rounded`.
-ROUNDED_SCORE_ROUTERS = ("DeepseekV4TopKRouter",)
+# Those that compute their choice scores in the dtype of the logits they return, with no upcast
+# (DeepSeek-V4's `score_fn(logits) + bias`, LFM2-MoE's `sigmoid(logits) + expert_bias` on the bf16
+# logits of a bf16 model), declared `rounded` (the others upcast to float32 first).
+ROUNDED_SCORE_ROUTERS = ("DeepseekV4TopKRouter", "Lfm2MoeTopKRouter")
 # Routers with expert groups and no bias that keep the groups with the best sums of two softmax
 # scores (Mistral 4 and Mistral Large 4's text model).
 GROUPED_SOFTMAX_ROUTERS = ("Mistral4TopkRouter", "MistralLarge4TextTopkRouter")
@@ -58,8 +59,18 @@ def selection_of(block: torch.nn.Module, router: torch.nn.Module) -> dict | None
     (SCORE_FN_ROUTERS) the top-k of their score_fn(logits) + bias, and DeepSeek-V4's hash routers
     (a `tid2eid` table) as routing by token id; DeepSeek-V2's `group_limited_greedy` the top-k of
     softmax(logits) in the groups with the best single scores, Mistral 4's
-    (GROUPED_SOFTMAX_ROUTERS) in the groups with the best two. Other routers with a bias, or with
-    expert groups, are not declared (their flips stay not judged), with one warning per class."""
+    (GROUPED_SOFTMAX_ROUTERS) in the groups with the best two. DeepSeek-V4's and LFM2-MoE's
+    (ROUNDED_SCORE_ROUTERS) are declared `rounded`. Other routers with a bias, or with expert
+    groups, are declared of score "unknown" (their flips are not judged), with one warning per
+    class."""
+    selection = _rule(block, router)
+    if selection is not None and type(router).__name__ in ROUNDED_SCORE_ROUTERS:
+        selection["rounded"] = True
+    return selection
+
+
+def _rule(block: torch.nn.Module, router: torch.nn.Module) -> dict | None:
+    """`selection_of` without the `rounded` flag."""
     top_k = int_attr((block, router), ("top_k", "num_experts_per_tok"))
     if top_k is None:
         return None
@@ -89,8 +100,7 @@ def selection_of(block: torch.nn.Module, router: torch.nn.Module) -> dict | None
         return _with_bias(dict(top_k=top_k, score="logits"), bias)
     elif bias is not None and kind in SCORE_FN_ROUTERS \
             and type(getattr(router, "score_fn", None)).__name__ in _SCORE_FNS:
-        return _with_bias(dict(top_k=top_k, score=_SCORE_FNS[type(router.score_fn).__name__],
-                               **({"rounded": True} if kind in ROUNDED_SCORE_ROUTERS else {})), bias)
+        return _with_bias(dict(top_k=top_k, score=_SCORE_FNS[type(router.score_fn).__name__]), bias)
     if getattr(router, "topk_method", None) != "greedy" \
             and _warn_unknown_rule(kind, bias_name, holders, n_group, topk_group):  # DeepSeek-V2's greedy: no groups
         return dict(top_k=top_k, score="unknown")  # its flips are reported not judged, not judged by its logits

@@ -71,7 +71,7 @@ def _router(model: str, **extra):
 DECLARED = [
     ("laguna", {}, dict(score="sigmoid")),
     ("muse_spark", {}, dict(score="sigmoid")),
-    ("lfm2_moe", {}, dict(score="sigmoid")),
+    ("lfm2_moe", {}, dict(score="sigmoid", rounded=True)),  # sigmoid + bias in the logits' dtype
     ("inkling2", {}, dict(score="sigmoid")),
     ("afmoe", {}, dict(score="sigmoid")),
     ("axk2", {}, dict(score="sigmoid")),
