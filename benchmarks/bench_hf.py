@@ -38,7 +38,7 @@ def main(argv=None) -> None:
 
     import copy
 
-    from hf_reference_vs_compiled import PROMPT_LEN, Inputs, build_model
+    from hf_reference_vs_compiled import PROMPT_LEN, Inputs, build_model, cache_kwargs
     from transformers import StaticCache
 
     import compiledump
@@ -73,12 +73,11 @@ def main(argv=None) -> None:
             # The cache advances on every step (it keeps its own length): room for all of them.
             # A static cache attends over its whole length, so every step costs the same.
             cache = StaticCache(config=m.config, max_cache_len=PROMPT_LEN + 8 + args.rounds * args.calls * 2)
-            forward(input_ids=inputs.prefill(), past_key_values=cache, use_cache=True,
-                    cache_position=torch.arange(PROMPT_LEN))
+            forward(input_ids=inputs.prefill(), **cache_kwargs(m, cache), cache_position=torch.arange(PROMPT_LEN))
             position, token = torch.tensor([PROMPT_LEN]), inputs.step(0)
 
-            def decode(f=forward, c=cache, p=position, t=token):
-                f(input_ids=t, past_key_values=c, use_cache=True, cache_position=p)
+            def decode(f=forward, c=cache_kwargs(m, cache), p=position, t=token):
+                f(input_ids=t, **c, cache_position=p)
                 p.add_(1)
 
             step[name] = decode

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import sys
 import tempfile
 import time
@@ -113,6 +114,13 @@ def _move(npz: str, out: Path) -> str:
     return str(out / Path(npz).name)
 
 
+def cache_kwargs(model: torch.nn.Module, cache) -> dict:
+    """`cache` under the keyword `model.forward` takes, with `use_cache=True`: `cache` from
+    transformers 5.25 on (which deprecates `past_key_values`, to go in 5.40), else `past_key_values`."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache, "use_cache": True}
+
+
 def run_reference(model: torch.nn.Module, inputs: Inputs, out: Path, rows: str = "one") -> str:
     """Eager, float32, the request alone, DynamicCache; returns the dump's path."""
     torch._dynamo.reset()
@@ -120,9 +128,9 @@ def run_reference(model: torch.nn.Module, inputs: Inputs, out: Path, rows: str =
     handle = compiledump.instrument(model)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=inputs.prompt, past_key_values=cache, use_cache=True)
+        model(input_ids=inputs.prompt, **cache_kwargs(model, cache))
         for n in range(inputs.steps):
-            model(input_ids=inputs.step(n)[:1], past_key_values=cache, use_cache=True)
+            model(input_ids=inputs.step(n)[:1], **cache_kwargs(model, cache))
     handle.remove()
     return _flush()
 
@@ -153,10 +161,10 @@ class Engine:
         cache = StaticCache(config=self.model.config, max_cache_len=PROMPT_LEN + self.inputs.steps + 1)
         graphs_before = counters["stats"]["unique_graphs"]
         with torch.no_grad():
-            self.forward(input_ids=self.inputs.prefill(), past_key_values=cache, use_cache=True,
+            self.forward(input_ids=self.inputs.prefill(), **cache_kwargs(self.model, cache),
                          cache_position=torch.arange(PROMPT_LEN))
             for n in range(self.inputs.steps):
-                self.forward(input_ids=self.inputs.step(n), past_key_values=cache, use_cache=True,
+                self.forward(input_ids=self.inputs.step(n), **cache_kwargs(self.model, cache),
                              cache_position=torch.tensor([PROMPT_LEN + n]))
         self.graphs += counters["stats"]["unique_graphs"] - graphs_before
         self.breaks = sum(counters["graph_break"].values())

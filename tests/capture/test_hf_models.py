@@ -166,10 +166,10 @@ def test_recompiles_are_the_uninstrumented_models(tmp_path):
         # every call, so there would be no recompile to log).
         with RecompileLog() as log, torch.no_grad(), mock.patch.object(GraphLowering, "save_output_code",
                                                                         staticmethod(codes.append)):
-            forward(input_ids=inputs.prefill(), past_key_values=cache, use_cache=True,
+            forward(input_ids=inputs.prefill(), **ex.cache_kwargs(engine_model, cache),
                     cache_position=torch.arange(ex.PROMPT_LEN))
             for n in range(STEPS):
-                forward(input_ids=inputs.step(n), past_key_values=cache, use_cache=True,
+                forward(input_ids=inputs.step(n), **ex.cache_kwargs(engine_model, cache),
                         cache_position=torch.tensor([ex.PROMPT_LEN + n]))
         if handle is not None:
             handle.remove()

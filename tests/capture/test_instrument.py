@@ -296,9 +296,9 @@ def test_decode_steps_are_token_gated_and_logits_are_steps(dump_dir):
     compiledump.instrument(model)
     cache = ex.DynamicCache(config=model.config)
     with torch.no_grad():
-        prefill = model(input_ids=inputs.prompt, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        prefill = model(input_ids=inputs.prompt, **ex.cache_kwargs(model, cache), output_hidden_states=True)
         for n in range(3):
-            model(input_ids=inputs.step(n)[:1], past_key_values=cache, use_cache=True)
+            model(input_ids=inputs.step(n)[:1], **ex.cache_kwargs(model, cache))
     arrays, manifest = _load(compiledump.flush())
     np.testing.assert_allclose(arrays["layer0"], prefill.hidden_states[1][0, -1].numpy(), rtol=1e-6, atol=1e-6)
     assert sorted(k for k in arrays if k.startswith("logits")) == ["logits_0", "logits_1", "logits_2", "logits_3"]
@@ -318,9 +318,9 @@ def test_each_step_records_the_routing_of_its_logits_row(dump_dir):
     first = compiledump.instrument(model)
     cache = ex.DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=inputs.prefill(), past_key_values=cache, use_cache=True)
+        model(input_ids=inputs.prefill(), **ex.cache_kwargs(model, cache))
         for n in range(3):
-            model(input_ids=inputs.step(n), past_key_values=cache, use_cache=True)
+            model(input_ids=inputs.step(n), **ex.cache_kwargs(model, cache))
     for hook in hooks:
         hook.remove()
     path = compiledump.flush()
@@ -342,8 +342,8 @@ def test_each_step_records_the_routing_of_its_logits_row(dump_dir):
     handle = compiledump.instrument(model, step_routing=False)
     cache = ex.DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=inputs.prefill(), past_key_values=cache, use_cache=True)
-        model(input_ids=inputs.step(0), past_key_values=cache, use_cache=True)
+        model(input_ids=inputs.prefill(), **ex.cache_kwargs(model, cache))
+        model(input_ids=inputs.step(0), **ex.cache_kwargs(model, cache))
     handle.remove()
     arrays_without, _ = _load(compiledump.flush())
     assert set(arrays_without) == {key for key in arrays if "_step_" not in key and not key.endswith(("_2", "_3"))}
