@@ -77,21 +77,23 @@ _SLOPE = {"sigmoid": lambda x: _sigmoid(x) * _sigmoid(-x),
 
 def score_rounding_epsilon(info: RouterInfo, logits: np.ndarray, ref_ids, run_ids, ulps: float) -> float | None:
     """For a router that rounds its choice scores in the run's precision (``info.rounded``): the
-    tie gap, in logit units, that ``ulps`` bf16 spacings of the two rows' choice scores allow
-    between the experts one side chose and the other did not (a score rounding of tau moves the
-    selection as a logit move of tau / slope does), else None. DeepSeek-V4's sqrt(softplus)
-    scores sit near 0.83 where its small logits sit near 0: their rounding, not the logits',
-    decides a flip there."""
+    tie gap, in logit units, that a rounding of ``ulps`` bf16 spacings of the choice scores
+    allows, else None. Two experts a (REF chose it, RUN did not) and b (the reverse) whose scores
+    are tau apart swap when each logit moves by tau / (slope_a + slope_b), a gap of twice that;
+    the flattest such pair bounds it. DeepSeek-V4's sqrt(softplus) scores sit near 0.83 where
+    its small logits sit near 0: their rounding, not the logits', decides a flip there."""
     if not info.rounded or info.score not in _SLOPE:
         return None
-    swapped = sorted(set(int(i) for i in ref_ids) ^ set(int(i) for i in run_ids))
-    if not swapped:
+    displaced = sorted(set(int(i) for i in ref_ids) - set(int(i) for i in run_ids))
+    instead = sorted(set(int(i) for i in run_ids) - set(int(i) for i in ref_ids))
+    if not displaced or not instead:
         return None
-    x = np.asarray(logits, np.float64)[swapped]
-    scores = _PER_LOGIT[info.score](x) + (np.asarray(info.bias, np.float64)[swapped] if info.bias else 0.0)
-    slope = float(np.min(_SLOPE[info.score](x)))
-    spacing = bf16_spacing(float(np.max(np.abs(scores))))
-    return ulps * spacing / slope if slope > 0 else None
+    swapped = displaced + instead
+    x = np.asarray(logits, np.float64)
+    scores = _PER_LOGIT[info.score](x[swapped]) + (np.asarray(info.bias, np.float64)[swapped] if info.bias else 0.0)
+    slopes = float(np.min(_SLOPE[info.score](x[displaced]))) + float(np.min(_SLOPE[info.score](x[instead])))
+    tau = ulps * bf16_spacing(float(np.max(np.abs(scores))))
+    return 2.0 * tau / slopes if slopes > 0 else None
 
 
 def _bias(info: RouterInfo) -> np.ndarray | float:

@@ -386,3 +386,24 @@ def test_deepseek_v4_s_bf16_score_rounding_stays_within_its_epsilon():
         assert gap <= allowed, (row, gap, allowed)
         beyond_logit_rule += gap > routing_epsilon(x, None, 4.0)
     assert len(flipped) >= 20 and beyond_logit_rule >= 5, (len(flipped), beyond_logit_rule)
+
+
+def test_the_score_rounding_epsilon_is_bounded_by_the_flattest_swapped_pair():
+    """Two experts whose scores are tau apart swap when each logit moves tau / (slope_a +
+    slope_b): the allowance is twice that for the flattest pair, written out here with
+    sqrt(softplus) and its slope sigma(x) / (2 sqrt(softplus(x))); an expert far down the scores
+    (logit -6, slope 0.025) does not make it the tau / 0.025 of that expert alone."""
+    def score(x):
+        return math.sqrt(math.log1p(math.exp(x)))
+
+    def slope(x):
+        return 1.0 / (1.0 + math.exp(-x)) / (2.0 * score(x))
+
+    info = RouterInfo(top_k=2, score="sqrtsoftplus", bias=(0.01, -0.02, 0.0, 0.03), rounded=True)
+    logits = np.array([0.4, 0.3, 0.25, -6.0])
+    got = selection.score_rounding_epsilon(info, logits, [0, 1], [0, 3], 4.0)
+    tau = 4.0 * 2.0 ** -8  # the largest swapped score, 0.9 + bias, lies in [0.5, 1)
+    assert got == pytest.approx(2.0 * tau / (slope(0.3) + slope(-6.0)), rel=1e-12)
+    assert got < tau / slope(-6.0) / 1.5
+    assert selection.selection_gap(info, logits, np.array([0, 3])) > got  # far from a rounding
+    assert selection.score_rounding_epsilon(info, logits, [0, 1], [1, 0], 4.0) is None  # a reorder
