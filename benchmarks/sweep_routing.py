@@ -45,6 +45,7 @@ import torch
 import transformers
 
 import compiledump
+from compiledump.capture import hf_layout  # where Hugging Face decoders keep their layers and MLPs
 from compiledump.capture.hf_routers import BIAS_NAMES  # where routers keep their selection bias
 from compiledump.compare import compare, format_report
 
@@ -178,9 +179,8 @@ BUG_LAYER = 1  # where --engine-bug experts_x1.05 scales the experts
 def _scale_experts(model: torch.nn.Module) -> None:
     """x1.05 every weight of layer BUG_LAYER's experts (its MLP where it has none), as calibrate.py's
     bf16 bug: a wrong scale in one layer, with the router untouched."""
-    layer = next(module for name, module in model.named_modules() if name.endswith("layers"))[BUG_LAYER]
-    block = next(getattr(layer, name) for name in ("mlp", "block_sparse_moe", "feed_forward", "mixer")
-                 if isinstance(getattr(layer, name, None), torch.nn.Module))
+    _, layers = hf_layout.find_layers(dict(model.named_modules()))  # the layers instrument() taps
+    block = getattr(layers[BUG_LAYER], hf_layout.child(layers[BUG_LAYER], (*hf_layout.MLP_BLOCKS, "mixer")))
     for parameter in getattr(block, "experts", block).parameters():
         parameter.mul_(1.05)
 

@@ -361,14 +361,6 @@ def _tap_router(handle: Instrumented, name: str, block_path: str, block: torch.n
         handle.taps[tag] = f"{block_path}.{router_name}"
 
 
-
-
-
-
-
-
-
-
 def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:
     """The module to hook: `torch.compile(model)`'s original module. Code dynamo already traced
     for a compiled model would never see the new hooks (dynamo skips hook guards), so its caches

@@ -66,6 +66,18 @@ class MiniMaxM2Router(torch.nn.Module):
         return self.router(hidden, self.bias)
 
 
+def v4_router(experts: int, k: int, bias: np.ndarray):
+    """transformers' DeepSeek-V4 router with the identity as its weight (the hidden state fed in
+    is the logits row) and ``bias`` as its e_score_correction_bias."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4TopKRouter
+    router = DeepseekV4TopKRouter(transformers.DeepseekV4Config(hidden_size=experts, num_local_experts=experts,
+                                                                num_experts_per_tok=k))
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(experts))
+        router.e_score_correction_bias.copy_(torch.from_numpy(bias))
+    return router
+
+
 def picks(router, logits: np.ndarray) -> np.ndarray:
     """The experts Hugging Face's router picks for each row of ``logits``, sorted."""
     with torch.no_grad():
@@ -264,15 +276,10 @@ def test_softmax_plus_bias_routers_replay_and_their_gap_is_the_smallest_move(mod
 def test_deepseek_v4_s_sqrt_softplus_router_replays_and_its_gap_is_the_smallest_move():
     """DeepSeek-V4's router: the top-k of sqrt(softplus(logits)) + bias, against its transformers
     code; the per-score rule (each score moves with its own logit) with that score and its inverse."""
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4TopKRouter
     experts, k = 11, 3
     rng = np.random.default_rng(41)
     bias = (rng.standard_normal(experts) * 0.05).astype(np.float32)
-    router = DeepseekV4TopKRouter(transformers.DeepseekV4Config(hidden_size=experts, num_local_experts=experts,
-                                                                num_experts_per_tok=k))
-    with torch.no_grad():
-        router.weight.copy_(torch.eye(experts))
-        router.e_score_correction_bias.copy_(torch.from_numpy(bias))
+    router = v4_router(experts, k, bias)
     info = RouterInfo(top_k=k, score="sqrtsoftplus", bias=tuple(float(b) for b in bias))
     logits = (rng.standard_normal((300, experts)) * rng.uniform(0.3, 3.0, (300, 1))).astype(np.float32)
     ids = picks(router, logits)
@@ -360,16 +367,11 @@ def test_deepseek_v4_s_bf16_score_rounding_stays_within_its_epsilon():
     transformers' router in bf16 against the same (bf16-exact) logits in float32 flips rows whose
     gap exceeds the logit-ulps epsilon, and every such flip is within the epsilon its `rounded`
     declaration adds (none without it)."""
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4TopKRouter
     from compiledump.compare.routing import routing_epsilon
     experts, k = 8, 2
     rng = np.random.default_rng(43)
     bias = (rng.standard_normal(experts) * 0.02).astype(np.float32)
-    router = DeepseekV4TopKRouter(transformers.DeepseekV4Config(hidden_size=experts, num_local_experts=experts,
-                                                                num_experts_per_tok=k))
-    with torch.no_grad():
-        router.weight.copy_(torch.eye(experts))
-        router.e_score_correction_bias.copy_(torch.from_numpy(bias))
+    router = v4_router(experts, k, bias)
     info = RouterInfo(top_k=k, score="sqrtsoftplus", bias=tuple(float(b) for b in bias), rounded=True)
     plain_info = RouterInfo(top_k=k, score="sqrtsoftplus", bias=info.bias)
     logits = torch.from_numpy(rng.standard_normal((3000, experts)).astype(np.float32) * 0.3).bfloat16().float()
