@@ -194,6 +194,8 @@ def norm_diff_of(xx: float, yy: float, floor: float = 0.0) -> float | None:
     """|‖y‖ − ‖x‖| / ‖x‖ from the sums of squares ``xx`` = ‖x‖² and ``yy`` = ‖y‖², written as
     |yy − xx| / ((‖x‖ + ‖y‖)·‖x‖) so the difference of two close norms keeps its digits; with a
     ``floor`` (a squared norm), divided by the larger of ‖x‖ and √floor instead."""
+    if yy == xx:  # equal norms (a row of zeros on both sides too, which the floor would divide by zero)
+        return 0.0
     scale = max(xx, floor)
     if scale > 0:
         return abs(yy - xx) / ((math.sqrt(xx) + math.sqrt(yy)) * math.sqrt(scale))

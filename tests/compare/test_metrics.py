@@ -167,3 +167,24 @@ def test_zero_vectors_have_defined_metrics():
     assert one_zero.rel_diff == pytest.approx(1.0) and one_zero.cosine is None and one_zero.rel_l2 is None
     opposite = compare_float_arrays(x, -x)
     assert opposite.rel_diff == pytest.approx(2.0) and opposite.cosine == pytest.approx(-1.0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_rows_of_zeros_on_both_sides_read_as_equal(dtype):
+    """A row that is zero on both sides (an indexer's first token after ReLU, or all masked -inf)
+    beside nonzero rows: norm_diff 0 there (it divided by zero before), the other rows as numpy says."""
+    from compiledump.compare.metrics import compare_rows
+
+    rng = np.random.default_rng(7)
+    ref = rng.standard_normal((5, 13)).astype(dtype)
+    run = (ref * (1 + 1e-2 * rng.standard_normal((5, 13)))).astype(dtype)
+    ref[2] = run[2] = 0
+    ref[3, 4:] = run[3, 4:] = -np.inf
+    ref[3, :4] = run[3, :4] = 0
+    rows = compare_rows(ref, run)
+    assert rows.norm_diff[2] == 0.0 and rows.norm_diff[3] == 0.0 and rows.rel_diff[2] == 0.0
+    x, y = ref.astype(np.float64), run.astype(np.float64)
+    median = float(np.median([np.dot(r[np.isfinite(r)], r[np.isfinite(r)]) for r in x]))
+    for row in (0, 1, 4):
+        nx, ny = np.linalg.norm(x[row]), np.linalg.norm(y[row])
+        assert rows.norm_diff[row] == pytest.approx(abs(ny - nx) / max(nx, math.sqrt(median)), rel=1e-9)
