@@ -118,7 +118,8 @@ def collect(slots, overflow_tags, arena: np.ndarray, ctrl: np.ndarray, prompt_to
             tags[name]["nonfinite"] = nonfinite
             # Calls in time order: the prefill first, then by step, then in forward order.
             when = -1 if nonfinite["phase"] == "prefill" else nonfinite["step"]
-            bad.append((when, slot.order, nonfinite))
+            if not spec.masked_scores(slot.tag):
+                bad.append((when, slot.order, nonfinite))
         for reason, count in drops.items():
             totals[reason] = totals.get(reason, 0) + count
     if overflow_tags:

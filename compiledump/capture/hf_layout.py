@@ -18,6 +18,9 @@ from .hf_routers import int_attr
 MIXERS = ("self_attn", "linear_attn", "mamba", "mixer", "self_attention", "conv")  # JetMoE; LFM2's conv layers
 MLP_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward")
 ROUTERS = ("gate", "router")  # the MoE block's router: Qwen/Mixtral/DeepSeek, gpt-oss/Granite
+# A sparse-attention indexer inside the attention module (DeepSeek-V3.2, GLM-MoE-DSA, ...): it picks
+# the keys each query attends to, by the top-k of an index score.
+INDEXERS = ("indexer",)
 # Beside `layers`: most models, Jamba/Falcon-H1, Nemotron-H, LFM2 (whose final norm is embedding_norm),
 # Qwen4-Exp (whose hyper-connection streams end in a mixer, not a norm).
 FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "embedding_norm", "hyper_connection_mixer")

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import api, hf_layout as layout, mixers, routers
+from . import api, hf_layout as layout, indexers, mixers, routers
 from .hf_routers import PROBABILITY_ROUTERS, int_attr, selection_of
 from .state import STATE, warn_once
 
@@ -281,6 +281,13 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
             # JetMoE's mixture of attention heads: its router picks each token's heads, so its
             # flips are judged as the MLP's are (layer<i>_attn_router, layer<i>_attn_topk).
             _tap_router(handle, f"layer{i}_attn", f"{prefix}.{mixer_name}.experts", heads, "router")
+        attn = getattr(layer, mixer_name) if mixer_name else None
+        if (indexer_name := layout.child(attn, layout.INDEXERS) if attn is not None else None) is not None:
+            # A sparse-attention indexer picks each token's keys: judged as the MLP's experts are
+            indexer = getattr(attn, indexer_name)
+            indexers.tap_indexer(handle, f"layer{i}_attn", f"{prefix}.{mixer_name}.{indexer_name}", indexer,
+                                 handle._router(f"layer{i}_attn", attn, indexer))
+            routers.withdraw(f"layer{i}_attn_router")  # the plain top-k of its scores
         attn_input = layout.residual_after_attention(layer, block_name)
         if attn_input is not None:
             handle._add(getattr(layer, attn_input), f"layer{i}_attn", f"{prefix}.{attn_input}", "input")

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..format.keys import KeyInfo, router_key_for, step_ids_key_for
+from ..format.keys import KeyInfo, attention_ids_key_for, router_key_for, step_ids_key_for
 from ..format.reader import Dump, Member
 from ..format.routers import RouterInfo
 from .facts import SideFacts
@@ -122,10 +122,12 @@ class KeyMeasurer:
                 result = self.measure(record, x, y, info)
                 if result.ids is not None and not result.ids.ids_equal:
                     result = self.judge_ids(result, info, x, y)
-                elif result.floats is not None and result.metric != "nonfinite" and self._judges_step_ids(info):
-                    # One logit per expert, in the decode-step noise and reached by flips of
-                    # earlier tokens; what moves them moves the step's later keys too. A
-                    # non-finite mismatch is never excused.
+                elif result.floats is not None and result.metric != "nonfinite" and self._judges_ids(info):
+                    # A decode step's router logits: one logit per expert, in the decode-step noise
+                    # and reached by flips of earlier tokens; what moves them moves the step's later
+                    # keys too. An attention's selection scores: a sparse indexer's are noisier than
+                    # the hidden states (ReLU'd sums over heads; fp8 in engines), and what its picks
+                    # change shows in layer<i>_attn. A non-finite mismatch is never excused.
                     result = replace(result, status="shown", divergent=False, metric=None, value=None)
                 return result
             # A merged side's ids are judged strictly (any mismatch diverges): no routing analysis.
@@ -172,16 +174,18 @@ class KeyMeasurer:
                              near_tie_epsilon=self.options.near_tie_epsilon(floats.margins.ref.top1))
         return record
 
-    def _judges_step_ids(self, info: KeyInfo) -> bool:
-        """Whether ``info`` is a decode step's router logits beside that step's ids, compared
-        on both sides (the same shape, integers on both): such logits are read to judge the ids
-        and shown, not judged themselves (docs/compare.md, "Decode steps")."""
-        ids_key = step_ids_key_for(info.key) if info.kind == "step" else None
+    def _judges_ids(self, info: KeyInfo) -> bool:
+        """Whether ``info`` is a decode step's router logits beside that step's ids, or the scores
+        of an attention's own selection (``layer<i>_attn_router``) beside its ids, compared on both
+        sides (the same shape, integers on both): such scores are read to judge the ids and shown,
+        not judged themselves (docs/compare.md, "Decode steps", "Sparse-attention indexers")."""
+        ids_key = step_ids_key_for(info.key) if info.kind == "step" else attention_ids_key_for(info.key)
         if ids_key is None or ids_key not in self.ref.members or ids_key not in self.run.members:
             return False
         ref_ids, run_ids = self.ref.members[ids_key], self.run.members[ids_key]
         ids_info = self.ref.infos.get(ids_key)
-        return (ids_info is not None and ids_info.kind == "step" and ref_ids.is_integer and run_ids.is_integer
+        return (ids_info is not None and (ids_info.kind == "step") == (info.kind == "step")
+                and ref_ids.is_integer and run_ids.is_integer
                 and ref_ids.shape == run_ids.shape)
 
     @functools.cached_property

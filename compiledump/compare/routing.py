@@ -278,8 +278,9 @@ def judge_routing(ref_ids: np.ndarray, run_ids: np.ndarray, router: np.ndarray |
     if run_router is not None and router is not None and np.shape(run_router) == np.shape(router):
         run_covered = router_rows(a.shape[0], np.asarray(run_router), all_rows)
         for row, logits in covered.items():
-            error = np.abs(np.asarray(logits, np.float64) - np.asarray(run_covered[row], np.float64))
-            finite = error[np.isfinite(error)]
+            ref_row, run_row = np.asarray(logits, np.float64), np.asarray(run_covered[row], np.float64)
+            both = np.isfinite(ref_row) & np.isfinite(run_row)  # an indexer's masked keys are -inf on both
+            finite = np.abs(ref_row[both] - run_row[both])
             if finite.size:
                 routing.row_errors[row] = float(finite.max())
     for row in np.flatnonzero(np.any(a != b, axis=1)).tolist():

@@ -106,7 +106,7 @@ def _note_for(record: KeyRecord) -> str:
     if record.status == "not_comparable":
         return f"NOT COMPARABLE: {record.reason}"
     parts = []
-    if record.divergent_rows:
+    if record.divergent_rows and record.status != "shown":
         parts.append(f"diverges at {_rows_text(record.divergent_rows, len(record.rows.rel_diff))}")
     elif record.divergent and record.metric == "norm_diff":
         parts.append(f"norm_diff {record.value:.3e} > {record.limits.norm_diff:.1e}")
@@ -125,7 +125,8 @@ def _note_for(record: KeyRecord) -> str:
                    f"whose expert ids differ at {by} where no reference router logits judge them")
             parts.append(f"{what}not judged at {_rows_text(record.excused_rows, count)}: at or after a token {why}")
     if record.status == "shown":
-        parts.append("read to judge this step's expert ids, not judged itself")
+        parts.append("read to judge this step's expert ids, not judged itself" if record.step is not None
+                     else "read to judge the keys its attention picks, not judged itself")
     ids = record.ids
     if ids is not None:
         if ids.ids_equal:

@@ -141,6 +141,12 @@ def router_key_for(key: str, step: bool = False) -> str | None:
     return spec.step_key(parts[0][: -len("topk")] + "router", parts[1])
 
 
+def attention_ids_key_for(key: str) -> str | None:
+    """The ids key beside the scores of an attention's own selection (a sparse-attention indexer's
+    keys, JetMoE's heads): ``layer3_attn_router`` -> ``layer3_attn_topk``; else None."""
+    return key[: -len("router")] + "topk" if key.endswith("_attn_router") else None
+
+
 def step_ids_key_for(key: str) -> str | None:
     """The ids key of the same step beside a step's router-logits key: ``layer3_step_router_5``
     -> ``layer3_step_topk_5``; None for a key not named ``<prefix>_router_<n>``."""

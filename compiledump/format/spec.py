@@ -76,6 +76,13 @@ def split_step_key(key: str) -> tuple[str, int] | None:
     return (match.group("prefix"), int(match.group("step"))) if match else None
 
 
+def masked_scores(tag: str) -> bool:
+    """Whether `tag` holds an attention's selection scores (`layer<N>_attn_router` and its steps,
+    as `instrument` records a sparse-attention indexer), where -inf marks a masked key by design:
+    counted as non-finite, but never the dump's first non-finite value."""
+    return tag.endswith(("_attn_router", "_attn_step_router"))
+
+
 # Tags `layer<N>` and `layer<N>_<x>` belong to layer N: the comparator orders by it and the MoE
 # layer filter (COMPILEDUMP_MOE_LAYERS) reads it.
 _LAYER_TAG = re.compile(r"^layer(\d+)(?:_|$)")

@@ -1,0 +1,87 @@
+"""Sparse-attention indexers recorded as routers: their flips are then judged, not read as bugs.
+
+A DeepSeek Sparse Attention indexer (DeepSeek-V3.2, GLM-MoE-DSA, Hunyuan V4, dots3, A.X-K2,
+Mistral Large 4) scores every key for each query and lets attention read only the top
+`index_topk` of them. Once a prompt is longer than `index_topk`, a low-precision engine swaps
+near-tie keys honestly, and the token's attention output jumps; without the indexer's scores the
+comparator reads that as a divergence at `layer<i>_attn` or later (docs/compare.md). Recorded as
+`layer<i>_attn_router` (the index scores, one row of keys per token) and `layer<i>_attn_topk` (the
+keys picked), a swap is judged like an expert flip: a near tie, or a divergence.
+
+The indexer returns only the picked keys; its scores are the input of the top-k inside its
+forward, which a torch function mode sees while the wrapped forward runs (eager or traced by
+dynamo, which inlines the mode: no graph break).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .state import STATE, warn_once
+
+
+class _TopkInputs(TorchFunctionMode):
+    """Appends (input, k) of each top-k taken while it is active to `seen`. Made once per indexer,
+    outside any traced code: dynamo traces entering an existing mode, not building one."""
+
+    def __init__(self, seen: list) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.topk or func is torch.Tensor.topk:
+            self.seen.append((args[0], args[1] if len(args) > 1 else kwargs.get("k")))
+        return func(*args, **kwargs)
+
+
+class _Unwrap:
+    """The handle `Instrumented.remove()` calls: puts the indexer's own forward back."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def remove(self) -> None:
+        self.module.__dict__.pop("forward", None)
+
+
+def tap_indexer(handle, name: str, path: str, indexer: torch.nn.Module, capture) -> None:
+    """Record `indexer`'s scores and picks under `<name>_router` / `<name>_topk` (and their steps)
+    through `capture`, a router capture of `handle` that takes `(scores, None, ids)`.
+
+    Only an indexer whose last top-k is over `[batch, seq, keys]` scores and returns the `[batch,
+    seq, k]` picks it took is recorded; another (pooled or per-head picks) is warned about once.
+    A pick of a masked key (score -inf: fewer visible keys than k) is recorded as -1 on both sides,
+    so the arbitrary order of equal -inf scores is no flip."""
+    original = indexer.forward
+    seen: list = []
+    mode = _TopkInputs(seen)
+
+    def forward(*args, **kwargs):
+        if not STATE.config.active:  # off: nothing at all reaches the graph
+            return original(*args, **kwargs)
+        seen.clear()
+        with mode:
+            picked = original(*args, **kwargs)
+        scores, k = seen[-1] if seen else (None, None)
+        seen.clear()  # no tensor kept past the call
+        if (isinstance(scores, torch.Tensor) and scores.is_floating_point() and scores.dim() == 3
+                and isinstance(picked, torch.Tensor) and not picked.is_floating_point()
+                and tuple(picked.shape) == (*scores.shape[:2], k)):
+            masked = torch.gather(scores, -1, picked.long().clamp_min(0)) == float("-inf")
+            capture((scores, None, torch.where(masked | (picked < 0), torch.full_like(picked, -1), picked)))
+        elif not torch.compiler.is_compiling():  # shapes and types: constants while tracing
+            for tag in ("router", "topk", "step_router", "step_topk"):
+                handle.taps.pop(f"{name}_{tag}", None)
+            warn_once(f"instrument: {type(indexer).__name__} (a sparse-attention indexer) does not return the "
+                      "[batch, seq, k] top-k of [batch, seq, keys] scores, so its picks are not recorded (no "
+                      f"{name}_router/_topk): a swap of near-tie keys there reads as a divergence in attention")
+        return picked
+
+    indexer.forward = forward
+    handle._handles.append(_Unwrap(indexer))
+    handle.taps[f"{name}_router"] = path
+    steps = (f"{name}_step_router", f"{name}_step_topk") if handle.step_routing else ()
+    for tag in (f"{name}_topk", *steps):
+        handle.taps[tag] = path
