@@ -21,7 +21,8 @@ shared expert) and DeepSeek-V4 (``deepseek_v4``: two layers routed by token id, 
 sqrt(softplus) scores plus a random bias). ``--models`` also takes AFMoE, A.X-K2-Light (its
 indexer keeping every key), Laguna, Kolibri, LFM2-MoE, Nemotron-H, gpt-oss, Granite-MoE with
 sliding windows and Qwen3-Next (MORE_CONFIGS: the seventh session's audit), and Ergo, Kolibri 1.1
-and MiniMax-M3-VL's text model (the eighth's). benchmarks/calibrate.py calibrates the thresholds themselves; this
+and MiniMax-M3-VL's text model (the eighth's), and DeepSeek-V3.2 (``deepseek_v32``: an indexer keeping 4
+keys per query, fewer than the prompt's). benchmarks/calibrate.py calibrates the thresholds themselves; this
 sweep counts verdicts over more random models than it can afford (docs/compare.md, "Expert ids
 and near ties").
 
@@ -119,6 +120,11 @@ MORE_CONFIGS = {
                           shared_intermediate_size=48, rotary_dim=8, index_n_heads=2, index_head_dim=16,
                           index_block_size=4, index_topk_blocks=4, index_local_blocks=1,
                           mlp_layer_types=["dense", "sparse", "sparse", "sparse"]),
+    # A sparse-attention indexer in every layer keeping 4 keys per query, so that the default 7-token
+    # prompts exceed it (docs/compare.md, "Sparse-attention indexers").
+    "deepseek_v32": dict(intermediate_size=96, moe_intermediate_size=48, n_routed_experts=8, n_shared_experts=1,
+                         first_k_dense_replace=1, n_group=1, topk_group=1, index_topk=4, index_head_dim=16,
+                         index_n_heads=4, head_dim=8, **_MLA),
 }
 CONFIGS.update(MORE_CONFIGS)
 DEFAULT_MODELS = [name for name in CONFIGS if name not in MORE_CONFIGS]
