@@ -127,16 +127,7 @@ def test_compiled_indexer_records_what_eager_does(tmp_path):
     model = deepseek_v32(index_topk=4)
     ids = torch.randint(3, 211, (1, 9), generator=torch.Generator().manual_seed(1))
     dump_prefill(model, tmp_path / "eager", ids, "all")
-    compiledump.reset()
-    compiledump.configure(dir=str(tmp_path / "compiled"), moe_layers=4, rows="all")
-    handle = compiledump.instrument(model)
-    with torch.no_grad():
-        torch.compile(model, fullgraph=True)(input_ids=ids, use_cache=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        compiledump.flush()
-    handle.remove()
-    compiledump.reset()
+    dump_prefill(model, tmp_path / "compiled", ids, "all", wrap=lambda m: torch.compile(m, fullgraph=True))
     torch._dynamo.reset()
     eager, compiled = _arrays(tmp_path / "eager"), _arrays(tmp_path / "compiled")
     for i in range(4):

@@ -14,10 +14,11 @@ from compiledump import config as cd_config
 
 
 def dump_prefill(model: torch.nn.Module, directory: Path, ids: torch.Tensor, rows: str = "one",
-                 moe_layers: int = 4, router_rows: str | None = "all") -> None:
+                 moe_layers: int = 4, router_rows: str | None = "all", wrap=None) -> None:
     """Run ``model`` on ``ids`` once (no KV cache) with every MoE layer's ids recorded, and flush
     the dump into ``directory``; compiledump is reset before and after. ``router_rows`` as
-    ``instrument`` takes it."""
+    ``instrument`` takes it; ``wrap`` (e.g. ``torch.compile``) turns the instrumented model into
+    what is called."""
     compiledump.reset()
     previous = compiledump.get_config()
     # Every other setting at its default: a test earlier in this process may have changed one
@@ -25,7 +26,7 @@ def dump_prefill(model: torch.nn.Module, directory: Path, ids: torch.Tensor, row
     compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory), moe_layers=moe_layers, rows=rows)))
     handle = compiledump.instrument(model, router_rows=router_rows)
     with torch.no_grad():
-        model(input_ids=ids, use_cache=False)
+        (wrap(model) if wrap is not None else model)(input_ids=ids, use_cache=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the token gate's drops are deliberate
         compiledump.flush()
