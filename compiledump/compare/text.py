@@ -338,9 +338,14 @@ def final_line(report: Report) -> str:
                                  for item in ids[:4])
             more = f", ... ({len(ids) - 4} more)" if len(ids) > 4 else ""
             routed = f"; expert ids differ without a divergence: {verdicts}{more}"
-            excused = sum(1 for record in report.keys if record.excused_rows)
+            excused = [record for record in report.keys if record.excused_rows]
             if excused:
-                routed += f" ({excused} keys not judged at or after the tokens whose expert ids differ)"
+                routed += f" ({len(excused)} keys not judged at or after the tokens whose expert ids differ"
+                if any(record.phase == "prefill" and len(record.shape_ref) == 1 for record in excused):
+                    # A one-row key holds the last token only: one earlier flip leaves it unjudged.
+                    routed += (", one-row keys among them, whose one token an earlier token's flip reaches: "
+                               "all-rows mode (COMPILEDUMP_ROWS=all) judges the tokens no flip reaches")
+                routed += ")"
         return f"no divergence: {compared} keys compared{near}{skipped}{routed}{tie}{extra}"
     rank = f" [rank {first.rank}]" if len(report.pairs) > 1 else ""
     last = f"; last good: {first.last_good}" if first.last_good else ""
