@@ -39,6 +39,13 @@ def child(module: torch.nn.Module, names: tuple[str, ...]) -> str | None:
                  and not isinstance(getattr(module, name), (torch.nn.ModuleList, torch.nn.ModuleDict))), None)
 
 
+def indexer_of(mixer: torch.nn.Module) -> str | None:
+    """The path, relative to the token mixer, of its sparse-attention indexer: a child `indexer`,
+    or one a level further down (DeepSeek-V4's `compressor.indexer`); else None."""
+    return next((name for name, _ in mixer.named_modules()
+                 if name.split(".")[-1] in INDEXERS and name.count(".") <= 1), None)
+
+
 def holds_experts(block) -> bool:
     return isinstance(getattr(block, "experts", None), torch.nn.Module)
 

@@ -76,7 +76,8 @@ def tap_indexer(handle, name: str, path: str, indexer: torch.nn.Module, capture)
                 handle.taps.pop(f"{name}_{tag}", None)
             warn_once(f"instrument: {type(indexer).__name__} (a sparse-attention indexer) does not return the "
                       "[batch, seq, k] top-k of [batch, seq, keys] scores, so its picks are not recorded (no "
-                      f"{name}_router/_topk): a swap of near-tie keys there reads as a divergence in attention")
+                      "layer<i>_attn_router/_attn_topk, nor listed in handle.taps): a swap of near-tie keys there "
+                      "reads as a divergence in attention")
         return picked
 
     indexer.forward = forward

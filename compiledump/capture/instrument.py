@@ -282,9 +282,9 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
             # flips are judged as the MLP's are (layer<i>_attn_router, layer<i>_attn_topk).
             _tap_router(handle, f"layer{i}_attn", f"{prefix}.{mixer_name}.experts", heads, "router")
         attn = getattr(layer, mixer_name) if mixer_name else None
-        if (indexer_name := layout.child(attn, layout.INDEXERS) if attn is not None else None) is not None:
+        if (indexer_name := layout.indexer_of(attn) if attn is not None else None) is not None:
             # A sparse-attention indexer picks each token's keys: judged as the MLP's experts are
-            indexer = getattr(attn, indexer_name)
+            indexer = attn.get_submodule(indexer_name)
             indexers.tap_indexer(handle, f"layer{i}_attn", f"{prefix}.{mixer_name}.{indexer_name}", indexer,
                                  handle._router(f"layer{i}_attn", attn, indexer))
             routers.withdraw(f"layer{i}_attn_router")  # the plain top-k of its scores

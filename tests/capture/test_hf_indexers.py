@@ -6,6 +6,7 @@ bug still is one (docs/compare.md, "Sparse-attention indexers")."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import glob
 import json
 import warnings
@@ -17,9 +18,10 @@ import torch
 pytest.importorskip("transformers")
 
 import compiledump  # noqa: E402
+from compiledump import config as cd_config  # noqa: E402
 from compiledump.compare import compare, format_report  # noqa: E402
 from helpers.hf_dump import dump_prefill  # noqa: E402
-from helpers.hf_models import deepseek_v32  # noqa: E402
+from helpers.hf_models import deepseek_v32, minimax_m3_vl_text  # noqa: E402
 
 
 def _arrays(directory):
@@ -140,3 +142,22 @@ def test_compiled_indexer_records_what_eager_does(tmp_path):
     for i in range(4):
         np.testing.assert_array_equal(compiled[f"layer{i}_attn_topk"], eager[f"layer{i}_attn_topk"])
         np.testing.assert_allclose(compiled[f"layer{i}_attn_router"], eager[f"layer{i}_attn_router"], rtol=1e-5, atol=1e-6)
+
+
+def test_an_indexer_of_another_shape_is_warned_about_once(tmp_path):
+    """MiniMax-M3-VL's block-sparse indexer picks per head: not recorded, one warning for both of
+    its layers, and its tags leave handle.taps."""
+    model = minimax_m3_vl_text(sparse_layers=(0, 2))
+    compiledump.reset()
+    previous = compiledump.get_config()
+    # every other setting at its default (capture on): an earlier test may have changed one
+    compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(tmp_path))))
+    handle = compiledump.instrument(model)
+    assert "layer0_attn_topk" in handle.taps
+    with pytest.warns(RuntimeWarning, match="MiniMaxM3VLIndexer") as caught, torch.no_grad():
+        model(input_ids=torch.randint(3, 211, (1, 30), generator=torch.Generator().manual_seed(0)), use_cache=False)
+    assert sum("sparse-attention indexer" in str(w.message) for w in caught) == 1
+    assert not any(tag.endswith(("_attn_router", "_attn_topk")) for tag in handle.taps)
+    handle.remove()
+    compiledump.reset()
+    compiledump.configure(**dataclasses.asdict(previous))

@@ -31,3 +31,16 @@ def deepseek_v32(index_topk: int, seed: int = 0, init: float = 0.1, max_position
         max_position_embeddings=max_positions, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def minimax_m3_vl_text(sparse_layers: tuple[int, ...] = (0, 2)):
+    """MiniMax-M3-VL's text model, 4 layers, hidden 64, 8 experts top-2; the layers `sparse_layers`
+    have its block-sparse indexer (picks `[batch, heads, seq, blocks]`, not one row per token)."""
+    config = transformers.AutoConfig.for_model(
+        "minimax_m3_vl_text", vocab_size=211, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2, head_dim=16,
+        dense_intermediate_size=96, shared_intermediate_size=48, rotary_dim=8, index_n_heads=2, index_head_dim=16,
+        index_block_size=4, index_topk_blocks=4, index_local_blocks=1, max_position_embeddings=64,
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        layer_types=["minimax_m3_sparse" if i in sparse_layers else "full_attention" for i in range(4)])
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
