@@ -57,6 +57,7 @@ def tap_indexer(handle, name: str, path: str, indexer: torch.nn.Module, capture)
     original = indexer.forward
     seen: list = []
     mode = _TopkInputs(seen)
+    step_width: dict[str, int] = {}  # the keys every step row is padded to, set by the first call
 
     def forward(*args, **kwargs):
         if not STATE.config.active:  # off: nothing at all reaches the graph
@@ -70,7 +71,19 @@ def tap_indexer(handle, name: str, path: str, indexer: torch.nn.Module, capture)
                 and isinstance(picked, torch.Tensor) and not picked.is_floating_point()
                 and tuple(picked.shape) == (*scores.shape[:2], k)):
             masked = torch.gather(scores, -1, picked.long().clamp_min(0)) == float("-inf")
-            capture((scores, None, torch.where(masked | (picked < 0), torch.full_like(picked, -1), picked)))
+            ids = torch.where(masked | (picked < 0), torch.full_like(picked, -1), picked)
+            # A growing cache adds a key per decode step, and a step tag keeps one shape: each step's
+            # row is padded with masked keys to the first call's keys + COMPILEDUMP_MAX_STEPS (a row
+            # past that is dropped as shape_changed, counted and warned about). Traced code has a
+            # cache of one size (each size is a graph of its own): no state, which dynamo would guard
+            # on and re-trace for when the first call set it.
+            row = handle._step_row(handle._rows(scores))
+            width = row.shape[-1] + STATE.config.max_steps
+            if not torch.compiler.is_compiling():
+                width = step_width.setdefault("keys", width)
+            if row.shape[-1] < width:
+                row = torch.nn.functional.pad(row, (0, width - row.shape[-1]), value=float("-inf"))
+            capture((scores, None, ids), step_logits=row)
         elif not torch.compiler.is_compiling():  # shapes and types: constants while tracing
             for tag in ("router", "topk", "step_router", "step_topk"):
                 handle.taps.pop(f"{name}_{tag}", None)

@@ -152,7 +152,9 @@ class Instrumented:
         """The capture of a router whose tags are `<name>_router`, `<name>_topk` and their steps."""
         top_k = int_attr((block, router), ("top_k", "num_experts_per_tok"))
 
-        def capture(output) -> None:
+        def capture(output, step_logits: torch.Tensor | None = None) -> None:
+            # `step_logits`: the step row to record instead of the last row of the logits (an
+            # indexer's, padded to one width for every step: capture/indexers.py).
             # Hugging Face 5.x routers return (logits, scores, top-k ids, ...); Llama 4's (scores,
             # logits); JetMoE's (sorted expert ids, ..., logits); older ones bare logits; vLLM's and
             # SGLang's gates (linear layers) return (logits, None), the None their unused output
@@ -191,7 +193,8 @@ class Instrumented:
             # Each step's routing of the token whose logits `logits_<n>` holds (the same row), so
             # that the comparator can tell a decode step's routing flip from a bug.
             if self.step_routing:
-                api.record_step(f"{name}_step_router", self._step_row(rows), moe_filtered=True)
+                api.record_step(f"{name}_step_router", self._step_row(rows) if step_logits is None else step_logits,
+                                moe_filtered=True)
             if ids is None and top_k is not None:
                 ids = torch.topk(logits, top_k, dim=-1).indices
             if isinstance(ids, torch.Tensor) and not ids.is_floating_point():

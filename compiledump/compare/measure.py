@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from ..format import spec
 from ..format.keys import KeyInfo, attention_ids_key_for, router_key_for, step_ids_key_for
 from ..format.reader import Dump, Member
 from ..format.routers import RouterInfo
@@ -97,6 +98,7 @@ class KeyMeasurer:
             how = "compared as integers" if ref_member.is_integer else "compared in float64"
             problems.append(Problem("dtype_mismatch", self.rank, f"{dtypes}: {how}", key))
         last_row_of = None  # "ref"/"run": the all-rows side, compared at its last row
+        keys_in_both = None  # an attention's selection scores over caches of two lengths: the shorter's keys
         if ref_member.shape != run_member.shape:
             shapes = f"{list(ref_member.shape)} vs {list(run_member.shape)}"
             if self.ref.merged_ranks is None and self.run.merged_ranks is None:
@@ -108,15 +110,26 @@ class KeyMeasurer:
                 info = replace(info, all_rows=False)
             elif _squeezed(ref_member.shape) == _squeezed(run_member.shape):
                 how = "differ only by size-1 dimensions, compared flattened"
+            elif spec.masked_scores(info.tag) and ref_member.shape[:-1] == run_member.shape[:-1]:
+                # A dynamic cache against a static one: the longer row's extra keys must be masked
+                keys_in_both = min(ref_member.shape[-1], run_member.shape[-1])
             else:
                 problems.append(Problem("shape_mismatch", self.rank, f"{shapes}: not compared", key))
                 record.status = "skipped"
                 return record
-            problems.append(Problem("shape_mismatch", self.rank, f"{shapes}: {how}", key))
+            if keys_in_both is None:  # keys over two cache lengths: expected, no problem
+                problems.append(Problem("shape_mismatch", self.rank, f"{shapes}: {how}", key))
         try:
             if self.ref.merged_ranks is None and self.run.merged_ranks is None:
                 (ref_copy,), (run_copy,) = self.ref.replicas(key), self.run.replicas(key)
                 x, y = ref_copy.whole(), run_copy.whole()
+                if keys_in_both is not None:
+                    if (trimmed := keys_both_have(x, y)) is None:
+                        problems.append(Problem("shape_mismatch", self.rank, f"{list(x.shape)} vs {list(y.shape)}: "
+                                                "not compared (the longer side's further keys are not all masked)", key))
+                        record.status = "skipped"
+                        return record
+                    x, y = trimmed
                 if last_row_of is not None:
                     x, y = (x[-1], y) if last_row_of == "ref" else (x, y[-1])
                 result = self.measure(record, x, y, info)
@@ -254,9 +267,12 @@ class KeyMeasurer:
                 except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
                     unavailable = f"REF {router_key} could not be read: {exc}"
         all_rows = bool(router_key and router_key in self.ref.infos and self.ref.infos[router_key].all_rows)
+        run_router = self._run_router(router_key) if router is not None else None
+        if run_router is not None and spec.masked_scores(router_key) and run_router.shape != router.shape:
+            # an indexer's scores over caches of two lengths: its noise over the keys both have
+            router, run_router = keys_both_have(router, run_router) or (router, None)
         routing = judge_routing(x, y, router, router_key, all_rows, klass, class_from, self.options.near_tie,
-                                self.options.near_tie_ulps, unavailable, self.not_top_k,
-                                self._run_router(router_key) if router is not None else None,
+                                self.options.near_tie_ulps, unavailable, self.not_top_k, run_router,
                                 self.selection(router_key))
         status = "mismatch" if routing.divergent else routing.verdict
         return replace(record, routing=routing, status=status, divergent=routing.divergent)
@@ -347,3 +363,14 @@ def _badness(item: KeyRecord | RankPart) -> tuple:
         return (item.divergent, item.ids.mismatched_elements, 0.0)
     floats = item.floats
     return (item.divergent, floats.nonfinite_mismatch if floats else 0, floats.rel_diff if floats else 0.0)
+
+
+def keys_both_have(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """An attention's selection scores over two numbers of keys (a dynamic cache against a static
+    one), cut to the keys both have; None unless the shapes differ in the last dimension only and
+    the wider side's further keys are all masked (-inf): absent keys, for the selection."""
+    if x.shape[:-1] != y.shape[:-1]:
+        return None
+    width = min(x.shape[-1], y.shape[-1])
+    extra = x[..., width:] if x.shape[-1] > width else y[..., width:]
+    return (x[..., :width], y[..., :width]) if np.all(np.isneginf(extra)) else None

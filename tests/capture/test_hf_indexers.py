@@ -8,8 +8,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import glob
+import importlib.util
 import json
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +24,8 @@ from compiledump import config as cd_config  # noqa: E402
 from compiledump.compare import compare, format_report  # noqa: E402
 from helpers.hf_dump import dump_prefill  # noqa: E402
 from helpers.hf_models import deepseek_v32, minimax_m3_vl_text  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _arrays(directory):
@@ -161,3 +165,37 @@ def test_an_indexer_of_another_shape_is_warned_about_once(tmp_path):
     handle.remove()
     compiledump.reset()
     compiledump.configure(**dataclasses.asdict(previous))
+
+
+def test_engine_flow_static_cache_against_dynamic_cache(tmp_path):
+    """examples/hf_reference_vs_compiled.py's flow on DeepSeek-V3.2 (index_topk 4, 7-token prompt, 6
+    decode steps): the float32 eager reference with a DynamicCache (one more key per step) against the
+    bf16 engine compiled with fullgraph, a StaticCache (every key, later ones masked) and a padded batch
+    of 4. Every step's index scores are kept on both sides (the reference's padded to one width) and
+    compared over the keys both have: no problem, no graph break, exit 0; x1.05 on layer 1's experts
+    (the same compiled graphs) is named at layer 1."""
+    from torch._dynamo.utils import counters
+
+    spec = importlib.util.spec_from_file_location("hf_example", REPO / "examples" / "hf_reference_vs_compiled.py")
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    inputs = ex.Inputs(211, steps=6, batch=4)
+    reference = ex.run_reference(deepseek_v32(index_topk=4, max_positions=64), inputs, tmp_path / "ref", rows="all")
+    engine = ex.Engine(deepseek_v32(index_topk=4, max_positions=64), inputs, dtype=torch.bfloat16, rows="all")
+    breaks = sum(counters["graph_break"].values())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        honest = compare(reference, engine.run(tmp_path / "honest"))
+        ex.inject(engine.model, "experts", layer=1, scale=1.05)
+        broken = compare(reference, engine.run(tmp_path / "broken"))
+    engine.handle.remove()
+    compiledump.reset()
+    torch._dynamo.reset()
+    assert engine.graphs == 2 and sum(counters["graph_break"].values()) == breaks
+    keys = {record.key: record for record in honest.pairs[0].keys}
+    for i in range(2):  # COMPILEDUMP_MOE_LAYERS: layers 0 and 1 keep step tags
+        for n in range(7):
+            assert keys[f"layer{i}_attn_step_router_{n}"].status == "shown"
+            assert keys[f"layer{i}_attn_step_topk_{n}"].status in ("ok", "near_tie")
+    assert honest.problems == [] and honest.exit_status == 0, format_report(honest)[-1]
+    assert broken.exit_status == 1 and broken.first_divergence.layer == 1, format_report(broken)[-1]
