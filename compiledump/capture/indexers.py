@@ -83,7 +83,7 @@ def tap_indexer(handle, name: str, path: str, indexer: torch.nn.Module, capture)
                 width = step_width.setdefault("keys", width)
             if row.shape[-1] < width:
                 row = torch.nn.functional.pad(row, (0, width - row.shape[-1]), value=float("-inf"))
-            capture((scores, None, ids), step_logits=row)
+            capture((scores, None, ids), step_logits=row, whole=_fits(indexer, scores, k, handle.router_rows))
         elif not torch.compiler.is_compiling():  # shapes and types: constants while tracing
             for tag in ("router", "topk", "step_router", "step_topk"):
                 handle.taps.pop(f"{name}_{tag}", None)
@@ -99,3 +99,22 @@ def tap_indexer(handle, name: str, path: str, indexer: torch.nn.Module, capture)
     steps = (f"{name}_step_router", f"{name}_step_topk") if handle.step_routing else ()
     for tag in (f"{name}_topk", *steps):
         handle.taps[tag] = path
+
+
+def _fits(indexer: torch.nn.Module, scores: torch.Tensor, k: int, router_rows: str | None) -> bool:
+    """Whether the prompt's scores and picks of one indexer take at most an eighth of the arena.
+    A long prompt's `[tokens, keys]` scores would crowd every later tag out of it (8192 tokens: 256
+    MiB a layer); then only the step tags (one row each) are recorded, with one warning naming the
+    size to set. Shapes and settings only: constants while tracing."""
+    tokens, keys = scores.shape[1], scores.shape[2]
+    nbytes = 4 * ((tokens if router_rows == "all" else 1) * keys + tokens * k)
+    budget = STATE.config.arena_mb * 2**20 // 8
+    if nbytes <= budget:
+        return True
+    if not torch.compiler.is_compiling():
+        warn_once(f"instrument: {type(indexer).__name__} (a sparse-attention indexer): its scores and picks of "
+                  f"{tokens} tokens x {keys} keys take {nbytes / 2**20:.0f} MiB a layer, over an eighth of the "
+                  f"arena (COMPILEDUMP_ARENA_MB={STATE.config.arena_mb}): only each step's row is recorded, so a "
+                  "swap of the prompt's keys is not judged and may read as a divergence. Set COMPILEDUMP_ARENA_MB="
+                  f"{-(-8 * nbytes // 2**20)} or more to record every row (or instrument(router_rows='one'))")
+    return False

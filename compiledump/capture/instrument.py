@@ -152,9 +152,10 @@ class Instrumented:
         """The capture of a router whose tags are `<name>_router`, `<name>_topk` and their steps."""
         top_k = int_attr((block, router), ("top_k", "num_experts_per_tok"))
 
-        def capture(output, step_logits: torch.Tensor | None = None) -> None:
+        def capture(output, step_logits: torch.Tensor | None = None, whole: bool = True) -> None:
             # `step_logits`: the step row to record instead of the last row of the logits (an
-            # indexer's, padded to one width for every step: capture/indexers.py).
+            # indexer's, padded to one width for every step: capture/indexers.py); `whole` False:
+            # the step tags only (an indexer's prompt rows too large for the arena).
             # Hugging Face 5.x routers return (logits, scores, top-k ids, ...); Llama 4's (scores,
             # logits); JetMoE's (sorted expert ids, ..., logits); older ones bare logits; vLLM's and
             # SGLang's gates (linear layers) return (logits, None), the None their unused output
@@ -185,7 +186,8 @@ class Instrumented:
             rows = self._rows(logits)
             # Every prompt row by default: a routing flip in any row can then be judged by its own
             # router logits (ids are recorded whole), which one row cannot do for the others.
-            api.record(f"{name}_router", rows, rows=self.router_rows)
+            if whole:
+                api.record(f"{name}_router", rows, rows=self.router_rows)
             if engine_gate:
                 # The engine's fused MoE picks the experts, by a rule (a bias, groups) not visible
                 # here: no ids, and no step routing (a step's logits are read to judge its ids).
@@ -199,7 +201,8 @@ class Instrumented:
                 ids = torch.topk(logits, top_k, dim=-1).indices
             if isinstance(ids, torch.Tensor) and not ids.is_floating_point():
                 rows = self._rows(ids)
-                api.record_ids(f"{name}_topk", rows)
+                if whole:
+                    api.record_ids(f"{name}_topk", rows)
                 if self.step_routing:
                     api.record_step(f"{name}_step_topk", self._step_row(rows), moe_filtered=True)
 

@@ -199,3 +199,29 @@ def test_engine_flow_static_cache_against_dynamic_cache(tmp_path):
             assert keys[f"layer{i}_attn_step_topk_{n}"].status in ("ok", "near_tie")
     assert honest.problems == [] and honest.exit_status == 0, format_report(honest)[-1]
     assert broken.exit_status == 1 and broken.first_divergence.layer == 1, format_report(broken)[-1]
+
+
+def test_a_prompt_too_large_for_the_arena_keeps_the_step_rows_and_says_so(tmp_path):
+    """A 4 MiB arena and a 400-token prompt: one layer's scores and picks (400 x 400 and 400 x 4,
+    631 KiB) are over an eighth of it, so only the step rows are recorded, with one warning naming
+    the size to set; every other tag is kept (nothing crowded out)."""
+    model = deepseek_v32(index_topk=4, max_positions=512)
+    ids = torch.randint(3, 211, (1, 400), generator=torch.Generator().manual_seed(2))
+    previous = compiledump.get_config()
+    compiledump.reset()
+    compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(tmp_path), arena_mb=4)))
+    handle = compiledump.instrument(model)
+    with pytest.warns(RuntimeWarning, match=r"400 tokens x 400 keys .* COMPILEDUMP_ARENA_MB=5 or more") as caught, \
+            torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    assert sum("sparse-attention indexer" in str(w.message) for w in caught) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        path = compiledump.flush()
+    handle.remove()
+    compiledump.reset()
+    compiledump.configure(**dataclasses.asdict(previous))
+    kept = set(np.load(path).files)
+    assert {"layer0_attn_step_router_0", "layer0_attn_step_topk_0", "layer0_attn", "layer1_mlp", "logits_0"} <= kept
+    assert not kept & {"layer0_attn_router", "layer0_attn_topk", "layer1_attn_router", "layer1_attn_topk"}
+    assert "arena_full" not in _manifest(tmp_path)["drops"]
