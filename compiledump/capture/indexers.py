@@ -5,7 +5,7 @@ Mistral Large 4) scores every key for each query and lets attention read only th
 `index_topk` of them. Once a prompt is longer than `index_topk`, a low-precision engine swaps
 near-tie keys honestly, and the token's attention output jumps; without the indexer's scores the
 comparator reads that as a divergence at `layer<i>_attn` or later (docs/compare.md). Recorded as
-`layer<i>_attn_router` (the index scores, one row of keys per token) and `layer<i>_attn_topk` (the
+`layer<i>_index_router` (the index scores, one row of keys per token) and `layer<i>_index_topk` (the
 keys picked), a swap is judged like an expert flip: a near tie, or a divergence.
 
 The indexer returns only the picked keys; its scores are the input of the top-k inside its
@@ -89,7 +89,7 @@ def tap_indexer(handle, name: str, path: str, indexer: torch.nn.Module, capture)
                 handle.taps.pop(f"{name}_{tag}", None)
             warn_once(f"instrument: {type(indexer).__name__} (a sparse-attention indexer) does not return the "
                       "[batch, seq, k] top-k of [batch, seq, keys] scores, so its picks are not recorded (no "
-                      "layer<i>_attn_router/_attn_topk, nor listed in handle.taps): a swap of near-tie keys there "
+                      "layer<i>_index_router/_index_topk, nor listed in handle.taps): a swap of near-tie keys there "
                       "reads as a divergence in attention")
         return picked
 

@@ -291,9 +291,9 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
         if (indexer_name := layout.indexer_of(attn) if attn is not None else None) is not None:
             # A sparse-attention indexer picks each token's keys: judged as the MLP's experts are
             indexer = attn.get_submodule(indexer_name)
-            indexers.tap_indexer(handle, f"layer{i}_attn", f"{prefix}.{mixer_name}.{indexer_name}", indexer,
-                                 handle._router(f"layer{i}_attn", attn, indexer))
-            routers.withdraw(f"layer{i}_attn_router")  # the plain top-k of its scores
+            indexers.tap_indexer(handle, f"layer{i}_index", f"{prefix}.{mixer_name}.{indexer_name}", indexer,
+                                 handle._router(f"layer{i}_index", attn, indexer))
+            routers.withdraw(f"layer{i}_index_router")  # the plain top-k of its scores
         attn_input = layout.residual_after_attention(layer, block_name)
         if attn_input is not None:
             handle._add(getattr(layer, attn_input), f"layer{i}_attn", f"{prefix}.{attn_input}", "input")

@@ -11,7 +11,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..format import spec
-from ..format.keys import KeyInfo, attention_ids_key_for, router_key_for, step_ids_key_for
+from ..format.keys import KeyInfo, index_ids_key_for, router_key_for, step_ids_key_for
 from ..format.reader import Dump, Member
 from ..format.routers import RouterInfo
 from .facts import SideFacts
@@ -98,7 +98,7 @@ class KeyMeasurer:
             how = "compared as integers" if ref_member.is_integer else "compared in float64"
             problems.append(Problem("dtype_mismatch", self.rank, f"{dtypes}: {how}", key))
         last_row_of = None  # "ref"/"run": the all-rows side, compared at its last row
-        keys_in_both = None  # an attention's selection scores over caches of two lengths: the shorter's keys
+        keys_in_both = None  # an indexer's scores over caches of two lengths: the shorter's keys
         if ref_member.shape != run_member.shape:
             shapes = f"{list(ref_member.shape)} vs {list(run_member.shape)}"
             if self.ref.merged_ranks is None and self.run.merged_ranks is None:
@@ -138,7 +138,7 @@ class KeyMeasurer:
                 elif result.floats is not None and result.metric != "nonfinite" and self._judges_ids(info):
                     # A decode step's router logits: one logit per expert, in the decode-step noise
                     # and reached by flips of earlier tokens; what moves them moves the step's later
-                    # keys too. An attention's selection scores: a sparse indexer's are noisier than
+                    # keys too. A sparse-attention indexer's scores are noisier than
                     # the hidden states (ReLU'd sums over heads; fp8 in engines), and what its picks
                     # change shows in layer<i>_attn. A non-finite mismatch is never excused.
                     result = replace(result, status="shown", divergent=False, metric=None, value=None)
@@ -188,11 +188,11 @@ class KeyMeasurer:
         return record
 
     def _judges_ids(self, info: KeyInfo) -> bool:
-        """Whether ``info`` is a decode step's router logits beside that step's ids, or the scores
-        of an attention's own selection (``layer<i>_attn_router``) beside its ids, compared on both
+        """Whether ``info`` is a decode step's router logits beside that step's ids, or a sparse-
+        attention indexer's scores (``layer<i>_index_router``) beside its picks, compared on both
         sides (the same shape, integers on both): such scores are read to judge the ids and shown,
         not judged themselves (docs/compare.md, "Decode steps", "Sparse-attention indexers")."""
-        ids_key = step_ids_key_for(info.key) if info.kind == "step" else attention_ids_key_for(info.key)
+        ids_key = step_ids_key_for(info.key) if info.kind == "step" else index_ids_key_for(info.key)
         if ids_key is None or ids_key not in self.ref.members or ids_key not in self.run.members:
             return False
         ref_ids, run_ids = self.ref.members[ids_key], self.run.members[ids_key]
@@ -366,7 +366,7 @@ def _badness(item: KeyRecord | RankPart) -> tuple:
 
 
 def keys_both_have(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """An attention's selection scores over two numbers of keys (a dynamic cache against a static
+    """An indexer's scores over two numbers of keys (a dynamic cache against a static
     one), cut to the keys both have; None unless the shapes differ in the last dimension only and
     the wider side's further keys are all masked (-inf): absent keys, for the selection."""
     if x.shape[:-1] != y.shape[:-1]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..format.keys import chosen
 from ..format.routers import UNKNOWN, RouterInfo
 from .metrics import bf16_spacing
 from .selection import UNKNOWN_RULE, first_unexplained, row_gap, score_rounding_epsilon
@@ -340,7 +341,8 @@ def describe_routing(routing: Routing) -> str:
                      f"{', '.join(earlier)} routed elsewhere")
     if routing.reordered_rows:
         rows = routing.reordered_rows
-        parts.append(f"row{'s' if len(rows) > 1 else ''} {_row_list(rows)}: the same experts in another order")
+        parts.append(f"row{'s' if len(rows) > 1 else ''} {_row_list(rows)}: the same {chosen(routing.router_key)} "
+                     "in another order")
     if routing.near_tie_rows:
         ties = [row for row in routing.rows if row.row in routing.near_tie_rows]
         top = max(ties, key=lambda row: _ratio(row.gap, row.epsilon))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..format.keys import chosen
 from .facts import threshold_uses
 from .options import pair_class
 from .phases import fix_hint, tokens_text
@@ -69,7 +70,7 @@ def _routing_word(item) -> str:
     """How an ids mismatch is summed up in the last line: its verdict, or that its rows only
     list the same experts in another order."""
     if item.routing is not None and item.routing.reorder_only:
-        return "same experts, reordered"
+        return f"same {chosen(item.key)}, reordered"
     return ROUTING_WORDS.get(item.routing_verdict, "divergence")
 
 
@@ -119,14 +120,14 @@ def _note_for(record: KeyRecord) -> str:
         by = ", ".join(record.excused_by)
         if record.step is not None:  # a decode step: its one token's own routing changed
             how = "by a near tie" if record.excused_near_tie else "where no reference router logits judge it"
-            parts.append(f"{what}not judged: the step's token went to other experts at {by} ({how})")
+            parts.append(f"{what}not judged: the step's token went to other {chosen(by)} at {by} ({how})")
         else:
-            why = (f"the near tie at {by} routed to other experts" if record.excused_near_tie else
+            why = (f"the near tie at {by} routed to other {chosen(by)}" if record.excused_near_tie else
                    f"whose expert ids differ at {by} where no reference router logits judge them")
             parts.append(f"{what}not judged at {_rows_text(record.excused_rows, count)}: at or after a token {why}")
     if record.status == "shown":
         parts.append("read to judge this step's expert ids, not judged itself" if record.step is not None
-                     else "read to judge the keys its attention picks, not judged itself")
+                     else "read to judge the keys its indexer picks, not judged itself")
     ids = record.ids
     if ids is not None:
         if ids.ids_equal:
@@ -337,10 +338,11 @@ def final_line(report: Report) -> str:
             verdicts = ", ".join(f"{item.key} ({_routing_word(item)})"
                                  for item in ids[:4])
             more = f", ... ({len(ids) - 4} more)" if len(ids) > 4 else ""
-            routed = f"; expert ids differ without a divergence: {verdicts}{more}"
+            noun = "expert ids" if all(chosen(item.key) == "experts" for item in ids) else "ids"  # or indexer picks
+            routed = f"; {noun} differ without a divergence: {verdicts}{more}"
             excused = [record for record in report.keys if record.excused_rows]
             if excused:
-                routed += f" ({len(excused)} keys not judged at or after the tokens whose expert ids differ"
+                routed += f" ({len(excused)} keys not judged at or after the tokens whose {noun} differ"
                 if any(record.phase == "prefill" and len(record.shape_ref) == 1 for record in excused):
                     # A one-row key holds the last token only: one earlier flip leaves it unjudged.
                     routed += (", one-row keys among them, whose one token an earlier token's flip reaches: "

@@ -9,7 +9,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ..format.keys import order_key_infos
+from ..format.keys import chosen, order_key_infos
 from ..format.reader import Dump, DumpError, rank_sort_key
 from .flips import excuse_flips
 from .measure import KeyMeasurer, float_class, logits_tags
@@ -279,7 +279,8 @@ def _flip_kind(record: KeyRecord, margin: float, epsilon: float) -> str:
 def _ids_text(record: KeyRecord) -> str:
     """``expert ids differ in 1/7 rows``."""
     ids = record.ids
-    return f"expert ids differ in {ids.mismatched_rows}/{ids.rows} rows" if ids.rows is not None else "ids differ"
+    noun = "picked keys" if chosen(record.key) == "keys" else "expert ids"
+    return f"{noun} differ in {ids.mismatched_rows}/{ids.rows} rows" if ids.rows is not None else "ids differ"
 
 
 def _nan_last(value: float | None) -> float:

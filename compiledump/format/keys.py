@@ -141,10 +141,16 @@ def router_key_for(key: str, step: bool = False) -> str | None:
     return spec.step_key(parts[0][: -len("topk")] + "router", parts[1])
 
 
-def attention_ids_key_for(key: str) -> str | None:
-    """The ids key beside the scores of an attention's own selection (a sparse-attention indexer's
-    keys, JetMoE's heads): ``layer3_attn_router`` -> ``layer3_attn_topk``; else None."""
-    return key[: -len("router")] + "topk" if key.endswith("_attn_router") else None
+def chosen(key: str | None) -> str:
+    """What the ids of `key` (an ids or router key) pick, for the report's words: "keys" for a
+    sparse-attention indexer's (`layer<N>_index_...`), else "experts"."""
+    return "keys" if key is not None and "_index_" in key else "experts"
+
+
+def index_ids_key_for(key: str) -> str | None:
+    """The ids key beside a sparse-attention indexer's scores (the keys it picks):
+    ``layer3_index_router`` -> ``layer3_index_topk``; else None."""
+    return key[: -len("router")] + "topk" if key.endswith("_index_router") else None
 
 
 def step_ids_key_for(key: str) -> str | None:

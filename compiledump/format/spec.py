@@ -77,10 +77,10 @@ def split_step_key(key: str) -> tuple[str, int] | None:
 
 
 def masked_scores(tag: str) -> bool:
-    """Whether `tag` holds an attention's selection scores (`layer<N>_attn_router` and its steps,
-    as `instrument` records a sparse-attention indexer), where -inf marks a masked key by design:
+    """Whether `tag` holds a sparse-attention indexer's scores (`layer<N>_index_router` and its steps,
+    as `instrument` records them), where -inf marks a masked key by design:
     counted as non-finite, but never the dump's first non-finite value."""
-    return tag.endswith(("_attn_router", "_attn_step_router"))
+    return tag.endswith(("_index_router", "_index_step_router"))
 
 
 # Tags `layer<N>` and `layer<N>_<x>` belong to layer N: the comparator orders by it and the MoE

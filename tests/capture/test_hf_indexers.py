@@ -1,5 +1,5 @@
 """Sparse-attention indexers (transformers' DeepSeek-V3.2) recorded as the attention's own routing:
-`layer<i>_attn_router` (index scores) and `layer<i>_attn_topk` (the keys picked), so that an honest
+`layer<i>_index_router` (index scores) and `layer<i>_index_topk` (the keys picked), so that an honest
 low-precision swap of near-tie keys is judged a near tie instead of read as a divergence, while a
 bug still is one (docs/compare.md, "Sparse-attention indexers")."""
 
@@ -51,7 +51,7 @@ def test_recorded_picks_are_the_indexers_own(tmp_path, dtype):
         hook.remove()
     arrays = _arrays(tmp_path)
     for i in range(4):
-        scores, picked = arrays[f"layer{i}_attn_router"], arrays[f"layer{i}_attn_topk"]
+        scores, picked = arrays[f"layer{i}_index_router"], arrays[f"layer{i}_index_topk"]
         assert scores.shape == (11, 11) and picked.shape == (11, 4)
         own = returned[i].numpy()
         masked = np.take_along_axis(scores, own.astype(np.int64), axis=-1) == -np.inf
@@ -63,14 +63,14 @@ def test_recorded_picks_are_the_indexers_own(tmp_path, dtype):
             assert set(picked[row][picked[row] >= 0].tolist()) == set(expected.tolist())
             assert np.all(np.isneginf(scores[row][row + 1:]))  # causal: later keys masked
     manifest = _manifest(tmp_path)
-    assert manifest["tags"]["layer0_attn_router"]["nonfinite"]["count"] > 0
+    assert manifest["tags"]["layer0_index_router"]["nonfinite"]["count"] > 0
     assert (manifest.get("first_nonfinite") or {}).get("tag") is None
 
 
 def test_instrument_removes_its_indexer_wrapper():
     model = deepseek_v32(index_topk=4)
     handle = compiledump.instrument(model)
-    assert "layer2_attn_topk" in handle.taps and "forward" in vars(model.model.layers[2].self_attn.indexer)
+    assert "layer2_index_topk" in handle.taps and "forward" in vars(model.model.layers[2].self_attn.indexer)
     handle.remove()
     assert "forward" not in vars(model.model.layers[2].self_attn.indexer)
     compiledump.reset()
@@ -98,8 +98,8 @@ def test_honest_bf16_pairs_past_index_topk_exit_0(tmp_path, rows):
     for seed in range(3):
         report = _pair(tmp_path, seed, rows)
         keys = {record.key: record for record in report.pairs[0].keys}
-        assert any(record.ids_differ for key, record in keys.items() if key.endswith("_attn_topk"))
-        assert keys["layer1_attn_router"].status == "shown"
+        assert any(record.ids_differ for key, record in keys.items() if key.endswith("_index_topk"))
+        assert keys["layer1_index_router"].status == "shown"
         assert report.exit_status == 0, report.first_divergence
         # One-row keys left unjudged by earlier tokens' swaps: the verdict names the mode that judges them
         one_row_excused = any(r.excused_rows and len(r.shape_ref) == 1 for r in report.pairs[0].keys)
@@ -144,8 +144,8 @@ def test_compiled_indexer_records_what_eager_does(tmp_path):
     torch._dynamo.reset()
     eager, compiled = _arrays(tmp_path / "eager"), _arrays(tmp_path / "compiled")
     for i in range(4):
-        np.testing.assert_array_equal(compiled[f"layer{i}_attn_topk"], eager[f"layer{i}_attn_topk"])
-        np.testing.assert_allclose(compiled[f"layer{i}_attn_router"], eager[f"layer{i}_attn_router"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(compiled[f"layer{i}_index_topk"], eager[f"layer{i}_index_topk"])
+        np.testing.assert_allclose(compiled[f"layer{i}_index_router"], eager[f"layer{i}_index_router"], rtol=1e-5, atol=1e-6)
 
 
 def test_an_indexer_of_another_shape_is_warned_about_once(tmp_path):
@@ -157,11 +157,11 @@ def test_an_indexer_of_another_shape_is_warned_about_once(tmp_path):
     # every other setting at its default (capture on): an earlier test may have changed one
     compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(tmp_path))))
     handle = compiledump.instrument(model)
-    assert "layer0_attn_topk" in handle.taps
+    assert "layer0_index_topk" in handle.taps
     with pytest.warns(RuntimeWarning, match="MiniMaxM3VLIndexer") as caught, torch.no_grad():
         model(input_ids=torch.randint(3, 211, (1, 30), generator=torch.Generator().manual_seed(0)), use_cache=False)
     assert sum("sparse-attention indexer" in str(w.message) for w in caught) == 1
-    assert not any(tag.endswith(("_attn_router", "_attn_topk")) for tag in handle.taps)
+    assert not any(tag.endswith(("_index_router", "_index_topk")) for tag in handle.taps)
     handle.remove()
     compiledump.reset()
     compiledump.configure(**dataclasses.asdict(previous))
@@ -195,8 +195,8 @@ def test_engine_flow_static_cache_against_dynamic_cache(tmp_path):
     keys = {record.key: record for record in honest.pairs[0].keys}
     for i in range(2):  # COMPILEDUMP_MOE_LAYERS: layers 0 and 1 keep step tags
         for n in range(7):
-            assert keys[f"layer{i}_attn_step_router_{n}"].status == "shown"
-            assert keys[f"layer{i}_attn_step_topk_{n}"].status in ("ok", "near_tie")
+            assert keys[f"layer{i}_index_step_router_{n}"].status == "shown"
+            assert keys[f"layer{i}_index_step_topk_{n}"].status in ("ok", "near_tie")
     assert honest.problems == [] and honest.exit_status == 0, format_report(honest)[-1]
     assert broken.exit_status == 1 and broken.first_divergence.layer == 1, format_report(broken)[-1]
 
@@ -222,6 +222,6 @@ def test_a_prompt_too_large_for_the_arena_keeps_the_step_rows_and_says_so(tmp_pa
     compiledump.reset()
     compiledump.configure(**dataclasses.asdict(previous))
     kept = set(np.load(path).files)
-    assert {"layer0_attn_step_router_0", "layer0_attn_step_topk_0", "layer0_attn", "layer1_mlp", "logits_0"} <= kept
-    assert not kept & {"layer0_attn_router", "layer0_attn_topk", "layer1_attn_router", "layer1_attn_topk"}
+    assert {"layer0_index_step_router_0", "layer0_index_step_topk_0", "layer0_attn", "layer1_mlp", "logits_0"} <= kept
+    assert not kept & {"layer0_index_router", "layer0_index_topk", "layer1_index_router", "layer1_index_topk"}
     assert "arena_full" not in _manifest(tmp_path)["drops"]
