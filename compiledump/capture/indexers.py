@@ -85,8 +85,7 @@ def tap_indexer(handle, name: str, path: str, indexer: torch.nn.Module, capture)
                 row = torch.nn.functional.pad(row, (0, width - row.shape[-1]), value=float("-inf"))
             capture((scores, None, ids), step_logits=row, whole=_fits(indexer, scores, k, handle.router_rows))
         elif not torch.compiler.is_compiling():  # shapes and types: constants while tracing
-            for tag in ("router", "topk", "step_router", "step_topk"):
-                handle.taps.pop(f"{name}_{tag}", None)
+            handle._unlist_routing(name)
             warn_once(f"instrument: {type(indexer).__name__} (a sparse-attention indexer) does not return the "
                       "[batch, seq, k] top-k of [batch, seq, keys] scores, so its picks are not recorded (no "
                       "layer<i>_index_router/_index_topk, nor listed in handle.taps): a swap of near-tie keys there "
@@ -95,10 +94,7 @@ def tap_indexer(handle, name: str, path: str, indexer: torch.nn.Module, capture)
 
     indexer.forward = forward
     handle._handles.append(_Unwrap(indexer))
-    handle.taps[f"{name}_router"] = path
-    steps = (f"{name}_step_router", f"{name}_step_topk") if handle.step_routing else ()
-    for tag in (f"{name}_topk", *steps):
-        handle.taps[tag] = path
+    handle._list_routing(name, path)
 
 
 def _fits(indexer: torch.nn.Module, scores: torch.Tensor, k: int, router_rows: str | None) -> bool:

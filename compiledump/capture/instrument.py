@@ -148,6 +148,20 @@ class Instrumented:
                       "--map to pair them")
         self._ran.add(path)
 
+    def _list_routing(self, name: str, path: str) -> None:
+        """List `<name>_router`, `<name>_topk` (and their steps) in `taps`, all at `path`."""
+        for tag in self._routing_tags(name):
+            self.taps[tag] = path
+
+    def _unlist_routing(self, name: str) -> None:
+        """Take them out of `taps` again: nothing of them will be recorded."""
+        for tag in self._routing_tags(name):
+            self.taps.pop(tag, None)
+
+    def _routing_tags(self, name: str) -> tuple[str, ...]:
+        steps = (f"{name}_step_router", f"{name}_step_topk") if self.step_routing else ()
+        return (f"{name}_router", f"{name}_topk", *steps)
+
     def _router(self, name: str, block: torch.nn.Module, router: torch.nn.Module):
         """The capture of a router whose tags are `<name>_router`, `<name>_topk` and their steps."""
         top_k = int_attr((block, router), ("top_k", "num_experts_per_tok"))
@@ -177,8 +191,7 @@ class Instrumented:
                 logits = torch.log(logits.float().clamp_min(1e-30))
             if not _is_float(logits):
                 if not torch.compiler.is_compiling():  # a constant while tracing: no graph break
-                    for tag in ("router", "topk", "step_router", "step_topk"):
-                        self.taps.pop(f"{name}_{tag}", None)  # nothing of them is recorded
+                    self._unlist_routing(name)
                     warn_once(f"instrument: {type(router).__name__} (a router) returns no "
                               "floating-point logits where Hugging Face routers do (first, second of two, or last after ids), "
                               "so no layer<i>_router/_topk is recorded (nor listed in handle.taps); add them with taps=")
@@ -282,17 +295,17 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
         if block_name is None and layout.holds_experts(getattr(layer, "mixer", None)):
             block_name = "mixer"  # Nemotron-H: one block per layer, an MoE one in its MoE layers
         mixer_name = layout.child(layer, layout.MIXERS)
-        heads = getattr(getattr(layer, mixer_name, None), "experts", None) if mixer_name else None
+        mixer = getattr(layer, mixer_name) if mixer_name else None
+        heads = getattr(mixer, "experts", None)
         if isinstance(heads, torch.nn.Module) and layout.child(heads, ("router",)) is not None:
             # JetMoE's mixture of attention heads: its router picks each token's heads, so its
             # flips are judged as the MLP's are (layer<i>_attn_router, layer<i>_attn_topk).
             _tap_router(handle, f"layer{i}_attn", f"{prefix}.{mixer_name}.experts", heads, "router")
-        attn = getattr(layer, mixer_name) if mixer_name else None
-        if (indexer_name := layout.indexer_of(attn) if attn is not None else None) is not None:
+        if (indexer_name := layout.indexer_of(mixer) if mixer is not None else None) is not None:
             # A sparse-attention indexer picks each token's keys: judged as the MLP's experts are
-            indexer = attn.get_submodule(indexer_name)
+            indexer = mixer.get_submodule(indexer_name)
             indexers.tap_indexer(handle, f"layer{i}_index", f"{prefix}.{mixer_name}.{indexer_name}", indexer,
-                                 handle._router(f"layer{i}_index", attn, indexer))
+                                 handle._router(f"layer{i}_index", mixer, indexer))
             routers.withdraw(f"layer{i}_index_router")  # the plain top-k of its scores
         attn_input = layout.residual_after_attention(layer, block_name)
         if attn_input is not None:
@@ -369,9 +382,7 @@ def _tap_router(handle: Instrumented, name: str, block_path: str, block: torch.n
         routers.declare_router(f"{name}_router", **selection)
     else:
         routers.withdraw(f"{name}_router")
-    steps = (f"{name}_step_router", f"{name}_step_topk") if handle.step_routing else ()
-    for tag in (f"{name}_topk", *steps):
-        handle.taps[tag] = f"{block_path}.{router_name}"
+    handle._list_routing(name, f"{block_path}.{router_name}")
 
 
 def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:

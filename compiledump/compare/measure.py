@@ -98,7 +98,7 @@ class KeyMeasurer:
             how = "compared as integers" if ref_member.is_integer else "compared in float64"
             problems.append(Problem("dtype_mismatch", self.rank, f"{dtypes}: {how}", key))
         last_row_of = None  # "ref"/"run": the all-rows side, compared at its last row
-        keys_in_both = None  # an indexer's scores over caches of two lengths: the shorter's keys
+        masked_keys = False  # an indexer's scores over caches of two lengths: compared over the keys both have
         if ref_member.shape != run_member.shape:
             shapes = f"{list(ref_member.shape)} vs {list(run_member.shape)}"
             if self.ref.merged_ranks is None and self.run.merged_ranks is None:
@@ -111,19 +111,18 @@ class KeyMeasurer:
             elif _squeezed(ref_member.shape) == _squeezed(run_member.shape):
                 how = "differ only by size-1 dimensions, compared flattened"
             elif spec.masked_scores(info.tag) and ref_member.shape[:-1] == run_member.shape[:-1]:
-                # A dynamic cache against a static one: the longer row's extra keys must be masked
-                keys_in_both = min(ref_member.shape[-1], run_member.shape[-1])
+                masked_keys = True  # a dynamic cache against a static one: the longer row's extra keys must be masked
             else:
                 problems.append(Problem("shape_mismatch", self.rank, f"{shapes}: not compared", key))
                 record.status = "skipped"
                 return record
-            if keys_in_both is None:  # keys over two cache lengths: expected, no problem
+            if not masked_keys:  # keys over two cache lengths: expected, no problem
                 problems.append(Problem("shape_mismatch", self.rank, f"{shapes}: {how}", key))
         try:
             if self.ref.merged_ranks is None and self.run.merged_ranks is None:
                 (ref_copy,), (run_copy,) = self.ref.replicas(key), self.run.replicas(key)
                 x, y = ref_copy.whole(), run_copy.whole()
-                if keys_in_both is not None:
+                if masked_keys:
                     if (trimmed := keys_both_have(x, y)) is None:
                         problems.append(Problem("shape_mismatch", self.rank, f"{list(x.shape)} vs {list(y.shape)}: "
                                                 "not compared (the longer side's further keys are not all masked)", key))
