@@ -8,8 +8,8 @@ mode, and compared with ``compiledump.compare.compare`` and the defaults, exactl
 compare`` does. Nothing is wrong in any pair, so every exit 1 is a false divergence; exit 3 means
 the comparator could not tell (expert ids differ where no reference router logits judge them).
 With ``--engine-bug`` the engine is broken instead (the biased routers' bias forgotten,
-DeepSeek-V3's groups ignored, or layer 1's experts scaled by 1.05, where the table also counts the
-verdicts that name layer 1), and every exit 1 is the bug found.
+DeepSeek-V3's groups ignored, layer 1's experts scaled by 1.05, where the table also counts the
+verdicts that name layer 1, or PhiMoE's sparsemixer cut doubled), and every exit 1 is the bug found.
 
 Models (4 layers, hidden 64, 8 experts top-2, ``initializer_range`` 0.1): Qwen3-MoE, Mixtral and
 DeepSeek-V3 with one expert group (plain top-k of sigmoid scores; one shared expert, layer 0
@@ -22,12 +22,13 @@ sqrt(softplus) scores plus a random bias). ``--models`` also takes AFMoE, A.X-K2
 indexer keeping every key), Laguna, Kolibri, LFM2-MoE, Nemotron-H, gpt-oss, Granite-MoE with
 sliding windows and Qwen3-Next (MORE_CONFIGS: the seventh session's audit), and Ergo, Kolibri 1.1
 and MiniMax-M3-VL's text model (the eighth's), and DeepSeek-V3.2 (``deepseek_v32``: an indexer keeping 4
-keys per query, fewer than the prompt's). benchmarks/calibrate.py calibrates the thresholds themselves; this
+keys per query, fewer than the prompt's) and PhiMoE (``phimoe``: its sparsemixer's weight cut; ``--engine-bug
+cut_x2`` doubles it). benchmarks/calibrate.py calibrates the thresholds themselves; this
 sweep counts verdicts over more random models than it can afford (docs/compare.md, "Expert ids
 and near ties").
 
 Usage: python benchmarks/sweep_routing.py [--seeds 100] [--models qwen3_moe,mixtral,deepseek_v3,...]
-       [--rows one,all] [--tokens 7] [--engine-bug none|no_bias|no_groups|experts_x1.05] [--hidden 64] [--layers 4]
+       [--rows one,all] [--tokens 7] [--engine-bug none|no_bias|no_groups|experts_x1.05|cut_x2] [--hidden 64] [--layers 4]
        [--init 0.1] [--verbose]
 (about 30 seconds for the defaults on a 2-core CPU box; results in benchmarks/RESULTS.md).
 """
@@ -125,6 +126,9 @@ MORE_CONFIGS = {
     "deepseek_v32": dict(intermediate_size=96, moe_intermediate_size=48, n_routed_experts=8, n_shared_experts=1,
                          first_k_dense_replace=1, n_group=1, topk_group=1, index_topk=4, index_head_dim=16,
                          index_n_heads=4, head_dim=8, **_MLA),
+    # PhiMoE: top-2 of the logits, each pick weighed by a softmax over the experts within a relative cut
+    # (2 * router_jitter_noise) of it (its sparsemixer; docs/compare.md, "PhiMoE's sparsemixer").
+    "phimoe": dict(intermediate_size=48, num_local_experts=8),
 }
 CONFIGS.update(MORE_CONFIGS)
 DEFAULT_MODELS = [name for name in CONFIGS if name not in MORE_CONFIGS]
@@ -191,12 +195,20 @@ def _scale_experts(model: torch.nn.Module) -> None:
         parameter.mul_(1.05)
 
 
+def _double_cut(model: torch.nn.Module) -> None:
+    """PhiMoE's sparsemixer cut twice as wide (2 * jitter_eps passed where jitter_eps is due): the
+    same expert ids, other weights."""
+    for module in model.modules():
+        if isinstance(getattr(module, "router_jitter_noise", None), float):
+            module.router_jitter_noise *= 2
+
+
 # Bugs an engine can have (--engine-bug): forgetting the score-correction bias (DeepSeek-V3,
 # MiniMax-M2, Ernie 4.5), taking the top-k over every expert instead of inside the best groups
-# (DeepSeek-V3), or a x1.05 scale on one layer's experts (every model; counted when the verdict
-# names that layer).
+# (DeepSeek-V3), a x1.05 scale on one layer's experts (every model; counted when the verdict
+# names that layer), or PhiMoE's sparsemixer cut doubled.
 ENGINE_BUGS = {"none": lambda model: None, "no_bias": _forget_bias, "no_groups": _ignore_groups,
-               "experts_x1.05": _scale_experts}
+               "experts_x1.05": _scale_experts, "cut_x2": _double_cut}
 
 
 def main() -> int:

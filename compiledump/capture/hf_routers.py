@@ -42,6 +42,8 @@ GROUPED_SOFTMAX_ROUTERS = ("Mistral4TopkRouter", "MistralLarge4TextTopkRouter")
 PROBABILITY_ROUTERS = ("Gemma4TextRouter", "DiffusionGemmaTextRouter")
 # Routers that hold a token-id -> experts table (DeepSeek-V4's hash routers).
 TOKEN_TABLES = ("tid2eid",)
+# Top-k of the logits, each pick weighed over the experts within 2 * router_jitter_noise of it (sparsemixer).
+CUT_ROUTERS = ("PhimoeTopKRouter",)
 # Where the per-expert selection bias lives, on the router, its MoE block or Ernie's moe_statics.
 BIAS_NAMES = ("e_score_correction_bias", "expert_bias")
 
@@ -60,10 +62,15 @@ def selection_of(block: torch.nn.Module, router: torch.nn.Module) -> dict | None
     (a `tid2eid` table) as routing by token id; DeepSeek-V2's `group_limited_greedy` the top-k of
     softmax(logits) in the groups with the best single scores, Mistral 4's
     (GROUPED_SOFTMAX_ROUTERS) in the groups with the best two. DeepSeek-V4's and LFM2-MoE's
-    (ROUNDED_SCORE_ROUTERS) are declared `rounded`. Other routers with a bias, or with expert
+    (ROUNDED_SCORE_ROUTERS) are declared `rounded`; PhiMoE's (CUT_ROUTERS) with the `cut` of its
+    sparsemixer, 2 * `router_jitter_noise`. Other routers with a bias, or with expert
     groups, are declared of score "unknown" (their flips are not judged), with one warning per
     class."""
     selection = _rule(block, router)
+    jitter = getattr(router, "router_jitter_noise", None)
+    if type(router).__name__ in CUT_ROUTERS and selection is None and isinstance(jitter, (int, float)) and jitter > 0:
+        top_k = int_attr((block, router), ("top_k", "num_experts_per_tok"))
+        return dict(top_k=top_k, score="softmax", cut=2.0 * float(jitter)) if top_k is not None else None
     if selection is not None and type(router).__name__ in ROUNDED_SCORE_ROUTERS:
         selection["rounded"] = True
     return selection

@@ -20,7 +20,8 @@ from .state import STATE
 
 
 def declare_router(tag: str, *, top_k: int, score: str = "softmax", bias: torch.Tensor | Sequence[float] | None = None,
-                   n_group: int = 1, topk_group: int = 1, group_topk: int = 2, rounded: bool = False) -> RouterInfo:
+                   n_group: int = 1, topk_group: int = 1, group_topk: int = 2, rounded: bool = False,
+                   cut: float | None = None) -> RouterInfo:
     """Declare how the router whose logits are recorded as `tag` (`layer3_router`; its decode
     steps' `layer3_step_router` follow it) selects `top_k` experts: by `score` ("softmax",
     "sigmoid", "sqrtsoftplus" (DeepSeek-V4's) or "logits" (the logits themselves)) of its
@@ -30,7 +31,10 @@ def declare_router(tag: str, *, top_k: int, score: str = "softmax", bias: torch.
     the token id, not its logits (DeepSeek-V4's hash routers): any difference is a divergence;
     `score="unknown"` that its rule is none of these: no difference is judged by its logits.
     `rounded=True` says that it computes its choice scores in the dtype of the logits it returns
-    (no upcast), so that a low-precision run's rounding of them is allowed for.
+    (no upcast), so that a low-precision run's rounding of them is allowed for. `cut` declares
+    PhiMoE's sparsemixer (`2 * router_jitter_noise`): the top-k of the logits, each pick weighed by a
+    softmax over the experts e with (pick - e) / max(|e|, pick) <= cut, so that an expert rounding
+    moves across that cut is judged as a near tie, not read as a divergence of the MoE output.
     Raises ValueError for a declaration that
     cannot describe a router. The manifest's `routers` holds it (docs/format.md)."""
     if not isinstance(tag, str) or not tag:
@@ -44,7 +48,8 @@ def declare_router(tag: str, *, top_k: int, score: str = "softmax", bias: torch.
         bias = bias.detach().to("cpu", torch.float64).tolist()
     try:
         info = RouterInfo(top_k=top_k, score=score, bias=None if bias is None else tuple(float(b) for b in bias),
-                          n_group=n_group, topk_group=topk_group, group_topk=group_topk, rounded=rounded)
+                          n_group=n_group, topk_group=topk_group, group_topk=group_topk, rounded=rounded,
+                          cut=None if cut is None else float(cut))
         misfit = None if info.bias is None else info.fits(len(info.bias))
         if misfit is not None:
             raise ValueError(misfit)

@@ -111,14 +111,15 @@ def _excuse_prefill(records: list[KeyRecord], flips: RoutingFlips,
         routing = record.routing
         if record.ids is not None and len(record.shape_ref) == 2:
             prompt = max(prompt, record.shape_ref[0])  # ids [tokens, k] of the prompt
-        if record.ids_differ and routing is not None:
+        if record.routing_differs and routing is not None:
             # The run's router noise, over the rows no earlier flip reaches, widens the epsilon.
             disturbed = flips.reach(routing.row_errors, record.layer)
             routing.widen_by_noise([row for row in routing.row_errors if row not in disturbed])
             if routing.logit_noise is not None:
                 noise[record.layer] = routing.logit_noise
             if _judge_flip(records, index, flips):
-                calls[record.key] = record.ids.rows
+                # (ids that agree, a sparsemixer's cut flip, count no rows: their shape does)
+                calls[record.key] = record.ids.rows or (record.shape_ref[0] if len(record.shape_ref) >= 2 else 1)
             continue
         if not flips or record.floats is None or not record.divergent or record.metric == "nonfinite":
             continue
@@ -157,7 +158,7 @@ def _excuse_steps(records: list[KeyRecord], flips: RoutingFlips, prompt: int, no
             continue
         row = prompt + record.step
         routing = record.routing
-        if record.ids_differ and routing is not None:
+        if record.routing_differs and routing is not None:
             if len(routing.rows) != 1 or routing.rows[0].row != 0:
                 continue  # not one token's ids (a hand-written step of [tokens, k]): judged alone
             widest = max((value for value in (noise.get(record.layer), step_noise.get(record.layer))
@@ -208,17 +209,17 @@ def _quiet_step_noise(records: list[KeyRecord]) -> dict[int | None, float]:
     floats = {record.key: record for record in records if record.floats is not None}
     wrong = {record.step for record in records if record.phase == "decode" and record.divergent
              and record.floats is not None}
-    lowest = min((record.layer for record in records if record.phase == "prefill" and record.ids_differ
+    lowest = min((record.layer for record in records if record.phase == "prefill" and record.routing_differs
                   and record.layer is not None), default=None)
     noise: dict[int | None, float] = {}
     # Records are in model order: decode steps by step, then in capture order.
     for record in (r for r in records if r.phase == "decode" and r.ids is not None and r.step is not None):
-        if record.ids_differ and record.layer is not None:
+        if record.routing_differs and record.layer is not None:
             lowest = record.layer if lowest is None else min(lowest, record.layer)
             continue
         router = floats.get(router_key_for(record.key, step=True) or "")
         quiet = (lowest is None or record.layer is None or record.layer <= lowest) and record.step not in wrong
-        if record.ids_differ or not quiet or router is None or router.floats.max_abs is None:
+        if record.routing_differs or not quiet or router is None or router.floats.max_abs is None:
             continue
         noise[record.layer] = max(noise.get(record.layer, 0.0), router.floats.max_abs)
     return noise

@@ -119,6 +119,12 @@ class KeyRecord:
         return self.ids is not None and not self.ids.ids_equal
 
     @property
+    def routing_differs(self) -> bool:
+        """The ids differ, or they agree but a sparsemixer cut weighs a token's experts otherwise
+        (compare/cut.py): some token may have been routed otherwise, honestly or not."""
+        return self.ids_differ or (self.routing is not None and bool(self.routing.rows))
+
+    @property
     def metric_kind(self) -> str | None:
         return "float" if self.floats is not None else ("ids" if self.ids is not None else None)
 

@@ -16,6 +16,7 @@ from ..format.reader import Dump, Member
 from ..format.routers import RouterInfo
 from .facts import SideFacts
 from .key_record import KeyRecord, MergeInfo, RankPart
+from .cut import add_cut_rows
 from .metrics import RowMetrics, Workspace, compare_float_arrays, compare_id_arrays, compare_rows
 from .options import PRECISION_ORDER, CompareOptions, Thresholds, judged_class, pair_class
 from .phases import not_comparable_reason
@@ -132,7 +133,7 @@ class KeyMeasurer:
                 if last_row_of is not None:
                     x, y = (x[-1], y) if last_row_of == "ref" else (x, y[-1])
                 result = self.measure(record, x, y, info)
-                if result.ids is not None and not result.ids.ids_equal:
+                if result.ids is not None and (not result.ids.ids_equal or self._weighs_by_cut(info)):
                     result = self.judge_ids(result, info, x, y)
                 elif result.floats is not None and result.metric != "nonfinite" and self._judges_ids(info):
                     # A decode step's router logits: one logit per expert, in the decode-step noise
@@ -185,6 +186,12 @@ class KeyMeasurer:
             record = replace(record, argmax_equal=floats.margins.ref.argmax == floats.margins.run.argmax,
                              near_tie_epsilon=self.options.near_tie_epsilon(floats.margins.ref.top1))
         return record
+
+    def _weighs_by_cut(self, info: KeyInfo) -> bool:
+        """Whether ``info``'s ids come from a router declared with a sparsemixer ``cut`` (PhiMoE's),
+        whose weights can differ with the ids equal (compare/cut.py)."""
+        selection = self.selection(router_key_for(info.key, step=info.kind == "step"))
+        return selection is not None and selection.cut is not None
 
     def _judges_ids(self, info: KeyInfo) -> bool:
         """Whether ``info`` is a decode step's router logits beside that step's ids, or a sparse-
@@ -242,8 +249,9 @@ class KeyMeasurer:
             return None
 
     def judge_ids(self, record: KeyRecord, info: KeyInfo, x: np.ndarray, y: np.ndarray) -> KeyRecord:
-        """``record`` (ids that differ) judged by the routing rule (compare/routing.py): the
-        reference's router logits of the same layer decide near tie or divergence; the class
+        """``record`` (ids that differ, or a sparsemixer router's: compare/cut.py) judged by the
+        routing rule (compare/routing.py): the reference's router logits of the same layer decide
+        near tie or divergence; ``record`` itself when nothing differs. The class
         comes from the router key's source dtypes (a float32 router takes the pair's class: the
         float32 router of a bfloat16 model flips as bfloat16 does), else from the pair's float keys."""
         router_key = router_key_for(info.key, step=info.kind == "step")
@@ -270,9 +278,14 @@ class KeyMeasurer:
         if run_router is not None and spec.masked_scores(router_key) and run_router.shape != router.shape:
             # an indexer's scores over caches of two lengths: its noise over the keys both have
             router, run_router = keys_both_have(router, run_router) or (router, None)
+        selection = self.selection(router_key)
         routing = judge_routing(x, y, router, router_key, all_rows, klass, class_from, self.options.near_tie,
-                                self.options.near_tie_ulps, unavailable, self.not_top_k, run_router,
-                                self.selection(router_key))
+                                self.options.near_tie_ulps, unavailable, self.not_top_k, run_router, selection)
+        if selection is not None and selection.cut is not None and router is not None and run_router is not None:
+            add_cut_rows(routing, x, y, router, run_router, all_rows, selection.cut, self.options.near_tie,
+                         self.options.near_tie_ulps)
+        if not routing.rows:
+            return record  # the ids agree, and so does every pick's sparsemixer cut
         status = "mismatch" if routing.divergent else routing.verdict
         return replace(record, routing=routing, status=status, divergent=routing.divergent)
 

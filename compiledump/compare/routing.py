@@ -48,7 +48,8 @@ class RoutingRow:
     overlap: int
     k: int
     # RUN lists exactly REF's experts in another order: the MoE output is the same weighted sum
-    # (only the order of its rounding may differ), so this is no routing change, whatever the scores.
+    # (only the order of its rounding may differ), so this is no routing change, whatever the scores
+    # (but for a sparsemixer, whose picks are weighed in order: compare/cut.py).
     same_set: bool = False
     gap: float | None = None
     epsilon: float | None = None
@@ -56,6 +57,9 @@ class RoutingRow:
     after_near_tie: str | None = None  # an earlier ids key whose near tie reaches this token (flips.py)
     after_unjudged: str | None = None  # else one whose rows no reference logits judge reaches it
     score_rounding: bool = False  # epsilon is the rounding of the choice scores (RouterInfo.rounded)
+    # The ids agree, but an expert is on either side of a pick's sparsemixer cut (compare/cut.py):
+    # ``gap`` is its distance to the cut in REF's logits; the token's MoE output differs all the same.
+    cut: bool = False
 
     @property
     def judged(self) -> bool:
@@ -68,7 +72,7 @@ class RoutingRow:
     def to_json(self) -> dict:
         return {"row": self.row, "overlap": self.overlap, "k": self.k, "gap": self.gap, "epsilon": self.epsilon,
                 "near_tie": self.near_tie, "reason": self.reason, "after_near_tie": self.after_near_tie,
-                "after_unjudged": self.after_unjudged}
+                "after_unjudged": self.after_unjudged, "cut": self.cut}
 
     @property
     def reached(self) -> bool:
@@ -286,7 +290,9 @@ def judge_routing(ref_ids: np.ndarray, run_ids: np.ndarray, router: np.ndarray |
                 routing.row_errors[row] = float(finite.max())
     for row in np.flatnonzero(np.any(a != b, axis=1)).tolist():
         ref_set, run_set = set(a[row].tolist()), set(b[row].tolist())
-        entry = RoutingRow(row, len(ref_set & run_set), len(ref_set), same_set=ref_set == run_set)
+        # A sparsemixer weighs its first pick over other experts than its second: order matters there.
+        same_set = ref_set == run_set and (selection is None or selection.cut is None)
+        entry = RoutingRow(row, len(ref_set & run_set), len(ref_set), same_set=same_set)
         if selection is not None and selection.score == UNKNOWN:
             entry.reason = UNKNOWN_RULE  # covered or not: no logits would judge it
         elif row in covered and not_top_k is not None and selection is not None and not selection.plain:
@@ -330,7 +336,8 @@ def describe_routing(routing: Routing) -> str:
         far = [row for row in routing.rows if row.row in routing.far_rows]
         top = max(far, key=lambda row: _ratio(row.gap, row.epsilon))
         gap = (top.reason if math.isinf(top.gap) and top.reason else
-               f"router logit gap {top.gap:.3g} > epsilon {top.epsilon:.3g}")
+               f"an expert {top.gap:.3g} from the sparsemixer cut (> epsilon {top.epsilon:.3g}) weighed on one side "
+               "only, the ids equal" if top.cut else f"router logit gap {top.gap:.3g} > epsilon {top.epsilon:.3g}")
         return (f"not a near tie: {gap} at row {top.row} "
                 f"({len(far)}/{total} differing rows far from a tie): a divergence in the {routing.klass} class")
     parts = []
@@ -343,14 +350,18 @@ def describe_routing(routing: Routing) -> str:
         rows = routing.reordered_rows
         parts.append(f"row{'s' if len(rows) > 1 else ''} {_row_list(rows)}: the same {chosen(routing.router_key)} "
                      "in another order")
-    if routing.near_tie_rows:
-        ties = [row for row in routing.rows if row.row in routing.near_tie_rows]
-        top = max(ties, key=lambda row: _ratio(row.gap, row.epsilon))
+    ties = [row for row in routing.rows if row.row in routing.near_tie_rows]
+    for cut, group in ((False, [row for row in ties if not row.cut]), (True, [row for row in ties if row.cut])):
+        if not group:
+            continue
+        top = max(group, key=lambda row: _ratio(row.gap, row.epsilon))
         noise = (", twice the run's router noise in this layer" if routing.logit_noise is not None
                  and top.epsilon == 2 * routing.logit_noise else
                  ", the rounding of its choice scores in the run's precision" if top.score_rounding else "")
-        parts.append(f"near tie at row{'s' if len(ties) > 1 else ''} {_row_list(routing.near_tie_rows)} "
-                     f"(router logit gap {top.gap:.3g} <= epsilon {top.epsilon:.3g}{noise})")
+        rows = f"row{'s' if len(group) > 1 else ''} {_row_list([row.row for row in group])}"
+        parts.append(f"the same experts weighed over another sparsemixer cut at {rows} (an expert {top.gap:.3g} "
+                     f"from the cut <= epsilon {top.epsilon:.3g}{noise})" if cut else
+                     f"near tie at {rows} (router logit gap {top.gap:.3g} <= epsilon {top.epsilon:.3g}{noise})")
     if routing.after_unjudged_rows:
         rows = routing.after_unjudged_rows
         earlier = sorted({row.after_unjudged for row in routing.rows if row.row in rows})

@@ -71,7 +71,10 @@ def _routing_word(item) -> str:
     list the same experts in another order."""
     if item.routing is not None and item.routing.reorder_only:
         return f"same {chosen(item.key)}, reordered"
-    return ROUTING_WORDS.get(item.routing_verdict, "divergence")
+    word = ROUTING_WORDS.get(item.routing_verdict, "divergence")
+    if item.routing is not None and item.routing.rows and all(row.cut for row in item.routing.rows):
+        return f"weights: {word}"  # the ids agree, a sparsemixer cut does not (compare/cut.py)
+    return word
 
 
 def _rows_text(rows: list[int], count: int | None) -> str:
@@ -132,6 +135,8 @@ def _note_for(record: KeyRecord) -> str:
     if ids is not None:
         if ids.ids_equal:
             parts.append("ids equal")
+            if record.routing is not None and record.routing.rows:  # a sparsemixer's weights (compare/cut.py)
+                parts.append(describe_routing(record.routing))
         else:
             at = f"row {ids.first_mismatch_row}" if ids.first_mismatch_row is not None \
                 else f"index {ids.first_mismatch_index}"

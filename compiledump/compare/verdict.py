@@ -145,6 +145,9 @@ def _divergence(record: KeyRecord, last_good: KeyRecord | None) -> Divergence:
         ids = record.ids
         divergence = replace(divergence, metric="ids", value=ids.mismatched_elements, threshold=None,
                              row=ids.first_mismatch_row, overlap=ids.overlap, k=ids.k, routing=record.routing)
+        if ids.ids_equal and record.routing is not None and record.routing.rows:  # a sparsemixer's weights
+            first = record.routing.rows[0]
+            divergence = replace(divergence, row=first.row, overlap=first.k, k=first.k)
     return divergence
 
 
@@ -169,7 +172,7 @@ def analyse_pair(pair: PairResult) -> None:
     pair.decode_divergence = _first_in_phase(floats, "decode")
     # Every ids key that differs; in a low-precision class a near tie (or a row without reference
     # router logits) is reported but is not a divergence by itself (compare/routing.py).
-    differing = [record for record in records if record.ids_differ]
+    differing = [record for record in records if record.routing_differs]
     pair.id_mismatches = [_divergence(record, None) for record in differing]
     first_ids = pair.id_mismatches[0] if differing else None
     pair.first_id_mismatch = first_ids
@@ -279,6 +282,9 @@ def _flip_kind(record: KeyRecord, margin: float, epsilon: float) -> str:
 def _ids_text(record: KeyRecord) -> str:
     """``expert ids differ in 1/7 rows``."""
     ids = record.ids
+    if ids.ids_equal:  # a sparsemixer's weights (compare/cut.py)
+        total = ids.total_elements // max(record.routing.rows[0].k, 1)
+        return f"expert weights differ in {len(record.routing.rows)}/{total} rows, the ids equal"
     noun = "picked keys" if chosen(record.key) == "keys" else "expert ids"
     return f"{noun} differ in {ids.mismatched_rows}/{ids.rows} rows" if ids.rows is not None else "ids differ"
 

@@ -31,7 +31,10 @@ class RouterInfo:
     form ``n_group`` equal groups of consecutive ids, each scored by the sum of its best
     ``group_topk`` choice scores, and the top-k is taken inside the best ``topk_group`` groups.
     ``rounded``: the router computes its choice scores in the dtype of the logits it returns
-    (DeepSeek-V4's ``score_fn(logits) + bias`` with no upcast), so a low-precision run rounds them."""
+    (DeepSeek-V4's ``score_fn(logits) + bias`` with no upcast), so a low-precision run rounds them.
+    ``cut``: PhiMoE's sparsemixer, which picks the top-k of the logits but weighs each pick by a
+    softmax over only the experts within a relative ``cut`` of its logit (compare/cut.py), so an
+    expert that rounding moves across the cut changes the weights with the ids equal."""
 
     top_k: int
     score: str = "softmax"
@@ -40,6 +43,7 @@ class RouterInfo:
     topk_group: int = 1
     group_topk: int = 2
     rounded: bool = False
+    cut: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounded, bool):
@@ -52,6 +56,12 @@ class RouterInfo:
             raise ValueError(f"score must be one of {SCORES}, got {self.score!r}")
         if self.score in (TOKEN, UNKNOWN) and (self.bias is not None or self.n_group > 1):
             raise ValueError(f"a router of score {self.score!r} has no bias and no groups")
+        if self.cut is not None:
+            if not isinstance(self.cut, float) or not math.isfinite(self.cut) or self.cut <= 0:
+                raise ValueError(f"cut must be a positive finite float, got {self.cut!r}")
+            if self.score != "softmax" or self.bias is not None or self.n_group > 1:
+                raise ValueError("a cut (PhiMoE's sparsemixer) weighs the top-k of the logits: score 'softmax', "
+                                 "no bias, no groups")
         if self.topk_group > self.n_group:
             raise ValueError(f"topk_group ({self.topk_group}) is more than n_group ({self.n_group})")
         if self.bias is not None:
@@ -87,12 +97,15 @@ class RouterInfo:
         text = f"top-{self.top_k} of {self.score}" + (" + bias" if self.bias is not None else "")
         if self.n_group > 1:
             text += f" in the best {self.topk_group} of {self.n_group} groups"
+        if self.cut is not None:
+            text += f", each pick weighed over the experts within a relative cut of {self.cut:g} (sparsemixer)"
         return text + (", scores rounded in the model's dtype" if self.rounded else "")
 
     def to_json(self) -> dict:
         return {"top_k": self.top_k, "score": self.score, "bias": None if self.bias is None else list(self.bias),
                 "n_group": self.n_group, "topk_group": self.topk_group, "group_topk": self.group_topk,
-                **({"rounded": True} if self.rounded else {})}  # absent when False: manifests as before
+                **({"rounded": True} if self.rounded else {}),  # absent when False: manifests as before
+                **({"cut": self.cut} if self.cut is not None else {})}
 
 
 def router_from_json(entry) -> RouterInfo | None:
@@ -105,7 +118,8 @@ def router_from_json(entry) -> RouterInfo | None:
                           bias=None if bias is None else tuple(float(b) if isinstance(b, (int, float))
                                                                and not isinstance(b, bool) else b for b in bias),
                           n_group=entry.get("n_group", 1), topk_group=entry.get("topk_group", 1),
-                          group_topk=entry.get("group_topk", 2), rounded=entry.get("rounded", False))
+                          group_topk=entry.get("group_topk", 2), rounded=entry.get("rounded", False),
+                          cut=entry.get("cut"))
     except (TypeError, ValueError):
         return None
 

@@ -122,7 +122,7 @@ DECODE_MARGINS = {"tags", "steps", "argmax_agree", "compared", "flips", "smalles
 ROUTING_FIELDS = {"verdict", "class", "class_from", "router_key", "router_rows", "differing_rows", "near_tie_rows",
                   "far_rows", "not_judged_rows", "after_near_tie_rows", "after_unjudged_rows", "reordered_rows", "not_top_k",
                   "logit_noise", "rows"}
-ROUTING_ROW = {"row", "overlap", "k", "gap", "epsilon", "near_tie", "reason", "after_near_tie", "after_unjudged"}
+ROUTING_ROW = {"row", "overlap", "k", "gap", "epsilon", "near_tie", "reason", "after_near_tie", "after_unjudged", "cut"}
 
 
 def write_tp2(directory: Path, captures: list[factory.Capture], shards: dict[str, dict],

@@ -44,3 +44,16 @@ def minimax_m3_vl_text(sparse_layers: tuple[int, ...] = (0, 2)):
         mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
         layer_types=["minimax_m3_sparse" if i in sparse_layers else "full_attention" for i in range(4)])
     return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def phimoe(seed: int = 0, init: float = 0.1):
+    """PhiMoE, 4 layers, hidden 64, 8 experts top-2 weighed by its sparsemixer (router_jitter_noise 0.01:
+    a cut of 0.02); random weights of scale `init`, as benchmarks/sweep_routing.py builds it."""
+    import torch
+
+    config = transformers.AutoConfig.for_model(
+        "phimoe", vocab_size=211, hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=64,
+        initializer_range=init, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
