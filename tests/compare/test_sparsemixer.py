@@ -139,3 +139,43 @@ def test_a_scaled_expert_layer_is_still_named_in_phimoe(tmp_path):
     for seed in (0, 1, 5):
         report = _pair(tmp_path, seed, "all", scale)
         assert report.exit_status == 1 and report.first_divergence.layer == 1, (seed, report.first_divergence)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_engine_flow_judges_cut_flips(tmp_path, seed):
+    """examples/hf_reference_vs_compiled.py's flow on PhiMoE: the float32 eager reference against the
+    bf16 engine compiled with fullgraph, a static cache and a padded batch of 4. Seed 1 exited 1 before
+    the cut was judged (layer1_mlp at token 6); in seed 2 rounding moves an expert across layer 1's cut
+    at decode step 3, which is judged a near tie (the weights differ, the ids agree). No problem, no
+    graph break, exit 0; x1.05 on layer 1's experts (the same compiled graphs) is named at layer 1."""
+    import importlib.util
+    import warnings
+    from pathlib import Path
+
+    import compiledump
+    from compiledump.compare import format_report
+    from helpers.hf_models import phimoe
+    from torch._dynamo.utils import counters
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "hf_reference_vs_compiled.py"
+    spec = importlib.util.spec_from_file_location("hf_example", path)
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    inputs = ex.Inputs(211, steps=6, batch=4)
+    reference = ex.run_reference(phimoe(seed), inputs, tmp_path / "ref", rows="all")
+    engine = ex.Engine(phimoe(seed), inputs, dtype=torch.bfloat16, rows="all")
+    breaks = sum(counters["graph_break"].values())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        honest = compare(reference, engine.run(tmp_path / "honest"))
+        ex.inject(engine.model, "experts", layer=1, scale=1.05)
+        broken = compare(reference, engine.run(tmp_path / "broken"))
+    engine.handle.remove()
+    compiledump.reset()
+    torch._dynamo.reset()
+    assert engine.graphs == 2 and sum(counters["graph_break"].values()) == breaks
+    assert honest.problems == [] and honest.exit_status == 0, format_report(honest)[-1]
+    cut_steps = [record for record in honest.pairs[0].keys if record.step is not None and record.routing is not None
+                 and any(row.cut for row in record.routing.rows)]
+    assert all(record.status == "near_tie" for record in cut_steps) and (seed != 2 or cut_steps)
+    assert broken.exit_status == 1 and broken.first_divergence.layer == 1, format_report(broken)[-1]
