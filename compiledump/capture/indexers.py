@@ -22,8 +22,9 @@ from .state import STATE, warn_once
 
 
 class _TopkInputs(TorchFunctionMode):
-    """Appends (input, k) of each top-k taken while it is active to `seen`. Made once per indexer,
-    outside any traced code: dynamo traces entering an existing mode, not building one."""
+    """Appends (input, k, indices) of each top-k over the last dimension taken while it is active to
+    `seen` (None for the indices of a top-k over another dimension). Made once per indexer, outside
+    any traced code: dynamo traces entering an existing mode, not building one."""
 
     def __init__(self, seen: list) -> None:
         super().__init__()
@@ -31,9 +32,12 @@ class _TopkInputs(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        result = func(*args, **kwargs)
         if func is torch.topk or func is torch.Tensor.topk:
-            self.seen.append((args[0], args[1] if len(args) > 1 else kwargs.get("k")))
-        return func(*args, **kwargs)
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+            last = dim in (-1, args[0].dim() - 1)
+            self.seen.append((args[0], args[1] if len(args) > 1 else kwargs.get("k"), result[1] if last else None))
+        return result
 
 
 class _Unwrap:
@@ -50,10 +54,12 @@ def tap_indexer(handle, name: str, path: str, indexer: torch.nn.Module, capture)
     """Record `indexer`'s scores and picks under `<name>_router` / `<name>_topk` (and their steps)
     through `capture`, a router capture of `handle` that takes `(scores, None, ids)`.
 
-    Only an indexer whose last top-k is over `[batch, seq, keys]` scores and returns the `[batch,
-    seq, k]` picks it took is recorded; another (pooled or per-head picks) is warned about once.
-    A pick of a masked key (score -inf: fewer visible keys than k) is recorded as -1 on both sides,
-    so the arbitrary order of equal -inf scores is no flip."""
+    Only an indexer whose last top-k takes `[batch, seq, k]` picks of `[batch, seq, keys]` scores is
+    recorded: those picks, whatever it returns (GLM-5-Next's pooled indexer picks pools of keys and
+    returns their keys; its pools are recorded). Another (per-head or per-query picks, masks from
+    thresholds) is warned about once.
+    A pick of a masked key (score -inf or the lowest finite value: fewer visible keys than k) is
+    recorded as -1 on both sides, so the arbitrary order of equal masked scores is no flip."""
     original = indexer.forward
     seen: list = []
     mode = _TopkInputs(seen)
@@ -65,31 +71,40 @@ def tap_indexer(handle, name: str, path: str, indexer: torch.nn.Module, capture)
         seen.clear()
         with mode:
             picked = original(*args, **kwargs)
-        scores, k = seen[-1] if seen else (None, None)
+        scores, k, took = seen[-1] if seen else (None, None, None)
         seen.clear()  # no tensor kept past the call
         if (isinstance(scores, torch.Tensor) and scores.is_floating_point() and scores.dim() == 3
-                and isinstance(picked, torch.Tensor) and not picked.is_floating_point()
-                and tuple(picked.shape) == (*scores.shape[:2], k)):
-            masked = torch.gather(scores, -1, picked.long().clamp_min(0)) == float("-inf")
-            ids = torch.where(masked | (picked < 0), torch.full_like(picked, -1), picked)
+                and isinstance(took, torch.Tensor) and tuple(took.shape) == (*scores.shape[:2], k)):
+            # masked keys: -inf, or the dtype's lowest value (GLM-5-Next's masked_fill with finfo.min),
+            # recorded as -inf: a finite floor would set the near-tie epsilon's scale (compare/routing.py)
+            floor = torch.finfo(scores.dtype).min
+            masked = torch.gather(scores, -1, took) <= floor
+            ids = torch.where(masked, torch.full_like(took, -1), took)
+            if isinstance(picked, torch.Tensor) and not picked.is_floating_point() and picked.shape == ids.shape:
+                ids = ids.to(picked.dtype)  # the dtype the indexer returns its picks in (int32 in Hunyuan V4)
             # A growing cache adds a key per decode step, and a step tag keeps one shape: each step's
             # row is padded with masked keys to the first call's keys + COMPILEDUMP_MAX_STEPS (a row
             # past that is dropped as shape_changed, counted and warned about). Traced code has a
             # cache of one size (each size is a graph of its own): no state, which dynamo would guard
             # on and re-trace for when the first call set it.
             row = handle._step_row(handle._rows(scores))
+            row = row.masked_fill(row <= floor, float("-inf"))
             width = row.shape[-1] + STATE.config.max_steps
             if not torch.compiler.is_compiling():
                 width = step_width.setdefault("keys", width)
             if row.shape[-1] < width:
                 row = torch.nn.functional.pad(row, (0, width - row.shape[-1]), value=float("-inf"))
-            capture((scores, None, ids), step_logits=row, whole=_fits(indexer, scores, k, handle.router_rows))
+            whole = _fits(indexer, scores, k, handle.router_rows)
+            if whole:  # out of place: the indexer's own scores stay as they are
+                scores = scores.masked_fill(scores <= floor, float("-inf"))
+            capture((scores, None, ids), step_logits=row, whole=whole)
         elif not torch.compiler.is_compiling():  # shapes and types: constants while tracing
             handle._unlist_routing(name)
-            warn_once(f"instrument: {type(indexer).__name__} (a sparse-attention indexer) does not return the "
+            warn_once(f"instrument: {type(indexer).__name__} (a sparse-attention indexer) does not take the "
                       "[batch, seq, k] top-k of [batch, seq, keys] scores, so its picks are not recorded (no "
                       "layer<i>_index_router/_index_topk, nor listed in handle.taps): a swap of near-tie keys there "
-                      "reads as a divergence in attention")
+                      "reads as a divergence in attention. Compare prompts no longer than its key budget (where it "
+                      "keeps every key), or the same precision on both sides")
         return picked
 
     indexer.forward = forward

@@ -23,7 +23,7 @@ import compiledump  # noqa: E402
 from compiledump import config as cd_config  # noqa: E402
 from compiledump.compare import compare, format_report  # noqa: E402
 from helpers.hf_dump import dump_prefill  # noqa: E402
-from helpers.hf_models import deepseek_v32, minimax_m3_vl_text  # noqa: E402
+from helpers.hf_models import deepseek_v32, glm5_next_text, minimax_m3_vl_text  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -225,3 +225,57 @@ def test_a_prompt_too_large_for_the_arena_keeps_the_step_rows_and_says_so(tmp_pa
     assert {"layer0_index_step_router_0", "layer0_index_step_topk_0", "layer0_attn", "layer1_mlp", "logits_0"} <= kept
     assert not kept & {"layer0_index_router", "layer0_index_topk", "layer1_index_router", "layer1_index_topk"}
     assert "arena_full" not in _manifest(tmp_path)["drops"]
+
+
+def test_a_pooled_indexer_is_recorded_at_its_pools(tmp_path):
+    """GLM-5-Next's indexer scores pools of 2 keys, takes the top index_topk // 2 pools and returns their
+    keys (plus the query's own tail). Its pools are recorded: every picked pool's keys are among the
+    keys the model's own indexer returned, the picks are the top-k of the recorded pool scores, and a
+    masked pool (the model fills its score with float32's lowest value) is recorded as -inf, picked -1."""
+    model = glm5_next_text()
+    returned = {}
+    model.layers[3].self_attn.indexer.register_forward_hook(lambda module, args, out: returned.setdefault("keys", out))
+    ids = torch.randint(3, 211, (1, 48), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dump_prefill(model, tmp_path, ids, "all")
+    assert not [w for w in caught if "sparse-attention indexer" in str(w.message)]
+    (path,) = glob.glob(str(tmp_path / "*.npz"))
+    with np.load(path) as dump:
+        picks, scores = dump["layer3_index_topk"], dump["layer3_index_router"]
+    keys = returned["keys"][0].numpy()
+    assert picks.shape == (48, 4) and scores.shape == (48, 24)
+    assert not np.any(np.isfinite(scores) & (scores < -1e30))  # no finite floor left
+    for row in range(48):
+        chosen = [int(p) for p in picks[row] if p >= 0]
+        assert {2 * p + i for p in chosen for i in (0, 1)} <= set(keys[row].tolist()), row
+        finite = np.flatnonzero(np.isfinite(scores[row]))
+        best = finite[np.argsort(-scores[row, finite], kind="stable")][:4]
+        assert sorted(chosen) == sorted(best.tolist()), row  # the top-k of what was recorded
+        assert len(chosen) == min(4, len(finite))
+
+
+@pytest.mark.parametrize("rows", ["one", "all"])
+def test_honest_bf16_pooled_indexer_pairs_exit_0(tmp_path, rows):
+    """GLM-5-Next, 48-token prompts (24 pools, 4 kept): seeds whose honest bf16 pair exited 1 at the
+    indexed layer before its pools were recorded (12 of 20 such pairs did) exit 0; x1.05 on layer 1's
+    experts is named at layer 1."""
+    for seed in (1, 3):
+        reference = glm5_next_text(seed=seed)
+        ids = torch.randint(3, 211, (1, 48), generator=torch.Generator().manual_seed(seed + 1))
+        for bug in (False, True):
+            engine = copy.deepcopy(reference).to(torch.bfloat16)
+            if bug:
+                with torch.no_grad():
+                    for parameter in engine.layers[1].mlp.experts.parameters():
+                        parameter.mul_(1.05)
+            root = tmp_path / f"{seed}_{bug}"
+            dump_prefill(reference, root / "ref", ids, rows)
+            dump_prefill(engine, root / "run", ids, rows)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                report = compare(root / "ref", root / "run")
+            if bug:
+                assert report.exit_status == 1 and report.first_divergence.layer == 1, format_report(report)[-1]
+            else:
+                assert report.exit_status == 0, format_report(report)[-1]

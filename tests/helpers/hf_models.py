@@ -57,3 +57,20 @@ def phimoe(seed: int = 0, init: float = 0.1):
         initializer_range=init, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def glm5_next_text(index_topk: int = 8, seed: int = 0, init: float = 0.02):
+    """GLM-5-Next's text model (no LM head in transformers), 4 layers (3 linear-attention, then one with
+    its pooled sparse-attention indexer: pools of 2 keys, the top `index_topk` // 2 pools kept), hidden
+    64, 8 routed experts top-2 from layer 1; random weights of scale `init`."""
+    import torch
+
+    config = transformers.AutoConfig.for_model(
+        "glm5_next_text", vocab_size=211, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=48, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=0,
+        qk_nope_head_dim=16, v_head_dim=16, head_dim=8, index_topk=index_topk, index_head_dim=16, index_n_heads=4,
+        index_kpool=2, max_position_embeddings=128, initializer_range=init, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
+    torch.manual_seed(seed)
+    return transformers.AutoModel.from_config(config).eval()
