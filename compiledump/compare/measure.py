@@ -14,9 +14,9 @@ from ..format import spec
 from ..format.keys import KeyInfo, index_ids_key_for, router_key_for, step_ids_key_for
 from ..format.reader import Dump, Member
 from ..format.routers import RouterInfo
+from .cut import add_cut_rows
 from .facts import SideFacts
 from .key_record import KeyRecord, MergeInfo, RankPart
-from .cut import add_cut_rows
 from .metrics import RowMetrics, Workspace, compare_float_arrays, compare_id_arrays, compare_rows
 from .options import PRECISION_ORDER, CompareOptions, Thresholds, judged_class, pair_class
 from .phases import not_comparable_reason
