@@ -8,7 +8,6 @@ of layer 1's experts is still named at layer 1."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 
 import numpy as np
