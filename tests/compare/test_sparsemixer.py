@@ -140,13 +140,14 @@ def test_a_scaled_expert_layer_is_still_named_in_phimoe(tmp_path):
         assert report.exit_status == 1 and report.first_divergence.layer == 1, (seed, report.first_divergence)
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_engine_flow_judges_cut_flips(tmp_path, seed):
+def test_engine_flow_judges_a_decode_steps_cut_flip(tmp_path):
     """examples/hf_reference_vs_compiled.py's flow on PhiMoE: the float32 eager reference against the
-    bf16 engine compiled with fullgraph, a static cache and a padded batch of 4. Seed 1 exited 1 before
-    the cut was judged (layer1_mlp at token 6); in seed 2 rounding moves an expert across layer 1's cut
-    at decode step 3, which is judged a near tie (the weights differ, the ids agree). No problem, no
-    graph break, exit 0; x1.05 on layer 1's experts (the same compiled graphs) is named at layer 1."""
+    bf16 engine compiled with fullgraph, a static cache and a padded batch of 4. In seed 2 rounding
+    moves an expert across layer 1's cut at decode step 3, which is judged a near tie (the weights
+    differ, the ids agree). No problem, no graph break, exit 0; x1.05 on layer 1's experts (the same
+    compiled graphs) is named at layer 1. (Seed 1, which exited 1 honest before the cut was judged,
+    exits 0 too: benchmarks/RESULTS.md; one compiled engine here keeps the suite's time.)"""
+    seed = 2
     import importlib.util
     import warnings
     from pathlib import Path
@@ -176,5 +177,5 @@ def test_engine_flow_judges_cut_flips(tmp_path, seed):
     assert honest.problems == [] and honest.exit_status == 0, format_report(honest)[-1]
     cut_steps = [record for record in honest.pairs[0].keys if record.step is not None and record.routing is not None
                  and any(row.cut for row in record.routing.rows)]
-    assert all(record.status == "near_tie" for record in cut_steps) and (seed != 2 or cut_steps)
+    assert cut_steps and all(record.status == "near_tie" for record in cut_steps)
     assert broken.exit_status == 1 and broken.first_divergence.layer == 1, format_report(broken)[-1]
