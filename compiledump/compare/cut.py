@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .metrics import id_rows
 from .routing import Routing, RoutingRow, router_rows, routing_epsilon
 
 
@@ -56,8 +57,7 @@ def add_cut_rows(routing: Routing, ref_ids: np.ndarray, run_ids: np.ndarray, rou
     """Adds to ``routing`` (compare/routing.py, the ids key's judgement) a row for each token whose
     ids agree but whose picks REF's and RUN's logits weigh over different experts, judged by
     :func:`cut_gap` against the row's near-tie epsilon; decides again."""
-    a = np.asarray(ref_ids)
-    a = a.reshape(a.shape[0], -1) if a.ndim >= 2 else a.reshape(1, -1)  # a decode step's [k]: one row
+    a = id_rows(np.asarray(ref_ids))  # a decode step's [k]: one row
     b = np.asarray(run_ids).reshape(a.shape)
     ref_rows = router_rows(a.shape[0], np.asarray(router), all_rows)
     run_rows = router_rows(a.shape[0], np.asarray(run_router), all_rows) if np.shape(run_router) == np.shape(router) else {}

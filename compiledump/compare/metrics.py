@@ -262,6 +262,12 @@ def _cosine(dot: float, xx: float, yy: float) -> float | None:
     return 1.0 if xx == 0 and yy == 0 else None
 
 
+def id_rows(ids: np.ndarray) -> np.ndarray:
+    """An ids array as rows of ids: axis 0 for arrays of rank >= 2 (one top-k set per token), the
+    whole array as one row for rank <= 1 (a decode step's ids)."""
+    return ids.reshape(ids.shape[0], -1) if ids.ndim >= 2 else ids.reshape(1, -1)
+
+
 def compare_id_arrays(ref: np.ndarray, run: np.ndarray) -> IdMetrics:
     """Exact comparison of two integer arrays of equal shape.
 
@@ -276,7 +282,7 @@ def compare_id_arrays(ref: np.ndarray, run: np.ndarray) -> IdMetrics:
     mismatched = int(differs.sum())
     if mismatched == 0:
         return IdMetrics(True, 0, int(a.size))
-    rows_a = a.reshape(a.shape[0], -1) if a.ndim >= 2 else a.reshape(1, -1)
+    rows_a = id_rows(a)
     rows_b = b.reshape(rows_a.shape)
     row_differs = np.any(rows_a != rows_b, axis=1)
     row = int(np.argmax(row_differs))

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..format.keys import chosen
 from ..format.routers import UNKNOWN, RouterInfo
-from .metrics import bf16_spacing
+from .metrics import bf16_spacing, id_rows
 from .selection import UNKNOWN_RULE, first_unexplained, row_gap, score_rounding_epsilon
 
 STRICT_CLASSES = ("fp32",)
@@ -230,10 +230,6 @@ def routing_epsilon(logits: np.ndarray, near_tie: float | None, near_tie_ulps: f
     return near_tie_ulps * bf16_spacing(scale)
 
 
-def _rows(ids: np.ndarray) -> np.ndarray:
-    return ids.reshape(ids.shape[0], -1) if ids.ndim >= 2 else ids.reshape(1, -1)
-
-
 def router_rows(ids_rows: int, router: np.ndarray | None, all_rows: bool) -> dict[int, np.ndarray]:
     """The reference logits of each ids row they cover: every row for a ``[rows, experts]``
     array (all-rows mode), the last row for a 1-D ``[experts]`` one (one-row mode keeps the
@@ -252,7 +248,7 @@ def top_k_counterexample(ids: np.ndarray, router: np.ndarray, all_rows: bool,
     """A row whose reference ids are not the top-k of its router logits, or, for a declared
     ``selection`` that is not plain top-k, not what it selects (None: every row the logits cover
     is explained, as far as these rows tell)."""
-    a = _rows(np.asarray(ids))
+    a = id_rows(np.asarray(ids))
     return first_unexplained(router_rows(a.shape[0], np.asarray(router), all_rows), a, selection)
 
 
@@ -268,7 +264,7 @@ def judge_routing(ref_ids: np.ndarray, run_ids: np.ndarray, router: np.ndarray |
     (RUN's logits, when of the same shape) gives each covered row's logit error, from which
     ``Routing.widen_by_noise`` measures the run's noise once the rows earlier flips reach are known.
     ``selection``: the router's declared selection (format/routers.py), None for plain top-k."""
-    a = _rows(np.asarray(ref_ids))
+    a = id_rows(np.asarray(ref_ids))
     b = np.asarray(run_ids).reshape(a.shape)
     covered = router_rows(a.shape[0], None if router is None else np.asarray(router), all_rows)
     if router is not None and not covered:

@@ -5,13 +5,10 @@ bug still is one (docs/compare.md, "Sparse-attention indexers")."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import glob
-import importlib.util
 import json
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,11 +18,10 @@ pytest.importorskip("transformers")
 
 import compiledump  # noqa: E402
 from compiledump import config as cd_config  # noqa: E402
-from compiledump.compare import compare, format_report  # noqa: E402
-from helpers.hf_dump import dump_prefill  # noqa: E402
+from compiledump.compare import format_report  # noqa: E402
+from helpers.engine_flow import honest_and_broken  # noqa: E402
+from helpers.hf_dump import compare_bf16_prefill, dump_prefill  # noqa: E402
 from helpers.hf_models import deepseek_v32, glm5_next_text, minimax_m3_vl_text  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _arrays(directory):
@@ -77,17 +73,9 @@ def test_instrument_removes_its_indexer_wrapper():
 
 
 def _pair(tmp_path, seed, rows, bug=None, init=0.1):
-    reference = deepseek_v32(index_topk=32, seed=seed, init=init)
-    engine = copy.deepcopy(reference).to(torch.bfloat16)
-    if bug is not None:
-        bug(engine)
     ids = torch.randint(3, 211, (1, 64), generator=torch.Generator().manual_seed(seed + 1))
-    root = tmp_path / f"{seed}_{rows}"
-    dump_prefill(reference, root / "ref", ids, rows)
-    dump_prefill(engine, root / "run", ids, rows)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return compare(root / "ref", root / "run")
+    return compare_bf16_prefill(deepseek_v32(index_topk=32, seed=seed, init=init), tmp_path / f"{seed}_{rows}", ids,
+                                rows, bug)
 
 
 @pytest.mark.parametrize("rows", ["one", "all"])
@@ -174,24 +162,8 @@ def test_engine_flow_static_cache_against_dynamic_cache(tmp_path):
     of 4. Every step's index scores are kept on both sides (the reference's padded to one width) and
     compared over the keys both have: no problem, no graph break, exit 0; x1.05 on layer 1's experts
     (the same compiled graphs) is named at layer 1."""
-    from torch._dynamo.utils import counters
-
-    spec = importlib.util.spec_from_file_location("hf_example", REPO / "examples" / "hf_reference_vs_compiled.py")
-    ex = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ex)
-    inputs = ex.Inputs(211, steps=6, batch=4)
-    reference = ex.run_reference(deepseek_v32(index_topk=4, max_positions=64), inputs, tmp_path / "ref", rows="all")
-    engine = ex.Engine(deepseek_v32(index_topk=4, max_positions=64), inputs, dtype=torch.bfloat16, rows="all")
-    breaks = sum(counters["graph_break"].values())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        honest = compare(reference, engine.run(tmp_path / "honest"))
-        ex.inject(engine.model, "experts", layer=1, scale=1.05)
-        broken = compare(reference, engine.run(tmp_path / "broken"))
-    engine.handle.remove()
-    compiledump.reset()
-    torch._dynamo.reset()
-    assert engine.graphs == 2 and sum(counters["graph_break"].values()) == breaks
+    honest, broken, graphs, breaks = honest_and_broken(lambda: deepseek_v32(index_topk=4, max_positions=64), tmp_path)
+    assert graphs == 2 and breaks == 0
     keys = {record.key: record for record in honest.pairs[0].keys}
     for i in range(2):  # COMPILEDUMP_MOE_LAYERS: layers 0 and 1 keep step tags
         for n in range(7):
@@ -225,6 +197,12 @@ def test_a_prompt_too_large_for_the_arena_keeps_the_step_rows_and_says_so(tmp_pa
     assert {"layer0_index_step_router_0", "layer0_index_step_topk_0", "layer0_attn", "layer1_mlp", "logits_0"} <= kept
     assert not kept & {"layer0_index_router", "layer0_index_topk", "layer1_index_router", "layer1_index_topk"}
     assert "arena_full" not in _manifest(tmp_path)["drops"]
+
+
+def _scale_layer1_experts(engine):
+    with torch.no_grad():
+        for parameter in engine.layers[1].mlp.experts.parameters():
+            parameter.mul_(1.05)
 
 
 def test_a_pooled_indexer_is_recorded_at_its_pools(tmp_path):
@@ -264,17 +242,8 @@ def test_honest_bf16_pooled_indexer_pairs_exit_0(tmp_path, rows):
         reference = glm5_next_text(seed=seed)
         ids = torch.randint(3, 211, (1, 48), generator=torch.Generator().manual_seed(seed + 1))
         for bug in (False, True):
-            engine = copy.deepcopy(reference).to(torch.bfloat16)
-            if bug:
-                with torch.no_grad():
-                    for parameter in engine.layers[1].mlp.experts.parameters():
-                        parameter.mul_(1.05)
-            root = tmp_path / f"{seed}_{bug}"
-            dump_prefill(reference, root / "ref", ids, rows)
-            dump_prefill(engine, root / "run", ids, rows)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                report = compare(root / "ref", root / "run")
+            report = compare_bf16_prefill(reference, tmp_path / f"{seed}_{bug}", ids, rows, _scale_layer1_experts
+                                          if bug else None)
             if bug:
                 assert report.exit_status == 1 and report.first_divergence.layer == 1, format_report(report)[-1]
             else:

@@ -7,13 +7,11 @@ of layer 1's experts is still named at layer 1."""
 
 from __future__ import annotations
 
-import copy
 import math
 
 import numpy as np
 import pytest
 
-from compiledump.compare import compare
 from compiledump.compare.cut import cut_gap, margins, supports
 from compiledump.format.routers import RouterInfo, router_from_json
 
@@ -92,18 +90,11 @@ def test_instrument_declares_phimoe_routers_with_their_cut():
 
 
 def _pair(tmp_path, seed: int, rows: str, engine_bug=None, init: float = 0.1):
-    from helpers.hf_dump import dump_prefill
+    from helpers.hf_dump import compare_bf16_prefill
     from helpers.hf_models import phimoe
 
-    reference = phimoe(seed, init)
-    engine = copy.deepcopy(reference).to(torch.bfloat16)
-    if engine_bug is not None:
-        engine_bug(engine)
     ids = torch.randint(3, 211, (1, 7), generator=torch.Generator().manual_seed(seed + 1))
-    root = tmp_path / f"{seed}_{rows}"
-    dump_prefill(reference, root / "ref", ids, rows)
-    dump_prefill(engine, root / "run", ids, rows)
-    return compare(root / "ref", root / "run")
+    return compare_bf16_prefill(phimoe(seed, init), tmp_path / f"{seed}_{rows}", ids, rows, engine_bug)
 
 
 # Seeds of benchmarks/sweep_routing.py --models phimoe (init 0.1) whose honest all-rows pair exited 1
@@ -147,33 +138,12 @@ def test_engine_flow_judges_a_decode_steps_cut_flip(tmp_path):
     differ, the ids agree). No problem, no graph break, exit 0; x1.05 on layer 1's experts (the same
     compiled graphs) is named at layer 1. (Seed 1, which exited 1 honest before the cut was judged,
     exits 0 too: benchmarks/RESULTS.md; one compiled engine here keeps the suite's time.)"""
-    seed = 2
-    import importlib.util
-    import warnings
-    from pathlib import Path
-
-    import compiledump
     from compiledump.compare import format_report
+    from helpers.engine_flow import honest_and_broken
     from helpers.hf_models import phimoe
-    from torch._dynamo.utils import counters
 
-    path = Path(__file__).resolve().parents[2] / "examples" / "hf_reference_vs_compiled.py"
-    spec = importlib.util.spec_from_file_location("hf_example", path)
-    ex = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ex)
-    inputs = ex.Inputs(211, steps=6, batch=4)
-    reference = ex.run_reference(phimoe(seed), inputs, tmp_path / "ref", rows="all")
-    engine = ex.Engine(phimoe(seed), inputs, dtype=torch.bfloat16, rows="all")
-    breaks = sum(counters["graph_break"].values())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        honest = compare(reference, engine.run(tmp_path / "honest"))
-        ex.inject(engine.model, "experts", layer=1, scale=1.05)
-        broken = compare(reference, engine.run(tmp_path / "broken"))
-    engine.handle.remove()
-    compiledump.reset()
-    torch._dynamo.reset()
-    assert engine.graphs == 2 and sum(counters["graph_break"].values()) == breaks
+    honest, broken, graphs, breaks = honest_and_broken(lambda: phimoe(2), tmp_path)
+    assert graphs == 2 and breaks == 0
     assert honest.problems == [] and honest.exit_status == 0, format_report(honest)[-1]
     cut_steps = [record for record in honest.pairs[0].keys if record.step is not None and record.routing is not None
                  and any(row.cut for row in record.routing.rows)]

@@ -3,6 +3,7 @@ compare real models against their float32 reference need it (nothing else is con
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import warnings
 from pathlib import Path
@@ -33,3 +34,18 @@ def dump_prefill(model: torch.nn.Module, directory: Path, ids: torch.Tensor, row
     handle.remove()
     compiledump.reset()
     compiledump.configure(**dataclasses.asdict(previous))
+
+
+def compare_bf16_prefill(reference: torch.nn.Module, root: Path, ids: torch.Tensor, rows: str, engine_bug=None):
+    """One prefill of the float32 ``reference`` and of its bfloat16 copy (broken by ``engine_bug(engine)``
+    when given) dumped under ``root``/ref and ``root``/run, and their comparison's report."""
+    from compiledump.compare import compare
+
+    engine = copy.deepcopy(reference).to(torch.bfloat16)
+    if engine_bug is not None:
+        engine_bug(engine)
+    dump_prefill(reference, root / "ref", ids, rows)
+    dump_prefill(engine, root / "run", ids, rows)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return compare(root / "ref", root / "run")
