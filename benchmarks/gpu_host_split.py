@@ -1,0 +1,146 @@
+"""Where the host time of one capture call goes on the Triton path, layer by layer.
+
+    python benchmarks/gpu_host_split.py --device cuda       # on a GPU (scripts/gpu_diagnose.sh runs it)
+    TRITON_INTERPRET=1 COMPILEDUMP_CPU_KERNEL=triton python benchmarks/gpu_host_split.py --device cpu
+
+gpu_bench.py's compiled_host_cost gives one number per capture (69 µs on the first H200 run, the
+native path 12 µs). This splits it: each row times one layer of the call by itself, from the
+outside in, so the differences between rows say what each layer adds:
+
+  record_eager      compiledump.record(tag, x): the public call, the dispatcher, the tag's gates,
+                    the kernel layer;
+  custom_op_noop    a Python custom op that does nothing, called through torch.ops: the
+                    dispatcher's floor for any Python-implemented op;
+  run_cuda_kernel   register.run_cuda_kernel: the device guard and the Triton layer below;
+  device_guard      `with torch.cuda.device(x.device)` alone;
+  triton_launch     triton_kernel.launch: geometry facts to variant and grid, then the JIT launch;
+  jit_launch        the JIT call `capture_kernel[grid](...)` alone (Triton's own binding,
+                    specialization key and cache lookup);
+  compiled_run      the compiled kernel's own launcher (CompiledKernel.run) where this Triton has
+                    one: what is left once Python binding is skipped.
+
+Host µs per call: the median of rounds of many calls, each round ended by one synchronize.
+Prints one table and, with --out, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compiledump  # noqa: E402
+from compiledump.ops import layout as L  # noqa: E402
+from compiledump.ops import register  # noqa: E402
+from compiledump.ops.geometry import geometry  # noqa: E402
+
+
+def per_call_us(fn, device, calls=200, rounds=7) -> float:
+    """Median host µs per call of `fn` over `rounds` rounds of `calls` calls."""
+    fn()
+    times = []
+    for _ in range(rounds):
+        begun = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - begun) * 1e6 / calls)
+    return statistics.median(times)
+
+
+def rows(device, calls) -> dict:
+    from compiledump.ops import triton_kernel as K
+    from compiledump.ops.variants import ALIGN_WORDS, BLOCK, NUM_WARPS, variant_for
+
+    lib = torch.library.Library("compiledump_host_split", "FRAGMENT")
+    lib.define("noop(Tensor x) -> ()")
+    lib.impl("noop", lambda x: None, "CUDA" if device.type == "cuda" else "CPU")
+
+    x = torch.randn(8, 4, 7168, device=device, dtype=torch.bfloat16)
+    arena = torch.zeros(1 << 20, dtype=torch.float32, device=device)
+    ctrl = torch.zeros(L.control_words(4), dtype=torch.int32, device=device)
+    ctrl[L.REG_ENABLED], ctrl[L.REG_ROWS], ctrl[L.REG_MAX_ROWS], ctrl[L.REG_RECORD_ROW] = 1, 1, 1, -1
+    kind, args = L.KIND_RECORD, (L.slot_base(2), 16, 1, 0)  # a one-row ring: every call overwrites it
+    src, geo = geometry(x, kind)
+    v = variant_for(src, geo, kind)
+    T, H, D, st, sh, sd, row_reg, _mean = geo
+    jit_args = (src, arena, ctrl, T, H, D, st, sh, sd, *args[:3], kind, args[3], row_reg, L.LAUNCH_WHOLE)
+    constexprs = dict(MEAN=v.mean, IS_INT=v.is_int, VEC=v.vec, STORE_VEC=min(v.vec, ALIGN_WORDS),
+                      HOST_ARENA=v.host_arena, RELEASE=v.release, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    programs = max(1, -(-D // BLOCK))
+
+    def jit_launch():
+        return K.capture_kernel[(programs,)](*jit_args, **constexprs)
+
+    compiled = jit_launch()
+    guard = torch.cuda.device(x.device) if device.type == "cuda" else None
+
+    def device_guard():
+        with guard:
+            pass
+
+    out = {
+        "record_eager": per_call_us(lambda: compiledump.record("host_split", x), device, calls),
+        "custom_op_noop": per_call_us(lambda: torch.ops.compiledump_host_split.noop(x), device, calls),
+        "run_cuda_kernel": (per_call_us(lambda: register.run_cuda_kernel(x, arena, ctrl, kind, args), device, calls)
+                            if device.type == "cuda" else None),
+        "device_guard": per_call_us(device_guard, device, calls) if guard is not None else None,
+        "triton_launch": per_call_us(lambda: K.launch(src, arena, ctrl, geo, *args[:3], kind, args[3]), device, calls),
+        "jit_launch": per_call_us(jit_launch, device, calls),
+        "compiled_run": None,
+    }
+    run = getattr(compiled, "run", None)
+    if device.type == "cuda" and run is not None and hasattr(compiled, "packed_metadata"):
+        # Triton 3.x's launcher signature (grid x/y/z, stream, function, metadata, launch metadata,
+        # enter/exit hooks, then the kernel's arguments without constexprs); it changes between releases.
+        stream = torch.cuda.current_stream(device).cuda_stream
+        try:
+            def compiled_run():
+                run(programs, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *jit_args)
+            out["compiled_run"] = per_call_us(compiled_run, device, calls)
+        except Exception as error:  # noqa: BLE001 - reported: the launcher's signature moved
+            out["compiled_run_error"] = f"{type(error).__name__}: {error}"
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--calls", type=int, default=200, help="calls per timed round")
+    parser.add_argument("--out", help="write the numbers as JSON here")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    with tempfile.TemporaryDirectory() as tmp:
+        compiledump.configure(dir=tmp, tokens=0)
+        compiledump.init(device)
+        result = rows(device, args.calls)
+        compiledump.flush()
+    meta = {"device": str(device), "torch": torch.__version__, "capture_path": "triton"}
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    width = max(map(len, result))
+    print(f"host us per call ({meta}):")
+    for name, value in result.items():
+        shown = value if isinstance(value, str) else ("-" if value is None else f"{value:8.2f}")
+        print(f"  {name:<{width}}  {shown}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({**meta, "host_us": result}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
