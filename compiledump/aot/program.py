@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import torch
 
@@ -17,17 +18,51 @@ from .plan import CONFIG_KEY, PLAN_KEY, plan_header, plan_metadata, restore_plan
 SHIMS_KEY = "compiledump.native_shims"  # package metadata: "1" when its captures call the C shims
 
 
-def _package_uses_shims(path) -> bool:
-    """True when the package's metadata says its generated code calls the native C shims (read
-    from the archive before loading: loading it without the library fails on the symbols)."""
+def _archive_metadata(path) -> dict:
+    """The package's AOTInductor metadata (its metadata.json files merged), read without loading it."""
     import zipfile
 
+    merged = {}
     try:
         with zipfile.ZipFile(path) as archive:
-            return any(SHIMS_KEY.encode() in archive.read(name)
-                       for name in archive.namelist() if name.endswith("metadata.json"))
+            for name in archive.namelist():
+                if name.endswith("metadata.json"):
+                    try:
+                        found = json.loads(archive.read(name))
+                    except ValueError:
+                        continue
+                    if isinstance(found, dict):
+                        merged.update(found)
     except (OSError, zipfile.BadZipFile):
-        return False
+        pass
+    return merged
+
+
+def _package_uses_shims(path) -> bool:
+    """True when the package's metadata says its generated code calls the native C shims (read
+    before loading: loading it without the library fails on the symbols)."""
+    return _archive_metadata(path).get(SHIMS_KEY) == "1"
+
+
+_warned_cuda_proxy = False
+
+
+def _warn_cuda_proxy_package(path) -> None:
+    """Warn once, before loading, that a CUDA package whose captures go through AOTInductor's
+    proxy executor killed the process on the first GPU run: printed before a crash, it says why."""
+    global _warned_cuda_proxy
+    if _warned_cuda_proxy:
+        return
+    if _archive_metadata(path).get("AOTI_DEVICE_KEY") != "cuda" or _package_uses_shims(path):
+        return
+    _warned_cuda_proxy = True
+    warnings.warn(
+        f"compiledump.aot.load: {path} is a CUDA package whose captures run through AOTInductor's proxy "
+        "executor (packaged without the native library). On the first H200 run (torch 2.11.0+cu130) loading "
+        "such a package killed the process (SIGSEGV in torch's AOTIModelPackageLoader, before any capture ran). "
+        "If this process dies here, run the model with torch.compile and CUDA graphs instead, or try a package "
+        "made with the native library loaded (its C shims; not yet run on a GPU): docs/export.md",
+        RuntimeWarning, stacklevel=3)
 
 
 class _WithArena(torch.nn.Module):
@@ -121,6 +156,7 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None) -> L
         raise RuntimeError(f"compiledump.aot.load: {path} calls the native library's C shims (it was packaged "
                            "with the library loaded); load the library (COMPILEDUMP_NATIVE) or re-package "
                            "it in a process without it")
+    _warn_cuda_proxy_package(path)
     runner = torch._inductor.aoti_load_package(os.fspath(path))
     metadata = runner.get_metadata()
     if PLAN_KEY not in metadata:

@@ -14,6 +14,7 @@ import json
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -268,6 +269,50 @@ class _Corners(torch.nn.Module):
         compiledump.record_step("scalar", h.sum())
         compiledump.record("overflow", h * 2)
         return h
+
+
+def test_a_cuda_proxy_package_warns_before_it_loads(tmp_path, monkeypatch):
+    """Loading a CUDA package whose captures use the proxy executor killed torch 2.11's loader on
+    the first GPU run (benchmarks/gpu/gpu_diag_*.log): load() warns once before loading, so the
+    warning is what a user reads above the crash; CPU packages and packages with the C shims load
+    without it."""
+    import zipfile
+
+    from compiledump.aot import program
+
+    def archive(name, metadata):
+        path = tmp_path / name
+        with zipfile.ZipFile(path, "w") as zf:
+            zf.writestr("model/data/aotinductor/model/wrapper_metadata.json", json.dumps(metadata))
+            zf.writestr("model/data/aotinductor/model/wrapper.so", b"\x7fELF" + bytes(range(37)))
+        return path
+
+    class Loaded(Exception):
+        pass
+
+    def loader(path):
+        raise Loaded(path)
+
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", loader)
+    monkeypatch.setattr(program, "_warned_cuda_proxy", False)
+    monkeypatch.setattr(native, "native_available", lambda: True)  # the shim package's check
+    compiledump.configure(dir=str(tmp_path / "dump"))
+    quiet = [archive("cpu.pt2", {"AOTI_DEVICE_KEY": "cpu"}),
+             archive("shims.pt2", {"AOTI_DEVICE_KEY": "cuda", program.SHIMS_KEY: "1"})]
+    for path in quiet:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(Loaded):
+                aot.load(path)
+    cuda = archive("cuda.pt2", {"AOTI_DEVICE_KEY": "cuda", "other": "7"})
+    with pytest.warns(RuntimeWarning, match=r"proxy executor.*SIGSEGV.*torch.compile and CUDA graphs"):
+        with pytest.raises(Loaded):
+            aot.load(cuda)
+    with warnings.catch_warnings():  # once per process
+        warnings.simplefilter("error")
+        with pytest.raises(Loaded):
+            aot.load(cuda)
+    assert program._package_uses_shims(quiet[1]) and not program._package_uses_shims(cuda)
 
 
 def test_aoti_corner_cases(tmp_path):
