@@ -39,7 +39,7 @@ QUICK_STEP_CASES = [((8, 4, 256), torch.bfloat16), ((64, 10243), torch.float32)]
 
 def wide_step(device, quick, tmp):
     """record_step inside a CUDA graph, per shape: forced into a claim launch and a copy launch over
-    every tile (ops/layout.py SPLIT_MIN_COLUMNS set to 1) against forced into one program, which
+    every tile (ops/layout.py's split thresholds set to 1) against forced into one program, which
     reads the row tile after tile; `split_by_default` says which the rule picks today."""
     from compiledump.ops import layout as L
 
@@ -54,21 +54,22 @@ def wide_step(device, quick, tmp):
         xs = [torch.randn(*shape, device=device).to(dtype) for _ in range(n)]
         label = "x".join(map(str, shape))
         graphs = {}
-        for name, min_columns in (("split", 1), ("one_program", 1 << 40)):
-            saved, L.SPLIT_MIN_COLUMNS = L.SPLIT_MIN_COLUMNS, min_columns
+        for name, thresholds in (("split", (1, 1)), ("one_program", (1 << 40, 1 << 40))):
+            saved = L.SPLIT_MIN_READ, L.SPLIT_MIN_COLUMNS
+            L.SPLIT_MIN_READ, L.SPLIT_MIN_COLUMNS = thresholds
             try:  # the launches are fixed when the graph is captured
                 graphs[name] = graph_of(lambda name=name: [compiledump.record_step(f"{name}{label}_{i}", x)
                                                            for i, x in enumerate(xs)], device)
             finally:
-                L.SPLIT_MIN_COLUMNS = saved
+                L.SPLIT_MIN_READ, L.SPLIT_MIN_COLUMNS = saved
         times = rounds_of(graphs, device, rounds=3 if quick else 10, replays=replays, before=compiledump.clear)
         split, one = (statistics.median(times[k]) * 1e3 / n for k in ("split", "one_program"))
         rows.append({"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "width": shape[-1],
-                     "split_by_default": shape[-1] >= L.SPLIT_MIN_COLUMNS, "us_per_capture_split": split,
+                     "split_by_default": L.splits(shape[1] if len(shape) == 3 else 1, shape[-1]), "us_per_capture_split": split,
                      "us_per_capture_one_program": one, "speedup": one / split})
     compiledump.clear()
     for graph in graphs.values():
         graph.replay()  # after clear(): each capture of the last case wrote one step
     passed = passed_captures(compiledump.flush())
     return {"ok": passed == 2 * n, "captures_per_graph": n, "rows": rows,
-            "split_min_columns": L.SPLIT_MIN_COLUMNS}
+            "split_min_read": L.SPLIT_MIN_READ, "split_min_columns": L.SPLIT_MIN_COLUMNS}

@@ -21,7 +21,7 @@
 // keep-first records) or the arena is host-mapped (the commit must follow every store);
 // otherwise one launch of enough blocks for one vector (or element) of the payload per thread, so
 // a wide row is read by many SMs with its loads in flight together. A step or keep-first record of
-// a wide row (layout.h SPLIT_MIN_COLUMNS) is two launches: a claim launch of one block publishes
+// a wide row (layout.h `splits`) is two launches: a claim launch of one block publishes
 // its decision in the slot (SLOT_CLAIM, the Triton kernel's encoding), then every block of a copy
 // launch acts on it; so both device kernels leave the same control block. Block 0's commit is
 // ordered only with its own stores: the other blocks' are complete when the kernel is (what a
@@ -178,7 +178,7 @@ inline int launches_for(const void* x, const void* arena, KernelArgs& a, Launch 
     return 1;
   }
   if (a.kind == KIND_STEP || a.kind == KIND_RECORD_ONCE) {
-    if (a.D >= SPLIT_MIN_COLUMNS) {
+    if (splits(a.H, a.D)) {
       out[0] = {LAUNCH_CLAIM, 1};
       out[1] = {LAUNCH_COPY, blocks};
       return 2;

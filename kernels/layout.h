@@ -46,11 +46,15 @@ constexpr int64_t KIND_IDS = 3;
 constexpr int64_t KIND_RECORD_ROWS = 4;
 
 // Launches of a capture (layout.py LAUNCH_*): whole, or a wide step or keep-first record split
-// into a claim launch and a copy launch from SPLIT_MIN_COLUMNS on.
+// into a claim launch and a copy launch: rows of H x D >= SPLIT_MIN_READ elements over
+// D >= SPLIT_MIN_COLUMNS columns (layout.py `splits`, measured there).
 constexpr int64_t LAUNCH_WHOLE = 0;
 constexpr int64_t LAUNCH_CLAIM = 1;
 constexpr int64_t LAUNCH_COPY = 2;
-constexpr int64_t SPLIT_MIN_COLUMNS = 8193;  // 4 * 2048 + 1
+constexpr int64_t SPLIT_MIN_READ = 8193;  // 4 * 2048 + 1
+constexpr int64_t SPLIT_MIN_COLUMNS = 2049;  // 2048 + 1
+
+inline bool splits(int64_t H, int64_t D) { return H * D >= SPLIT_MIN_READ && D >= SPLIT_MIN_COLUMNS; }
 
 constexpr int64_t ROW_FIXED_ZERO = -1;
 constexpr int64_t ROW_ALL = -2;

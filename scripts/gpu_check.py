@@ -173,7 +173,7 @@ def check_native_cuda_kernel(device) -> dict:
                 launch(x, arena, ctrl, kind, L.slot_base(2), 16, 2, 0)
             results.append((arena.cpu(), ctrl.cpu()))
         (a1, c1), (a2, c2) = results
-        # Word for word, SLOT_CLAIM included: both kernels split wide steps alike (layout.SPLIT_MIN_COLUMNS).
+        # Word for word, SLOT_CLAIM included: both kernels split wide steps alike (layout.splits).
         if not (torch.equal(c1, c2) and torch.equal(a1.view(torch.int32), a2.view(torch.int32))):
             mismatched.append(name)
     return {"ok": not mismatched, "keys": len(samples) + 1, "mismatched": mismatched}

@@ -93,12 +93,22 @@ RECORD_KINDS = (KIND_RECORD, KIND_RECORD_ONCE, KIND_RECORD_ROWS)
 LAUNCH_WHOLE = 0  # claim and copy in one launch
 LAUNCH_CLAIM = 1  # one program: the claim, the decision published; copies nothing
 LAUNCH_COPY = 2  # the published decision's copy, its NaN/Inf count and commit; claims nothing
-# A step or keep-first record is split from this row width (D, in elements) on: five of the Triton
-# kernel's 2048-column tiles. One rule for both device kernels, so their control blocks (SLOT_CLAIM
-# included) agree word for word. One more kernel node (about a launch's latency) against a row read
-# by one program or block; chosen from the latencies, not measured yet: benchmarks/gpu_bench.py
-# `wide_step` times both sides of it.
-SPLIT_MIN_COLUMNS = 4 * 2048 + 1
+# A step or keep-first record is split (`splits`) when its row reads SPLIT_MIN_READ elements or more
+# (H x D: an hc mean or an hc copy reads every hc row) over SPLIT_MIN_COLUMNS columns or more (two
+# of the Triton kernel's 2048-column tiles, so the copy launch has programs to spread over). One
+# more kernel node against a row read by one program or block; on the first H200 run (gpu_bench
+# `wide_step`, benchmarks/RESULTS.md, us per capture split vs one program): [64, 32000] fp32 5.0
+# vs 9.8, [64, 129280] fp32 5.1 vs 34.3, [64, 4, 7168] bf16 hc mean 6.3 vs 9.0: split;
+# [64, 7168] bf16 5.2 vs 4.7: one program. One rule for both device kernels (kernels/layout.h,
+# capture_device.h), so their control blocks (SLOT_CLAIM included) agree word for word.
+SPLIT_MIN_READ = 4 * 2048 + 1
+SPLIT_MIN_COLUMNS = 2048 + 1
+
+
+def splits(H: int, D: int) -> bool:
+    """Whether a step or keep-first record of rows of H x D elements is a claim launch and a copy
+    launch (read at call time: benchmarks/gpu_kernel_bench.py varies the two thresholds)."""
+    return H * D >= SPLIT_MIN_READ and D >= SPLIT_MIN_COLUMNS
 
 # Geometry modes: how the op views its input as [T, H, D] and which row it takes.
 ROW_FIXED_ZERO = -1  # whole tensor viewed as one row

@@ -99,16 +99,16 @@ def launches_for(geometry: tuple, kind: int, host_arena: bool = False) -> tuple[
 
     One program per (row, column block) tile, up to MAX_PROGRAMS, in one launch. Steps and
     keep-first records write only if (and, for steps, where) the counter value they claim says, so
-    one program claims: alone, or, for a row of layout.SPLIT_MIN_COLUMNS or more, in a launch of
+    one program claims: alone, or, for a wide row (layout.splits), in a launch of
     its own that publishes the decision for a second launch over all the tiles. Captures into a
     host-mapped arena run one program (its commit follows every store of the capture)."""
-    T, _H, D, *_rest, row_reg, _mean = geometry
+    T, H, D, *_rest, row_reg, _mean = geometry
     rows = T if row_reg == L.ROW_ALL else 1
     tiles = max(1, min(MAX_PROGRAMS, rows * -(-D // BLOCK)))
     if host_arena:
         return ((L.LAUNCH_WHOLE, 1),)
     if kind in (L.KIND_STEP, L.KIND_RECORD_ONCE):
-        if D >= L.SPLIT_MIN_COLUMNS:  # read at call time: benchmarks/gpu_kernel_bench.py varies it
+        if L.splits(H, D):
             return ((L.LAUNCH_CLAIM, 1), (L.LAUNCH_COPY, tiles))
         return ((L.LAUNCH_WHOLE, 1),)
     return ((L.LAUNCH_WHOLE, tiles),)

@@ -63,8 +63,8 @@ GEOMETRIES = {
     "2d_nonfinite": lambda g, dt: with_nonfinite(torch.randn(5, 23, generator=g).to(dt)[1:, ::3], g, 4),
 }
 # Rows wide enough that the Triton kernel splits a step or keep-first capture into a claim launch
-# and a copy launch over several programs (ops/variants.py SPLIT_MIN_TILES tiles of BLOCK
-# columns), with odd widths, the hc mean, strides and NaN/Inf.
+# and a copy launch over several programs (five tiles of BLOCK columns or more; layout.splits), with
+# odd widths, the hc mean, strides and NaN/Inf.
 WIDE_GEOMETRIES = {
     "2d_logits": lambda g, dt: torch.randn(3, 5 * 2048 + 7, generator=g).to(dt),
     "3d_hc": lambda g, dt: torch.randn(2, 4, 5 * 2048 + 16, generator=g).to(dt),
@@ -137,7 +137,7 @@ def assert_nonfinite_count_stops_at_the_cap(kernel) -> None:
 
 def assert_copy_acts_on_the_published_claim(x, launch) -> None:
     """A split step capture's copy launch takes its claim launch's decision, not its own reads: two
-    captures of `x` (2 rows, a row of layout.SPLIT_MIN_COLUMNS or more; step row 1), each a claim
+    captures of `x` (2 rows wide enough to split, layout.splits; step row 1), each a claim
     launch, then the device flag turned off (as a register write racing on another stream would),
     then the copy launch, still write the claimed steps and commit each once.
     `launch(phase, x, arena, ctrl, base, offset, capacity)` runs one launch (LAUNCH_CLAIM or

@@ -248,6 +248,37 @@ def test_cuda_kernel_split_control_block_equals_triton(kernel_on_cpu):
     assert int(native_ctrl[L.slot_base(2) + L.SLOT_CLAIM]) != 0
 
 
+# Steps by the split rule (layout.splits: H x D >= 8193 elements over D >= 2049 columns), both sides
+# of each threshold: [T, D] and [T, H, D].
+SPLIT_RULE_SHAPES = [((3, 8192), False), ((3, 8193), True), ((2, 4, 2048), False), ((2, 4, 2049), True),
+                     ((2, 3, 2730), False), ((2, 3, 2731), True), ((2, 16, 600), False)]
+
+
+def test_both_kernels_split_by_one_rule(kernel_on_cpu):
+    """The emulated CUDA kernel and the Triton kernel's launches (ops/variants.py) split exactly the
+    steps layout.splits names, and an hc step split at fewer than 8193 columns (4 hc rows of 2049)
+    leaves the Triton kernel's control block and arena word for word."""
+    from compiledump.ops import register, triton_kernel
+    from compiledump.ops.geometry import geometry
+
+    g = torch.Generator().manual_seed(21)
+    for shape, split in SPLIT_RULE_SHAPES:
+        x = torch.randn(*shape, generator=g).bfloat16()
+        run_kernel(kernel_on_cpu(256), x, L.KIND_STEP, REGISTERS[0], calls=1)
+        native_phases = [phase for phase, _ in kernel_on_cpu.last()[1]]
+        triton_phases = [phase for phase, _ in triton_kernel.launches_for(geometry(x, L.KIND_STEP)[1], L.KIND_STEP)]
+        expected = [L.LAUNCH_CLAIM, L.LAUNCH_COPY] if split else [L.LAUNCH_WHOLE]
+        assert native_phases == triton_phases == expected, shape
+        assert L.splits(*((shape[1], shape[2]) if len(shape) == 3 else (1, shape[1]))) == split
+    x = with_nonfinite(torch.randn(2, 4, 2049 + 15, generator=g), g, 3).bfloat16()
+    for registers in REGISTERS:
+        native_arena, native_ctrl = run_kernel(kernel_on_cpu(256), x, L.KIND_STEP, registers, calls=3)
+        triton_arena, triton_ctrl = run_kernel(register.capture_triton, x, L.KIND_STEP, registers, calls=3)
+        assert torch.equal(native_ctrl, triton_ctrl), registers
+        assert torch.equal(native_arena.view(torch.int32), triton_arena.view(torch.int32)), registers
+    assert int(native_ctrl[L.slot_base(2) + L.SLOT_CLAIM]) != 0
+
+
 def test_cuda_kernel_split_copy_acts_on_the_published_claim(kernel_on_cpu):
     """The copy launch's blocks act on the claim launch's decision (helpers.samples), on the fast path."""
     x = torch.randn(2, 6 * 2048 + 4, generator=torch.Generator().manual_seed(3))
