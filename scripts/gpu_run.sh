@@ -15,16 +15,23 @@
 # 4. last (never-run native code cannot spoil the measurements), in the GPU_RUN_RESERVE_S kept
 #    for it: waits for the build, then runs the native path (COMPILEDUMP_NATIVE=1 and
 #    COMPILEDUMP_CUDA_KERNEL=native: the region table and the CUDA kernel serve `capture_v1`,
-#    checked first): gpu_check.py's eager, cuda_graph, native_cuda_kernel (its CUDA kernel
-#    against the Triton kernel) and persist (the host-mapped arena's system-scope commit) phases,
-#    and gpu_bench.py's graph_capture_cost, compiled_host_cost and decode_overhead (issue 14's
-#    device and host cost per capture, and the 40 layers x 5 taps step overhead), to set against
-#    the same phases of step 3 (the Triton kernel, Python per call).
+#    checked first), each in its own process: gpu_check.py's eager, cuda_graph, native_cuda_kernel
+#    (its CUDA kernel against the Triton kernel) and persist (the host-mapped arena's system-scope
+#    commit) phases; gpu_bench.py's graph_capture_cost, compiled_host_cost and decode_overhead
+#    (issue 14's device and host cost per capture, and the 40 layers x 5 taps step overhead), to
+#    set against the same phases of step 3 (the Triton kernel, Python per call); gpu_check.py's
+#    aoti (a package whose captures call the library's C shims; step 3 leaves aoti out: through
+#    the proxy executor its CUDA package killed the process on torch 2.11); then its
+#    reduce_overhead and compiled_default, with what time is left (each phase is skipped rather
+#    than cut when its estimate does not fit; at the default budget the last two may not).
 # Files, named with the UTC date and the torch and triton versions: $OUT/gpu_check_<date>_torch<v>_
 # triton<v>.json, $OUT/gpu_bench_<...>.json, $OUT/gpu_native_<...>.json (gpu_check on the native
-# path), $OUT/gpu_native_bench_<...>.json, $OUT/gpu_run_<...>.log.
+# path), $OUT/gpu_native_bench_<...>.json, $OUT/gpu_native_aoti_<...>.json,
+# $OUT/gpu_native_compiled_<...>.json, $OUT/gpu_run_<...>.log.
 # Without a usable CUDA device it prints both scripts' plans (--dry-run) and exits 0.
 # Settings (environment): OUT; GPU_RUN_BUDGET (seconds for everything, default 450);
+# GPU_RUN_NATIVE_LIB (a native library built elsewhere for this torch and GPU, copied into
+# compiledump/ instead of building one: the native phases need not wait for a build);
 # GPU_RUN_RESERVE_S (kept for the native path's phases, default 200; 0 when it cannot be built); GPU_RUN_BUILD_S (the
 # build's limit, default 240, counted from the start); GPU_RUN_DEVICE (default cuda; cpu runs both
 # scripts on the CPU, gpu_bench with --quick); PYTHON (default python3, else python).
@@ -122,6 +129,14 @@ NATIVE="skipped"
 BUILD_LOG=$(mktemp "${TMPDIR:-/tmp}/compiledump-build-log.XXXXXX")
 if [ "$DEVICE" = cpu ]; then
     NATIVE="skipped (GPU_RUN_DEVICE=cpu)"
+elif [ -n "${GPU_RUN_NATIVE_LIB:-}" ]; then
+    # Built elsewhere for this torch and GPU (the checks below still refuse a mismatch): the
+    # native phases then start as soon as the Triton path's are done.
+    if cp "$GPU_RUN_NATIVE_LIB" compiledump/libcompiledump_native.so; then
+        NATIVE="built elsewhere, copied from $GPU_RUN_NATIVE_LIB"
+    else
+        NATIVE="skipped (cannot copy GPU_RUN_NATIVE_LIB=$GPU_RUN_NATIVE_LIB)"
+    fi
 elif ! command -v cmake >/dev/null; then
     NATIVE="skipped (no cmake)"
 elif [ -z "$NVCC" ]; then
@@ -148,7 +163,11 @@ fi
 
 # Nothing to keep time for when the native path cannot run: the two scripts share it.
 [ "${NATIVE#skipped}" != "$NATIVE" ] && RESERVE_S=0
-run_script gpu_check scripts/gpu_check.py 50
+# aoti runs on the native path only (its package calls the C shims): through the proxy executor
+# its CUDA package killed the process on torch 2.11 (docs/export.md; scripts/gpu_diagnose.sh
+# checks that again).
+run_script gpu_check scripts/gpu_check.py 50 --only eager cuda_graph native_cuda_kernel reduce_overhead persist \
+    compiled_default
 run_script gpu_bench benchmarks/gpu_bench.py 100 $QUICK
 
 if [ -n "$BUILD_PID" ]; then
@@ -187,11 +206,16 @@ from compiledump.ops import register
 print(("native" if register.native_owns_capture("cuda") else "python")
       if compiledump.native_available() else "not loaded")' 2>&1 | tail -n 1)
     if [ "$owner" = native ]; then
+        # Each in its own process, the open questions first: a crash (aoti) loses only itself.
         left=$(( BUDGET - SECONDS - 10 ))
-        native_script gpu_native scripts/gpu_check.py $(( left * 45 / 100 )) \
+        native_script gpu_native scripts/gpu_check.py $(( left * 40 / 100 < 60 ? left * 40 / 100 : 60 )) \
             --only eager cuda_graph native_cuda_kernel persist
-        native_script gpu_native_bench benchmarks/gpu_bench.py $(( BUDGET - SECONDS - 10 )) \
+        native_script gpu_native_bench benchmarks/gpu_bench.py $(( BUDGET - SECONDS - 10 < 110 ? BUDGET - SECONDS - 10 : 110 )) \
             --only graph_capture_cost compiled_host_cost decode_overhead
+        native_script gpu_native_aoti scripts/gpu_check.py $(( BUDGET - SECONDS - 10 < 120 ? BUDGET - SECONDS - 10 : 120 )) \
+            --only eager aoti
+        native_script gpu_native_compiled scripts/gpu_check.py $(( BUDGET - SECONDS - 10 )) \
+            --only eager reduce_overhead compiled_default
     else
         NATIVE="$NATIVE; but capture_v1 on CUDA is served by: $owner (not the library)"
         status=1
