@@ -42,6 +42,21 @@ from compiledump.ops import register  # noqa: E402
 from compiledump.ops.geometry import geometry  # noqa: E402
 
 
+_NOOP = None
+
+
+def _noop_op(device):
+    """A Python custom op that does nothing (defined once per process): the dispatcher's floor."""
+    global _NOOP
+    if _NOOP is None:
+        lib = torch.library.Library("compiledump_host_split", "FRAGMENT")
+        lib.define("noop(Tensor x) -> ()")
+        for key in ("CPU", "CUDA"):
+            lib.impl("noop", lambda x: None, key)
+        _NOOP = lib  # kept alive: the op lives as long as its library object
+    return torch.ops.compiledump_host_split.noop
+
+
 def per_call_us(fn, device, calls=200, rounds=7) -> float:
     """Median host µs per call of `fn` over `rounds` rounds of `calls` calls."""
     fn()
@@ -56,15 +71,15 @@ def per_call_us(fn, device, calls=200, rounds=7) -> float:
     return statistics.median(times)
 
 
-def rows(device, calls) -> dict:
+def rows(device, calls, rounds=7, x=None) -> dict:
+    """Host µs per call of each layer (None where it does not exist on `device`); the public call
+    records `x` (default: a random [8, 4, 7168] bf16 hidden state) under the tag "host_split"."""
     from compiledump.ops import triton_kernel as K
     from compiledump.ops.variants import ALIGN_WORDS, BLOCK, NUM_WARPS, variant_for
 
-    lib = torch.library.Library("compiledump_host_split", "FRAGMENT")
-    lib.define("noop(Tensor x) -> ()")
-    lib.impl("noop", lambda x: None, "CUDA" if device.type == "cuda" else "CPU")
+    noop = _noop_op(device)
 
-    x = torch.randn(8, 4, 7168, device=device, dtype=torch.bfloat16)
+    x = torch.randn(8, 4, 7168, device=device, dtype=torch.bfloat16) if x is None else x
     arena = torch.zeros(1 << 20, dtype=torch.float32, device=device)
     ctrl = torch.zeros(L.control_words(4), dtype=torch.int32, device=device)
     ctrl[L.REG_ENABLED], ctrl[L.REG_ROWS], ctrl[L.REG_MAX_ROWS], ctrl[L.REG_RECORD_ROW] = 1, 1, 1, -1
@@ -88,13 +103,14 @@ def rows(device, calls) -> dict:
             pass
 
     out = {
-        "record_eager": per_call_us(lambda: compiledump.record("host_split", x), device, calls),
-        "custom_op_noop": per_call_us(lambda: torch.ops.compiledump_host_split.noop(x), device, calls),
-        "run_cuda_kernel": (per_call_us(lambda: register.run_cuda_kernel(x, arena, ctrl, kind, args), device, calls)
-                            if device.type == "cuda" else None),
-        "device_guard": per_call_us(device_guard, device, calls) if guard is not None else None,
-        "triton_launch": per_call_us(lambda: K.launch(src, arena, ctrl, geo, *args[:3], kind, args[3]), device, calls),
-        "jit_launch": per_call_us(jit_launch, device, calls),
+        "record_eager": per_call_us(lambda: compiledump.record("host_split", x), device, calls, rounds),
+        "custom_op_noop": per_call_us(lambda: noop(x), device, calls, rounds),
+        "run_cuda_kernel": (per_call_us(lambda: register.run_cuda_kernel(x, arena, ctrl, kind, args), device, calls,
+                                        rounds) if device.type == "cuda" else None),
+        "device_guard": per_call_us(device_guard, device, calls, rounds) if guard is not None else None,
+        "triton_launch": per_call_us(lambda: K.launch(src, arena, ctrl, geo, *args[:3], kind, args[3]), device, calls,
+                                     rounds),
+        "jit_launch": per_call_us(jit_launch, device, calls, rounds),
         "compiled_run": None,
     }
     run = getattr(compiled, "run", None)
@@ -105,7 +121,7 @@ def rows(device, calls) -> dict:
         try:
             def compiled_run():
                 run(programs, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *jit_args)
-            out["compiled_run"] = per_call_us(compiled_run, device, calls)
+            out["compiled_run"] = per_call_us(compiled_run, device, calls, rounds)
         except Exception as error:  # noqa: BLE001 - reported: the launcher's signature moved
             out["compiled_run_error"] = f"{type(error).__name__}: {error}"
     return out

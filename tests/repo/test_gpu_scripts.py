@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 import torch
 
+import compiledump
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = {"gpu_check": REPO / "scripts" / "gpu_check.py", "gpu_bench": REPO / "benchmarks" / "gpu_bench.py"}
 
@@ -52,6 +54,24 @@ def test_aoti_phase_on_cpu(tmp_path, dump_dir):
     verdict = script.compare_dumps(script._load(reference), script._load(path), 1e-4)
     assert verdict["ok"] and verdict["keys"] >= 10, verdict
     assert info["capture_export_owner"] in ("native", "python")
+
+
+def test_gpu_host_split_times_every_layer(tmp_path, monkeypatch):
+    """benchmarks/gpu_host_split.py's layers all run (the Triton kernel in the interpreter on CPU),
+    and the public call it times stores the hc mean of the last row, as torch computes it."""
+    monkeypatch.setenv("COMPILEDUMP_CPU_KERNEL", "triton")
+    spec = importlib.util.spec_from_file_location("gpu_host_split", REPO / "benchmarks" / "gpu_host_split.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    x = torch.randn(5, 4, 67, generator=torch.Generator().manual_seed(4)).bfloat16()
+    compiledump.configure(dir=str(tmp_path), tokens=0)
+    compiledump.init("cpu")
+    result = module.rows(torch.device("cpu"), calls=1, rounds=1, x=x)
+    stored = np.load(compiledump.flush())["host_split"]
+    torch.testing.assert_close(torch.from_numpy(stored), x[-1].float().mean(0), rtol=1e-6, atol=0)
+    for layer in ("record_eager", "custom_op_noop", "triton_launch", "jit_launch"):
+        assert result[layer] > 0, layer
+    assert result["run_cuda_kernel"] is None and result["device_guard"] is None  # CUDA only
 
 
 def test_compare_dumps_detects_differences():
