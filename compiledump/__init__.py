@@ -20,6 +20,7 @@ _LAZY = {
     "instrument": "capture.instrument",
     "native_available": "ops.native",
     "VariantNotPrepared": "ops.variants",
+    "KernelUnavailable": "ops.variants",
     "Config": "config",
 }
 __all__ = ["__version__", *_LAZY]

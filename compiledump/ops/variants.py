@@ -118,6 +118,10 @@ class VariantNotPrepared(RuntimeError):
     """A CUDA graph capture needs a kernel variant that no call outside a capture compiled."""
 
 
+class KernelUnavailable(RuntimeError):
+    """Triton could not compile or load a capture kernel variant (the cause is chained)."""
+
+
 # AMD's fp8 formats: Triton compiles them for ROCm only.
 _NOT_ON_NVIDIA = frozenset(getattr(torch, name) for name in ("float8_e4m3fnuz", "float8_e5m2fnuz")
                            if hasattr(torch, name))
@@ -154,8 +158,27 @@ def ensure_prepared(device: torch.device, variant: Variant, launch_scratch) -> N
     with _lock:
         for sibling in variant.siblings():
             if (device, sibling) not in _ready:
-                launch_scratch(device, sibling)
+                try:
+                    launch_scratch(device, sibling)
+                except Exception as error:
+                    raise _unavailable(device, sibling, error) from error
                 _ready.add((device, sibling))
+
+
+def _unavailable(device: torch.device, variant: Variant, error: Exception) -> KernelUnavailable:
+    """The error for a variant Triton failed to compile or load, with what to do about it."""
+    import triton
+
+    what = "record_ids" if variant.is_int else "hc mean" if variant.mean else "copy"
+    first = (str(error).strip().splitlines() or [""])[0][:200]
+    return KernelUnavailable(
+        f"compiledump: Triton {triton.__version__} failed to compile or load the capture kernel for {variant.dtype} "
+        f"({what}, vector width {variant.vec}, {'aligned' if variant.aligned else 'unaligned'}) on {device}: "
+        f"{type(error).__name__}: {first}. Nothing was captured by this call. On the first H200 run such a "
+        "failure did not recur in a fresh process with an empty Triton cache: rerun with "
+        "TRITON_CACHE_DIR=<a new directory>; with the native library built for CUDA, "
+        "COMPILEDUMP_CUDA_KERNEL=native captures without Triton (docs/compiling.md)."
+    )
 
 
 def prepared() -> frozenset:

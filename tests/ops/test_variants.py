@@ -220,6 +220,26 @@ def test_capture_of_an_unprepared_variant_fails_on_the_host(simulated_cuda):
     _assert_capture_compiles_nothing(simulated_cuda)
 
 
+def test_a_kernel_triton_cannot_compile_is_one_clear_error(simulated_cuda):
+    """A Triton failure while preparing a variant (the first H200 run met one, SystemError from its
+    LLVM lowering) reaches the caller as KernelUnavailable naming the variant and what to try, with
+    the cause chained; the variant is not marked prepared, so a later call tries again."""
+    dtype = torch.float16
+
+    def failing(device, variant):
+        raise SystemError("<built-in method run> returned NULL without setting an exception")
+
+    variant = variants.Variant(dtype, True, False, variants.vector_width(dtype), True)
+    with pytest.raises(compiledump.KernelUnavailable, match=r"float16 \(hc mean, vector width 8, aligned\).*"
+                       r"SystemError.*TRITON_CACHE_DIR.*COMPILEDUMP_CUDA_KERNEL=native") as caught:
+        variants.ensure_prepared(torch.device("cpu"), variant, failing)
+    assert isinstance(caught.value.__cause__, SystemError)
+    assert all(v.dtype != dtype for _, v in variants.prepared())
+    launched = []
+    variants.ensure_prepared(torch.device("cpu"), variant, lambda device, v: launched.append(v))
+    assert set(launched) == set(variant.siblings()) and (torch.device("cpu"), variant) in variants.prepared()
+
+
 def test_a_relaxed_commit_is_a_variant_of_its_own_prepared_before_the_capture(simulated_cuda, monkeypatch):
     """gpu_bench's graph with relaxed commits (variants.COMMIT_RELEASE off while it is warmed up
     and captured): its launches are another compiled variant (RELEASE=False), prepared by the
