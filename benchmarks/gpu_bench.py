@@ -26,12 +26,16 @@ Measurements, in run order (what issue 16's goals and the open decisions need fi
                       replays run clean under torch.cuda.set_sync_debug_mode("error");
   wide_step           record_step in a graph of [64, 4, 7168] and [64, 7168] bf16 and of [64, 32000]
                       and [64, 129280] fp32 logits: split (claim launch + copy over every tile) vs one
-                      program per capture, each forced (where should layout.SPLIT_MIN_COLUMNS be?);
+                      program per capture, each forced (where should layout.splits split?);
   compiled_host_cost  N captures in a function compiled without CUDA graphs (how engines run large
                       prefills) vs the same function without them: host microseconds per capture
                       call (goal <= 5);
   kernel_bandwidth    time per capture vs payload (hc_mult x dim of one row): bytes/s, and the floor
                       (a 1-element capture: graph-node overhead);
+  latency_chain       the capture kernel's dependency chain built up one stage at a time in a
+                      one-program kernel (empty, store, control-register read, block agreement,
+                      claim atomic, payload load, release commit; then the payload load not
+                      waiting for the claim): µs per graph node, and what each stage adds;
   eager_vs_seed       eager cost per capture call, compiledump vs debug_dump.py (which copies to the
                       host, and so synchronizes, on every call); skipped where that file is absent;
   decode_overhead_compiled  decode_overhead with torch.compile(fullgraph=True) inside the graphs
@@ -62,7 +66,7 @@ for _path in (str(_HERE.parent / "scripts"), str(_HERE), str(_HERE.parent)):
 import compiledump  # noqa: E402
 import gpu_common  # noqa: E402
 from compiledump.ops import register, variants  # noqa: E402
-from gpu_kernel_bench import kernel_bandwidth, wide_step  # noqa: E402
+from gpu_kernel_bench import KERNEL_PHASES, kernel_bandwidth, kernel_summary, latency_chain, wide_step  # noqa: E402
 from gpu_timing import fresh_dump, graph_of, passed_captures, rounds_of  # noqa: E402
 from harness import DEBUG_DUMP, interleaved, load_debug_dump, machine  # noqa: E402
 
@@ -330,6 +334,7 @@ PHASES = {
     "wide_step": (wide_step, True, 30),
     "compiled_host_cost": (compiled_host_cost, True, 40),
     "kernel_bandwidth": (kernel_bandwidth, True, 30),
+    "latency_chain": (latency_chain, True, 15),
     "eager_vs_seed": (eager_vs_seed, False, 20),
     "decode_overhead_compiled": (decode_overhead_compiled, True, 180),
 }
@@ -355,12 +360,8 @@ def _key_number(name, r):
     if name == "compiled_host_cost":
         return (f"{r['host_us_per_capture']:.2f} host us/capture (goal <= {r['goal_us']}), "
                 f"{r['captures']} captures, {r['capture_path']} path")
-    if name == "kernel_bandwidth":
-        best = max(r["rows"], key=lambda x: x["GB_per_s"])
-        return f"floor {r['floor_us']:.2f} us/capture; best {best['GB_per_s']:.1f} GB/s at {best['hc']}x{best['dim']}"
-    if name == "wide_step":
-        return "; ".join(f"{'x'.join(map(str, row['shape']))} {row['dtype']}: {row['us_per_capture_split']:.2f} us "
-                         f"split vs {row['us_per_capture_one_program']:.2f} one program" for row in r["rows"])
+    if name in KERNEL_PHASES:
+        return kernel_summary(name, r)
     return f"compiledump {r['compiledump_us']:.1f} us vs debug_dump.py {r['seed_us']:.1f} us per call ({r['speedup']:.1f}x)"
 
 

@@ -1,9 +1,10 @@
 """The kernel-level GPU measurements of benchmarks/gpu_bench.py (which runs them as phases):
-time per capture against payload size, and wide steps split into a claim and a copy launch
-against one program per capture."""
+time per capture against payload size, wide steps split into a claim and a copy launch against
+one program per capture, and the capture kernel's dependency chain built up stage by stage."""
 
 from __future__ import annotations
 
+import os
 import statistics
 
 import torch
@@ -73,3 +74,99 @@ def wide_step(device, quick, tmp):
     passed = passed_captures(compiledump.flush())
     return {"ok": passed == 2 * n, "captures_per_graph": n, "rows": rows,
             "split_min_read": L.SPLIT_MIN_READ, "split_min_columns": L.SPLIT_MIN_COLUMNS}
+
+
+# The capture kernel's dependency chain, built up one stage at a time in a one-program kernel (the
+# stages are cumulative; `payload_first` is `commit` with the payload load no longer waiting for
+# the claim). On the first H200 run a capture added 3.99 us to a replayed graph and an empty
+# kernel node 1.28 us, whatever the payload's size: the rest is latency, and the differences
+# between these rows say which stage holds it, so the kernel is reshaped where it pays.
+CHAIN_STAGES = ["empty", "store", "register", "agree", "claim", "payload", "commit", "payload_first"]
+
+
+def _chain_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit(do_not_specialize=["D"])
+    def chain(ctrl_ptr, x_ptr, out_ptr, D, STAGE: tl.constexpr, BLOCK: tl.constexpr):
+        if STAGE >= 1:  # store: one tile of zeros
+            cols = tl.arange(0, BLOCK)
+            row = tl.zeros([], tl.int64)
+            if STAGE >= 2:  # register: the store's address waits for a control-block word
+                row = tl.load(ctrl_ptr).to(tl.int64)
+            if STAGE >= 3:  # agree: one block-wide snapshot of it (the capture kernel's reduction)
+                row = tl.max(tl.full([BLOCK], 0, tl.int64) + row, axis=0)
+            value = tl.zeros([BLOCK], tl.float32)
+            if STAGE == 7:  # payload_first: the row's load is issued before the claim and waits for the register only
+                value = tl.load(x_ptr + row * D + cols, mask=cols < D, other=0.0).to(tl.float32)
+            old = tl.zeros([], tl.int64)
+            if STAGE >= 4:  # claim: a counter's old value decides where the row goes
+                old = tl.atomic_add(ctrl_ptr + 8, 1, sem="relaxed").to(tl.int64)
+            if STAGE == 5 or STAGE == 6:  # payload: the load waits for the claim too (its mask), as in the capture kernel
+                limit = tl.where(old >= 0, D, 0)  # a limit, not a scalar in the mask (the interpreter's dislike)
+                value = tl.load(x_ptr + row * D + cols, mask=cols < limit, other=0.0).to(tl.float32)
+            # The address uses the register (0 at run time) and the claim, so the store waits for both.
+            tl.store(out_ptr + ((old + row) & 3) * BLOCK + cols, value, mask=cols < D)
+            if STAGE >= 6:  # commit: a release after the block's stores
+                tl.debug_barrier()
+                tl.atomic_add(ctrl_ptr + 9, 1, sem="release")
+
+    return chain
+
+
+def latency_chain(device, quick, tmp):
+    """Device µs per graph node of each CHAIN_STAGES kernel (200 nodes per graph, one program of 8
+    warps, a 2048-column bf16 row), and what each stage adds to the one before it."""
+    if device.type != "cuda" and not os.environ.get("TRITON_INTERPRET"):
+        import gpu_common  # scripts/, on the path gpu_bench.py sets
+
+        raise gpu_common.SkipPhase("raw Triton kernels: a CUDA device, or TRITON_INTERPRET=1 on CPU")
+    chain = _chain_kernel()
+    n, block = (4 if quick else 200), 2048
+    ctrl = torch.zeros(16, dtype=torch.int32, device=device)
+    x = torch.randn(4, block, device=device).bfloat16()
+    outs = {stage: torch.zeros(4 * block, device=device) for stage in CHAIN_STAGES}
+
+    def nodes(stage):
+        index = CHAIN_STAGES.index(stage)
+        return lambda: [chain[(1,)](ctrl, x, outs[stage], block, STAGE=index, BLOCK=block, num_warps=8)
+                        for _ in range(n)]
+
+    graphs = {}
+    for stage in CHAIN_STAGES:
+        nodes(stage)()  # compiled here, outside any capture
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            graphs[stage] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[stage]):
+                nodes(stage)()
+        else:
+            graphs[stage] = type("Eager", (), {"replay": staticmethod(nodes(stage))})()
+    times = rounds_of(graphs, device, rounds=2 if quick else 10, replays=2 if quick else 20)
+    us = {stage: statistics.median(times[stage]) * 1e3 / n for stage in CHAIN_STAGES}
+    # What each stage adds to the one before it (payload_first is commit reordered: see its saving).
+    rows = [{"stage": stage, "us_per_node": us[stage],
+             "us_added": None if i == 0 or stage == "payload_first" else us[stage] - us[CHAIN_STAGES[i - 1]]}
+            for i, stage in enumerate(CHAIN_STAGES)]
+    # Every stage that loads the payload stored row 0 of x (ctrl's words are 0): the kernels did the work.
+    stored = all(torch.equal(outs[stage][:block].view(-1), x[0].float()) for stage in ("payload", "commit",
+                                                                                        "payload_first"))
+    return {"ok": stored, "nodes_per_graph": n, "rows": rows,
+            "payload_first_saves_us": us["commit"] - us["payload_first"]}
+
+
+KERNEL_PHASES = ("kernel_bandwidth", "wide_step", "latency_chain")
+
+
+def kernel_summary(name, r) -> str:
+    """The summary table's key number of one of these phases' results."""
+    if name == "kernel_bandwidth":
+        best = max(r["rows"], key=lambda x: x["GB_per_s"])
+        return f"floor {r['floor_us']:.2f} us/capture; best {best['GB_per_s']:.1f} GB/s at {best['hc']}x{best['dim']}"
+    if name == "latency_chain":
+        return (", ".join(f"{row['stage']} +{row['us_added']:.2f}" for row in r["rows"] if row["us_added"] is not None)
+                + f" us (empty node {r['rows'][0]['us_per_node']:.2f}); payload first saves "
+                  f"{r['payload_first_saves_us']:.2f}")
+    return "; ".join(f"{'x'.join(map(str, row['shape']))} {row['dtype']}: {row['us_per_capture_split']:.2f} us "
+                     f"split vs {row['us_per_capture_one_program']:.2f} one program" for row in r["rows"])

@@ -108,7 +108,7 @@ def test_gpu_bench_graph_phases_emulated(tmp_path, dump_dir):
     (the compiled decode variant, which only adds torch.compile, is left out: a long compile)."""
     out = tmp_path / "bench.json"
     phases = ["graph_capture_cost", "decode_overhead", "flush_throughput", "graph_equals_eager", "wide_step",
-              "compiled_host_cost", "kernel_bandwidth"]  # the run order
+              "compiled_host_cost", "kernel_bandwidth", "latency_chain"]  # the run order
     assert _load("gpu_bench").main(["--device", "cpu", "--quick", "--emulate", "--out", str(out), "--only", *phases]) == 0
     result = json.loads(out.read_text())
     assert result["emulated"] is True and list(result["phases"]) == phases
@@ -122,6 +122,9 @@ def test_gpu_bench_graph_phases_emulated(tmp_path, dump_dir):
     assert r["flush_throughput"]["bytes"] >= 8 * 32000 * 4 and r["flush_throughput"]["efficiency"] > 0
     assert r["graph_equals_eager"]["max_rel_err"] == 0.0 and r["graph_equals_eager"]["keys"] == 4 * 5 + 4
     assert r["kernel_bandwidth"]["floor_us"] > 0
+    # The chain's kernels stored x's row where they loaded it (ok), and each stage's row is there.
+    assert r["latency_chain"]["status"] == "ok" and [row["stage"] for row in r["latency_chain"]["rows"]] == [
+        "empty", "store", "register", "agree", "claim", "payload", "commit", "payload_first"]
     assert [row["shape"] for row in r["wide_step"]["rows"]] == [[8, 4, 256], [64, 10243]]
     assert [row["split_by_default"] for row in r["wide_step"]["rows"]] == [False, True]
     assert r["wide_step"]["status"] == "ok"  # every capture wrote
