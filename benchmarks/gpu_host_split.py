@@ -16,8 +16,11 @@ outside in, so the differences between rows say what each layer adds:
   triton_launch     triton_kernel.launch: geometry facts to variant and grid, then the JIT launch;
   jit_launch        the JIT call `capture_kernel[grid](...)` alone (Triton's own binding,
                     specialization key and cache lookup);
-  compiled_run      the compiled kernel's own launcher (CompiledKernel.run) where this Triton has
-                    one: what is left once Python binding is skipped.
+  compiled_run      the compiled kernel launched directly (`CompiledKernel[grid](...)`, every
+                    argument, constexprs included, in the kernel's order; Triton 3.6 and 3.9): the
+                    JIT call without its binding, specialization key and cache lookup; with
+                    `compiled_run_equal`, whether one such launch leaves the arena and control
+                    block the JIT launch leaves.
 
 Host µs per call: the median of rounds of many calls, each round ended by one synchronize.
 Prints one table and, with --out, writes JSON.
@@ -113,18 +116,31 @@ def rows(device, calls, rounds=7, x=None) -> dict:
         "jit_launch": per_call_us(jit_launch, device, calls, rounds),
         "compiled_run": None,
     }
-    run = getattr(compiled, "run", None)
-    if device.type == "cuda" and run is not None and hasattr(compiled, "packed_metadata"):
-        # Triton 3.x's launcher signature (grid x/y/z, stream, function, metadata, launch metadata,
-        # enter/exit hooks, then the kernel's arguments without constexprs); it changes between releases.
-        stream = torch.cuda.current_stream(device).cuda_stream
+    # The first H200 run called CompiledKernel.run with the JIT's launcher arguments and met its
+    # signature (36 arguments: the constexprs are among them); `[grid](...)` takes them all.
+    if device.type == "cuda" and compiled is not None and hasattr(type(compiled), "__getitem__"):
+        values = [constexprs[name] for name in ("MEAN", "IS_INT", "VEC", "STORE_VEC", "HOST_ARENA", "RELEASE", "BLOCK")]
         try:
-            def compiled_run():
-                run(programs, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *jit_args)
-            out["compiled_run"] = per_call_us(compiled_run, device, calls, rounds)
-        except Exception as error:  # noqa: BLE001 - reported: the launcher's signature moved
+            runner = compiled[(programs, 1, 1)]
+            out["compiled_run_equal"] = _same_effect(jit_launch, lambda: runner(*jit_args, *values), arena, ctrl)
+            out["compiled_run"] = per_call_us(lambda: runner(*jit_args, *values), device, calls, rounds)
+        except Exception as error:  # noqa: BLE001 - reported: the launch API moved
             out["compiled_run_error"] = f"{type(error).__name__}: {error}"
     return out
+
+
+def _same_effect(first, second, arena, ctrl) -> bool:
+    """Whether one call of `second` leaves `arena` and `ctrl` as one call of `first` does, each
+    from the same starting state."""
+    start = arena.clone(), ctrl.clone()
+    results = []
+    for fn in (first, second):
+        arena.copy_(start[0])
+        ctrl.copy_(start[1])
+        fn()
+        results.append((arena.clone(), ctrl.clone()))
+    (a1, c1), (a2, c2) = results
+    return bool(torch.equal(c1, c2) and torch.equal(a1.view(torch.int32), a2.view(torch.int32)))
 
 
 def main(argv=None) -> int:
@@ -151,7 +167,8 @@ def main(argv=None) -> int:
     width = max(map(len, result))
     print(f"host us per call ({meta}):")
     for name, value in result.items():
-        shown = value if isinstance(value, str) else ("-" if value is None else f"{value:8.2f}")
+        shown = (value if isinstance(value, str) else "-" if value is None else str(value) if isinstance(value, bool)
+                 else f"{value:8.2f}")
         print(f"  {name:<{width}}  {shown}")
     if args.out:
         Path(args.out).write_text(json.dumps({**meta, "host_us": result}, indent=1))
