@@ -98,7 +98,7 @@ LAUNCH_COPY = 2  # the published decision's copy, its NaN/Inf count and commit; 
 # of the Triton kernel's 2048-column tiles, so the copy launch has programs to spread over). One
 # more kernel node against a row read by one program or block; on the first H200 run (gpu_bench
 # `wide_step`, benchmarks/RESULTS.md, us per capture split vs one program): [64, 32000] fp32 5.0
-# vs 9.8, [64, 129280] fp32 5.1 vs 34.3, [64, 4, 7168] bf16 hc mean 6.3 vs 9.0: split;
+# vs 9.8, [64, 129280] fp32 5.1 vs 34.3, [64, 4, 7168] bf16 (a step's 4 hc rows) 6.3 vs 9.0: split;
 # [64, 7168] bf16 5.2 vs 4.7: one program. One rule for both device kernels (kernels/layout.h,
 # capture_device.h), so their control blocks (SLOT_CLAIM included) agree word for word.
 SPLIT_MIN_READ = 4 * 2048 + 1
@@ -109,6 +109,7 @@ def splits(H: int, D: int) -> bool:
     """Whether a step or keep-first record of rows of H x D elements is a claim launch and a copy
     launch (read at call time: benchmarks/gpu_kernel_bench.py varies the two thresholds)."""
     return H * D >= SPLIT_MIN_READ and D >= SPLIT_MIN_COLUMNS
+
 
 # Geometry modes: how the op views its input as [T, H, D] and which row it takes.
 ROW_FIXED_ZERO = -1  # whole tensor viewed as one row
