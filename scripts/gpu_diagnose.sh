@@ -18,9 +18,9 @@
 #   5. benchmarks/gpu_host_split.py: host µs per capture call, layer by layer (Triton path);
 #   6. gpu_check --only eager aoti compiled_default (Triton path): aoti without the phases before it;
 #   7. gpu_check --only eager persist aoti (Triton path), where time is left.
-# The native library is the one in compiledump/, or .gpu/libcompiledump_native.so copied there
-# (built elsewhere for this torch and GPU; `run`'s carry brings it). Steps that need it say so
-# when it is absent.
+# The native library is the one in compiledump/, or, where there is none, .gpu/libcompiledump_native.so
+# copied there (built elsewhere for this torch and GPU; `run`'s carry brings it). Steps that need
+# it say so when it is absent.
 # Files: $OUT/gpu_diag_<date>_torch<v>_triton<v>.log, and the JSON of steps 3-7 beside it.
 # Settings: OUT; GPU_DIAG_BUDGET (seconds for everything, default 330); PYTHON.
 set -u
@@ -35,7 +35,10 @@ read -r TORCH_V TRITON_V <<<"${versions:-unknown unknown}"
 STEM="$(date -u +%F)_torch${TORCH_V}_triton${TRITON_V}"
 exec > >(tee -a "$OUT/gpu_diag_$STEM.log") 2>&1
 echo "== gpu_diagnose $(date -u +%FT%TZ); commit $(git rev-parse --short HEAD 2>/dev/null); budget ${BUDGET} s"
-[ -f .gpu/libcompiledump_native.so ] && cp .gpu/libcompiledump_native.so compiledump/
+# A library built elsewhere, carried in .gpu/: used where the checkout has none (never over a build).
+if [ -f .gpu/libcompiledump_native.so ] && [ ! -e compiledump/libcompiledump_native.so ]; then
+    cp .gpu/libcompiledump_native.so compiledump/
+fi
 
 step() {  # name limit command...: one fresh process, a fresh Triton cache, within the budget
     local name=$1 limit=$2 left=$((BUDGET - SECONDS))
