@@ -17,13 +17,13 @@
 #    COMPILEDUMP_CUDA_KERNEL=native: the region table and the CUDA kernel serve `capture_v1`,
 #    checked first), each in its own process: gpu_check.py's eager, cuda_graph, native_cuda_kernel
 #    (its CUDA kernel against the Triton kernel) and persist (the host-mapped arena's system-scope
-#    commit) phases; gpu_bench.py's graph_capture_cost, compiled_host_cost and decode_overhead
-#    (issue 14's device and host cost per capture, and the 40 layers x 5 taps step overhead), to
-#    set against the same phases of step 3 (the Triton kernel, Python per call); gpu_check.py's
-#    aoti (a package whose captures call the library's C shims; step 3 leaves aoti out: through
-#    the proxy executor its CUDA package killed the process on torch 2.11); then its
-#    reduce_overhead and compiled_default, with what time is left (each phase is skipped rather
-#    than cut when its estimate does not fit; at the default budget the last two may not).
+#    commit) phases; its reduce_overhead and compiled_default (what making the native kernel the
+#    CUDA default waits for); its aoti (a package whose captures call the library's C shims; step
+#    3 leaves aoti out: through the proxy executor its CUDA package killed the process on torch
+#    2.11); then gpu_bench.py's graph_capture_cost, compiled_host_cost and decode_overhead (issue
+#    14's device and host cost per capture, and the 40 layers x 5 taps step overhead, against the
+#    same phases of step 3), with what time is left (each phase is skipped rather than cut when
+#    its estimate does not fit; at the default budget the last ones may not).
 # Files, named with the UTC date and the torch and triton versions: $OUT/gpu_check_<date>_torch<v>_
 # triton<v>.json, $OUT/gpu_bench_<...>.json, $OUT/gpu_native_<...>.json (gpu_check on the native
 # path), $OUT/gpu_native_bench_<...>.json, $OUT/gpu_native_aoti_<...>.json,
@@ -206,16 +206,18 @@ from compiledump.ops import register
 print(("native" if register.native_owns_capture("cuda") else "python")
       if compiledump.native_available() else "not loaded")' 2>&1 | tail -n 1)
     if [ "$owner" = native ]; then
-        # Each in its own process, the open questions first: a crash (aoti) loses only itself.
+        # Each in its own process, the open questions first (a crash, as aoti's, loses only itself):
+        # what making the native kernel the CUDA default waits for (compiled code), then aoti
+        # through the C shims, then the benchmark the first run already took (2026-12-04).
         left=$(( BUDGET - SECONDS - 10 ))
         native_script gpu_native scripts/gpu_check.py $(( left * 40 / 100 < 60 ? left * 40 / 100 : 60 )) \
             --only eager cuda_graph native_cuda_kernel persist
-        native_script gpu_native_bench benchmarks/gpu_bench.py $(( BUDGET - SECONDS - 10 < 110 ? BUDGET - SECONDS - 10 : 110 )) \
-            --only graph_capture_cost compiled_host_cost decode_overhead
+        native_script gpu_native_compiled scripts/gpu_check.py $(( BUDGET - SECONDS - 10 < 120 ? BUDGET - SECONDS - 10 : 120 )) \
+            --only eager reduce_overhead compiled_default
         native_script gpu_native_aoti scripts/gpu_check.py $(( BUDGET - SECONDS - 10 < 120 ? BUDGET - SECONDS - 10 : 120 )) \
             --only eager aoti
-        native_script gpu_native_compiled scripts/gpu_check.py $(( BUDGET - SECONDS - 10 )) \
-            --only eager reduce_overhead compiled_default
+        native_script gpu_native_bench benchmarks/gpu_bench.py $(( BUDGET - SECONDS - 10 )) \
+            --only graph_capture_cost compiled_host_cost decode_overhead
     else
         NATIVE="$NATIVE; but capture_v1 on CUDA is served by: $owner (not the library)"
         status=1
