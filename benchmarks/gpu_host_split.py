@@ -78,7 +78,7 @@ def rows(device, calls, rounds=7, x=None) -> dict:
     """Host µs per call of each layer (None where it does not exist on `device`); the public call
     records `x` (default: a random [8, 4, 7168] bf16 hidden state) under the tag "host_split"."""
     from compiledump.ops import triton_kernel as K
-    from compiledump.ops.variants import ALIGN_WORDS, BLOCK, NUM_WARPS, variant_for
+    from compiledump.ops.variants import NUM_WARPS, launches_for, variant_for
 
     noop = _noop_op(device)
 
@@ -90,13 +90,12 @@ def rows(device, calls, rounds=7, x=None) -> dict:
     src, geo = geometry(x, kind)
     v = variant_for(src, geo, kind)
     T, H, D, st, sh, sd, row_reg, _mean = geo
-    jit_args = (src, arena, ctrl, T, H, D, st, sh, sd, *args[:3], kind, args[3], row_reg, L.LAUNCH_WHOLE)
-    constexprs = dict(MEAN=v.mean, IS_INT=v.is_int, VEC=v.vec, STORE_VEC=min(v.vec, ALIGN_WORDS),
-                      HOST_ARENA=v.host_arena, RELEASE=v.release, BLOCK=BLOCK, num_warps=NUM_WARPS)
-    programs = max(1, -(-D // BLOCK))
+    ((phase, programs),) = launches_for(geo, kind)  # one launch, as triton_kernel.launch makes it
+    jit_args = (src, arena, ctrl, T, H, D, st, sh, sd, *args[:3], kind, args[3], row_reg, phase)
+    constexprs = K.constexprs(v)
 
     def jit_launch():
-        return K.capture_kernel[(programs,)](*jit_args, **constexprs)
+        return K.capture_kernel[(programs,)](*jit_args, **constexprs, num_warps=NUM_WARPS)
 
     compiled = jit_launch()
     guard = torch.cuda.device(x.device) if device.type == "cuda" else None
@@ -119,7 +118,7 @@ def rows(device, calls, rounds=7, x=None) -> dict:
     # The first H200 run called CompiledKernel.run with the JIT's launcher arguments and met its
     # signature (36 arguments: the constexprs are among them); `[grid](...)` takes them all.
     if device.type == "cuda" and compiled is not None and hasattr(type(compiled), "__getitem__"):
-        values = [constexprs[name] for name in ("MEAN", "IS_INT", "VEC", "STORE_VEC", "HOST_ARENA", "RELEASE", "BLOCK")]
+        values = [constexprs[name] for name in K.capture_kernel.arg_names if name in constexprs]  # the kernel's order
         try:
             runner = compiled[(programs, 1, 1)]
             out["compiled_run_equal"] = _same_effect(jit_launch, lambda: runner(*jit_args, *values), arena, ctrl)

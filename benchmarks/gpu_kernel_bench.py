@@ -133,16 +133,7 @@ def latency_chain(device, quick, tmp):
         return lambda: [chain[(1,)](ctrl, x, outs[stage], block, STAGE=index, BLOCK=block, num_warps=8)
                         for _ in range(n)]
 
-    graphs = {}
-    for stage in CHAIN_STAGES:
-        nodes(stage)()  # compiled here, outside any capture
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            graphs[stage] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graphs[stage]):
-                nodes(stage)()
-        else:
-            graphs[stage] = type("Eager", (), {"replay": staticmethod(nodes(stage))})()
+    graphs = {stage: graph_of(nodes(stage), device) for stage in CHAIN_STAGES}  # compiled in its warm-up
     times = rounds_of(graphs, device, rounds=2 if quick else 10, replays=2 if quick else 20)
     us = {stage: statistics.median(times[stage]) * 1e3 / n for stage in CHAIN_STAGES}
     # What each stage adds to the one before it (payload_first is commit reordered: see its saving).

@@ -209,14 +209,16 @@ print(("native" if register.native_owns_capture("cuda") else "python")
         # Each in its own process, the open questions first (a crash, as aoti's, loses only itself):
         # what making the native kernel the CUDA default waits for (compiled code), then aoti
         # through the C shims, then the benchmark the first run already took (2026-12-04).
-        left=$(( BUDGET - SECONDS - 10 ))
-        native_script gpu_native scripts/gpu_check.py $(( left * 40 / 100 < 60 ? left * 40 / 100 : 60 )) \
+        left_at_most() {  # seconds of the budget left (10 kept for the end), at most $1
+            local left=$(( BUDGET - SECONDS - 10 ))
+            echo $(( left < $1 ? left : $1 ))
+        }
+        native_script gpu_native scripts/gpu_check.py $(( $(left_at_most 150) * 40 / 100 )) \
             --only eager cuda_graph native_cuda_kernel persist
-        native_script gpu_native_compiled scripts/gpu_check.py $(( BUDGET - SECONDS - 10 < 120 ? BUDGET - SECONDS - 10 : 120 )) \
+        native_script gpu_native_compiled scripts/gpu_check.py "$(left_at_most 120)" \
             --only eager reduce_overhead compiled_default
-        native_script gpu_native_aoti scripts/gpu_check.py $(( BUDGET - SECONDS - 10 < 120 ? BUDGET - SECONDS - 10 : 120 )) \
-            --only eager aoti
-        native_script gpu_native_bench benchmarks/gpu_bench.py $(( BUDGET - SECONDS - 10 )) \
+        native_script gpu_native_aoti scripts/gpu_check.py "$(left_at_most 120)" --only eager aoti
+        native_script gpu_native_bench benchmarks/gpu_bench.py "$(left_at_most "$BUDGET")" \
             --only graph_capture_cost compiled_host_cost decode_overhead
     else
         NATIVE="$NATIVE; but capture_v1 on CUDA is served by: $owner (not the library)"

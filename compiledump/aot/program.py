@@ -38,22 +38,22 @@ def _archive_metadata(path) -> dict:
     return merged
 
 
-def _package_uses_shims(path) -> bool:
-    """True when the package's metadata says its generated code calls the native C shims (read
-    before loading: loading it without the library fails on the symbols)."""
-    return _archive_metadata(path).get(SHIMS_KEY) == "1"
+def _uses_shims(metadata: dict) -> bool:
+    """True when a package's metadata (`_archive_metadata`) says its generated code calls the
+    native C shims (known before loading: loading it without the library fails on the symbols)."""
+    return metadata.get(SHIMS_KEY) == "1"
 
 
 _warned_cuda_proxy = False
 
 
-def _warn_cuda_proxy_package(path) -> None:
+def _warn_cuda_proxy_package(path, metadata: dict) -> None:
     """Warn once, before loading, that a CUDA package whose captures go through AOTInductor's
     proxy executor killed the process on the first GPU run: printed before a crash, it says why."""
     global _warned_cuda_proxy
     if _warned_cuda_proxy:
         return
-    if _archive_metadata(path).get("AOTI_DEVICE_KEY") != "cuda" or _package_uses_shims(path):
+    if metadata.get("AOTI_DEVICE_KEY") != "cuda" or _uses_shims(metadata):
         return
     _warned_cuda_proxy = True
     warnings.warn(
@@ -152,11 +152,12 @@ def load(path: str | os.PathLike, device: str | torch.device | None = None) -> L
     if not api.get_config().active:
         raise RuntimeError("compiledump.aot.load: set COMPILEDUMP_DIR or call compiledump.configure(dir=...) "
                            "first: the package writes into a compiledump arena")
-    if _package_uses_shims(path) and not native.native_available():
+    archived = _archive_metadata(path)
+    if _uses_shims(archived) and not native.native_available():
         raise RuntimeError(f"compiledump.aot.load: {path} calls the native library's C shims (it was packaged "
                            "with the library loaded); load the library (COMPILEDUMP_NATIVE) or re-package "
                            "it in a process without it")
-    _warn_cuda_proxy_package(path)
+    _warn_cuda_proxy_package(path, archived)
     runner = torch._inductor.aoti_load_package(os.fspath(path))
     metadata = runner.get_metadata()
     if PLAN_KEY not in metadata:

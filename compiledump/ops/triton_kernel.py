@@ -291,11 +291,14 @@ def launch(x, arena, ctrl, geometry, base, offset, capacity, kind, reason):
                 phase)
 
 
+def constexprs(v: Variant) -> dict:
+    """The compile-time arguments of variant `v`'s launches (benchmarks/gpu_host_split.py reuses them)."""
+    return dict(MEAN=v.mean, IS_INT=v.is_int, VEC=v.vec, STORE_VEC=min(v.vec, ALIGN_WORDS), HOST_ARENA=v.host_arena,
+                RELEASE=v.release, BLOCK=BLOCK)
+
+
 def _launch(v, programs, *args):
-    capture_kernel[(programs,)](
-        *args, MEAN=v.mean, IS_INT=v.is_int, VEC=v.vec, STORE_VEC=min(v.vec, ALIGN_WORDS), HOST_ARENA=v.host_arena,
-        RELEASE=v.release, BLOCK=BLOCK, num_warps=NUM_WARPS,
-    )
+    capture_kernel[(programs,)](*args, **constexprs(v), num_warps=NUM_WARPS)
 
 
 def _launch_scratch(device, v) -> None:

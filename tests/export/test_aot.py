@@ -312,7 +312,8 @@ def test_a_cuda_proxy_package_warns_before_it_loads(tmp_path, monkeypatch):
         warnings.simplefilter("error")
         with pytest.raises(Loaded):
             aot.load(cuda)
-    assert program._package_uses_shims(quiet[1]) and not program._package_uses_shims(cuda)
+    assert program._uses_shims(program._archive_metadata(quiet[1]))
+    assert not program._uses_shims(program._archive_metadata(cuda))
 
 
 def test_aoti_corner_cases(tmp_path):

@@ -233,19 +233,25 @@ def test_cuda_kernel_split_capture_matches_reference(kernel_on_cpu, geometry_nam
     assert launches[0][1] == 1 and launches[1][1] > 1
 
 
-def test_cuda_kernel_split_control_block_equals_triton(kernel_on_cpu):
-    """Both device kernels split a wide step alike and publish the same decision: their control
-    blocks are equal word for word, SLOT_CLAIM included (what scripts/gpu_check.py compares)."""
+def _assert_split_step_equals_triton(kernel_on_cpu, x):
+    """Steps of `x` split by both device kernels leave the same control block (SLOT_CLAIM included,
+    and set) and arena, word for word, under every REGISTERS setting."""
     from compiledump.ops import register
 
-    g = torch.Generator().manual_seed(12)
-    x = with_nonfinite(torch.randn(3, 5 * 2048 + 12, generator=g), g, 5)
     for registers in REGISTERS:
         native_arena, native_ctrl = run_kernel(kernel_on_cpu(256), x, L.KIND_STEP, registers, calls=3)
         triton_arena, triton_ctrl = run_kernel(register.capture_triton, x, L.KIND_STEP, registers, calls=3)
         assert torch.equal(native_ctrl, triton_ctrl), registers
         assert torch.equal(native_arena.view(torch.int32), triton_arena.view(torch.int32)), registers
     assert int(native_ctrl[L.slot_base(2) + L.SLOT_CLAIM]) != 0
+
+
+def test_cuda_kernel_split_control_block_equals_triton(kernel_on_cpu):
+    """Both device kernels split a wide step alike and publish the same decision: their control
+    blocks are equal word for word, SLOT_CLAIM included (what scripts/gpu_check.py compares)."""
+    g = torch.Generator().manual_seed(12)
+    x = with_nonfinite(torch.randn(3, 5 * 2048 + 12, generator=g), g, 5)
+    _assert_split_step_equals_triton(kernel_on_cpu, x)
 
 
 # Steps by the split rule (layout.splits: H x D >= 8193 elements over D >= 2049 columns), both sides
@@ -258,7 +264,7 @@ def test_both_kernels_split_by_one_rule(kernel_on_cpu):
     """The emulated CUDA kernel and the Triton kernel's launches (ops/variants.py) split exactly the
     steps layout.splits names, and an hc step split at fewer than 8193 columns (4 hc rows of 2049)
     leaves the Triton kernel's control block and arena word for word."""
-    from compiledump.ops import register, triton_kernel
+    from compiledump.ops import triton_kernel
     from compiledump.ops.geometry import geometry
 
     g = torch.Generator().manual_seed(21)
@@ -271,12 +277,7 @@ def test_both_kernels_split_by_one_rule(kernel_on_cpu):
         assert native_phases == triton_phases == expected, shape
         assert L.splits(*((shape[1], shape[2]) if len(shape) == 3 else (1, shape[1]))) == split
     x = with_nonfinite(torch.randn(2, 4, 2049 + 15, generator=g), g, 3).bfloat16()
-    for registers in REGISTERS:
-        native_arena, native_ctrl = run_kernel(kernel_on_cpu(256), x, L.KIND_STEP, registers, calls=3)
-        triton_arena, triton_ctrl = run_kernel(register.capture_triton, x, L.KIND_STEP, registers, calls=3)
-        assert torch.equal(native_ctrl, triton_ctrl), registers
-        assert torch.equal(native_arena.view(torch.int32), triton_arena.view(torch.int32)), registers
-    assert int(native_ctrl[L.slot_base(2) + L.SLOT_CLAIM]) != 0
+    _assert_split_step_equals_triton(kernel_on_cpu, x)
 
 
 def test_cuda_kernel_split_copy_acts_on_the_published_claim(kernel_on_cpu):
