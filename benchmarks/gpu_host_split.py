@@ -13,7 +13,10 @@ outside in, so the differences between rows say what each layer adds:
                     dispatcher's floor for any Python-implemented op;
   run_cuda_kernel   register.run_cuda_kernel: the device guard and the Triton layer below;
   device_guard      `with torch.cuda.device(x.device)` alone;
-  triton_launch     triton_kernel.launch: geometry facts to variant and grid, then the JIT launch;
+  triton_launch     triton_kernel.launch: geometry facts to variant and grid, then the launch
+                    straight into the compiled kernel (what captures do once a variant is prepared);
+  triton_launch_jit the same through Triton's JIT (triton_kernel.DIRECT_LAUNCH off: what captures
+                    did until the first H200 run measured this split);
   jit_launch        the JIT call `capture_kernel[grid](...)` alone (Triton's own binding,
                     specialization key and cache lookup);
   compiled_run      the compiled kernel launched directly (`CompiledKernel[grid](...)`, every
@@ -112,6 +115,8 @@ def rows(device, calls, rounds=7, x=None) -> dict:
         "device_guard": per_call_us(device_guard, device, calls, rounds) if guard is not None else None,
         "triton_launch": per_call_us(lambda: K.launch(src, arena, ctrl, geo, *args[:3], kind, args[3]), device, calls,
                                      rounds),
+        "triton_launch_jit": _jit_launches(lambda: per_call_us(
+            lambda: K.launch(src, arena, ctrl, geo, *args[:3], kind, args[3]), device, calls, rounds)),
         "jit_launch": per_call_us(jit_launch, device, calls, rounds),
         "compiled_run": None,
     }
@@ -126,6 +131,17 @@ def rows(device, calls, rounds=7, x=None) -> dict:
         except Exception as error:  # noqa: BLE001 - reported: the launch API moved
             out["compiled_run_error"] = f"{type(error).__name__}: {error}"
     return out
+
+
+def _jit_launches(fn):
+    """`fn()` with the capture kernel launched through Triton's JIT (not straight into it)."""
+    from compiledump.ops import triton_kernel as K
+
+    K.DIRECT_LAUNCH = False
+    try:
+        return fn()
+    finally:
+        K.DIRECT_LAUNCH = True
 
 
 def _same_effect(first, second, arena, ctrl) -> bool:

@@ -9,6 +9,10 @@ Phases, in run order (each writes its own dump and is compared with the eager on
   eager          the built-in model, eager, the engine-like session (reference);
   cuda_graph     decode step captured once with torch.cuda.graph (warm-up and capture under
                  profiling(), as engines capture with dummy data) and replayed for every step;
+  triton_launch  the Triton kernel launched as captures launch it (straight into its compiled
+                 kernel) against Triton's JIT launch and the CPU reference kernel, on random
+                 samples of every layout class (the eager phase, the others' reference, launches
+                 the same way);
   native_cuda_kernel  if the native library was built against this CUDA torch (CMakeLists.txt),
                  its CUDA capture kernel against the Triton kernel on random samples;
   reduce_overhead torch.compile(mode="reduce-overhead", fullgraph=True): Inductor's CUDA graph
@@ -139,13 +143,11 @@ def phase_aoti(cfg, session, device, out_dir):
                                  "capture_export_owner": native.kernel_owner(schemas.EXPORT, device.type.upper())}
 
 
-def check_native_cuda_kernel(device) -> dict:
-    """The native CUDA kernel (kernels/capture_cuda.cu) against the Triton kernel."""
+def kernel_samples(device) -> list:
+    """(name, input, kind, REG_CHECK_ALL) of the kernel checks: every layout class and kind, on
+    both sides of the split rule and of the fast path, with NaN/Inf over many programs."""
     from compiledump.ops import layout as L
-    from compiledump.ops import native, register, schemas
 
-    if native.kernel_owner(schemas.KERNEL, "CUDA") != "native":
-        raise gpu_common.SkipPhase("the native library is not loaded or was built without CUDA")
     g = torch.Generator(device=device).manual_seed(0)
     samples = {
         "record_3d_bf16": (torch.randn(7, 4, 1031, generator=g, device=device).bfloat16(), L.KIND_RECORD),
@@ -160,23 +162,78 @@ def check_native_cuda_kernel(device) -> dict:
         # Wide rows with NaN/Inf on many blocks (programs): the counts and first bad call too.
         "rows_nonfinite": (torch.randn(3, 4, 2100, generator=g, device=device).log(), L.KIND_RECORD_ROWS),
     }
+    return ([(name, x, kind, 0) for name, (x, kind) in samples.items()]
+            + [("record_check_all", samples["rows_nonfinite"][0], L.KIND_RECORD, 1)])
+
+
+def run_sample(launch, x, kind, check_all) -> tuple:
+    """Three captures of `x` with `launch` (a kernel layer's signature) into a fresh arena and
+    control block on x's device: their final state, on the CPU."""
+    from compiledump.ops import layout as L
+
+    arena = torch.full((70000,), float("nan"), device=x.device)
+    ctrl = torch.zeros(L.control_words(4), dtype=torch.int32, device=x.device)
+    ctrl[L.REG_ENABLED], ctrl[L.REG_ROWS], ctrl[L.REG_MAX_ROWS], ctrl[L.REG_RECORD_ROW] = 1, 1, 1, -1
+    ctrl[L.REG_CHECK_ALL] = check_all
+    for _ in range(3):
+        launch(x, arena, ctrl, kind, L.slot_base(2), 16, 2, 0)
+    return arena.cpu(), ctrl.cpu()
+
+
+def _same_words(first, second) -> bool:
+    (a1, c1), (a2, c2) = first, second
+    return torch.equal(c1, c2) and torch.equal(a1.view(torch.int32), a2.view(torch.int32))
+
+
+def check_triton_launch(device) -> dict:
+    """The Triton kernel as captures launch it, straight into its compiled kernel
+    (ops/triton_kernel.py `_Direct`), against the same kernel through Triton's JIT, word for word,
+    and against the reference kernel on the CPU (ops/reference.py; SLOT_CLAIM aside, which only a
+    split device capture writes). The eager phase is the other phases' reference and launches the
+    same way, so this is what would show a direct launch that stores the wrong thing."""
+    from compiledump.ops import layout as L
+    from compiledump.ops import register
+    from compiledump.ops import triton_kernel as K
+    from compiledump.ops.geometry import geometry
+    from compiledump.ops.reference import capture_reference
+
+    samples = kernel_samples(device)
+    direct_differs, reference_differs = [], []
+    for name, x, kind, check_all in samples:
+        direct = run_sample(register.capture_triton, x, kind, check_all)
+        K.DIRECT_LAUNCH = False
+        try:
+            jit = run_sample(register.capture_triton, x, kind, check_all)
+        finally:
+            K.DIRECT_LAUNCH = True
+        reference = run_sample(capture_reference, x.cpu(), kind, check_all)
+        if not _same_words(direct, jit):
+            direct_differs.append(name)
+        if not _same_words((direct[0], L.without_claims(direct[1])), reference):
+            reference_differs.append(name)
+    x = samples[0][1]
+    _src, geo = geometry(x, L.KIND_RECORD)
+    launches_directly = K.direct_launcher(x.device, K.variant_for(x, geo, L.KIND_RECORD)) is not None
+    return {"ok": not direct_differs and not reference_differs, "keys": len(samples),
+            "launches_directly": launches_directly, "mismatched": direct_differs,
+            "reference_mismatched": reference_differs}
+
+
+def check_native_cuda_kernel(device) -> dict:
+    """The native CUDA kernel (kernels/capture_cuda.cu) against the Triton kernel."""
+    from compiledump.ops import native, register, schemas
+
+    if native.kernel_owner(schemas.KERNEL, "CUDA") != "native":
+        raise gpu_common.SkipPhase("the native library is not loaded or was built without CUDA")
+    samples = kernel_samples(device)
     mismatched = []
-    for (name, (x, kind)), check_all in [(item, 0) for item in samples.items()] + [
-            (("record_check_all", (samples["rows_nonfinite"][0], L.KIND_RECORD)), 1)]:
-        results = []
-        for launch in (register.capture_triton, register.capture_native):  # capture_native: the dispatcher's kernel
-            arena = torch.full((70000,), float("nan"), device=device)
-            ctrl = torch.zeros(L.control_words(4), dtype=torch.int32, device=device)
-            ctrl[L.REG_ENABLED], ctrl[L.REG_ROWS], ctrl[L.REG_MAX_ROWS], ctrl[L.REG_RECORD_ROW] = 1, 1, 1, -1
-            ctrl[L.REG_CHECK_ALL] = check_all
-            for _ in range(3):
-                launch(x, arena, ctrl, kind, L.slot_base(2), 16, 2, 0)
-            results.append((arena.cpu(), ctrl.cpu()))
-        (a1, c1), (a2, c2) = results
+    for name, x, kind, check_all in samples:
         # Word for word, SLOT_CLAIM included: both kernels split wide steps alike (layout.splits).
-        if not (torch.equal(c1, c2) and torch.equal(a1.view(torch.int32), a2.view(torch.int32))):
+        # capture_native: the dispatcher's kernel.
+        if not _same_words(run_sample(register.capture_triton, x, kind, check_all),
+                           run_sample(register.capture_native, x, kind, check_all)):
             mismatched.append(name)
-    return {"ok": not mismatched, "keys": len(samples) + 1, "mismatched": mismatched}
+    return {"ok": not mismatched, "keys": len(samples), "mismatched": mismatched}
 
 
 PERSIST_STEPS = 5
@@ -241,8 +298,8 @@ def _persist_in(directory: Path, args, device, reference, timeout) -> dict:
 # reduce_overhead (zero cudagraph skips) before persist: gpu_run.sh runs persist again on the
 # native path, and a short budget should drop what is checked twice. aoti last: on the first H200
 # run (torch 2.11) loading its CUDA package killed the process, which took compiled_default with it.
-PHASES = [("eager", False, 10), ("cuda_graph", True, 15), ("native_cuda_kernel", True, 10),
-          ("reduce_overhead", True, 40), ("persist", True, 30), ("compiled_default", False, 40), ("aoti", True, 90)]
+PHASES = [("eager", False, 10), ("triton_launch", True, 10), ("cuda_graph", True, 15),
+          ("native_cuda_kernel", True, 10), ("reduce_overhead", True, 40), ("persist", True, 30), ("compiled_default", False, 40), ("aoti", True, 90)]
 RTOL = {"cuda_graph": 1e-6, "compiled_default": 1e-4, "reduce_overhead": 1e-4, "aoti": 1e-4}
 
 
@@ -251,6 +308,10 @@ def _key_number(phase, r):
         return f"{r['keys']} keys, {r['seconds']:.1f} s"
     if phase == "native_cuda_kernel":
         return f"{len(r['mismatched'])} of {r['keys']} samples differ from the Triton kernel"
+    if phase == "triton_launch":
+        how = "direct" if r["launches_directly"] else "JIT (no direct launch)"
+        return (f"{how}: {len(r['mismatched'])} of {r['keys']} samples differ from the JIT launch, "
+                f"{len(r['reference_mismatched'])} from the CPU reference")
     if phase == "persist":
         return (f"{r.get('steps_recovered', 0)} steps recovered after the assert at step {PERSIST_STEPS} "
                 f"(max_rel_err {r['max_rel_err']:.1e}); child exit {r['child_exit']}")
@@ -323,6 +384,7 @@ def main(argv=None) -> int:
             "eager": eager,
             "cuda_graph": compared("cuda_graph", lambda s: phase_cuda_graph(cfg, s, device, out_dir)),
             "native_cuda_kernel": lambda: check_native_cuda_kernel(device),
+            "triton_launch": lambda: check_triton_launch(device),
             "compiled_default": compared("compiled_default",
                                          lambda s: phase_compiled(cfg, s, device, out_dir, "default")),
             "reduce_overhead": compared("reduce_overhead",

@@ -16,8 +16,9 @@ Compiled variants (see ops/variants.py, which decides them on the host): every i
 is a 64-bit runtime value that Triton never specializes (an int equal to 1, or divisible by 16,
 would otherwise select another compiled kernel, and a CUDA graph capture must not compile one),
 so a variant depends only on the input dtype, the layout class (MEAN, IS_INT, VEC) and the
-input's 16-byte alignment. All offset math is 64-bit: rows of a `[74900, 4, 7168]` tensor or
-arenas past 8 GiB are addressed exactly.
+input's 16-byte alignment. Once a variant is compiled, its launches go straight into the
+compiled kernel (`_Direct`), skipping the JIT's per-launch binding and cache lookup. All offset
+math is 64-bit: rows of a `[74900, 4, 7168]` tensor or arenas past 8 GiB are addressed exactly.
 
 Speed: the row is cut into tiles of BLOCK columns (one row per tile, every row for all-rows
 records), spread over several programs of NUM_WARPS warps. Program 0 alone claims the counter.
@@ -37,6 +38,8 @@ against the CPU implementation without a GPU.
 from __future__ import annotations
 
 import contextlib
+import functools
+import warnings
 
 import torch
 import triton
@@ -283,12 +286,25 @@ def launch(x, arena, ctrl, geometry, base, offset, capacity, kind, reason):
     T, H, D, st, sh, sd, row_reg, _mean = geometry
     host_arena = bool(variants.MAPPED_ARENAS) and arena.data_ptr() in variants.MAPPED_ARENAS
     v = variant_for(x, geometry, kind, host_arena)
-    ensure_prepared(x.device, v, _launch_scratch)
+    direct = direct_launcher(x.device, v)
+    if direct is None or not DIRECT_LAUNCH or not _compiled_for(arena, ctrl):
+        direct = functools.partial(_launch, v)
     # One launch, or a split capture's claim and copy (the same compiled variant: phase is a
     # runtime argument).
     for phase, programs in launches_for(geometry, kind, host_arena):
-        _launch(v, programs, x, arena, ctrl, T, H, D, st, sh, sd, base, offset, capacity, kind, reason, row_reg,
-                phase)
+        direct(programs, x, arena, ctrl, T, H, D, st, sh, sd, base, offset, capacity, kind, reason, row_reg, phase)
+
+
+# Prepared variants launch straight into their compiled kernel (`_Direct`). scripts/gpu_check.py
+# and benchmarks/gpu_host_split.py set this to False for a while to compare with (and time) the
+# JIT launch; read at call time.
+DIRECT_LAUNCH = True
+
+
+def direct_launcher(device: torch.device, v: Variant):
+    """The `_Direct` launcher of variant `v` on `device`, compiling and loading the variant first
+    where no call did yet (ops/variants.py); None where its launches go through the JIT."""
+    return ensure_prepared(device, v, _prepare)
 
 
 def constexprs(v: Variant) -> dict:
@@ -298,20 +314,72 @@ def constexprs(v: Variant) -> dict:
 
 
 def _launch(v, programs, *args):
-    capture_kernel[(programs,)](*args, **constexprs(v), num_warps=NUM_WARPS)
+    """One launch of variant `v` over `programs` programs through Triton's JIT (which compiles it
+    the first time, and returns the compiled kernel; None under the interpreter)."""
+    return capture_kernel[(programs,)](*args, **constexprs(v), num_warps=NUM_WARPS)
 
 
-def _launch_scratch(device, v) -> None:
-    """Compile and load variant `v` on `device` by launching it once on scratch buffers with the
-    device flag off (it counts one suspended call in a scratch control block, writes nothing)."""
+class _Direct:
+    """Launches straight into the kernel Triton's JIT compiled for one variant, with every argument
+    (constexprs included) in the kernel's order, as the JIT's own launch does once it has found the
+    kernel: without the JIT's binding, specialization key and cache lookup, which took 28 of the
+    66 µs of host time of an eager capture on the first H200 run."""
+
+    __slots__ = ("kernel", "constexpr_values")
+
+    def __init__(self, kernel, v: Variant):
+        self.kernel = kernel
+        values = constexprs(v)
+        self.constexpr_values = tuple(values[name] for name in capture_kernel.arg_names if name in values)
+
+    def __call__(self, programs, *args):
+        self.kernel[(programs, 1, 1)](*args, *self.constexpr_values)
+
+
+def _compiled_for(arena, ctrl) -> bool:
+    """Whether a launch into `arena` and `ctrl` has the specialization `_launch_scratch` compiled
+    for (Triton specializes pointers on element type and 16-byte alignment; the input's are part of
+    the variant): always for the process's arena, which torch allocates aligned."""
+    return (arena.dtype == torch.float32 and ctrl.dtype == torch.int32 and arena.data_ptr() % 16 == 0
+            and ctrl.data_ptr() % 16 == 0)
+
+
+def _launch_scratch(device, v, launch=None):
+    """Launch variant `v` on `device` once on scratch buffers with the device flag off (it counts
+    one suspended call in a scratch control block, writes nothing), with `launch` (default: the JIT,
+    which compiles and loads the kernel and returns it)."""
     H, D = (4 if v.mean else 1), 16  # D and the strides are multiples of every vector width
     buf = torch.zeros(H * D + 16, dtype=v.dtype, device=device)
     x = (buf[: H * D] if v.aligned else buf[1 : 1 + H * D]).view(1, H, D)
     arena = torch.zeros(H * D, dtype=torch.float32, device=device)
     ctrl = torch.zeros(L.control_words(1), dtype=torch.int32, device=device)
     kind = L.KIND_IDS if v.is_int else L.KIND_RECORD
-    _launch(v, 1, x, arena, ctrl, 1, H, D, H * D, D, 1, L.slot_base(1), 0, 1, kind, 0, L.REG_RECORD_ROW,
-            L.LAUNCH_WHOLE)
+    return (launch or functools.partial(_launch, v))(1, x, arena, ctrl, 1, H, D, H * D, D, 1, L.slot_base(1), 0, 1,
+                                                     kind, 0, L.REG_RECORD_ROW, L.LAUNCH_WHOLE)
+
+
+def _prepare(device, v):
+    """Compile and load variant `v` on `device` (ops/variants.py `ensure_prepared` calls this
+    outside any graph capture); returns the `_Direct` launcher of its compiled kernel, or None
+    where its launches go through the JIT.
+
+    The direct launcher runs once on scratch buffers here, so that a Triton whose compiled kernels
+    take other arguments fails outside any capture (warned once per message), not in one."""
+    compiled = _launch_scratch(device, v)
+    if compiled is None or not hasattr(type(compiled), "__getitem__"):
+        return None  # the interpreter returns no kernel
+    direct = _Direct(compiled, v)
+    try:
+        _launch_scratch(device, v, direct)
+    except Exception as error:  # noqa: BLE001 - the JIT launch still works: warned, not raised
+        import triton
+
+        warnings.warn(f"compiledump: Triton {triton.__version__}'s compiled capture kernel did not launch directly "
+                      f"({type(error).__name__}: {str(error)[:200]}); captures go through Triton's JIT launch, which "
+                      "costs about 28 µs more host time per capture (measured on an H200 host). Nothing is lost.",
+                      RuntimeWarning, stacklevel=2)
+        return None
+    return direct
 
 
 def prepare(device: torch.device, dtypes) -> None:
@@ -325,4 +393,4 @@ def prepare(device: torch.device, dtypes) -> None:
                 layouts = [(True, False), (False, False)] if dtype.is_floating_point else [(False, True)]
                 for mean, is_int in layouts:
                     ensure_prepared(device, Variant(dtype, mean, is_int, 1, True, host_arena,
-                                                    variants.commit_is_release(host_arena)), _launch_scratch)
+                                                    variants.commit_is_release(host_arena)), _prepare)

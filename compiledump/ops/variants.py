@@ -125,7 +125,10 @@ class KernelUnavailable(RuntimeError):
 # AMD's fp8 formats: Triton compiles them for ROCm only.
 _NOT_ON_NVIDIA = frozenset(getattr(torch, name) for name in ("float8_e4m3fnuz", "float8_e5m2fnuz")
                            if hasattr(torch, name))
-_ready: set[tuple] = set()  # (device, Variant) whose kernel is compiled and loaded
+# (device, Variant) whose kernel is compiled and loaded -> what preparing it returned (the
+# launcher straight into the compiled kernel, or None: through Triton's JIT)
+_ready: dict[tuple, object] = {}
+_NOT_READY = object()
 _lock = threading.Lock()
 
 
@@ -134,16 +137,19 @@ def stream_capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def ensure_prepared(device: torch.device, variant: Variant, launch_scratch) -> None:
-    """Make sure `variant` is compiled and loaded on `device` before it launches there.
+def ensure_prepared(device: torch.device, variant: Variant, prepare):
+    """Make sure `variant` is compiled and loaded on `device` before it launches there, and return
+    what `prepare` returned for it.
 
-    `launch_scratch(device, variant)` launches one variant on scratch buffers (ops/triton_kernel.py).
-    Outside a capture, the first launch of a family prepares all its siblings; during a capture an
-    unprepared variant raises VariantNotPrepared before anything reaches CUDA.
+    `prepare(device, variant)` compiles and loads one variant by launching it on scratch buffers
+    and returns a launcher straight into its compiled kernel, or None (ops/triton_kernel.py). Outside a capture, the first
+    launch of a family prepares all its siblings; during a capture an unprepared variant raises
+    VariantNotPrepared before anything reaches CUDA.
     """
     key = (device, variant)
-    if key in _ready:
-        return
+    compiled = _ready.get(key, _NOT_READY)
+    if compiled is not _NOT_READY:
+        return compiled
     if device.type == "cuda" and variant.dtype in _NOT_ON_NVIDIA:
         raise TypeError(f"compiledump: {variant.dtype} cannot be captured on CUDA (Triton has no NVIDIA type for "
                         "it); record a float8_e4m3fn/float8_e5m2 or float32 view of it instead")
@@ -159,10 +165,10 @@ def ensure_prepared(device: torch.device, variant: Variant, launch_scratch) -> N
         for sibling in variant.siblings():
             if (device, sibling) not in _ready:
                 try:
-                    launch_scratch(device, sibling)
+                    _ready[(device, sibling)] = prepare(device, sibling)
                 except Exception as error:
                     raise _unavailable(device, sibling, error) from error
-                _ready.add((device, sibling))
+    return _ready[key]
 
 
 def _unavailable(device: torch.device, variant: Variant, error: Exception) -> KernelUnavailable:

@@ -116,7 +116,7 @@ def test_host_mapped_arenas_run_one_program_committed_at_system_scope(dtype):
         real_launch = triton_kernel._launch
         try:
             triton_kernel._launch = lambda v, programs, *args: (launched.append((v, programs)),
-                                                                real_launch(v, programs, *args))
+                                                                real_launch(v, programs, *args))[1]
             triton_kernel.launch(x, arena, ctrl, geometry, L.slot_base(1), 4996, 1, L.KIND_RECORD, 0)
         finally:
             triton_kernel._launch = real_launch

@@ -29,9 +29,11 @@ import torch
 import compiledump
 from compiledump.ops import layout as L
 from compiledump.ops import register, variants
+from compiledump.ops.geometry import geometry
 from compiledump.ops.reference import capture_reference
 
 from helpers.samples import generator_for
+from helpers.triton_stand_in import CompiledStandIn, TritonKeys
 
 K = pytest.importorskip("compiledump.ops.triton_kernel")
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,41 +72,13 @@ class FakeCuda:
             FakeCuda.capturing = False
 
 
-class TritonKeys:
-    """Wraps the kernel: keys every launch with Triton's binder, tagged with the capture phase."""
-
-    def __init__(self, kernel):
-        from triton.backends.compiler import BaseBackend
-        from triton.runtime.jit import JITFunction, create_function_from_signature
-
-        self.kernel = kernel
-        jit = JITFunction(kernel.fn, do_not_specialize=K.INT_ARGS)
-        self.binder = create_function_from_signature(jit.signature, jit.params, BaseBackend)
-        self.outside, self.during = set(), set()
-        self.first_needed_during = set()  # keys a capture launched before any launch outside one did
-
-    def __getitem__(self, grid):
-        def run(*args, **kwargs):
-            _, specialization, options = self.binder(*args, **kwargs)
-            key = str(specialization) + str(sorted(options.items()))
-            if FakeCuda.capturing:
-                self.during.add(key)
-                if key not in self.outside:
-                    self.first_needed_during.add(key)
-            else:
-                self.outside.add(key)
-            return self.kernel[grid](*args, **kwargs)
-
-        return run
-
-
 @pytest.fixture
 def simulated_cuda(monkeypatch, dump_dir):
     monkeypatch.setenv("COMPILEDUMP_CPU_KERNEL", "triton")
     for name in ("Stream", "stream", "current_stream", "CUDAGraph", "graph"):
         monkeypatch.setattr(torch.cuda, name, getattr(FakeCuda, name))
     monkeypatch.setattr(variants, "stream_capturing", lambda device: FakeCuda.capturing)
-    keys = TritonKeys(K.capture_kernel)
+    keys = TritonKeys(K.capture_kernel, capturing=lambda: FakeCuda.capturing)
     monkeypatch.setattr(K, "capture_kernel", keys)
     variants.forget()
     FakeCuda.capturing, FakeCuda.replays = False, 0
@@ -117,6 +91,7 @@ def simulated_cuda(monkeypatch, dump_dir):
 
 def _assert_capture_compiles_nothing(keys):
     assert keys.during, "the flow captured nothing"
+    assert keys.direct, "no launch went straight to its compiled kernel"
     assert not keys.first_needed_during, f"variants first needed during a capture: {keys.first_needed_during}"
 
 
@@ -291,6 +266,7 @@ def _case(name):
         "once_wide_fp32": (L.KIND_RECORD_ONCE, rnd(3, 4500)),
         "step_wide_fp32": (L.KIND_STEP, rnd(3, 4500)),
         "step_3d_bf16": (L.KIND_STEP, rnd(4, 3, 40, dtype=torch.bfloat16)),
+        "step_split_bf16": (L.KIND_STEP, rnd(2, 4, 2100, dtype=torch.bfloat16)),  # claim launch, then copy launch
         "ids_flat": (L.KIND_IDS, torch.randint(-50, 1000, (33, 8), generator=g)),
         "ids_strided": (L.KIND_IDS, torch.randint(0, 1000, (8, 33), generator=g).t()),
         "whole_3d_fp16": (L.KIND_RECORD, rnd(2, 3, 5, 7, dtype=torch.float16)),
@@ -299,24 +275,80 @@ def _case(name):
 
 CASES = ["fast_path_bf16_hc", "unaligned_fp16_hc", "strided_fp32_hc", "odd_width_bf16", "wide_multi_program_fp16",
          "hc6_two_chunks_fp32", "all_rows_bf16", "all_rows_2d_fp32", "once_wide_fp32", "step_wide_fp32",
-         "step_3d_bf16", "ids_flat", "ids_strided", "whole_3d_fp16"]
+         "step_3d_bf16", "step_split_bf16", "ids_flat", "ids_strided", "whole_3d_fp16"]
+
+
+@pytest.fixture(params=["jit", "direct", "direct_unaligned_arena"])
+def launch_path(request, monkeypatch):
+    """How the capture launches: through Triton's JIT (the interpreter), or straight to the
+    compiled kernel its JIT launch returned (as on a GPU; the binder checks every direct launch);
+    into an arena that is not 16-byte aligned, which the kernel was not compiled for, the JIT."""
+    keys = None
+    if request.param != "jit":
+        keys = TritonKeys(K.capture_kernel)
+        monkeypatch.setattr(K, "capture_kernel", keys)
+    variants.forget()
+    yield request.param, keys
+    variants.forget()
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_layout_class_equals_reference(name):
+def test_layout_class_equals_reference(name, launch_path):
+    path, keys = launch_path
     kind, x = _case(name)
     g = torch.Generator().manual_seed(7)
     ctrl = torch.zeros(L.control_words(2), dtype=torch.int32)
     ctrl[L.REG_ENABLED], ctrl[L.REG_ROWS], ctrl[L.REG_MAX_ROWS] = 1, 1, 4
     ctrl[L.REG_RECORD_ROW], ctrl[L.REG_STEP_ROW] = -2, 1
     arena = torch.randn(3 * x.numel() + 64, generator=g)  # untouched words must stay as they are
+    if path == "direct_unaligned_arena":
+        arena = arena[1:]
     want_arena, want_ctrl = arena.clone(), ctrl.clone()
     for _ in range(2):  # steps append, keep-first keeps the first
         register.capture_triton(x, arena, ctrl, kind, L.slot_base(1), 8, 3, 0)
         capture_reference(x, want_arena, want_ctrl, kind, L.slot_base(1), 8, 3, 0)
-    assert torch.equal(ctrl, want_ctrl)
+    assert torch.equal(L.without_claims(ctrl), want_ctrl)  # a split capture also publishes its claim
     assert torch.equal(arena.view(torch.int32), want_arena.view(torch.int32))  # every kernel sums in h order
     assert int(ctrl[L.slot_base(1) + L.CNT_WRITTEN]) == 2
+    if keys is not None:
+        launches = 2 * len(variants.launches_for(geometry(x, kind)[1], kind))
+        prepared = len(variants.Variant(x.dtype, False, False, 1, True).siblings())  # each once on scratch
+        assert keys.direct == prepared + (launches if path == "direct" else 0)
+
+
+def test_a_compiled_kernel_that_does_not_launch_directly_leaves_the_jit_launch(monkeypatch):
+    """A Triton whose compiled kernels take other arguments (the first H200 run's direct call met
+    "takes exactly 36 arguments (29 given)") fails while the variant is prepared, outside any
+    capture: one warning that names it, and every launch goes through the JIT, storing the same."""
+
+    class Refusing(CompiledStandIn):
+        def __getitem__(self, grid):
+            def runner(*args):
+                raise TypeError("function takes exactly 36 arguments (29 given)")
+
+            return runner
+
+    keys = TritonKeys(K.capture_kernel)
+    keys.compiled = Refusing
+    monkeypatch.setattr(K, "capture_kernel", keys)
+    variants.forget()
+    x = torch.randn(5, 4, 64, generator=torch.Generator().manual_seed(5)).to(torch.float16)
+    ctrl = torch.zeros(L.control_words(2), dtype=torch.int32)
+    ctrl[L.REG_ENABLED], ctrl[L.REG_RECORD_ROW] = 1, 2
+    arena = torch.randn(256, generator=torch.Generator().manual_seed(6))
+    want_arena, want_ctrl = arena.clone(), ctrl.clone()
+    try:
+        with pytest.warns(RuntimeWarning, match=r"did not launch directly \(TypeError: function takes exactly 36 "
+                          r"arguments.*Triton's JIT launch.*Nothing is lost"):
+            register.capture_triton(x, arena, ctrl, L.KIND_RECORD, L.slot_base(1), 8, 1, 0)
+        register.capture_triton(x, arena, ctrl, L.KIND_RECORD, L.slot_base(1), 8, 1, 0)
+    finally:
+        variants.forget()
+    for _ in range(2):
+        capture_reference(x, want_arena, want_ctrl, L.KIND_RECORD, L.slot_base(1), 8, 1, 0)
+    assert keys.direct == 0
+    assert torch.equal(ctrl, want_ctrl) and torch.equal(arena, want_arena)
+    np.testing.assert_allclose(arena[8:72].numpy(), x[2].float().mean(0).numpy(), rtol=1e-3)
 
 
 def test_variant_choice():

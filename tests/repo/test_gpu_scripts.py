@@ -38,7 +38,7 @@ def test_cpu_phases_pass(tmp_path, dump_dir):
     assert result["phases"]["eager"]["status"] == "ok" and result["phases"]["eager"]["ok"] is True
     assert result["phases"]["compiled_default"]["ok"] is True
     assert result["phases"]["compiled_default"]["max_rel_err"] < 1e-4
-    for phase in ("cuda_graph", "reduce_overhead", "aoti", "native_cuda_kernel"):
+    for phase in ("triton_launch", "cuda_graph", "reduce_overhead", "aoti", "native_cuda_kernel"):
         assert result["phases"][phase]["status"] == "skip"
         assert result["phases"][phase]["skipped"] == "needs a CUDA device"
 
@@ -56,6 +56,39 @@ def test_aoti_phase_on_cpu(tmp_path, dump_dir):
     assert info["capture_export_owner"] in ("native", "python")
 
 
+@pytest.mark.parametrize("break_direct", [False, True])
+def test_triton_launch_phase_on_cpu(monkeypatch, break_direct):
+    """gpu_check's triton_launch phase (CUDA-only in the script) on CPU: the interpreted kernel,
+    launched directly as on a GPU (tests/helpers/triton_stand_in.py), equals the JIT launch and the
+    reference kernel on every sample; a direct launch that drops its split phase is caught."""
+    pytest.importorskip("triton")
+    from compiledump.ops import triton_kernel as K
+    from compiledump.ops import variants
+    from helpers.triton_stand_in import CompiledStandIn, TritonKeys
+
+    class DropsThePhase(CompiledStandIn):  # every launch acts as a whole capture
+        def __getitem__(self, grid):
+            run = super().__getitem__(grid)
+            return lambda *args: run(*args[:15], 0, *args[16:])
+
+    monkeypatch.setenv("COMPILEDUMP_CPU_KERNEL", "triton")
+    keys = TritonKeys(K.capture_kernel)
+    if break_direct:
+        keys.compiled = DropsThePhase
+    monkeypatch.setattr(K, "capture_kernel", keys)
+    variants.forget()
+    try:
+        result = _load().check_triton_launch(torch.device("cpu"))
+    finally:
+        variants.forget()
+    assert result["launches_directly"] and keys.direct > 0
+    if break_direct:
+        assert not result["ok"] and "step_2d" in result["mismatched"], result
+    else:
+        assert result == {"ok": True, "keys": 10, "launches_directly": True, "mismatched": [],
+                          "reference_mismatched": []}
+
+
 def test_gpu_host_split_times_every_layer(tmp_path, monkeypatch):
     """benchmarks/gpu_host_split.py's layers all run (the Triton kernel in the interpreter on CPU),
     and the public call it times stores the hc mean of the last row, as torch computes it."""
@@ -69,7 +102,7 @@ def test_gpu_host_split_times_every_layer(tmp_path, monkeypatch):
     result = module.rows(torch.device("cpu"), calls=1, rounds=1, x=x)
     stored = np.load(compiledump.flush())["host_split"]
     torch.testing.assert_close(torch.from_numpy(stored), x[-1].float().mean(0), rtol=1e-6, atol=0)
-    for layer in ("record_eager", "custom_op_noop", "triton_launch", "jit_launch"):
+    for layer in ("record_eager", "custom_op_noop", "triton_launch", "triton_launch_jit", "jit_launch"):
         assert result[layer] > 0, layer
     assert result["run_cuda_kernel"] is None and result["device_guard"] is None  # CUDA only
 
