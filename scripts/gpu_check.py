@@ -7,12 +7,12 @@ Run on a machine with a GPU (scripts/gpu_run.sh runs it with the benchmark, unde
 
 Phases, in run order (each writes its own dump and is compared with the eager one):
   eager          the built-in model, eager, the engine-like session (reference);
-  cuda_graph     decode step captured once with torch.cuda.graph (warm-up and capture under
-                 profiling(), as engines capture with dummy data) and replayed for every step;
   triton_launch  the Triton kernel launched as captures launch it (straight into its compiled
                  kernel) against Triton's JIT launch and the CPU reference kernel, on random
                  samples of every layout class (the eager phase, the others' reference, launches
                  the same way);
+  cuda_graph     decode step captured once with torch.cuda.graph (warm-up and capture under
+                 profiling(), as engines capture with dummy data) and replayed for every step;
   native_cuda_kernel  if the native library was built against this CUDA torch (CMakeLists.txt),
                  its CUDA capture kernel against the Triton kernel on random samples;
   reduce_overhead torch.compile(mode="reduce-overhead", fullgraph=True): Inductor's CUDA graph
@@ -299,7 +299,8 @@ def _persist_in(directory: Path, args, device, reference, timeout) -> dict:
 # native path, and a short budget should drop what is checked twice. aoti last: on the first H200
 # run (torch 2.11) loading its CUDA package killed the process, which took compiled_default with it.
 PHASES = [("eager", False, 10), ("triton_launch", True, 10), ("cuda_graph", True, 15),
-          ("native_cuda_kernel", True, 10), ("reduce_overhead", True, 40), ("persist", True, 30), ("compiled_default", False, 40), ("aoti", True, 90)]
+          ("native_cuda_kernel", True, 10), ("reduce_overhead", True, 40), ("persist", True, 30),
+          ("compiled_default", False, 40), ("aoti", True, 90)]
 RTOL = {"cuda_graph": 1e-6, "compiled_default": 1e-4, "reduce_overhead": 1e-4, "aoti": 1e-4}
 
 

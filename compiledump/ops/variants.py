@@ -142,9 +142,9 @@ def ensure_prepared(device: torch.device, variant: Variant, prepare):
     what `prepare` returned for it.
 
     `prepare(device, variant)` compiles and loads one variant by launching it on scratch buffers
-    and returns a launcher straight into its compiled kernel, or None (ops/triton_kernel.py). Outside a capture, the first
-    launch of a family prepares all its siblings; during a capture an unprepared variant raises
-    VariantNotPrepared before anything reaches CUDA.
+    and returns a launcher straight into its compiled kernel, or None (ops/triton_kernel.py).
+    Outside a capture, the first launch of a family prepares all its siblings; during a capture an
+    unprepared variant raises VariantNotPrepared before anything reaches CUDA.
     """
     key = (device, variant)
     compiled = _ready.get(key, _NOT_READY)
