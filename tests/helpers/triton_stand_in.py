@@ -62,6 +62,8 @@ class CompiledStandIn:
         self.keys, self.specialization, self.options, self.key = keys, specialization, options, key
 
     def __getitem__(self, grid):
+        assert len(grid) == 3, "a compiled kernel's launcher reads grid[0], grid[1] and grid[2]"
+
         def runner(*args):
             names = self.keys.kernel.arg_names
             assert len(args) == len(names), f"{len(args)} arguments for a kernel of {len(names)}"
