@@ -9,7 +9,24 @@ CUDA graph capture may make) and tests/repo/test_gpu_scripts.py (gpu_check's lau
 
 from __future__ import annotations
 
+import contextlib
+
+from compiledump.ops import triton_kernel, variants
 from compiledump.ops.triton_kernel import INT_ARGS
+
+
+@contextlib.contextmanager
+def stand_in_jit(monkeypatch, compiled=None, capturing=lambda: False):
+    """The capture kernel behind a `TritonKeys` (whose launches return `compiled`, default
+    `CompiledStandIn`) for the block, with the prepared variants forgotten before and after."""
+    keys = TritonKeys(triton_kernel.capture_kernel, capturing)
+    keys.compiled = compiled or CompiledStandIn
+    monkeypatch.setattr(triton_kernel, "capture_kernel", keys)
+    variants.forget()
+    try:
+        yield keys
+    finally:
+        variants.forget()
 
 
 class TritonKeys:

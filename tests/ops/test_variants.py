@@ -33,7 +33,7 @@ from compiledump.ops.geometry import geometry
 from compiledump.ops.reference import capture_reference
 
 from helpers.samples import generator_for
-from helpers.triton_stand_in import CompiledStandIn, TritonKeys
+from helpers.triton_stand_in import CompiledStandIn, stand_in_jit
 
 K = pytest.importorskip("compiledump.ops.triton_kernel")
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,14 +78,11 @@ def simulated_cuda(monkeypatch, dump_dir):
     for name in ("Stream", "stream", "current_stream", "CUDAGraph", "graph"):
         monkeypatch.setattr(torch.cuda, name, getattr(FakeCuda, name))
     monkeypatch.setattr(variants, "stream_capturing", lambda device: FakeCuda.capturing)
-    keys = TritonKeys(K.capture_kernel, capturing=lambda: FakeCuda.capturing)
-    monkeypatch.setattr(K, "capture_kernel", keys)
-    variants.forget()
-    FakeCuda.capturing, FakeCuda.replays = False, 0
-    compiledump.reset()
-    torch._dynamo.reset()
-    yield keys
-    variants.forget()
+    with stand_in_jit(monkeypatch, capturing=lambda: FakeCuda.capturing) as keys:
+        FakeCuda.capturing, FakeCuda.replays = False, 0
+        compiledump.reset()
+        torch._dynamo.reset()
+        yield keys
     compiledump.reset()
 
 
@@ -282,13 +279,13 @@ CASES = ["fast_path_bf16_hc", "unaligned_fp16_hc", "strided_fp32_hc", "odd_width
 def launch_path(request, monkeypatch):
     """How the capture launches: through Triton's JIT (the interpreter), or straight to the
     compiled kernel its JIT launch returned (as on a GPU; the binder checks every direct launch)."""
-    keys = None
-    if request.param == "direct":
-        keys = TritonKeys(K.capture_kernel)
-        monkeypatch.setattr(K, "capture_kernel", keys)
-    variants.forget()
-    yield keys
-    variants.forget()
+    if request.param == "jit":
+        variants.forget()
+        yield None
+        variants.forget()
+    else:
+        with stand_in_jit(monkeypatch) as keys:
+            yield keys
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -300,13 +297,8 @@ def test_layout_class_equals_reference(name, launch_path):
 def test_an_arena_the_kernel_was_not_compiled_for_goes_through_the_jit(name, monkeypatch):
     """Triton specializes the arena pointer on its alignment too: into an arena that is not 16-byte
     aligned, a prepared variant's launches go through the JIT (which picks its own kernel)."""
-    keys = TritonKeys(K.capture_kernel)
-    monkeypatch.setattr(K, "capture_kernel", keys)
-    variants.forget()
-    try:
+    with stand_in_jit(monkeypatch) as keys:
         _assert_equals_reference(name, keys, aligned_arena=False)
-    finally:
-        variants.forget()
 
 
 def _assert_equals_reference(name, keys, aligned_arena):
@@ -346,22 +338,16 @@ def test_a_compiled_kernel_that_does_not_launch_directly_leaves_the_jit_launch(m
 
             return runner
 
-    keys = TritonKeys(K.capture_kernel)
-    keys.compiled = Refusing
-    monkeypatch.setattr(K, "capture_kernel", keys)
-    variants.forget()
     x = torch.randn(5, 4, 64, generator=torch.Generator().manual_seed(5)).to(torch.float16)
     ctrl = torch.zeros(L.control_words(2), dtype=torch.int32)
     ctrl[L.REG_ENABLED], ctrl[L.REG_RECORD_ROW] = 1, 2
     arena = torch.randn(256, generator=torch.Generator().manual_seed(6))
     want_arena, want_ctrl = arena.clone(), ctrl.clone()
-    try:
+    with stand_in_jit(monkeypatch, compiled=Refusing) as keys:
         with pytest.warns(RuntimeWarning, match=r"did not launch directly \(TypeError: function takes exactly 36 "
                           r"arguments.*Triton's JIT launch.*Nothing is lost"):
             register.capture_triton(x, arena, ctrl, L.KIND_RECORD, L.slot_base(1), 8, 1, 0)
         register.capture_triton(x, arena, ctrl, L.KIND_RECORD, L.slot_base(1), 8, 1, 0)
-    finally:
-        variants.forget()
     for _ in range(2):
         capture_reference(x, want_arena, want_ctrl, L.KIND_RECORD, L.slot_base(1), 8, 1, 0)
     assert keys.direct == 0

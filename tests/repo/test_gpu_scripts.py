@@ -63,24 +63,18 @@ def test_triton_launch_phase_on_cpu(monkeypatch, break_direct):
     reference kernel on every sample; a direct launch that drops its split phase is caught."""
     pytest.importorskip("triton")
     from compiledump.ops import triton_kernel as K
-    from compiledump.ops import variants
-    from helpers.triton_stand_in import CompiledStandIn, TritonKeys
+    from helpers.triton_stand_in import CompiledStandIn, stand_in_jit
+
+    phase = K.capture_kernel.arg_names.index("phase")
 
     class DropsThePhase(CompiledStandIn):  # every launch acts as a whole capture
         def __getitem__(self, grid):
             run = super().__getitem__(grid)
-            return lambda *args: run(*args[:15], 0, *args[16:])
+            return lambda *args: run(*args[:phase], 0, *args[phase + 1:])
 
     monkeypatch.setenv("COMPILEDUMP_CPU_KERNEL", "triton")
-    keys = TritonKeys(K.capture_kernel)
-    if break_direct:
-        keys.compiled = DropsThePhase
-    monkeypatch.setattr(K, "capture_kernel", keys)
-    variants.forget()
-    try:
+    with stand_in_jit(monkeypatch, compiled=DropsThePhase if break_direct else None) as keys:
         result = _load().check_triton_launch(torch.device("cpu"))
-    finally:
-        variants.forget()
     assert result["launches_directly"] and keys.direct > 0
     if break_direct:
         assert not result["ok"] and "step_2d" in result["mismatched"], result
