@@ -15,13 +15,14 @@ outside in, so the differences between rows say what each layer adds:
   device_guard      `with torch.cuda.device(x.device)` alone;
   triton_launch     triton_kernel.launch: geometry facts to variant and grid, then the launch
                     straight into the compiled kernel (what captures do once a variant is prepared);
-  triton_launch_jit the same through Triton's JIT (triton_kernel.DIRECT_LAUNCH off: what captures
+  triton_launch_jit the same through Triton's JIT (triton_kernel.through_the_jit(): what captures
                     did until the first H200 run measured this split);
   jit_launch        the JIT call `capture_kernel[grid](...)` alone (Triton's own binding,
                     specialization key and cache lookup);
-  compiled_run      the compiled kernel launched directly (`CompiledKernel[grid](...)`, every
-                    argument, constexprs included, in the kernel's order; Triton 3.6 and 3.9): the
-                    JIT call without its binding, specialization key and cache lookup; with
+  compiled_run      the compiled kernel launched directly, as captures launch it
+                    (triton_kernel.DirectLaunch: `CompiledKernel[grid](...)`, every argument,
+                    constexprs included, in the kernel's order): the JIT call without its binding,
+                    specialization key and cache lookup; with
                     `compiled_run_equal`, whether one such launch leaves the arena and control
                     block the JIT launch leaves.
 
@@ -107,41 +108,32 @@ def rows(device, calls, rounds=7, x=None) -> dict:
         with guard:
             pass
 
+    def triton_launch():
+        K.launch(src, arena, ctrl, geo, *args[:3], kind, args[3])
+
+    with K.through_the_jit():
+        triton_launch_jit = per_call_us(triton_launch, device, calls, rounds)
     out = {
         "record_eager": per_call_us(lambda: compiledump.record("host_split", x), device, calls, rounds),
         "custom_op_noop": per_call_us(lambda: noop(x), device, calls, rounds),
         "run_cuda_kernel": (per_call_us(lambda: register.run_cuda_kernel(x, arena, ctrl, kind, args), device, calls,
                                         rounds) if device.type == "cuda" else None),
         "device_guard": per_call_us(device_guard, device, calls, rounds) if guard is not None else None,
-        "triton_launch": per_call_us(lambda: K.launch(src, arena, ctrl, geo, *args[:3], kind, args[3]), device, calls,
-                                     rounds),
-        "triton_launch_jit": _jit_launches(lambda: per_call_us(
-            lambda: K.launch(src, arena, ctrl, geo, *args[:3], kind, args[3]), device, calls, rounds)),
+        "triton_launch": per_call_us(triton_launch, device, calls, rounds),
+        "triton_launch_jit": triton_launch_jit,
         "jit_launch": per_call_us(jit_launch, device, calls, rounds),
         "compiled_run": None,
     }
     # The first H200 run called CompiledKernel.run with the JIT's launcher arguments and met its
     # signature (36 arguments: the constexprs are among them); `[grid](...)` takes them all.
     if device.type == "cuda" and compiled is not None and hasattr(type(compiled), "__getitem__"):
-        values = [constexprs[name] for name in K.capture_kernel.arg_names if name in constexprs]  # the kernel's order
+        direct = K.DirectLaunch(compiled, v)  # what captures launch once the variant is prepared
         try:
-            runner = compiled[(programs, 1, 1)]
-            out["compiled_run_equal"] = _same_effect(jit_launch, lambda: runner(*jit_args, *values), arena, ctrl)
-            out["compiled_run"] = per_call_us(lambda: runner(*jit_args, *values), device, calls, rounds)
+            out["compiled_run_equal"] = _same_effect(jit_launch, lambda: direct(programs, *jit_args), arena, ctrl)
+            out["compiled_run"] = per_call_us(lambda: direct(programs, *jit_args), device, calls, rounds)
         except Exception as error:  # noqa: BLE001 - reported: the launch API moved
             out["compiled_run_error"] = f"{type(error).__name__}: {error}"
     return out
-
-
-def _jit_launches(fn):
-    """`fn()` with the capture kernel launched through Triton's JIT (not straight into it)."""
-    from compiledump.ops import triton_kernel as K
-
-    K.DIRECT_LAUNCH = False
-    try:
-        return fn()
-    finally:
-        K.DIRECT_LAUNCH = True
 
 
 def _same_effect(first, second, arena, ctrl) -> bool:

@@ -43,6 +43,7 @@ def wide_step(device, quick, tmp):
     every tile (ops/layout.py's split thresholds set to 1) against forced into one program, which
     reads the row tile after tile; `split_by_default` says which the rule picks today."""
     from compiledump.ops import layout as L
+    from compiledump.ops.geometry import geometry
 
     cases, n, replays = (QUICK_STEP_CASES, 4, 3) if quick else (STEP_CASES, 20, 20)
     steps = replays + 2  # room for every replay of a round (a full region would write nothing)
@@ -66,7 +67,7 @@ def wide_step(device, quick, tmp):
         times = rounds_of(graphs, device, rounds=3 if quick else 10, replays=replays, before=compiledump.clear)
         split, one = (statistics.median(times[k]) * 1e3 / n for k in ("split", "one_program"))
         rows.append({"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "width": shape[-1],
-                     "split_by_default": L.splits(shape[1] if len(shape) == 3 else 1, shape[-1]), "us_per_capture_split": split,
+                     "split_by_default": L.splits(*geometry(xs[0], L.KIND_STEP)[1][1:3]), "us_per_capture_split": split,
                      "us_per_capture_one_program": one, "speedup": one / split})
     compiledump.clear()
     for graph in graphs.values():
@@ -103,7 +104,8 @@ def _chain_kernel():
             old = tl.zeros([], tl.int64)
             if STAGE >= 4:  # claim: a counter's old value decides where the row goes
                 old = tl.atomic_add(ctrl_ptr + 8, 1, sem="relaxed").to(tl.int64)
-            if STAGE == 5 or STAGE == 6:  # payload: the load waits for the claim too (its mask), as in the capture kernel
+            # payload: the load waits for the claim too (its mask), as in the capture kernel
+            if STAGE == 5 or STAGE == 6:
                 limit = tl.where(old >= 0, D, 0)  # a limit, not a scalar in the mask (the interpreter's dislike)
                 value = tl.load(x_ptr + row * D + cols, mask=cols < limit, other=0.0).to(tl.float32)
             # The address uses the register (0 at run time) and the claim, so the store waits for both.

@@ -187,7 +187,7 @@ def _same_words(first, second) -> bool:
 
 def check_triton_launch(device) -> dict:
     """The Triton kernel as captures launch it, straight into its compiled kernel
-    (ops/triton_kernel.py `_Direct`), against the same kernel through Triton's JIT, word for word,
+    (ops/triton_kernel.py `DirectLaunch`), against the same kernel through Triton's JIT, word for word,
     and against the reference kernel on the CPU (ops/reference.py; SLOT_CLAIM aside, which only a
     split device capture writes). The eager phase is the other phases' reference and launches the
     same way, so this is what would show a direct launch that stores the wrong thing."""
@@ -201,11 +201,8 @@ def check_triton_launch(device) -> dict:
     direct_differs, reference_differs = [], []
     for name, x, kind, check_all in samples:
         direct = run_sample(register.capture_triton, x, kind, check_all)
-        K.DIRECT_LAUNCH = False
-        try:
+        with K.through_the_jit():
             jit = run_sample(register.capture_triton, x, kind, check_all)
-        finally:
-            K.DIRECT_LAUNCH = True
         reference = run_sample(capture_reference, x.cpu(), kind, check_all)
         if not _same_words(direct, jit):
             direct_differs.append(name)

@@ -17,7 +17,7 @@ is a 64-bit runtime value that Triton never specializes (an int equal to 1, or d
 would otherwise select another compiled kernel, and a CUDA graph capture must not compile one),
 so a variant depends only on the input dtype, the layout class (MEAN, IS_INT, VEC) and the
 input's 16-byte alignment. Once a variant is compiled, its launches go straight into the
-compiled kernel (`_Direct`), skipping the JIT's per-launch binding and cache lookup. All offset
+compiled kernel (`DirectLaunch`), skipping the JIT's per-launch binding and cache lookup. All offset
 math is 64-bit: rows of a `[74900, 4, 7168]` tensor or arenas past 8 GiB are addressed exactly.
 
 Speed: the row is cut into tiles of BLOCK columns (one row per tile, every row for all-rows
@@ -295,14 +295,25 @@ def launch(x, arena, ctrl, geometry, base, offset, capacity, kind, reason):
         direct(programs, x, arena, ctrl, T, H, D, st, sh, sd, base, offset, capacity, kind, reason, row_reg, phase)
 
 
-# Prepared variants launch straight into their compiled kernel (`_Direct`). scripts/gpu_check.py
-# and benchmarks/gpu_host_split.py set this to False for a while to compare with (and time) the
-# JIT launch; read at call time.
+# Prepared variants launch straight into their compiled kernel (`DirectLaunch`); read at call
+# time, False inside `through_the_jit()`.
 DIRECT_LAUNCH = True
 
 
+@contextlib.contextmanager
+def through_the_jit():
+    """Launch every capture kernel through Triton's JIT inside the block, as before the direct
+    launch (scripts/gpu_check.py compares the two, benchmarks/gpu_host_split.py times both)."""
+    global DIRECT_LAUNCH
+    DIRECT_LAUNCH = False
+    try:
+        yield
+    finally:
+        DIRECT_LAUNCH = True
+
+
 def direct_launcher(device: torch.device, v: Variant):
-    """The `_Direct` launcher of variant `v` on `device`, compiling and loading the variant first
+    """The `DirectLaunch` of variant `v` on `device`, compiling and loading the variant first
     where no call did yet (ops/variants.py); None where its launches go through the JIT."""
     return ensure_prepared(device, v, _prepare)
 
@@ -319,7 +330,7 @@ def _launch(v, programs, *args):
     return capture_kernel[(programs,)](*args, **constexprs(v), num_warps=NUM_WARPS)
 
 
-class _Direct:
+class DirectLaunch:
     """Launches straight into the kernel Triton's JIT compiled for one variant, with every argument
     (constexprs included) in the kernel's order, as the JIT's own launch does once it has found the
     kernel: without the JIT's binding, specialization key and cache lookup, which took 28 of the
@@ -360,7 +371,7 @@ def _launch_scratch(device, v, launch=None):
 
 def _prepare(device, v):
     """Compile and load variant `v` on `device` (ops/variants.py `ensure_prepared` calls this
-    outside any graph capture); returns the `_Direct` launcher of its compiled kernel, or None
+    outside any graph capture); returns the `DirectLaunch` of its compiled kernel, or None
     where its launches go through the JIT.
 
     The direct launcher runs once on scratch buffers here, so that a Triton whose compiled kernels
@@ -368,7 +379,7 @@ def _prepare(device, v):
     compiled = _launch_scratch(device, v)
     if compiled is None or not hasattr(type(compiled), "__getitem__"):
         return None  # the interpreter returns no kernel
-    direct = _Direct(compiled, v)
+    direct = DirectLaunch(compiled, v)
     try:
         _launch_scratch(device, v, direct)
     except Exception as error:  # noqa: BLE001 - the JIT launch still works: warned, not raised
