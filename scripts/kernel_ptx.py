@@ -3,8 +3,9 @@
     python scripts/kernel_ptx.py            # table: loads, stores, 32-bit multiplies, atomics, registers
     python scripts/kernel_ptx.py --check    # exit 1 unless the fast paths use 16-byte vector loads
                                             # and stores, no offset is multiplied in 32 bits, the
-                                            # registers are agreed block-wide before the claim and
-                                            # a clean call branches around the NaN/Inf atomics
+                                            # registers are agreed block-wide before the claim, a
+                                            # clean call branches around the NaN/Inf atomics and the
+                                            # payload is loaded before the claim (no register after)
     python scripts/kernel_ptx.py --all      # also compile every input type and layout class
 
 Run it without TRITON_INTERPRET (the test suite does, in a subprocess). Triton's bundled ptxas
@@ -89,8 +90,22 @@ def _branched_around(ptx: str, instruction: str) -> bool:
     return bool(found) and all(any(b < i < target for b, target in branches) for i in found)
 
 
+def _around_the_claim(ptx: str) -> tuple[bool, bool]:
+    """(a masked load, the payload's, comes before the claim's atomic; no unmasked load, a
+    register's, comes between it and the first store), in program order, which ptxas keeps for
+    memory operations around an atomic. A load issued before the claim is in flight while it is; a
+    register loaded after it is one more dependent round trip to memory before the stores."""
+    lines = ptx.splitlines()
+    claim = next((i for i, line in enumerate(lines) if "atom.global" in line), len(lines))
+    store = next((i for i, line in enumerate(lines) if "st.global" in line), len(lines))
+    loads = [(i, line.lstrip().startswith("@")) for i, line in enumerate(lines) if "ld.global" in line]
+    return (any(masked and i < claim for i, masked in loads),
+            not any(not masked and claim < i < store for i, masked in loads))
+
+
 def describe(kernel) -> dict:
     ptx = kernel.asm["ptx"]
+    payload_first, registers_first = _around_the_claim(ptx)
     return {
         "loads": sorted(set(re.findall(r"ld\.global(?:\.[a-z0-9]+)*", ptx))),
         "stores": sorted(set(re.findall(r"st\.global(?:\.[a-z0-9]+)*", ptx))),
@@ -101,6 +116,8 @@ def describe(kernel) -> dict:
         # bar.sync) before the claim, the first atomic: no thread acts on its own racing read.
         "registers agreed before the claim": -1 < ptx.find("bar.sync") < ptx.find("atom.global"),
         "clean call skips the NaN/Inf bookkeeping": _branched_around(ptx, "atom.global.relaxed.gpu.cas"),
+        "payload loaded before the claim": payload_first,
+        "no register loaded after the claim": registers_first,
         **_sass(kernel.asm.get("cubin", b"")),
     }
 
@@ -147,6 +164,9 @@ def main(argv=None) -> int:
         if not info["clean call skips the NaN/Inf bookkeeping"]:
             ok = False
             print(f"  EVERY CALL WAITS FOR THE NaN/Inf COMPARE-AND-SWAP: {variant}")
+        if not (info["payload loaded before the claim"] and info["no register loaded after the claim"]):
+            ok = False
+            print(f"  A DEPENDENT ROUND TRIP AFTER THE CLAIM (payload loaded after it, or a register): {variant}")
         release = len(variant) < 7 or variant[6]
         if release and not any(".release" in a for a in info["atomics"]):
             ok = False
@@ -157,7 +177,8 @@ def main(argv=None) -> int:
             print(f"  COMMIT NOT AT SYSTEM SCOPE: {variant} atomics {info['atomics']}")
     if ok:
         print("fast paths vectorized, offsets 64-bit, host-mapped commit at system scope, "
-              "one register snapshot per program, no NaN/Inf atomics on a clean call")
+              "one register snapshot per program, no NaN/Inf atomics on a clean call, "
+              "payload loaded before the claim")
     return 0 if ok or not args.check else 1
 
 

@@ -5,7 +5,7 @@ One launch fuses everything a capture needs, so a CUDA graph holds one node per 
 is read from device memory:
 
 1. read the header registers (enabled flag, rows gate, gather row) from the control block, one
-   snapshot that every thread of the program agrees on (`_read_registers`);
+   snapshot that every thread of the program agrees on (`read_registers`);
 2. pick exactly one counter of the tag's slot and `atomic_add` it; the old value of the
    written-counter is the step index (append) or tells whether this is the first write (keep-first);
 3. gather the row, average over the hc axis in fp32 (or copy it), cast, and store into the arena;
@@ -26,10 +26,13 @@ Steps and keep-first records write only if (steps: where) the claimed value says
 cannot wait for each other, so they run one program, or, for a wide row (a logits step), two
 launches of the same compiled kernel (`phase`): one program claims and publishes its decision
 in the slot (layout.SLOT_CLAIM), then a launch over every tile copies as it says
-(ops/variants.py `launches_for`). On the contiguous fast path (VEC > 1) the hints below let
-Triton emit 16-byte vector loads and stores, and the HC_BLOCK hc rows of a tile are all loaded
-before any is added, so they are in flight together instead of one memory round trip each.
-SASS and PTX: scripts/kernel_ptx.py, benchmarks/RESULTS.md.
+(ops/variants.py `launches_for`). On the contiguous fast path (VEC > 1) the hints in
+ops/triton_steps.py let Triton emit 16-byte vector loads and stores, and the HC_BLOCK hc rows of a
+tile are all loaded before any is added, so they are in flight together instead of one memory
+round trip each. A capture is a chain of dependent round trips to memory; the chain is kept to
+three: the registers (with the steps register), then the claim's atomic with the payload's first
+tile loaded beside it, then the stores before the commit. SASS and PTX: scripts/kernel_ptx.py,
+benchmarks/RESULTS.md.
 
 Under `TRITON_INTERPRET=1` the same kernel runs on CPU tensors, which is how the tests check it
 against the CPU implementation without a GPU.
@@ -47,6 +50,7 @@ import triton.language as tl
 
 from . import layout as L
 from . import variants
+from .triton_steps import copy_tile, hc_row, nonfinite, read_registers, split_decision, tile_at
 from .variants import (
     ALIGN_WORDS,
     BLOCK,
@@ -57,7 +61,6 @@ from .variants import (
     variant_for,
 )
 
-HC_BLOCK = tl.constexpr(4)  # hc rows loaded together (hc_mult is 4 in the models this targets); unrolled below
 INT_ARGS = ["T", "H", "D", "stride_t", "stride_h", "stride_d", "base", "offset", "capacity", "kind", "reason",
             "row_reg", "phase"]
 
@@ -94,7 +97,10 @@ def capture_kernel(
     pid = tl.program_id(0)
     claimer = (pid == 0) & (phase != L.LAUNCH_COPY)
     programs = tl.num_programs(0)
-    enabled, rows_ok, row, check_all = _read_registers(ctrl_ptr, row_reg, BLOCK)
+    # Decode steps begun (dates a NaN/Inf). Loaded with the registers, so its round trip overlaps
+    # theirs: loaded after the claim, it held every store back by one more round trip.
+    steps_now = tl.load(ctrl_ptr + L.REG_STEPS).to(tl.int64)
+    enabled, rows_ok, row, check_all = read_registers(ctrl_ptr, row_reg, BLOCK)
     rows_ok = rows_ok | (kind != L.KIND_STEP)
     row = tl.where(row_reg < 0, 0, row)
     row = tl.where(row < 0, row + T, row)
@@ -105,14 +111,32 @@ def capture_kernel(
     counter = tl.where(rows_ok, counter, L.CNT_ROWS_GATE)
     counter = tl.where(reason != 0, reason, counter)
     counter = tl.where(enabled, counter, L.CNT_SUSPENDED)
+    live = counter == L.CNT_WRITTEN
+    rows = tl.where(row_reg == L.ROW_ALL, T, 1)  # rows stored: all of them, or the one gathered
+
+    # Payload first: the program's first tile is loaded before the claim, so its round trip to
+    # memory overlaps the claim's atomic instead of following it (one dependent round trip less
+    # per capture). Only where the registers alone say this launch copies (the claim may still
+    # drop it: a full step region, counted; the tile is then read for nothing), never for
+    # keep-first records, whose later calls all drop. Kept in the input's type: a conversion
+    # here would wait for the load.
+    early = tl.where(phase == L.LAUNCH_COPY, row_ok, live & (phase == L.LAUNCH_WHOLE))
+    early = early & (kind != L.KIND_RECORD_ONCE) & (pid < rows * tl.cdiv(D, BLOCK))
+    early_limit = tl.where(early, D, 0)
+    cols, src_off, col_off = tile_at(pid, tl.maximum(tl.cdiv(D, BLOCK), 1), row, stride_t, stride_d, VEC, BLOCK)
+    e0 = hc_row(x_ptr, src_off, 0, H, stride_h, col_off, cols, early_limit, VEC)
+    e1, e2, e3 = e0, e0, e0  # a copy reads one row at a time: e0 alone
+    if MEAN:
+        e1 = hc_row(x_ptr, src_off, 1, H, stride_h, col_off, cols, early_limit, VEC)
+        e2 = hc_row(x_ptr, src_off, 2, H, stride_h, col_off, cols, early_limit, VEC)
+        e3 = hc_row(x_ptr, src_off, 3, H, stride_h, col_off, cols, early_limit, VEC)
+
     # Relaxed: the counter only has to be claimed atomically; nothing reads the payload before
     # the kernel has finished (flush synchronizes the device first).
     old = tl.atomic_add(ctrl_ptr + base + counter, 1, mask=claimer, sem="relaxed").to(tl.int64)
     old = tl.where(claimer, old, 0)
 
-    live = counter == L.CNT_WRITTEN
     # Decode steps begun: a step capture raises it past its own index (its claiming program does).
-    steps_now = tl.load(ctrl_ptr + L.REG_STEPS).to(tl.int64)
     tl.atomic_max(ctrl_ptr + L.REG_STEPS, (old + 1).to(tl.int32), mask=claimer & live & (kind == L.KIND_STEP),
                   sem="relaxed")
     check_all = enabled & check_all
@@ -125,11 +149,9 @@ def capture_kernel(
     tl.atomic_xchg(ctrl_ptr + base + L.SLOT_KEPT_TOKENS, kept_tokens.to(tl.int32),
                    mask=write & is_record & claimer, sem="relaxed")
     bad_step = 1 + tl.where(live & (kind == L.KIND_STEP), old, steps_now)  # dates a NaN/Inf (SLOT_BAD_STEP)
-    write, check_all, bad_step = _split_decision(ctrl_ptr + base + L.SLOT_CLAIM, phase, write, check_all, bad_step,
-                                                 row_ok, pid)
+    write, check_all, bad_step = split_decision(ctrl_ptr + base + L.SLOT_CLAIM, phase, write, check_all, bad_step,
+                                                row_ok, pid)
     step = tl.where(kind == L.KIND_STEP, bad_step - 1, 0)  # bad_step is the step's index + 1 when it writes
-    row_words = D if MEAN else H * D
-    rows = tl.where(row_reg == L.ROW_ALL, T, 1)  # rows stored: all of them, or the one gathered
 
     if IS_INT:
         out_ptr = arena_ptr.to(tl.pointer_type(tl.int32))
@@ -140,52 +162,20 @@ def capture_kernel(
     limit = tl.where(write, D, 0)
     col_blocks = tl.cdiv(limit, BLOCK)
     tiles = tl.where(write, rows, 0) * col_blocks
-    bad_read = tl.zeros([BLOCK], dtype=tl.int32)  # non-finite values among those read, per lane
-    for tile in range(pid, tiles, programs):
-        r = tile // col_blocks
-        cols = (tile - r * col_blocks) * BLOCK + tl.arange(0, BLOCK)
-        src_off = (row + r) * stride_t
-        dest = offset + (step + r) * row_words
-        if VEC > 1:
-            src_off = tl.multiple_of(src_off, VEC)
-            dest = tl.multiple_of(dest, STORE_VEC)
-            col_off = cols  # stride_d == 1: contiguous, so Triton can vectorize
-            mask_cols = cols < tl.multiple_of(limit, VEC)
-        else:
-            col_off = cols * stride_d
-            mask_cols = cols < limit
-        if MEAN:
-            # HC_BLOCK hc rows are loaded before any is added, so their loads are in flight
-            # together; they are then added one by one, in the reference kernel's order.
-            acc = tl.zeros([BLOCK], dtype=tl.float32)
-            for h0 in range(0, H, HC_BLOCK):
-                v0 = _hc_row(x_ptr + src_off, h0, H, stride_h, col_off, cols, limit, VEC)
-                v1 = _hc_row(x_ptr + src_off, h0 + 1, H, stride_h, col_off, cols, limit, VEC)
-                v2 = _hc_row(x_ptr + src_off, h0 + 2, H, stride_h, col_off, cols, limit, VEC)
-                v3 = _hc_row(x_ptr + src_off, h0 + 3, H, stride_h, col_off, cols, limit, VEC)
-                bad_read += _nonfinite(v0) + _nonfinite(v1) + _nonfinite(v2) + _nonfinite(v3)
-                # A row past H loaded as 0.0, and acc + 0.0 == acc (acc is never -0.0).
-                acc += v0
-                acc += v1
-                acc += v2
-                acc += v3
-            # div_rn: IEEE division, the same rounding as torch's CPU division.
-            val = tl.math.div_rn(acc, tl.full([BLOCK], H, tl.float32))
-            tl.store(out_ptr + dest + cols, val, mask=mask_cols)
-        else:
-            for h in range(H):
-                h_off = h * stride_h
-                h_dest = h * D
-                if VEC > 1:
-                    h_off = tl.multiple_of(h_off, VEC)
-                    h_dest = tl.multiple_of(h_dest, STORE_VEC)
-                v = tl.load(x_ptr + src_off + h_off + col_off, mask=mask_cols, other=0.0)
-                if IS_INT:
-                    v = v.to(tl.int32)
-                else:
-                    v = v.to(tl.float32)
-                    bad_read += _nonfinite(v)
-                tl.store(out_ptr + dest + h_dest + cols, v, mask=mask_cols)
+    has_tile = pid < tiles
+    first_limit = tl.where(has_tile, limit, 0)
+    if VEC > 1:  # hinted where they are made (copy_tile's arguments take no hint)
+        limit = tl.multiple_of(limit, VEC)
+        first_limit = tl.multiple_of(first_limit, VEC)
+    # The program's first tile, from the loads made before the claim where there were some (a
+    # program without a tile stores nothing: limit 0), then its other tiles. Peeled rather than
+    # a loop that reuses them, so the early rows do not stay in registers through every tile.
+    bad_read = copy_tile(x_ptr, out_ptr, pid, tl.maximum(col_blocks, 1), row, step, offset, first_limit,
+                         H, D, stride_t, stride_h, stride_d, e0, e1, e2, e3, early & has_tile, True, MEAN, IS_INT, VEC,
+                         STORE_VEC, BLOCK)
+    for tile in range(pid + programs, tiles, programs):
+        bad_read += copy_tile(x_ptr, out_ptr, tile, col_blocks, row, step, offset, limit, H, D, stride_t, stride_h,
+                              stride_d, e0, e1, e2, e3, False, False, MEAN, IS_INT, VEC, STORE_VEC, BLOCK)
 
     # COMPILEDUMP_NONFINITE=all: every element of the input, whatever was kept.
     bad_all = tl.zeros([BLOCK], dtype=tl.int32)
@@ -196,7 +186,7 @@ def capture_kernel(
             t = th // H
             cols = (tile - th * all_blocks) * BLOCK + tl.arange(0, BLOCK)
             v = tl.load(x_ptr + t * stride_t + (th - t * H) * stride_h + cols * stride_d, mask=cols < D, other=0.0)
-            bad_all += _nonfinite(v.to(tl.float32))
+            bad_all += nonfinite(v.to(tl.float32))
     bad = tl.sum(tl.where(check_all, bad_all, bad_read), axis=0)
     # A branch, not masks: a clean call (nearly all of them) then issues none of these memory
     # operations, and above all does not wait for the compare-and-swap's round trip to L2 (which
@@ -219,65 +209,6 @@ def capture_kernel(
         tl.atomic_add(ctrl_ptr + base + L.SLOT_COMMITTED, 1, mask=write & (pid == 0), sem="release")
     else:
         tl.atomic_add(ctrl_ptr + base + L.SLOT_COMMITTED, 1, mask=write & (pid == 0), sem="relaxed")
-
-
-@triton.jit
-def _read_registers(ctrl_ptr, row_reg, BLOCK: tl.constexpr):
-    """The header registers this call's decision depends on, one snapshot for the whole program:
-    (enabled, rows within COMPILEDUMP_MAX_ROWS, the gather row's register as int64, check-all).
-
-    Every thread loads the registers itself, and a register write from another stream that
-    overlaps this launch could let threads see different values: one would gather another row,
-    or skip the write that thread 0's claim committed (a torn row). The reads are packed into
-    one int64 per thread and reduced with a block-wide max, so every thread of the program acts
-    on one thread's snapshot, as every thread acts on thread 0's claim. (Programs of a
-    multi-program launch each agree within themselves only: docs/compiling.md.)"""
-    enabled = (tl.load(ctrl_ptr + L.REG_ENABLED) != 0).to(tl.int64)
-    rows_ok = (tl.load(ctrl_ptr + L.REG_ROWS) <= tl.load(ctrl_ptr + L.REG_MAX_ROWS)).to(tl.int64)
-    row = tl.load(ctrl_ptr + tl.maximum(row_reg, 0)).to(tl.int64) & 0xFFFFFFFF  # the int32's bits
-    check_all = (tl.load(ctrl_ptr + L.REG_CHECK_ALL) != 0).to(tl.int64)
-    packed = row | (enabled << 32) | (rows_ok << 33) | (check_all << 34)
-    packed = tl.max(tl.full([BLOCK], 0, tl.int64) + packed, axis=0)
-    row = (packed & 0xFFFFFFFF).to(tl.int32).to(tl.int64)  # back to the signed register value
-    return ((packed >> 32) & 1) != 0, ((packed >> 33) & 1) != 0, row, ((packed >> 34) & 1) != 0
-
-
-@triton.jit
-def _split_decision(claim_ptr, phase, write, check_all, bad_step, row_ok, pid):
-    """A split capture's decision (layout.SLOT_CLAIM): the claim launch publishes its own and
-    copies nothing; every program of the copy launch takes the published one (whether it writes,
-    the whole-input check, the date that is also the step index). Stream order makes the claim
-    launch's word visible to the copy launch, so every program acts on the same claim. A copy
-    program still checks its own gather row (a register write racing on another stream could have
-    moved it out of range): it never reads past the input. A whole capture keeps its own.
-    The word is per slot: two split captures of one tag in flight at once on two streams can
-    cross (docs/compiling.md says so and names the fix, a tag per stream)."""
-    published = (tl.minimum(bad_step, L.CLAIM_WRITES - 1) | tl.where(write, L.CLAIM_WRITES, 0)
-                 | tl.where(check_all, L.CLAIM_CHECK_ALL, 0))
-    tl.atomic_xchg(claim_ptr, published.to(tl.int32), mask=(pid == 0) & (phase == L.LAUNCH_CLAIM), sem="relaxed")
-    copying = phase == L.LAUNCH_COPY
-    claimed = tl.load(claim_ptr, mask=copying, other=0).to(tl.int64)
-    write = tl.where(copying, ((claimed & L.CLAIM_WRITES) != 0) & row_ok, write & (phase != L.LAUNCH_CLAIM))
-    check_all = tl.where(copying, (claimed & L.CLAIM_CHECK_ALL) != 0, check_all & (phase != L.LAUNCH_CLAIM))
-    bad_step = tl.where(copying, claimed & (L.CLAIM_WRITES - 1), bad_step)
-    return write, check_all, bad_step
-
-
-@triton.jit
-def _nonfinite(v):
-    """1 where v is NaN or +-Inf (v in fp32), else 0."""
-    return (~(tl.abs(v) < float("inf"))).to(tl.int32)
-
-
-@triton.jit
-def _hc_row(src, h, H, stride_h, col_off, cols, limit, VEC: tl.constexpr):
-    """Row h of the hc axis as fp32 (0.0 where h >= H or past the row's end)."""
-    h_off = h * stride_h
-    row_limit = tl.where(h < H, limit, 0)
-    if VEC > 1:
-        h_off = tl.multiple_of(h_off, VEC)
-        row_limit = tl.multiple_of(row_limit, VEC)
-    return tl.load(src + h_off + col_off, mask=cols < row_limit, other=0.0).to(tl.float32)
 
 
 def launch(x, arena, ctrl, geometry, base, offset, capacity, kind, reason):
