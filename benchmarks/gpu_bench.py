@@ -15,7 +15,9 @@ Measurements, in run order (what issue 16's goals and the open decisions need fi
   graph_capture_cost  N `record`s of a [64, 4, 7168] bf16 tensor inside one CUDA graph, replayed,
                       vs the same graph without them: added device microseconds per capture (goal <= 1),
                       and against a 1-element kernel in each capture's place (the launch floor) and,
-                      on the Triton kernel, against captures whose commit is relaxed (its fence's cost);
+                      on the Triton kernel, against captures whose commit is relaxed (its fence's cost)
+                      and captures that load the payload only after the claim (what loading it
+                      before saves);
   decode_overhead     the built-in model at dim 7168, 40 layers x 5 taps + logits, decode batch 64,
                       eager kernels in a CUDA graph: replay with captures vs the same model without
                       capture points (goal ratio <= 1.02), and with a 1-element kernel at each capture
@@ -97,12 +99,15 @@ def graph_capture_cost(device, quick, tmp):
     graphs = {"without": graph_of(work, device), "with": graph_of(work_and_capture, device),
               "floor": graph_of(work_and_empty_node, device)}
     triton = not register.native_owns_capture("cuda")
-    if triton:  # the Triton kernel with a relaxed commit: what its release fence costs
-        variants.COMMIT_RELEASE = False
-        try:  # the launches are fixed when the graph is captured
-            graphs["relaxed"] = graph_of(work_and_capture, device)
-        finally:
-            variants.COMMIT_RELEASE = True
+    if triton:  # the Triton kernel with a relaxed commit (what its release fence costs), and
+        # loading the payload after the claim (what loading it before saves); the launches are
+        # fixed when the graph is captured
+        for name, switch in (("relaxed", "COMMIT_RELEASE"), ("claim_first", "PAYLOAD_FIRST")):
+            setattr(variants, switch, False)
+            try:
+                graphs[name] = graph_of(work_and_capture, device)
+            finally:
+                setattr(variants, switch, True)
     replays = 3 if quick else 20
     times = rounds_of(graphs, device, rounds=3 if quick else 15, replays=replays)
     base, added, floor = (statistics.median(times[k]) for k in ("without", "with", "floor"))
@@ -118,6 +123,7 @@ def graph_capture_cost(device, quick, tmp):
               "captures_passed_per_replay": passed, "goal_us": 1.0, "meets_goal": us <= 1.0}
     if triton:
         result["us_per_capture_relaxed_commit"] = (statistics.median(times["relaxed"]) - base) * 1e3 / n
+        result["us_per_capture_claim_first"] = (statistics.median(times["claim_first"]) - base) * 1e3 / n
     return result
 
 
@@ -345,7 +351,9 @@ def _key_number(name, r):
         return (f"{r['us_per_capture']:.3f} us/capture added ({r['captures']} x {r['shape']} bf16 per graph; "
                 f"goal <= {r['goal_us']}; an empty node adds {r['us_per_empty_node']:.3f}"
                 + (f", a relaxed commit {r['us_per_capture_relaxed_commit']:.3f}"
-                   if "us_per_capture_relaxed_commit" in r else "") + "); "
+                   if "us_per_capture_relaxed_commit" in r else "")
+                + (f", the payload after the claim {r['us_per_capture_claim_first']:.3f}"
+                   if "us_per_capture_claim_first" in r else "") + "); "
                 f"{r['captures_passed_per_replay']} passed per replay")
     if name.startswith("decode_overhead"):
         floor = f"; empty nodes instead: {r['ratio_empty_nodes']:.4f}" if "ratio_empty_nodes" in r else ""

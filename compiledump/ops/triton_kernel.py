@@ -89,6 +89,7 @@ def capture_kernel(
     STORE_VEC: tl.constexpr,  # what the arena offset of a row is known to be a multiple of
     HOST_ARENA: tl.constexpr,  # the arena is host-mapped memory (crash-proof capture, one program)
     RELEASE: tl.constexpr,  # the commit is a release (ops/variants.py COMMIT_RELEASE), else relaxed
+    PAYLOAD_FIRST: tl.constexpr,  # the first tile is loaded before the claim (ops/variants.py PAYLOAD_FIRST)
     BLOCK: tl.constexpr,
 ):
     # Program 0 claims the counter; the other programs (launched for the kinds whose write does not
@@ -121,7 +122,7 @@ def capture_kernel(
     # keep-first records, whose later calls all drop. Kept in the input's type: a conversion
     # here would wait for the load.
     early = tl.where(phase == L.LAUNCH_COPY, row_ok, live & (phase == L.LAUNCH_WHOLE))
-    early = early & (kind != L.KIND_RECORD_ONCE) & (pid < rows * tl.cdiv(D, BLOCK))
+    early = early & (kind != L.KIND_RECORD_ONCE) & (pid < rows * tl.cdiv(D, BLOCK)) & PAYLOAD_FIRST
     early_limit = tl.where(early, D, 0)
     cols, src_off, col_off = tile_at(pid, tl.maximum(tl.cdiv(D, BLOCK), 1), row, stride_t, stride_d, VEC, BLOCK)
     e0 = hc_row(x_ptr, src_off, 0, H, stride_h, col_off, cols, early_limit, VEC)
@@ -252,7 +253,7 @@ def direct_launcher(device: torch.device, v: Variant):
 def constexprs(v: Variant) -> dict:
     """The compile-time arguments of variant `v`'s launches (benchmarks/gpu_host_split.py reuses them)."""
     return dict(MEAN=v.mean, IS_INT=v.is_int, VEC=v.vec, STORE_VEC=min(v.vec, ALIGN_WORDS), HOST_ARENA=v.host_arena,
-                RELEASE=v.release, BLOCK=BLOCK)
+                RELEASE=v.release, PAYLOAD_FIRST=v.payload_first, BLOCK=BLOCK)
 
 
 def _launch(v, programs, *args):
@@ -335,4 +336,5 @@ def prepare(device: torch.device, dtypes) -> None:
                 layouts = [(True, False), (False, False)] if dtype.is_floating_point else [(False, True)]
                 for mean, is_int in layouts:
                     ensure_prepared(device, Variant(dtype, mean, is_int, 1, True, host_arena,
-                                                    variants.commit_is_release(host_arena)), _prepare)
+                                                    variants.commit_is_release(host_arena), variants.PAYLOAD_FIRST),
+                                    _prepare)

@@ -11,7 +11,9 @@ what still selects a variant is decided here, on the host, from facts a model ke
   has unit column stride and row/hc strides and width that are multiples of a vector;
 - the input's 16-byte alignment, which Triton specializes pointers on by itself;
 - the commit's memory order: system scope into a host-mapped arena, else a release (a relaxed
-  one only while a benchmark sets COMMIT_RELEASE off).
+  one only while a benchmark sets COMMIT_RELEASE off);
+- whether the payload's first tile is loaded before the claim (always, but while a benchmark sets
+  PAYLOAD_FIRST off).
 
 A CUDA graph capture must not compile or load a kernel ("operation not permitted when stream
 is capturing"). So the first launch of a (device, dtype, layout class) family outside a capture
@@ -47,6 +49,7 @@ class Variant:
     aligned: bool  # input pointer 16-byte aligned
     host_arena: bool = False  # the arena is host memory (crash-proof capture): commit at system scope
     release: bool = True  # a device arena's commit orders the payload before it (COMMIT_RELEASE)
+    payload_first: bool = True  # the first tile is loaded before the claim (PAYLOAD_FIRST)
 
     def family(self) -> Variant:
         """The fast-path member of this variant's family (same dtype and layout class)."""
@@ -72,7 +75,7 @@ def variant_for(x: torch.Tensor, geometry: tuple, kind: int, host_arena: bool = 
     fast = (aligned and width > 1 and stride_d == 1 and D % width == 0 and stride_t % width == 0
             and (H == 1 or stride_h % width == 0))
     return Variant(x.dtype, bool(mean), kind == L.KIND_IDS, width if fast else 1, aligned, host_arena,
-                   commit_is_release(host_arena))
+                   commit_is_release(host_arena), PAYLOAD_FIRST)
 
 
 # A capture's commit (layout.SLOT_COMMITTED) into a device arena is a release: its payload is
@@ -86,6 +89,13 @@ COMMIT_RELEASE = True
 def commit_is_release(host_arena: bool) -> bool:
     """Whether a capture into a host-mapped (`host_arena`) or a device arena commits with a release."""
     return COMMIT_RELEASE or host_arena
+
+
+# The Triton kernel loads each program's first tile before the claim's atomic, so the two round
+# trips to memory overlap (ops/triton_kernel.py). benchmarks/gpu_bench.py graph_capture_cost sets
+# this to False for one graph, to time the kernel that loads it after the claim beside it (read
+# at call time).
+PAYLOAD_FIRST = True
 
 
 # Data pointers of arenas in host-mapped memory (crash-proof capture on CUDA, capture/persist.py):

@@ -212,19 +212,23 @@ def test_a_kernel_triton_cannot_compile_is_one_clear_error(simulated_cuda):
     assert set(launched) == set(variant.siblings()) and (torch.device("cpu"), variant) in variants.prepared()
 
 
-def test_a_relaxed_commit_is_a_variant_of_its_own_prepared_before_the_capture(simulated_cuda, monkeypatch):
-    """gpu_bench's graph with relaxed commits (variants.COMMIT_RELEASE off while it is warmed up
-    and captured): its launches are another compiled variant (RELEASE=False), prepared by the
-    warm-up like any other, that stores and counts what the release variant does."""
+@pytest.mark.parametrize("switch, field, constexpr", [("COMMIT_RELEASE", "release", "RELEASE"),
+                                                     ("PAYLOAD_FIRST", "payload_first", "PAYLOAD_FIRST")])
+def test_a_benchmark_switch_is_a_variant_of_its_own_prepared_before_the_capture(simulated_cuda, monkeypatch, switch,
+                                                                                field, constexpr):
+    """gpu_bench's graphs with relaxed commits or the payload loaded after the claim (the switch
+    off in ops/variants.py while it is warmed up and captured): their launches are another
+    compiled variant, prepared by the warm-up like any other, that stores and counts what the
+    default variant does."""
     compiledump.configure(tokens=0)
     compiledump.init(torch.device("cpu"))
     x = torch.randn(5, 4, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     geometry = (5, 4, 64, 256, 64, 1, L.REG_RECORD_ROW, True)
-    assert variants.variant_for(x, geometry, L.KIND_RECORD).release
+    assert getattr(variants.variant_for(x, geometry, L.KIND_RECORD), field)
     results = {}
-    for release in (True, False):
-        monkeypatch.setattr(variants, "COMMIT_RELEASE", release)
-        assert variants.variant_for(x, geometry, L.KIND_RECORD).release == release
+    for on in (True, False):
+        monkeypatch.setattr(variants, switch, on)
+        assert getattr(variants.variant_for(x, geometry, L.KIND_RECORD), field) == on
         assert variants.variant_for(x, geometry, L.KIND_RECORD, host_arena=True).release  # always
         compiledump.clear()
         with torch.cuda.stream(torch.cuda.Stream()), compiledump.profiling():
@@ -233,11 +237,13 @@ def test_a_relaxed_commit_is_a_variant_of_its_own_prepared_before_the_capture(si
             compiledump.record("h", x)
         compiledump.record("h", x)  # what a replay would store (the stand-in graph replays nothing)
         with np.load(compiledump.flush()) as data:
-            results[release] = data["h"]
+            results[on] = data["h"]
     _assert_capture_compiles_nothing(simulated_cuda)
-    # The captures launched two compiled kernels: (HOST_ARENA, RELEASE), the constexprs before BLOCK.
-    launched = {tuple(re.findall(r"\('constexpr', (\w+)\)", key)[-3:-1]) for key in simulated_cuda.during}
-    assert launched == {("False", "True"), ("False", "False")}
+    # The captures launched two compiled kernels, one with the switch's constexpr on, one off.
+    names = [name for name in K.capture_kernel.arg_names if name in K.constexprs(variants.variant_for(
+        x, geometry, L.KIND_RECORD))]
+    launched = {re.findall(r"\('constexpr', (\w+)\)", key)[names.index(constexpr)] for key in simulated_cuda.during}
+    assert launched == {"True", "False"}
     want = x[-1].float().mean(0).numpy()
     np.testing.assert_array_equal(results[True], results[False])
     np.testing.assert_allclose(results[False], want, rtol=1e-6)

@@ -144,6 +144,7 @@ def test_gpu_bench_graph_phases_emulated(tmp_path, dump_dir):
     cost = r["graph_capture_cost"]
     assert cost["us_per_capture"] - cost["us_per_empty_node"] == pytest.approx(cost["us_over_empty_node"])
     assert "us_per_capture_relaxed_commit" in cost  # the Triton kernel serves CUDA captures here
+    assert "us_per_capture_claim_first" in cost
     assert r["decode_overhead"]["captures_per_step"] == 4 * 5 + 1 and r["decode_overhead"]["ratio"] > 0
     assert r["decode_overhead"]["ratio_empty_nodes"] > 0 and r["decode_overhead"]["step_ms_empty_nodes"] > 0
     assert r["flush_throughput"]["bytes"] >= 8 * 32000 * 4 and r["flush_throughput"]["efficiency"] > 0
