@@ -95,6 +95,7 @@ void capture_kernel_cpu(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctrl
   // The CUDA kernel's decisions (capture_device.h: claim, then commit), one thread's write between.
   const KernelArgs a{kind, base, offset, capacity, reason, T, H, D, st, sh, sd, row_reg, mean, /*host_arena=*/false};
   BlockDecision s;
+  read_registers(regs, a, s);
   claim(regs, a, s);
   const int64_t rows = row_reg == ROW_ALL ? T : 1, words = mean ? D : H * D;
   TORCH_CHECK(!s.write || (s.dest >= 0 && s.dest + rows * words <= arena.numel()),

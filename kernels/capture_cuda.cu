@@ -8,7 +8,9 @@
 //
 // 1. thread 0 of block 0 reads the header registers, picks exactly one counter of the slot and
 //    bumps it with one atomicAdd (the old written-counter is the step index, or says whether a
-//    record_once capture is the first), then broadcasts the decision through shared memory;
+//    record_once capture is the first), then broadcasts the decision through shared memory; the
+//    registers go to every thread first, so each loads its first unit of the payload while the
+//    claim is in flight;
 // 2. the grid gathers the row (strided, read in place; every row for an all-rows record; 16 bytes
 //    per load where the rows are contiguous and aligned), averages over H in fp32 or copies it,
 //    and stores it into the arena;
@@ -40,16 +42,20 @@ namespace {
 
 using namespace compiledump;
 
-// The three phases of kernels/capture_device.h, with a barrier between each.
+// The phases of kernels/capture_device.h, with a barrier between each.
 template <typename scalar_t>
 __global__ void capture_kernel(const scalar_t* __restrict__ x, float* __restrict__ arena,
                                int32_t* __restrict__ ctrl, KernelArgs a) {
   __shared__ BlockDecision s;
   const bool first_block = blockIdx.x == 0;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (threadIdx.x == 0) read_registers(ctrl, a, s);
+  __syncthreads();
+  // Every thread's first unit is in flight while thread 0 claims (payload first).
+  const Early<scalar_t> early = load_early(x, a, s, tid);
   if (threadIdx.x == 0) decide(ctrl, a, s, first_block);
   __syncthreads();
-  const int64_t bad = write_share(x, arena, a, s, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
-                                  static_cast<int64_t>(gridDim.x) * blockDim.x);
+  const int64_t bad = write_share(x, arena, a, s, tid, static_cast<int64_t>(gridDim.x) * blockDim.x, early);
   if (bad) atomicAdd(&s.bad, static_cast<unsigned long long>(bad));
   __syncthreads();  // every store of the block is issued before the commit
   if (threadIdx.x == 0) commit(ctrl, a, s, first_block);

@@ -1,4 +1,4 @@
-// The CUDA capture kernel's body (kernels/capture_cuda.cu), in its three phases, written once for
+// The CUDA capture kernel's body (kernels/capture_cuda.cu), in its phases, written once for
 // nvcc and for a host C++ compiler: tests/native/test_cuda_kernel_emulated.py compiles it for the
 // CPU and runs it thread by thread, phase by phase, so the kernel's arithmetic, indexing, gates
 // and counters are checked against the reference kernel without a GPU (the device operations it
@@ -6,6 +6,9 @@
 // runs `claim` and `commit` too, around its own one-thread copy loops, so both native kernels
 // decide alike.
 //
+//   read_registers (thread 0 of each block): the header registers, once for the block, into its
+//                      shared state; then every thread loads its first unit of the payload on the
+//                      fast path (`load_early`), in flight while thread 0 decides;
 //   decide (thread 0 of each block): block 0 claims (picks exactly one counter of the slot, bumps
 //                      it, decides whether and where the block writes); the other blocks
 //                      `observe` the same registers (only launched when the write does not depend
@@ -54,8 +57,11 @@ struct KernelArgs {
   bool vector = false;           // the fast path: see vector_path
 };
 
-// What thread 0 decides and every thread reads after the barrier (the block's shared memory).
+// What thread 0 reads and decides and every thread reads after a barrier (the block's shared memory).
 struct BlockDecision {
+  Gate gate;                // the header registers, read once for the block (`read_registers`)
+  int64_t steps_now;        // REG_STEPS when they were read
+  bool check_reg, early;    // REG_CHECK_ALL set; the block loads its first unit before the decision
   bool write, check_all;
   int64_t row, dest, bad_step;
   unsigned long long bad;  // NaN/Inf values the block found (summed after the write phase)
@@ -88,36 +94,46 @@ C10_HOST_DEVICE inline int32_t kept_tokens_of(const KernelArgs& a) {
 
 C10_HOST_DEVICE inline int64_t row_words(const KernelArgs& a) { return a.mean ? a.D : a.H * a.D; }
 
-// Block 0's thread 0 of a whole or claim launch, before the barrier.
+// Thread 0 of each block, first (then a barrier): the header registers, read once for the block
+// (the gate, with the same precedence as the CPU kernel; the steps begun; the check-all flag), and
+// whether the block loads its first unit before the decision (payload first, `load_early`): on
+// the fast path, where the registers alone say the launch copies (the claim may still drop it,
+// counted), never for a keep-first record, whose later calls all drop.
+CD_DEVICE inline void read_registers(const int32_t* ctrl, const KernelArgs& a, BlockDecision& s) {
+  s.gate = choose_counter(ctrl, a.kind, a.reason, a.T, a.row_reg);
+  s.steps_now = ctrl[REG_STEPS];
+  s.check_reg = ctrl[REG_CHECK_ALL] != 0;
+  s.row = s.gate.row;
+  const bool row_ok = s.gate.row >= 0 && s.gate.row < a.T;
+  s.early = a.vector && a.kind != KIND_RECORD_ONCE &&
+            (a.phase == LAUNCH_COPY ? row_ok : a.phase == LAUNCH_WHOLE && s.gate.counter == CNT_WRITTEN);
+}
+
+// Block 0's thread 0 of a whole or claim launch, between the barriers, on the registers it read.
 CD_DEVICE inline void claim(int32_t* ctrl, const KernelArgs& a, BlockDecision& s) {
-  // Same gates and precedence as the CPU kernel: exactly one counter per call.
-  const Gate gate = choose_counter(ctrl, a.kind, a.reason, a.T, a.row_reg);
+  const Gate gate = s.gate;  // exactly one counter per call
   // The one atomic (the claim): concurrent captures of a slot (other streams) each get their own step.
   const int64_t old = cd_atomic_add(ctrl + a.base + gate.counter, 1);
   const bool live = gate.counter == CNT_WRITTEN;
   // Decode steps begun: a step capture raises it past its own index.
-  const int64_t steps_now = ctrl[REG_STEPS];
-  if (live && a.kind == KIND_STEP) cd_atomic_max(ctrl + REG_STEPS, static_cast<int32_t>(old + 1));
+  if (live && a.kind == KIND_STEP) cd_red_max(ctrl + REG_STEPS, static_cast<int32_t>(old + 1));
   // record_once writes only on the first live call; a step only while the region has room.
   s.write = live && !(a.kind == KIND_RECORD_ONCE && old != 0) && !(a.kind == KIND_STEP && old >= a.capacity);
-  s.check_all = gate.counter != CNT_SUSPENDED && ctrl[REG_CHECK_ALL] != 0 && a.kind != KIND_IDS;
-  if (s.write && is_record_kind(a.kind)) cd_atomic_exch(ctrl + a.base + SLOT_KEPT_TOKENS, kept_tokens_of(a));
-  s.row = gate.row;
+  s.check_all = gate.counter != CNT_SUSPENDED && s.check_reg && a.kind != KIND_IDS;
+  if (s.write && is_record_kind(a.kind)) cd_store_relaxed(ctrl + a.base + SLOT_KEPT_TOKENS, kept_tokens_of(a));
   s.dest = a.offset + (a.kind == KIND_STEP ? old : 0) * row_words(a);
-  s.bad_step = 1 + (live && a.kind == KIND_STEP ? old : steps_now);
+  s.bad_step = 1 + (live && a.kind == KIND_STEP ? old : s.steps_now);
   s.bad = 0;
 }
 
-// Thread 0 of every other block of a whole launch, before the barrier: the decision `claim`
+// Thread 0 of every other block of a whole launch, between the barriers: the decision `claim`
 // makes, for the kinds launched on several blocks (record, all-rows record, ids), whose write
-// does not depend on the claimed counter value. Reads the same registers; counts nothing.
-CD_DEVICE inline void observe(const int32_t* ctrl, const KernelArgs& a, BlockDecision& s) {
-  const Gate gate = choose_counter(ctrl, a.kind, a.reason, a.T, a.row_reg);
-  s.write = gate.counter == CNT_WRITTEN;
-  s.check_all = gate.counter != CNT_SUSPENDED && ctrl[REG_CHECK_ALL] != 0 && a.kind != KIND_IDS;
-  s.row = gate.row;
+// does not depend on the claimed counter value. From the same registers; counts nothing.
+CD_DEVICE inline void observe(const KernelArgs& a, BlockDecision& s) {
+  s.write = s.gate.counter == CNT_WRITTEN;
+  s.check_all = s.gate.counter != CNT_SUSPENDED && s.check_reg && a.kind != KIND_IDS;
   s.dest = a.offset;
-  s.bad_step = 1 + ctrl[REG_STEPS];
+  s.bad_step = 1 + s.steps_now;
   s.bad = 0;
 }
 
@@ -126,7 +142,7 @@ CD_DEVICE inline void observe(const int32_t* ctrl, const KernelArgs& a, BlockDec
 // copy launch, and this launch reads and writes no payload.
 CD_DEVICE inline void publish(int32_t* ctrl, const KernelArgs& a, BlockDecision& s) {
   const int64_t date = s.bad_step < CLAIM_WRITES - 1 ? s.bad_step : CLAIM_WRITES - 1;
-  cd_atomic_exch(ctrl + a.base + SLOT_CLAIM,
+  cd_store_relaxed(ctrl + a.base + SLOT_CLAIM,
                  static_cast<int32_t>(date | (s.write ? CLAIM_WRITES : 0) | (s.check_all ? CLAIM_CHECK_ALL : 0)));
   s.write = s.check_all = false;
 }
@@ -136,16 +152,14 @@ CD_DEVICE inline void publish(int32_t* ctrl, const KernelArgs& a, BlockDecision&
 // another stream can never make it read past the input.
 CD_DEVICE inline void take_published(const int32_t* ctrl, const KernelArgs& a, BlockDecision& s) {
   const int64_t claimed = ctrl[a.base + SLOT_CLAIM];
-  const Gate gate = choose_counter(ctrl, a.kind, a.reason, a.T, a.row_reg);
-  s.write = (claimed & CLAIM_WRITES) != 0 && gate.row >= 0 && gate.row < a.T;
+  s.write = (claimed & CLAIM_WRITES) != 0 && s.gate.row >= 0 && s.gate.row < a.T;
   s.check_all = (claimed & CLAIM_CHECK_ALL) != 0;
   s.bad_step = claimed & (CLAIM_WRITES - 1);  // a written step's index + 1
-  s.row = gate.row;
   s.dest = a.offset + (a.kind == KIND_STEP ? s.bad_step - 1 : 0) * row_words(a);
   s.bad = 0;
 }
 
-// Thread 0 of each block, before the barrier.
+// Thread 0 of each block, after `read_registers`, between the barriers.
 CD_DEVICE inline void decide(int32_t* ctrl, const KernelArgs& a, BlockDecision& s, bool first_block) {
   if (a.phase == LAUNCH_COPY) {
     take_published(ctrl, a, s);
@@ -153,7 +167,7 @@ CD_DEVICE inline void decide(int32_t* ctrl, const KernelArgs& a, BlockDecision& 
     claim(ctrl, a, s);
     if (a.phase == LAUNCH_CLAIM) publish(ctrl, a, s);
   } else {
-    observe(ctrl, a, s);
+    observe(a, s);
   }
 }
 
@@ -229,12 +243,43 @@ CD_DEVICE int64_t store_row(const scalar_t* src, float* arena, int64_t dest, con
   return bad;
 }
 
+// A thread's first unit of the fast path's write (its hc rows, or its one vector), loaded between
+// the barriers while thread 0 claims, so the two round trips to memory overlap (payload first).
+// Kept as plain 16-byte words: unpacking the values there would wait for the load, and thread 0
+// would then claim only after it.
+template <typename scalar_t>
+struct Early {
+  Pack<uint32_t, 4> raw[HC_BLOCK];
+  bool valid;
+};
+
+template <typename scalar_t>
+CD_DEVICE Early<scalar_t> load_early(const scalar_t* x, const KernelArgs& a, const BlockDecision& s, int64_t tid) {
+  constexpr int64_t V = vector_width<scalar_t>();
+  Early<scalar_t> e;
+  const int64_t rows = a.row_reg == ROW_ALL ? a.T : 1, per_row = row_words(a) / V;
+  e.valid = s.early && tid < rows * per_row;
+  if (!e.valid) return e;
+  // The unit u = tid of store_rows_vector.
+  const int64_t r = rows == 1 ? 0 : tid / per_row, c = tid - r * per_row;
+  const scalar_t* src = x + (s.row + r) * a.st;
+  if (a.mean) {
+    CD_UNROLL
+    for (int64_t k = 0; k < HC_BLOCK; ++k)
+      if (k < a.H) e.raw[k] = load_pack<uint32_t, 4>(reinterpret_cast<const uint32_t*>(src + k * a.sh + c * V));
+  } else {
+    const int64_t per_hc_row = a.D / V, h = a.H == 1 ? 0 : c / per_hc_row;
+    e.raw[0] = load_pack<uint32_t, 4>(reinterpret_cast<const uint32_t*>(src + h * a.sh + (c - h * per_hc_row) * V));
+  }
+  return e;
+}
+
 // The fast path's share of every stored row: one vector of V elements per thread and step of the
 // grid-strided loop (unit u: row u / per_row, vector u % per_row of it). The same values, order
 // and rounding as store_row. Returns this thread's count of non-finite values read.
 template <typename scalar_t>
 CD_DEVICE int64_t store_rows_vector(const scalar_t* x, float* arena, const KernelArgs& a, const BlockDecision& s,
-                                    int64_t rows, int64_t tid, int64_t threads) {
+                                    int64_t rows, int64_t tid, int64_t threads, const Early<scalar_t>& early) {
   constexpr int64_t V = vector_width<scalar_t>();
   const int64_t words = row_words(a), per_row = words / V, per_hc_row = a.D / V;
   int64_t bad = 0;
@@ -242,6 +287,7 @@ CD_DEVICE int64_t store_rows_vector(const scalar_t* x, float* arena, const Kerne
     const int64_t r = rows == 1 ? 0 : u / per_row, c = u - r * per_row;
     const scalar_t* src = x + (s.row + r) * a.st;
     const int64_t dest = s.dest + r * words + c * V;
+    const bool loaded = early.valid && u == tid;  // the first unit, loaded before the decision
     if (a.mean) {
       // HC_BLOCK hc rows loaded before any is added; each element summed in h order from 0.0f.
       float acc[V];
@@ -251,7 +297,8 @@ CD_DEVICE int64_t store_rows_vector(const scalar_t* x, float* arena, const Kerne
         Pack<scalar_t, V> q[HC_BLOCK];
         CD_UNROLL
         for (int64_t k = 0; k < HC_BLOCK; ++k)
-          if (h0 + k < a.H) q[k] = load_pack<scalar_t, V>(src + (h0 + k) * a.sh + c * V);
+          if (h0 + k < a.H)
+            q[k] = loaded && h0 == 0 ? as_pack<scalar_t, V>(early.raw[k]) : load_pack<scalar_t, V>(src + (h0 + k) * a.sh + c * V);
         CD_UNROLL
         for (int64_t k = 0; k < HC_BLOCK; ++k) {
           if (h0 + k >= a.H) break;
@@ -269,7 +316,8 @@ CD_DEVICE int64_t store_rows_vector(const scalar_t* x, float* arena, const Kerne
     } else {
       // A vector never straddles two hc rows: D is a multiple of V.
       const int64_t h = a.H == 1 ? 0 : c / per_hc_row;
-      const Pack<scalar_t, V> q = load_pack<scalar_t, V>(src + h * a.sh + (c - h * per_hc_row) * V);
+      const Pack<scalar_t, V> q =
+          loaded ? as_pack<scalar_t, V>(early.raw[0]) : load_pack<scalar_t, V>(src + h * a.sh + (c - h * per_hc_row) * V);
       if (a.kind == KIND_IDS) {
         int32_t ids[V];
         CD_UNROLL
@@ -289,10 +337,10 @@ CD_DEVICE int64_t store_rows_vector(const scalar_t* x, float* arena, const Kerne
   return bad;
 }
 
-// Every thread of the grid (`tid` of `threads`), between the barriers: returns its NaN/Inf count.
+// Every thread of the grid (`tid` of `threads`), after the second barrier: returns its NaN/Inf count.
 template <typename scalar_t>
 CD_DEVICE int64_t write_share(const scalar_t* x, float* arena, const KernelArgs& a, const BlockDecision& s,
-                              int64_t tid, int64_t threads) {
+                              int64_t tid, int64_t threads, const Early<scalar_t>& early) {
   // COMPILEDUMP_NONFINITE=all: every element of the input, whatever is kept.
   int64_t bad = 0;
   if (s.check_all) {
@@ -307,7 +355,7 @@ CD_DEVICE int64_t write_share(const scalar_t* x, float* arena, const KernelArgs&
     // All-rows records store every row, one after the other; everything else one row.
     const int64_t rows = a.row_reg == ROW_ALL ? a.T : 1, words = row_words(a);
     if (a.vector) {
-      read_bad = store_rows_vector(x, arena, a, s, rows, tid, threads);
+      read_bad = store_rows_vector(x, arena, a, s, rows, tid, threads, early);
     } else {
       for (int64_t r = 0; r < rows; ++r)
         read_bad += store_row(x + (s.row + r) * a.st, arena, s.dest + r * words, a, tid, threads);
@@ -326,7 +374,7 @@ CD_DEVICE inline void commit(int32_t* ctrl, const KernelArgs& a, const BlockDeci
       cd_atomic_add(ctrl + a.base + SLOT_NONFINITE,
                     static_cast<int32_t>(s.bad < NONFINITE_CAP ? s.bad : NONFINITE_CAP));
     if (cd_atomic_cas(ctrl + a.base + SLOT_BAD_STEP, 0, static_cast<int32_t>(s.bad_step)) == 0)
-      cd_atomic_exch(ctrl + a.base + SLOT_BAD_TOKENS, kept_tokens_of(a));
+      cd_store_relaxed(ctrl + a.base + SLOT_BAD_TOKENS, kept_tokens_of(a));
   }
   if (s.write && first_block) cd_commit(ctrl + a.base + SLOT_COMMITTED, a.host_arena);
 }

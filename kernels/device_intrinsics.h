@@ -15,8 +15,15 @@ namespace compiledump {
 // Loops over a vector's elements or a group of hc rows are unrolled (their arrays stay in registers).
 #define CD_UNROLL _Pragma("unroll")
 __device__ inline int32_t cd_atomic_add(int32_t* p, int32_t v) { return atomicAdd(p, v); }
-__device__ inline void cd_atomic_max(int32_t* p, int32_t v) { atomicMax(p, v); }
-__device__ inline void cd_atomic_exch(int32_t* p, int32_t v) { atomicExch(p, v); }
+// The bookkeeping writes whose old value nobody reads: a reduction and a relaxed store, which
+// the memory does not answer. As atomicMax and atomicExch, nvcc made them atomics with a reply,
+// and a thread's later wait on the payload's first loads (the same scoreboard) also waited for it.
+__device__ inline void cd_red_max(int32_t* p, int32_t v) {
+  asm volatile("red.relaxed.gpu.global.max.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ inline void cd_store_relaxed(int32_t* p, int32_t v) {
+  asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
 __device__ inline int32_t cd_atomic_cas(int32_t* p, int32_t expected, int32_t v) { return atomicCAS(p, expected, v); }
 __device__ inline float cd_add(float a, float b) { return __fadd_rn(a, b); }
 __device__ inline float cd_div(float a, float b) { return __fdiv_rn(a, b); }
@@ -37,8 +44,8 @@ __device__ inline void cd_commit(int32_t* p, bool host_arena) {
 #define CD_DEVICE
 #define CD_UNROLL
 inline int32_t cd_atomic_add(int32_t* p, int32_t v) { const int32_t old = *p; *p = old + v; return old; }
-inline void cd_atomic_max(int32_t* p, int32_t v) { if (v > *p) *p = v; }
-inline void cd_atomic_exch(int32_t* p, int32_t v) { *p = v; }
+inline void cd_red_max(int32_t* p, int32_t v) { if (v > *p) *p = v; }
+inline void cd_store_relaxed(int32_t* p, int32_t v) { *p = v; }
 inline int32_t cd_atomic_cas(int32_t* p, int32_t expected, int32_t v) {
   const int32_t old = *p;
   if (old == expected) *p = v;
@@ -71,6 +78,20 @@ CD_DEVICE inline Pack<T, N> load_pack(const T* p) {
   std::memcpy(static_cast<void*>(&out), p, sizeof out);
   return out;
 #endif
+}
+
+// The 16 bytes of `raw` as a pack of N values of T: what was loaded as plain words (nothing to
+// convert, so nothing that waits for the load) is read as values where it is used.
+template <typename T, int64_t N>
+CD_DEVICE inline Pack<T, N> as_pack(const Pack<uint32_t, 4>& raw) {
+  static_assert(sizeof(Pack<T, N>) == sizeof raw, "a fast-path vector is 16 bytes");
+  Pack<T, N> out;
+#if defined(__CUDACC__)
+  memcpy(&out, &raw, sizeof out);
+#else
+  std::memcpy(static_cast<void*>(&out), &raw, sizeof out);
+#endif
+  return out;
 }
 
 // Stores N 4-byte words (float or int32) from `v` at `out`, 16 bytes (or N words) at a time.

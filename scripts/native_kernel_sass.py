@@ -3,8 +3,9 @@ report what its PTX and SASS say, one line per input type.
 
     python scripts/native_kernel_sass.py           # table: loads, stores, registers, spills
     python scripts/native_kernel_sass.py --check   # exit 1 unless every instantiation has 16-byte
-                                                   # vector loads (the fast path), spills nothing and
-                                                   # multiplies no offset in 32 bits
+                                                   # vector loads (the fast path), spills nothing,
+                                                   # multiplies no offset in 32 bits, loads the payload
+                                                   # before the claim and awaits no reply after it
 
 Needs nvcc (CUDA 12 or newer) and cuobjdump (on PATH, or the one Triton bundles); torch's headers
 come from the installed torch. The CPU wheel ships c10's CUDA headers without the one CMake
@@ -96,6 +97,8 @@ def describe(ptx: str, cubin: Path, cuobjdump: str) -> dict[str, dict]:
     report = {}
     for dtype in sorted(sass_of):
         ops = re.findall(r"\b((?:LDG|STG)[A-Z0-9._]*)", sass_of[dtype])
+        memory = re.findall(r"\b((?:LDG|ATOMG)[A-Z0-9._]*)", sass_of[dtype])  # in program order
+        claim = next((i for i, op in enumerate(memory) if op.startswith("ATOMG.E.ADD")), len(memory))
         resources = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", usage_of.get(dtype, "")))
         report[dtype] = {
             "loads": {op: ops.count(op) for op in sorted(set(ops)) if op.startswith("LDG")},
@@ -103,6 +106,12 @@ def describe(ptx: str, cubin: Path, cuobjdump: str) -> dict[str, dict]:
             "registers": int(resources.get("REG", -1)),
             "spilled_bytes": int(resources.get("STACK", 0)) + int(resources.get("LOCAL", 0)),
             "mul.lo.s32 (unguarded)": unguarded_32bit_multiplies(ptx_of.get(dtype, "")),
+            # Payload first: a 16-byte load issued before the claim's atomic; and the bookkeeping
+            # after it (REG_STEPS, the kept token count, the published claim) as a reduction and
+            # stores, not atomics whose reply a later wait on the payload would also wait for.
+            "payload loaded before the claim": any(".128" in op for op in memory[:claim]),
+            "atomics with a reply after the claim": sum(op.startswith(("ATOMG.E.EXCH", "ATOMG.E.MAX"))
+                                                        for op in memory[claim:]),
         }
     return report
 
@@ -117,6 +126,11 @@ def problems(report: dict[str, dict]) -> list[str]:
             out.append(f"{dtype}: {info['spilled_bytes']} bytes of stack/local memory (spills)")
         if info["mul.lo.s32 (unguarded)"]:
             out.append(f"{dtype}: {info['mul.lo.s32 (unguarded)']} 32-bit multiplies (offset math must be 64-bit)")
+        if not info["payload loaded before the claim"]:
+            out.append(f"{dtype}: the payload is loaded only after the claim (one more round trip)")
+        if info["atomics with a reply after the claim"]:
+            out.append(f"{dtype}: {info['atomics with a reply after the claim']} bookkeeping atomics with a reply "
+                       "after the claim (a wait on the payload waits for them too)")
     if len(report) < 13:
         out.append(f"only {len(report)} instantiations found: {sorted(report)}")
     return out
@@ -125,7 +139,7 @@ def problems(report: dict[str, dict]) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 unless every instantiation vectorizes, "
-                        "spills nothing and keeps its offsets 64-bit")
+                        "spills nothing, keeps its offsets 64-bit and loads the payload before the claim")
     args = parser.parse_args(argv)
     nvcc, cuobjdump = tools()
     if nvcc is None or cuobjdump is None:
@@ -140,12 +154,13 @@ def main(argv=None) -> int:
     for dtype, info in report.items():
         print(f"{dtype:>16}: registers {info['registers']}, spilled {info['spilled_bytes']} B, "
               f"unguarded mul.lo.s32 {info['mul.lo.s32 (unguarded)']}; loads {info['loads']}; "
-              f"stores {info['stores']}")
+              f"stores {info['stores']}; payload before the claim {info['payload loaded before the claim']}")
     found = problems(report)
     for problem in found:
         print(f"  {problem}")
     if not found:
-        print(f"{len(report)} instantiations: 16-byte loads on the fast path, no spills, 64-bit offsets")
+        print(f"{len(report)} instantiations: 16-byte loads on the fast path, no spills, 64-bit offsets, "
+              "payload before the claim")
     return 1 if found and args.check else 0
 
 

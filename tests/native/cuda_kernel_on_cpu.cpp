@@ -1,12 +1,15 @@
 // The native CUDA kernel's body (kernels/capture_device.h) compiled for the CPU by
 // test_cuda_kernel_emulated.py: one capture runs as capture_cuda.cu launches it (the fast path
 // decided on the host, then each launch of `launches_for` in stream order), each launch's grid of
-// blocks of `threads` threads block after block and, in the write phase, thread after thread
-// (they write disjoint words; each block's NaN/Inf counts are summed as its shared counter is).
+// blocks of `threads` threads block after block and, in the early-load and write phases, thread
+// after thread (they write disjoint words; each block's NaN/Inf counts are summed as its shared
+// counter is).
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
+
+#include <vector>
 
 #include "capture_device.h"
 
@@ -35,12 +38,16 @@ void run_launches(const void* x, float* arena, int32_t* ctrl, KernelArgs a, int6
     // Block 0 decides before the others, one order the device may run them in (they read the
     // same registers; a claim moves REG_STEPS only for steps, which run one block).
     const int64_t blocks = launches[i].blocks;
+    const scalar_t* input = static_cast<const scalar_t*>(x);
+    std::vector<Early<scalar_t>> early(threads);
     for (int64_t b = 0; b < blocks; ++b) {
       BlockDecision s{};
+      read_registers(ctrl, a, s);
+      for (int64_t t = 0; t < threads; ++t) early[t] = load_early(input, a, s, b * threads + t);
       decide(ctrl, a, s, b == 0);
       for (int64_t t = 0; t < threads; ++t)
         s.bad += static_cast<unsigned long long>(
-            write_share(static_cast<const scalar_t*>(x), arena, a, s, b * threads + t, blocks * threads));
+            write_share(input, arena, a, s, b * threads + t, blocks * threads, early[t]));
       commit(ctrl, a, s, b == 0);
     }
   }
