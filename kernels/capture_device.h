@@ -143,7 +143,7 @@ CD_DEVICE inline void observe(const KernelArgs& a, BlockDecision& s) {
 CD_DEVICE inline void publish(int32_t* ctrl, const KernelArgs& a, BlockDecision& s) {
   const int64_t date = s.bad_step < CLAIM_WRITES - 1 ? s.bad_step : CLAIM_WRITES - 1;
   cd_store_relaxed(ctrl + a.base + SLOT_CLAIM,
-                 static_cast<int32_t>(date | (s.write ? CLAIM_WRITES : 0) | (s.check_all ? CLAIM_CHECK_ALL : 0)));
+                   static_cast<int32_t>(date | (s.write ? CLAIM_WRITES : 0) | (s.check_all ? CLAIM_CHECK_ALL : 0)));
   s.write = s.check_all = false;
 }
 
@@ -263,13 +263,14 @@ CD_DEVICE Early<scalar_t> load_early(const scalar_t* x, const KernelArgs& a, con
   // The unit u = tid of store_rows_vector.
   const int64_t r = rows == 1 ? 0 : tid / per_row, c = tid - r * per_row;
   const scalar_t* src = x + (s.row + r) * a.st;
+  // One load into raw[0] for both layouts: a load in each branch of an if made nvcc join them with
+  // a register move, which waits for the load before the claim.
+  const int64_t per_hc_row = a.D / V, h = a.mean || a.H == 1 ? 0 : c / per_hc_row;
+  e.raw[0] = load_pack<uint32_t, 4>(reinterpret_cast<const uint32_t*>(src + h * a.sh + (c - h * per_hc_row) * V));
   if (a.mean) {
     CD_UNROLL
-    for (int64_t k = 0; k < HC_BLOCK; ++k)
+    for (int64_t k = 1; k < HC_BLOCK; ++k)
       if (k < a.H) e.raw[k] = load_pack<uint32_t, 4>(reinterpret_cast<const uint32_t*>(src + k * a.sh + c * V));
-  } else {
-    const int64_t per_hc_row = a.D / V, h = a.H == 1 ? 0 : c / per_hc_row;
-    e.raw[0] = load_pack<uint32_t, 4>(reinterpret_cast<const uint32_t*>(src + h * a.sh + (c - h * per_hc_row) * V));
   }
   return e;
 }
@@ -298,7 +299,8 @@ CD_DEVICE int64_t store_rows_vector(const scalar_t* x, float* arena, const Kerne
         CD_UNROLL
         for (int64_t k = 0; k < HC_BLOCK; ++k)
           if (h0 + k < a.H)
-            q[k] = loaded && h0 == 0 ? as_pack<scalar_t, V>(early.raw[k]) : load_pack<scalar_t, V>(src + (h0 + k) * a.sh + c * V);
+            q[k] = loaded && h0 == 0 ? as_pack<scalar_t, V>(early.raw[k])
+                                     : load_pack<scalar_t, V>(src + (h0 + k) * a.sh + c * V);
         CD_UNROLL
         for (int64_t k = 0; k < HC_BLOCK; ++k) {
           if (h0 + k >= a.H) break;
@@ -316,8 +318,8 @@ CD_DEVICE int64_t store_rows_vector(const scalar_t* x, float* arena, const Kerne
     } else {
       // A vector never straddles two hc rows: D is a multiple of V.
       const int64_t h = a.H == 1 ? 0 : c / per_hc_row;
-      const Pack<scalar_t, V> q =
-          loaded ? as_pack<scalar_t, V>(early.raw[0]) : load_pack<scalar_t, V>(src + h * a.sh + (c - h * per_hc_row) * V);
+      const Pack<scalar_t, V> q = loaded ? as_pack<scalar_t, V>(early.raw[0])
+                                         : load_pack<scalar_t, V>(src + h * a.sh + (c - h * per_hc_row) * V);
       if (a.kind == KIND_IDS) {
         int32_t ids[V];
         CD_UNROLL

@@ -23,6 +23,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sass_control  # noqa: E402 - scripts/, beside this file
+
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = REPO / "kernels" / "capture_cuda.cu"
 # Itanium-mangled template arguments of capture_kernel<scalar_t>, by the dtype they stand for.
@@ -99,6 +102,7 @@ def describe(ptx: str, cubin: Path, cuobjdump: str) -> dict[str, dict]:
         ops = re.findall(r"\b((?:LDG|STG)[A-Z0-9._]*)", sass_of[dtype])
         memory = re.findall(r"\b((?:LDG|ATOMG)[A-Z0-9._]*)", sass_of[dtype])  # in program order
         claim = next((i for i, op in enumerate(memory) if op.startswith("ATOMG.E.ADD")), len(memory))
+        code = sass_control.parse(sass_of[dtype])
         resources = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", usage_of.get(dtype, "")))
         report[dtype] = {
             "loads": {op: ops.count(op) for op in sorted(set(ops)) if op.startswith("LDG")},
@@ -106,10 +110,12 @@ def describe(ptx: str, cubin: Path, cuobjdump: str) -> dict[str, dict]:
             "registers": int(resources.get("REG", -1)),
             "spilled_bytes": int(resources.get("STACK", 0)) + int(resources.get("LOCAL", 0)),
             "mul.lo.s32 (unguarded)": unguarded_32bit_multiplies(ptx_of.get(dtype, "")),
-            # Payload first: a 16-byte load issued before the claim's atomic; and the bookkeeping
-            # after it (REG_STEPS, the kept token count, the published claim) as a reduction and
-            # stores, not atomics whose reply a later wait on the payload would also wait for.
-            "payload loaded before the claim": any(".128" in op for op in memory[:claim]),
+            # Payload first: a 16-byte load in flight through the claim's atomic (nothing waits
+            # for it before the atomic issues); and the bookkeeping after it (REG_STEPS, the kept
+            # token count, the published claim) as a reduction and stores, not atomics whose reply
+            # a later wait on the payload would also wait for.
+            "payload in flight through the claim": bool(sass_control.in_flight_through(code, r"LDG\.E\.128",
+                                                                                       r"ATOMG\.E\.ADD")),
             "atomics with a reply after the claim": sum(op.startswith(("ATOMG.E.EXCH", "ATOMG.E.MAX"))
                                                         for op in memory[claim:]),
         }
@@ -126,8 +132,8 @@ def problems(report: dict[str, dict]) -> list[str]:
             out.append(f"{dtype}: {info['spilled_bytes']} bytes of stack/local memory (spills)")
         if info["mul.lo.s32 (unguarded)"]:
             out.append(f"{dtype}: {info['mul.lo.s32 (unguarded)']} 32-bit multiplies (offset math must be 64-bit)")
-        if not info["payload loaded before the claim"]:
-            out.append(f"{dtype}: the payload is loaded only after the claim (one more round trip)")
+        if not info["payload in flight through the claim"]:
+            out.append(f"{dtype}: the payload is not in flight through the claim (one more round trip)")
         if info["atomics with a reply after the claim"]:
             out.append(f"{dtype}: {info['atomics with a reply after the claim']} bookkeeping atomics with a reply "
                        "after the claim (a wait on the payload waits for them too)")
@@ -154,7 +160,8 @@ def main(argv=None) -> int:
     for dtype, info in report.items():
         print(f"{dtype:>16}: registers {info['registers']}, spilled {info['spilled_bytes']} B, "
               f"unguarded mul.lo.s32 {info['mul.lo.s32 (unguarded)']}; loads {info['loads']}; "
-              f"stores {info['stores']}; payload before the claim {info['payload loaded before the claim']}")
+              f"stores {info['stores']}; payload in flight through the claim "
+              f"{info['payload in flight through the claim']}")
     found = problems(report)
     for problem in found:
         print(f"  {problem}")

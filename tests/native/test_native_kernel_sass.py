@@ -29,14 +29,14 @@ def test_the_check_refuses_scalar_loads_spills_and_32_bit_offsets():
     with a 32-bit offset multiply (a remainder after div.u32 is nvcc's guarded fast division), one
     that loads the payload after the claim and one whose bookkeeping atomics reply."""
     good = {"loads": {"LDG.E.128.CONSTANT": 5}, "stores": {}, "registers": 72, "spilled_bytes": 0,
-            "mul.lo.s32 (unguarded)": 0, "payload loaded before the claim": True,
+            "mul.lo.s32 (unguarded)": 0, "payload in flight through the claim": True,
             "atomics with a reply after the claim": 0}
     report = {f"t{i}": dict(good) for i in range(13)}
     assert native_kernel_sass.problems(report) == []
     report["t0"] = {**good, "loads": {"LDG.E.U16.CONSTANT": 10}}
     report["t1"] = {**good, "spilled_bytes": 16}
     report["t2"] = {**good, "mul.lo.s32 (unguarded)": 1}
-    report["t3"] = {**good, "payload loaded before the claim": False}
+    report["t3"] = {**good, "payload in flight through the claim": False}
     report["t4"] = {**good, "atomics with a reply after the claim": 2}
     assert [p.split(":")[0] for p in native_kernel_sass.problems(report)] == ["t0", "t1", "t2", "t3", "t4"]
     ptx = "div.u32 %r3, %r1, %r2;\nmul.lo.s32 %r4, %r3, %r2;\nmul.lo.s32 %r5, %r1, %r2;"
