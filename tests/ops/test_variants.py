@@ -400,6 +400,7 @@ def test_sm90_ptx_has_vector_loads_and_64_bit_offsets():
     assert out.returncode == 0, out.stdout + out.stderr
     assert ("fast paths vectorized, offsets 64-bit, host-mapped commit at system scope, "
             "one register snapshot per program") in out.stdout
+    assert "payload in flight through the claim" in out.stdout  # read from the SASS's scoreboards
     assert "--all: 0 variant(s) failed to compile, of " in out.stdout  # every input type and layout class
 
 
