@@ -78,7 +78,7 @@ int64_t write_cpu(const T* x, float* arena, const KernelArgs& a, const BlockDeci
   int64_t read_bad = 0;
   if (s.write) {
     const int64_t rows = a.row_reg == ROW_ALL ? a.T : 1, words = a.mean ? a.D : a.H * a.D;
-    for (int64_t r = 0; r < rows; ++r) read_bad += store_row_cpu(x + (s.row + r) * a.st, arena, s.dest + r * words, a);
+    for (int64_t r = 0; r < rows; ++r) read_bad += store_row_cpu(x + (s.gate.row + r) * a.st, arena, s.dest + r * words, a);
   }
   return s.check_all ? bad : read_bad;
 }

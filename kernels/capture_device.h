@@ -59,11 +59,11 @@ struct KernelArgs {
 
 // What thread 0 reads and decides and every thread reads after a barrier (the block's shared memory).
 struct BlockDecision {
-  Gate gate;                // the header registers, read once for the block (`read_registers`)
+  Gate gate;                // the header registers, read once for the block (`read_registers`): the row
   int64_t steps_now;        // REG_STEPS when they were read
   bool check_reg, early;    // REG_CHECK_ALL set; the block loads its first unit before the decision
   bool write, check_all;
-  int64_t row, dest, bad_step;
+  int64_t dest, bad_step;
   unsigned long long bad;  // NaN/Inf values the block found (summed after the write phase)
 };
 
@@ -103,7 +103,6 @@ CD_DEVICE inline void read_registers(const int32_t* ctrl, const KernelArgs& a, B
   s.gate = choose_counter(ctrl, a.kind, a.reason, a.T, a.row_reg);
   s.steps_now = ctrl[REG_STEPS];
   s.check_reg = ctrl[REG_CHECK_ALL] != 0;
-  s.row = s.gate.row;
   const bool row_ok = s.gate.row >= 0 && s.gate.row < a.T;
   s.early = a.vector && a.kind != KIND_RECORD_ONCE &&
             (a.phase == LAUNCH_COPY ? row_ok : a.phase == LAUNCH_WHOLE && s.gate.counter == CNT_WRITTEN);
@@ -262,7 +261,7 @@ CD_DEVICE Early<scalar_t> load_early(const scalar_t* x, const KernelArgs& a, con
   if (!e.valid) return e;
   // The unit u = tid of store_rows_vector.
   const int64_t r = rows == 1 ? 0 : tid / per_row, c = tid - r * per_row;
-  const scalar_t* src = x + (s.row + r) * a.st;
+  const scalar_t* src = x + (s.gate.row + r) * a.st;
   // One load into raw[0] for both layouts: a load in each branch of an if made nvcc join them with
   // a register move, which waits for the load before the claim.
   const int64_t per_hc_row = a.D / V, h = a.mean || a.H == 1 ? 0 : c / per_hc_row;
@@ -286,7 +285,7 @@ CD_DEVICE int64_t store_rows_vector(const scalar_t* x, float* arena, const Kerne
   int64_t bad = 0;
   for (int64_t u = tid; u < rows * per_row; u += threads) {
     const int64_t r = rows == 1 ? 0 : u / per_row, c = u - r * per_row;
-    const scalar_t* src = x + (s.row + r) * a.st;
+    const scalar_t* src = x + (s.gate.row + r) * a.st;
     const int64_t dest = s.dest + r * words + c * V;
     const bool loaded = early.valid && u == tid;  // the first unit, loaded before the decision
     if (a.mean) {
@@ -360,7 +359,7 @@ CD_DEVICE int64_t write_share(const scalar_t* x, float* arena, const KernelArgs&
       read_bad = store_rows_vector(x, arena, a, s, rows, tid, threads, early);
     } else {
       for (int64_t r = 0; r < rows; ++r)
-        read_bad += store_row(x + (s.row + r) * a.st, arena, s.dest + r * words, a, tid, threads);
+        read_bad += store_row(x + (s.gate.row + r) * a.st, arena, s.dest + r * words, a, tid, threads);
     }
   }
   return s.check_all ? bad : read_bad;

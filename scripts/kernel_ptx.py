@@ -5,7 +5,8 @@
                                             # and stores, no offset is multiplied in 32 bits, the
                                             # registers are agreed block-wide before the claim, a
                                             # clean call branches around the NaN/Inf atomics and the
-                                            # payload is loaded before the claim (no register after)
+                                            # payload is in flight through the claim (no register
+                                            # loaded after it)
     python scripts/kernel_ptx.py --all      # also compile every input type and layout class
 
 Run it without TRITON_INTERPRET (the test suite does, in a subprocess). Triton's bundled ptxas
@@ -110,6 +111,20 @@ def _no_register_after_the_claim(ptx: str) -> bool:
                    for i, line in enumerate(lines) if "ld.global" in line)
 
 
+def _payload_where_expected(info: dict, payload_first: bool, ids: bool) -> bool:
+    """Whether the payload's first load sits where the variant says: in flight through the claim
+    (True), or for ids issued before it (False allowed: Triton 3.6's ptxas copies the first int64
+    load's low words to another register at once, a move that waits for the load, no worse than
+    loading after the claim; Triton 3.9 keeps it in flight); after the claim (None) when the
+    variant loads it there. Not checked without cuobjdump."""
+    if "payload in flight through the claim" not in info:
+        return True
+    in_flight = info["payload in flight through the claim"]
+    if not payload_first:
+        return in_flight is None
+    return in_flight is not None if ids else in_flight is True
+
+
 def describe(kernel) -> dict:
     ptx = kernel.asm["ptx"]
     return {
@@ -169,14 +184,9 @@ def main(argv=None) -> int:
         if not info["clean call skips the NaN/Inf bookkeeping"]:
             ok = False
             print(f"  EVERY CALL WAITS FOR THE NaN/Inf COMPARE-AND-SWAP: {variant}")
-        # The payload in flight through the claim; for ids, issued before it: Triton 3.6's ptxas
-        # copies the first int64 load's low words to another register at once, a move that waits
-        # for the load (no worse than loading after the claim; Triton 3.9 keeps it in flight).
-        in_flight = info.get("payload in flight through the claim", "no SASS")  # no cuobjdump: not checked
-        payload_first, ids = len(variant) < 8 or variant[7], variant[2]
-        where = in_flight == "no SASS" or ((in_flight is not None if ids else in_flight is True) if payload_first
-                                           else in_flight is None)
-        if not info["no register loaded after the claim"] or not where:
+        payload_first = len(variant) < 8 or variant[7]
+        if not info["no register loaded after the claim"] or not _payload_where_expected(info, payload_first,
+                                                                                          ids=variant[2]):
             ok = False
             print(f"  A DEPENDENT ROUND TRIP AFTER THE CLAIM (a register loaded after it), OR THE PAYLOAD NOT WHERE "
                   f"THE VARIANT SAYS: {variant}")

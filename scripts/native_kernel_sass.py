@@ -100,9 +100,8 @@ def describe(ptx: str, cubin: Path, cuobjdump: str) -> dict[str, dict]:
     report = {}
     for dtype in sorted(sass_of):
         ops = re.findall(r"\b((?:LDG|STG)[A-Z0-9._]*)", sass_of[dtype])
-        memory = re.findall(r"\b((?:LDG|ATOMG)[A-Z0-9._]*)", sass_of[dtype])  # in program order
-        claim = next((i for i, op in enumerate(memory) if op.startswith("ATOMG.E.ADD")), len(memory))
         code = sass_control.parse(sass_of[dtype])
+        claim = next((i for i, ins in enumerate(code) if "ATOMG.E.ADD" in ins.text), len(code))
         resources = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", usage_of.get(dtype, "")))
         report[dtype] = {
             "loads": {op: ops.count(op) for op in sorted(set(ops)) if op.startswith("LDG")},
@@ -116,8 +115,8 @@ def describe(ptx: str, cubin: Path, cuobjdump: str) -> dict[str, dict]:
             # a later wait on the payload would also wait for.
             "payload in flight through the claim": bool(sass_control.in_flight_through(code, r"LDG\.E\.128",
                                                                                        r"ATOMG\.E\.ADD")),
-            "atomics with a reply after the claim": sum(op.startswith(("ATOMG.E.EXCH", "ATOMG.E.MAX"))
-                                                        for op in memory[claim:]),
+            "atomics with a reply after the claim": sum(bool(re.search(r"ATOMG\.E\.(EXCH|MAX)", ins.text))
+                                                        for ins in code[claim:]),
         }
     return report
 

@@ -122,9 +122,10 @@ def capture_kernel(
     # keep-first records, whose later calls all drop. Kept in the input's type: a conversion
     # here would wait for the load.
     early = tl.where(phase == L.LAUNCH_COPY, row_ok, live & (phase == L.LAUNCH_WHOLE))
-    early = early & (kind != L.KIND_RECORD_ONCE) & (pid < rows * tl.cdiv(D, BLOCK)) & PAYLOAD_FIRST
+    row_blocks = tl.cdiv(D, BLOCK)  # tiles per row
+    early = early & (kind != L.KIND_RECORD_ONCE) & (pid < rows * row_blocks) & PAYLOAD_FIRST
     early_limit = tl.where(early, D, 0)
-    cols, src_off, col_off = tile_at(pid, tl.maximum(tl.cdiv(D, BLOCK), 1), row, stride_t, stride_d, VEC, BLOCK)
+    cols, src_off, col_off = tile_at(pid, tl.maximum(row_blocks, 1), row, stride_t, stride_d, VEC, BLOCK)
     e0 = hc_row(x_ptr, src_off, 0, H, stride_h, col_off, cols, early_limit, VEC)
     e1, e2, e3 = e0, e0, e0  # a copy reads one row at a time: e0 alone
     if MEAN:
@@ -315,8 +316,6 @@ def _prepare(device, v):
     try:
         _launch_scratch(device, v, direct)
     except Exception as error:  # noqa: BLE001 - the JIT launch still works: warned, not raised
-        import triton
-
         warnings.warn(f"compiledump: Triton {triton.__version__}'s compiled capture kernel did not launch directly "
                       f"({type(error).__name__}: {str(error)[:200]}); captures go through Triton's JIT launch, which "
                       "costs about 28 µs more host time per capture (measured on an H200 host). Nothing is lost.",
