@@ -18,7 +18,9 @@ from typing import Callable
 EXIT_OK = 0
 EXIT_DIVERGENCE = 1
 EXIT_UNUSABLE = 2
-EXIT_NOT_COMPARABLE = 3  # compare: no divergence among the keys compared, but some were not comparable
+# compare: no divergence among the keys compared, but some were not comparable, or expert ids differ
+# where no reference router logits judge them.
+EXIT_NOT_COMPARABLE = 3
 
 
 def _error(message: str) -> int:
@@ -81,7 +83,8 @@ def _add_compare_parser(subparsers) -> None:
         description="Compare REF (the reference run) with RUN key by key, in model order. Thresholds follow "
                     "the lower precision of the two sides' source dtypes (docs/compare.md). Exit status: "
                     "0 no divergence, 1 divergence found, 2 unusable input, 3 no divergence but some keys "
-                    "were not comparable (values of different phases or token counts).",
+                    "were not comparable (values of different phases or token counts) or expert ids "
+                    "differ where no reference router logits judge them.",
     )
     parser.add_argument("ref", metavar="REF", help="reference dump: an .npz file or a directory of per-rank files")
     parser.add_argument("run", metavar="RUN", help="dump to check: an .npz file or a directory of per-rank files")
@@ -249,7 +252,7 @@ def _add_demo_parser(subparsers) -> None:
         description="Run the built-in hc_mult MoE model twice, as a reference (eager, float32, batch of 1) "
                     "and as an engine (torch.compile(fullgraph=True), padded decode batch; on CUDA bf16 "
                     "and CUDA graphs), dump both with compiledump and compare them. Exit status: the "
-                    "comparator's (0 no divergence, 1 divergence).",
+                    "comparator's (0 no divergence, 1 divergence, 3 could not tell everything); 2 for bad options.",
     )
     parser.add_argument("--layers", type=_positive_int, default=6, help="layers of the model (default 6)")
     parser.add_argument("--steps", type=_positive_int, default=16, help="decode steps (default 16)")

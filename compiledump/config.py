@@ -59,7 +59,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("COMPILEDUMP_CUDA_KERNEL", "triton", "the kernel of CUDA captures, read at import: `triton` (the "
            "Triton kernel, launched by Python after the tag registry's decision) or `native` (needs the native "
            "library built with CUDA: its region table decides in C++ and its CUDA kernel runs, no Python per call; "
-           "not yet measured on a GPU, so not the default)", scope="native"),
+           "not the default until compiled code has run it on a GPU, docs/compiling.md)", scope="native"),
     EnvVar("COMPILEDUMP_CPU_KERNEL", "", "tests only: `triton` runs the Triton kernel on CPU tensors (needs "
            "`TRITON_INTERPRET=1`) instead of the reference or native CPU kernel", scope="tests"),
     EnvVar("COMPILEDUMP_BUILD_NATIVE", "auto", "install time only (setup.py): `auto` builds the native library "

@@ -1,13 +1,20 @@
 """The capture side: what a model calls, and everything the process keeps until the flush.
 
-    api.py       the public calls (configure, init, record*, profiling, set_rows, ...)
-    state.py     the one state object and its locks; reset()
-    arena.py     the device arena, the control block and the tag registry (slots, regions)
-    dispatch.py  the kernels of compiledump::capture_v1 (registry lookup, then ops/), eager and export paths
-    flush.py     one host copy at flush, sliced into arrays + manifest (format/writer.py writes them)
-    collect.py   a snapshot sliced by the registry (commit counter, non-finite words): flush and recover
-    persist.py   crash-proof capture: arena and control block as mapped files, the registry's journal
-    recover.py   `compiledump recover`: what a dead process left, turned into a dump (numpy only)
-    parallel.py  multi-rank metadata for the manifest (set_parallel, declare_shard)
-    signals.py   flush on SIGTERM/SIGINT, then the signal's own action
+    api.py         the public calls (configure, init, record*, profiling, set_rows, ...)
+    instrument.py  instrument(model): forward hooks that call api.py on a model's modules
+    hf_layout.py   where a Hugging Face decoder keeps its layers, norms, MLP blocks and routers
+    hf_routers.py  which Hugging Face routers select how (the rules instrument declares)
+    layouts.py     how record reads a tensor (layout=, rows=)
+    routers.py     declare_router: how a router that is not a plain top-k selects, for compare
+    mixers.py      each tapped layer's token mixer, for the manifest
+    indexers.py    a sparse-attention indexer's scores and picks, recorded as routing
+    state.py       the one state object and its locks; reset()
+    arena.py       the device arena, the control block and the tag registry (slots, regions)
+    dispatch.py    the kernels of compiledump::capture_v1 (registry lookup, then ops/), eager and export paths
+    flush.py       one host copy at flush, sliced into arrays + manifest (format/writer.py writes them)
+    collect.py     a snapshot sliced by the registry (commit counter, non-finite words): flush and recover
+    persist.py     crash-proof capture: arena and control block as mapped files, the registry's journal
+    recover.py     `compiledump recover`: what a dead process left, turned into a dump (numpy only)
+    parallel.py    multi-rank metadata for the manifest (set_parallel, declare_shard)
+    signals.py     flush on SIGTERM/SIGINT, then the signal's own action
 """

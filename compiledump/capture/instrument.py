@@ -3,9 +3,9 @@
 Forward hooks call the capture API (capture/api.py), so they behave like hand-written calls:
 traced into `torch.compile(fullgraph=True)` graphs with no break or recompile, recorded into
 CUDA graphs, and no-ops that add nothing to a graph while capture is off. Dynamo does not see
-hooks added after it traced a module (it skips hook guards), so `instrument` refuses a module
-once it is compiled, clears dynamo's caches so that the next call re-traces the module with the
-hooks, and the flush at exit says so when instrumented modules never ran (e.g. a function
+hooks added after it traced a module (it skips hook guards), so on a compiled module `instrument`
+hooks the original module, warns, and clears dynamo's caches so that the next call re-traces it
+with the hooks; the flush at exit says so when instrumented modules never ran (e.g. a function
 compiled before `instrument`).
 
 Default taps follow the names Hugging Face (and vLLM/SGLang) give a decoder-only causal LM

@@ -77,7 +77,7 @@ def run_demo(
     log=print,
 ) -> int:
     """Run reference and engine, compare them, print the report; return the comparator's exit
-    status (0 no divergence, 1 divergence)."""
+    status (0 no divergence, 1 divergence, 3 could not tell everything)."""
     import torch
     from torch._dynamo.utils import counters
 

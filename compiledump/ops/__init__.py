@@ -6,6 +6,7 @@
     reference.py      the reference kernel (plain torch, CPU)
     triton_kernel.py  the device kernel (Triton; CPU under TRITON_INTERPRET=1) and its launch
     triton_steps.py   the device kernel's steps (Triton device functions it calls in order)
+    variants.py       which compiled Triton variant and grid a launch uses; prepared before capture
     native.py         the optional native library (C++/CUDA kernels for the same schemas)
     register.py       which kernel runs; Python kernels of the ops that need no tag registry
 
