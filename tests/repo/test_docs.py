@@ -129,3 +129,73 @@ def test_history_words_stay_in_the_migration_page():
             if pattern.search(text) and not re.search(r"manual_seed|random seed|seed=|\.seed\b|seed:|same seed", text):
                 offenders.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
     assert offenders == []
+
+
+CALL_CELL = re.compile(r"^\| (`[^|]*`) \|")
+CALL = re.compile(r"`((?:compiledump\.)?[\w.]*)\((.*?)\)`")
+
+
+def _documented_calls(path: Path):
+    """(qualified name, parameter text) of every call the first cell of a table row shows."""
+    for line in path.read_text().splitlines():
+        cell = CALL_CELL.match(line)
+        if not cell:
+            continue
+        module = "compiledump"
+        for name, params in CALL.findall(cell.group(1)):
+            if name.startswith("compiledump."):
+                module, name = name.rsplit(".", 1)
+            elif name.startswith("."):  # `.package(ep, path)` after `compiledump.aot.export(...)`
+                name = name[1:]
+            yield f"{module}.{name}", params
+
+
+def _documented_parameters(text: str) -> list[tuple[str, bool, str | None]]:
+    """(name, keyword-only, default text) of a documented parameter list."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text + ","):  # split at the commas outside brackets
+        depth += (char in "([{") - (char in ")]}")
+        if char == "," and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    found, keyword_only = [], False
+    for part in filter(None, parts):
+        if part == "*":
+            keyword_only = True
+            continue
+        name, _, default = part.partition("=")
+        found.append((name.lstrip("*"), keyword_only or name.startswith("**"), default or None))
+    return found
+
+
+@pytest.mark.parametrize("doc", [REPO / "README.md", REPO / "docs" / "api.md"], ids=lambda p: p.name)
+def test_documented_signatures_are_the_real_ones(doc):
+    """Each call a table shows has the real parameters, in order, with the real keyword-only marker
+    and literal defaults; docs/api.md (the reference) shows every parameter, the README may leave
+    keyword-only ones out."""
+    import ast
+    import importlib
+    import inspect
+
+    calls = list(_documented_calls(doc))
+    assert len(calls) >= 20, calls
+    wrong = []
+    for qualified, text in calls:
+        module, name = qualified.rsplit(".", 1)
+        real = inspect.signature(getattr(importlib.import_module(module), name)).parameters
+        real_params = [(p.name, p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD)) for p in real.values()]
+        shown = _documented_parameters(text)
+        if [(n, k) for n, k, _ in shown] != [(n, k) for n, k in real_params
+                                           if doc.name == "api.md" or not k or (n, k) in {(s, t) for s, t, _ in shown}]:
+            wrong.append(f"{qualified}({text}) but the real one is {name}{inspect.signature(getattr(importlib.import_module(module), name))}")
+            continue
+        for shown_name, _, default in shown:
+            if default is None or default == "...":
+                continue
+            try:
+                value = ast.literal_eval(default)
+            except ValueError:  # a default shown as names (dtypes=(bf16, ...)): not a literal
+                continue
+            if real[shown_name].default != value:
+                wrong.append(f"{qualified}: {shown_name}={default}, really {real[shown_name].default!r}")
+    assert wrong == []

@@ -1,5 +1,5 @@
 """The package's shape: no import cycles, the reader side free of torch, no oversized modules, no
-reaching into another module's private names.
+reaching into another module's private names, every module on the map a newcomer reads.
 
 Imports are read from the source (every `import`, at module level or inside a function), so a
 cycle hidden in a lazy import counts too.
@@ -132,6 +132,26 @@ def test_reader_side_imports_no_torch_at_run_time():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "[]"
+
+
+def test_every_module_is_on_the_map():
+    """Each module is named in its package's docstring (the folder's inventory) and in its
+    package's row of docs/architecture.md: a module added without either is found here."""
+    rows = {line.split("|")[1].strip().strip("`"): line
+            for line in (REPO / "docs" / "architecture.md").read_text().splitlines() if line.startswith("| `")}
+    unmapped = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        package = path.parent
+        if path.name == "__init__.py":
+            continue
+        if package != PACKAGE:
+            inventory = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+            if path.name not in inventory and f":mod:`.{path.stem}`" not in inventory:
+                unmapped.append(f"{path.relative_to(REPO)}: not in {package.name}/__init__.py's docstring")
+        row = rows.get(f"{package.name}/") if package != PACKAGE else "\n".join(rows.values())
+        if row is None or f"`{path.name}`" not in row:
+            unmapped.append(f"{path.relative_to(REPO)}: not in docs/architecture.md's table")
+    assert unmapped == []
 
 
 @pytest.mark.parametrize("name", list(MODULES))
