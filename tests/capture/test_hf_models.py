@@ -13,6 +13,7 @@ and issue 13 (verdicts with default thresholds).
 import copy
 import importlib.util
 import logging
+import warnings
 from pathlib import Path
 from unittest import mock
 
@@ -22,7 +23,9 @@ from torch._dynamo.utils import counters
 from torch._inductor.graph import GraphLowering
 
 import compiledump
+from compiledump import cli
 from compiledump.compare import CompareOptions, compare
+from helpers import readme_samples
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("hf_example", REPO / "examples" / "hf_reference_vs_compiled.py")
@@ -69,6 +72,7 @@ class Pair:
     against, so no engine is used after the next one exists."""
 
     def __init__(self, name, batch, tmp, dtype=torch.float32, rows="one", bugs=()):
+        self.name = name
         self.model = _model(name)
         self.inputs = ex.Inputs(self.model.config.vocab_size, STEPS, batch)
         self.expert = ex.pick_expert(self.model, self.inputs, 1) if hasattr(self.model.model.layers[1].mlp, "gate") \
@@ -140,10 +144,18 @@ def test_batch_of_one_engine_matches_the_reference(batch1):
 
 
 @pytest.mark.parametrize("bug", ONE_PERCENT, ids=[bug[0] for bug in ONE_PERCENT])
-def test_a_one_percent_bug_is_named_at_its_layer(batch4, bug):
+def test_a_one_percent_bug_is_named_at_its_layer(batch4, bug, capsys):
     report = batch4.verdict(batch4.bugs[bug])
     assert report.exit_status == 1
     assert report.first_divergence.layer == 1, _first(report)
+    if (batch4.name, bug[0]) == ("qwen3_moe", "norm"):
+        # The README's "Comparing" sample is this comparison (there with 4 layers and 6 steps).
+        capsys.readouterr()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            assert cli.main(["compare", batch4.reference, batch4.bugs[bug], "--table", "none"]) == 1
+        sample = readme_samples.console_output(readme_samples.block_after("## Comparing"), "compiledump compare")
+        assert readme_samples.unmatched(sample, capsys.readouterr().out.splitlines()) == []
 
 
 def test_recompiles_are_the_uninstrumented_models(tmp_path):

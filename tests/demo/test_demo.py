@@ -10,6 +10,7 @@ import pytest
 import compiledump
 from compiledump import cli
 from compiledump.ops import native
+from helpers import readme_samples
 
 
 def _demo(capsys, *args):
@@ -17,13 +18,16 @@ def _demo(capsys, *args):
     return status, capsys.readouterr().out
 
 
-@pytest.mark.parametrize("bug,layer", [("dropped_hc", 3), ("routed_scale", 1)])
-def test_injected_bug_is_named(dump_dir, tmp_path, capsys, bug, layer):
-    status, out = _demo(capsys, "--layers", "4", "--steps", "4", "--inject-bug", str(layer), "--bug", bug,
-                        "--out", str(tmp_path))
+# dropped_hc in layer 3 at the default sizes is the README's `compiledump demo --inject-bug 3`.
+@pytest.mark.parametrize("bug,layer,sizes", [("dropped_hc", 3, ()), ("routed_scale", 1, ("--layers", "4", "--steps", "4"))])
+def test_injected_bug_is_named(dump_dir, tmp_path, capsys, bug, layer, sizes):
+    status, out = _demo(capsys, *sizes, "--inject-bug", str(layer), "--bug", bug, "--out", str(tmp_path))
     assert status == 1, out
     last = out.splitlines()[-1]
     assert last.startswith(f"first divergence: layer{layer}") and f"(layer {layer})" in last, last
+    if not sizes:  # the README's sample of `compiledump demo --inject-bug 3`
+        sample = readme_samples.block_after("compiledump demo --inject-bug 3")
+        assert readme_samples.unmatched(sample, out.splitlines()) == []
 
 
 def test_default_demo_command(tmp_path):
@@ -46,6 +50,10 @@ def test_default_demo_command(tmp_path):
     expected = "native" if built and native_setting != "0" else "python"
     engine = [line for line in out.stdout.splitlines() if "compiled graph(s)" in line]
     assert engine and engine[0].endswith(f"capture path: {expected}"), engine
+    # The README shows this output (from a pure-Python install).
+    sample = readme_samples.block_after("prints, shortened")
+    printed = [line.replace("capture path: native", "capture path: python") for line in out.stdout.splitlines()]
+    assert readme_samples.unmatched(sample, printed) == []
 
 
 def test_bad_options_exit_2(capsys):
