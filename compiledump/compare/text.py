@@ -249,10 +249,10 @@ def format_report(report: Report, table: str = "all") -> list[str]:
     if prefill is not None:
         what = f"layer {prefill.layer}" if prefill.layer is not None else "key"
         lines.append(f"prefill: first divergent {what}: {describe_divergence(prefill)}; "
-                     f"last good: {prefill.last_good or 'none (first prefill key)'}")
+                     f"last good: {prefill.last_good or 'none (no earlier prefill key judged good)'}")
     if decode is not None:
         lines.append(f"decode: first divergent step {decode.step}: {describe_divergence(decode)}; "
-                     f"last good: {decode.last_good or 'none (first decode key)'}")
+                     f"last good: {decode.last_good or 'none (no earlier decode key judged good)'}")
     mismatches = report.id_mismatches
     for item in mismatches[:8]:
         at = f" [rank {item.rank}]" if many else ""

@@ -152,14 +152,17 @@ def _divergence(record: KeyRecord, last_good: KeyRecord | None) -> Divergence:
 
 
 def _first_in_phase(floats: list[KeyRecord], phase: str) -> Divergence | None:
-    """The first divergent float key of ``phase`` and the float key before it (last good)."""
+    """The first divergent float key of ``phase`` and the last key before it judged within its
+    thresholds (last good): a key shown but not judged (a decode step's router logits) or not
+    judged at some tokens may be far off, and is no evidence that the state was still good."""
     last_good = None
     for record in floats:
         if record.phase != phase:
             continue
         if record.divergent:
             return _divergence(record, last_good)
-        last_good = record
+        if record.status == "ok":
+            last_good = record
     return None
 
 

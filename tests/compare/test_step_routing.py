@@ -174,6 +174,21 @@ def test_a_steps_router_logits_are_shown_not_judged(tmp_path):
     assert report.exit_status == 1 and report.first_divergence.key == "layer0_step_router_1"
 
 
+def test_last_good_is_a_judged_key_not_the_router_logits_shown_before_the_divergence(tmp_path):
+    """Layer 1's step-1 router logits are far off (shown, not judged) and so is its output: the
+    decode divergence is the output, and its last good key the last one judged within its
+    thresholds (layer 0's output), not the far-off logits just before it."""
+    rng = np.random.default_rng(11)
+    ref = step_captures(rng)
+    run = run_side(ref, rng, {}, {"layer1_step_router_1", "layer1_out_1"})
+    report = compare(*write(tmp_path, ref, run, "float32"))
+    keys = {record.key: record for record in report.keys}
+    assert keys["layer1_step_router_1"].status == "shown" and keys["layer1_step_router_1"].floats.rel_diff > 0.2
+    first = report.first_divergence
+    assert (first.key, first.last_good, first.last_good_step) == ("layer1_out_1", "layer0_out_1", 1)
+    assert "last good: layer0_out_1" in format_report(report)[-1]
+
+
 @pytest.mark.parametrize("prefill_noise", [True, False])
 def test_a_steps_epsilon_takes_the_prefill_router_noise_of_its_layer(tmp_path, prefill_noise):
     """All-rows prefill: layer 0's router logits of RUN are off by up to ``noise`` in the rows
