@@ -166,6 +166,8 @@ class PairResult:
     not_captured: dict[str, dict | None] = field(default_factory=dict)  # REF/RUN: phases.not_captured
     nonfinite: dict[str, dict | None] = field(default_factory=dict)  # REF/RUN: phases.first_nonfinite
     prompt_tokens: int | None = None  # the prompt length either manifest states or implies
+    prompt_tokens_ref: int | None = None  # each side's own
+    prompt_tokens_run: int | None = None
     renamed: dict[str, str] = field(default_factory=dict)  # --map: new RUN key -> old
 
     @property
@@ -188,6 +190,7 @@ class PairResult:
         return {"rank": self.rank, "ref": self.ref, "run": self.run, "ref_manifest": self.ref_manifest,
                 "run_manifest": self.run_manifest, "compared": self.compared, "divergent_keys": self.divergent_keys,
                 "not_comparable": len(self.not_comparable), "prompt_tokens": self.prompt_tokens,
+                "prompt_tokens_ref": self.prompt_tokens_ref, "prompt_tokens_run": self.prompt_tokens_run,
                 "first_divergence": _opt(self.first_divergence), "first_argmax_flip": _opt(self.first_argmax_flip),
                 "id_mismatches": [item.to_json() for item in self.id_mismatches],
                 "decode_margins": _opt(self.decode_margins), "closest": _opt(self.closest),

@@ -312,7 +312,7 @@ def not_comparable_line(pair: PairResult) -> str | None:
     keys = ", ".join(record.key for record in refused[:6]) + (f", ... ({len(refused) - 6} more)"
                                                               if len(refused) > 6 else "")
     return (f"not comparable: {len(refused)} keys hold values of different phases or token counts "
-            f"({'; '.join(described)}): {keys}; not compared, fix: {fix_hint(pair.prompt_tokens)}")
+            f"({'; '.join(described)}): {keys}; not compared, fix: {fix_hint(pair.prompt_tokens, (pair.prompt_tokens_ref, pair.prompt_tokens_run))}")
 
 
 def _call(phase: str | None, tokens: int | None) -> str:

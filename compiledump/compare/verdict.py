@@ -116,7 +116,8 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     notes.extend(note for note in (recovered_note("REF", ref), recovered_note("RUN", run)) if note)
     result = PairResult(rank=rank, ref=str(ref.path), run=str(run.path), ref_manifest=ref.manifest is not None,
                         run_manifest=run.manifest is not None, keys=records, problems=problems, notes=notes,
-                        not_captured=captured, prompt_tokens=prompt,
+                        not_captured=captured, prompt_tokens=prompt, prompt_tokens_ref=prompt_length(ref),
+                        prompt_tokens_run=prompt_length(run),
                         nonfinite={"REF": first_nonfinite(ref), "RUN": first_nonfinite(run)},
                         renamed=run.renamed() if isinstance(run, RenamedDump) else {})
     analyse_pair(result)

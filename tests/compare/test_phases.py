@@ -142,6 +142,26 @@ def test_prefill_against_decode_names_the_phases_and_the_prompt_length(tmp_path,
     assert [problem["side"] for problem in mixed] == ["RUN"]  # REF's record keys match its ids
 
 
+def test_prompts_of_different_lengths_are_named_not_the_token_gate(tmp_path, capsys, captures):
+    """Both sides at COMPILEDUMP_TOKENS=auto, each prefill its own prompt's (3 and 4 tokens): the
+    fix is the same prompt on both sides, which each manifest's prompt_tokens shows; no setting of
+    the token gate would make these values comparable."""
+    rng = np.random.default_rng(6)
+    run = [factory.replace(c, array=(rng.standard_normal(c.array.shape) * 2).astype(np.float32))
+           if c.kind == "record" else c for c in captures]
+    manifests = [factory.manifest_for(side, source_dtype="float32", prompt_tokens=prompt,
+                                      key_fields=factory.call_fields(side, prompt, prompt, prompt))
+                 for side, prompt in ((captures, 3), (run, 4))]
+    ref_path, run_path = write_pair(tmp_path, captures, run, ref_manifest=manifests[0], run_manifest=manifests[1])
+    code, out, report = compare_json(capsys, ref_path, run_path)
+    assert code == 3
+    assert (report["pairs"][0]["prompt_tokens_ref"], report["pairs"][0]["prompt_tokens_run"]) == (3, 4)
+    (line,) = [line for line in out if line.startswith("not comparable:")]
+    assert "REF prefill of 3 tokens vs RUN prefill of 4 tokens" in line, line
+    assert line.endswith("fix: compare runs of the same prompt (REF's has 3 tokens, RUN's 4 tokens)"), line
+    assert "COMPILEDUMP_TOKENS" not in line
+
+
 def test_a_divergence_among_comparable_keys_still_exits_1(tmp_path, capsys, captures):
     (ref_path, run_path), _ = decode_pair(tmp_path, captures, prompt=3, ref_tokens=3, run_tokens=4, diverge_step=2)
     code, out, report = compare_json(capsys, ref_path, run_path)
