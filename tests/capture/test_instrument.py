@@ -217,6 +217,8 @@ def test_a_hyper_connection_residual_is_the_request_s_mean_over_hc_mult(dump_dir
     logits, _, top = gates[0]
     np.testing.assert_allclose(arrays["layer2_router"], logits.reshape(2, 9, -1)[1].numpy(), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(arrays["layer2_topk"], top.reshape(2, 9, -1)[1].numpy())
+    # The logits too: the request's last position (docs/api.md), not batch row 0's.
+    np.testing.assert_allclose(arrays["logits_0"], out.logits[1, -1].numpy(), rtol=1e-6, atol=1e-6)
     assert "drops" not in manifest or not manifest["drops"]
 
 
