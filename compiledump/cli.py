@@ -23,19 +23,33 @@ EXIT_UNUSABLE = 2
 EXIT_NOT_COMPARABLE = 3
 
 
+# `--json -`: the JSON on stdout (for a pipe into jq), the text report on stderr.
+JSON_TO_STDOUT = "-"
+
+
+def _write_json(path: str, text: str) -> None:
+    if path == JSON_TO_STDOUT:
+        _emit([text.rstrip("\n")])
+    else:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text)
+
+
 def _error(message: str) -> int:
     """Unusable input: exactly one line on stderr, exit status 2."""
     print(f"compiledump: error: {message}", file=sys.stderr)
     return EXIT_UNUSABLE
 
 
-def _emit(lines: list[str]) -> None:
+def _emit(lines: list[str], json_path: str | None = None) -> None:
     """Print lines; if the reader of a pipe went away (``| head``), stop printing quietly so the
-    command still returns its real exit status."""
+    command still returns its real exit status. With ``--json -`` the JSON takes stdout, so the
+    lines go to stderr."""
+    stream = sys.stderr if json_path == JSON_TO_STDOUT else sys.stdout
     try:
         for line in lines:
-            print(line)
-        sys.stdout.flush()
+            print(line, file=stream)
+        stream.flush()
     except BrokenPipeError:
         # Point stdout at /dev/null so the interpreter's final flush does not raise again.
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -107,7 +121,8 @@ def _add_compare_parser(subparsers) -> None:
     parser.add_argument("--near-tie-ulps", type=_non_negative_float, default=DEFAULT_NEAR_TIE_ULPS, metavar="N",
                         help=f"near-tie epsilon as N bf16 spacings at the reference top-1 logit "
                              f"(default {DEFAULT_NEAR_TIE_ULPS:g})")
-    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
+    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH ('-': to "
+                                                       "stdout, the text report then to stderr)")
     parser.add_argument("--plot", metavar="PATH.png",
                         help="draw rel_diff per layer and margin per step to PATH.png (needs matplotlib)")
     parser.add_argument("--table", choices=("all", "divergent", "none"), default="all",
@@ -133,7 +148,7 @@ def _note_leftovers(*paths: str) -> None:
 
 
 def _run_compare(args: argparse.Namespace) -> int:
-    from .compare import CompareOptions, PlotUnavailable, compare, format_report, write_json_report, write_plot
+    from .compare import CompareOptions, PlotUnavailable, compare, format_report, report_json_text, write_plot
 
     _note_leftovers(args.ref, args.run)
 
@@ -141,10 +156,10 @@ def _run_compare(args: argparse.Namespace) -> int:
                              norm_threshold=args.norm_threshold, maps=list(args.map),
                              near_tie=args.near_tie, near_tie_ulps=args.near_tie_ulps)
     report = compare(args.ref, args.run, options)
-    _emit(format_report(report, table=args.table))
+    _emit(format_report(report, table=args.table), args.json)
     if args.json:
         try:
-            write_json_report(report, args.json)
+            _write_json(args.json, report_json_text(report))
         except OSError as exc:
             return _error(f"cannot write the JSON report {args.json}: {exc.strerror or exc}")
     if args.plot:
@@ -166,7 +181,8 @@ def _add_inspect_parser(subparsers) -> None:
                     "counts, plus the manifest's config and drop counts. Exit status 0, or 2 for unusable input.",
     )
     parser.add_argument("file", metavar="FILE", help="an .npz dump, or a directory of per-rank dumps")
-    parser.add_argument("--json", metavar="PATH", help="also write the listing as JSON to PATH")
+    parser.add_argument("--json", metavar="PATH", help="also write the listing as JSON to PATH ('-': to "
+                                                       "stdout, the listing then to stderr)")
     parser.set_defaults(func=_run_inspect)
 
 
@@ -178,11 +194,10 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
     _note_leftovers(args.file)
     summaries = inspect_path(args.file)
-    _emit([line for summary in summaries for line in format_inspection(summary)])
+    _emit([line for summary in summaries for line in format_inspection(summary)], args.json)
     if args.json:
         try:
-            with open(args.json, "w", encoding="utf-8") as handle:
-                json.dump(json_safe({"files": summaries}), handle, indent=1, allow_nan=False)
+            _write_json(args.json, json.dumps(json_safe({"files": summaries}), indent=1, allow_nan=False) + "\n")
         except OSError as exc:
             return _error(f"cannot write {args.json}: {exc.strerror or exc}")
     return EXIT_OK

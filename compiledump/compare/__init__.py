@@ -19,7 +19,8 @@ from .options import (DEFAULT_NEAR_TIE_ULPS, DEFAULT_THRESHOLD, DEFAULT_THRESHOL
                       pair_class, precision_class)
 from .plot import PlotUnavailable, write_plot
 from .key_record import KeyRecord, MergeInfo, RankPart
-from .report import ArgmaxFlip, DecodeMargins, Divergence, PairResult, Problem, Report, json_safe, write_json_report
+from .report import (ArgmaxFlip, DecodeMargins, Divergence, PairResult, Problem, Report, json_safe, report_json_text,
+                     write_json_report)
 from .shards import MergedDump
 from .text import describe_divergence, final_line, format_report, format_table
 from .verdict import NoCommonKeys, compare, compare_pair
@@ -30,6 +31,6 @@ __all__ = [
     "MergeInfo", "MergedDump", "NoCommonKeys", "PairResult", "PlotUnavailable", "Problem", "RankPart", "Report",
     "RowMetrics", "SideFacts", "Thresholds", "Workspace", "bf16_spacing", "collect_dumps", "compare",
     "compare_float_arrays", "compare_id_arrays", "compare_pair", "compare_rows", "pair_class", "precision_class",
-    "describe_divergence", "final_line", "format_report", "format_table", "json_safe", "write_json_report",
-    "write_plot",
+    "describe_divergence", "final_line", "format_report", "format_table", "json_safe", "report_json_text",
+    "write_json_report", "write_plot",
 ]

@@ -299,6 +299,11 @@ def json_safe(value: Any) -> Any:
     return value
 
 
+def report_json_text(report: Report) -> str:
+    """The report as strict JSON text (NaN/inf become null)."""
+    return json.dumps(report.to_json(), indent=1, allow_nan=False) + "\n"
+
+
 def write_json_report(report: Report, path: str | Path) -> None:
     """Write the report as strict JSON (NaN/inf become null)."""
-    Path(path).write_text(json.dumps(report.to_json(), indent=1, allow_nan=False) + "\n", encoding="utf-8")
+    Path(path).write_text(report_json_text(report), encoding="utf-8")
