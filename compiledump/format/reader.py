@@ -355,6 +355,11 @@ class DuplicateRank:
     used: Path
 
 
+# Why a side may have no dump: capture is off unless COMPILEDUMP_DIR is set, and a run writes only
+# what it captured.
+_WHERE = "a run writes its dump into COMPILEDUMP_DIR (capture is off without it) when it captured something"
+
+
 def collect_dumps(path: str | Path, label: str) -> tuple[dict[str, Path], list[DuplicateRank]]:
     """Dump files of one side by rank label, and the files left out as duplicates of a rank.
 
@@ -367,7 +372,7 @@ def collect_dumps(path: str | Path, label: str) -> tuple[dict[str, Path], list[D
     if path.is_dir():
         files = sorted({found for pattern in spec.DUMP_GLOBS for found in path.glob(pattern) if found.is_file()})
         if not files:
-            raise DumpError(f"{label} {path}: directory holds no dumps ({' or '.join(spec.DUMP_GLOBS)})")
+            raise DumpError(f"{label} {path}: directory holds no dumps ({' or '.join(spec.DUMP_GLOBS)}); {_WHERE}")
         by_rank: dict[str, list[Path]] = {}
         for found in files:
             by_rank.setdefault(spec.DUMP_NAME.match(found.name).group("rank"), []).append(found)
@@ -379,6 +384,6 @@ def collect_dumps(path: str | Path, label: str) -> tuple[dict[str, Path], list[D
             duplicates.extend(DuplicateRank(rank, ignored, candidates[-1]) for ignored in candidates[:-1])
         return chosen, duplicates
     if not path.exists():
-        raise DumpError(f"{label} {path}: no such file or directory")
+        raise DumpError(f"{label} {path}: no such file or directory; {_WHERE}")
     match = spec.DUMP_NAME.match(path.name)
     return {match.group("rank") if match else "?": path}, []

@@ -255,6 +255,9 @@ def test_malformed_input_exits_2_with_one_line(tmp_path, capsys):
         assert code == 2, name
         assert len(err) == 1 and err[0].startswith("compiledump: error:"), (name, err)
         assert out == [], name
+        if name in ("missing file", "directory without dumps"):  # a run whose COMPILEDUMP_DIR was not set
+            assert err[0].endswith("a run writes its dump into COMPILEDUMP_DIR (capture is off without it) "
+                                   "when it captured something"), err
     code, _, err = run_cli(capsys, "inspect", tmp_path / "truncated" / "compiledump_rank0_pid1.npz")
     assert code == 2 and len(err) == 1 and err[0].startswith("compiledump: error:")
 
