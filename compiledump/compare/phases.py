@@ -155,6 +155,21 @@ def hybrid_note(manifests: list, layer: int | None, klass: str | None) -> str | 
 _FILTERS = {"moe_layers": "COMPILEDUMP_MOE_LAYERS"}
 
 
+def moe_layers_of(manifest: dict | None):
+    """The COMPILEDUMP_MOE_LAYERS a side captured with (its manifest's config), or None."""
+    config = (manifest or {}).get("config")
+    return config.get("moe_layers") if isinstance(config, dict) else None
+
+
+def one_sided_note(side: str, keys: list[str], ref_manifest: dict | None, run_manifest: dict | None) -> str:
+    """One line for the keys `side` has whose tags the other side's host filter dropped, the two
+    sides' COMPILEDUMP_MOE_LAYERS differing: not compared, and both settings."""
+    other = "RUN" if side == "REF" else "REF"
+    return (f"{side} has {len(keys)} keys whose tags {other}'s COMPILEDUMP_MOE_LAYERS (REF "
+            f"{moe_layers_of(ref_manifest)}, RUN {moe_layers_of(run_manifest)}) filtered: not compared; set the "
+            f"same COMPILEDUMP_MOE_LAYERS on both sides to compare them ({preview(keys, 4)})")
+
+
 def not_captured_note(facts: dict[str, dict | None]) -> str | None:
     """One line over both sides: tags filtered, tags never kept, dropped calls, with counts."""
     parts = []

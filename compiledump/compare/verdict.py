@@ -22,7 +22,9 @@ from .phases import (
     mixed_phase_detail,
     mixed_phase_keys,
     not_captured,
+    moe_layers_of,
     not_captured_note,
+    one_sided_note,
     prompt_length,
     recovered_note,
 )
@@ -91,15 +93,29 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     measurer = KeyMeasurer(ref, run, options, rank, logits_tags(ordered, authority.members | other.members),
                            workspace, float_class(ref, run, sorted(common)))
     records: list[KeyRecord] = []
+    captured = {"REF": not_captured(ref), "RUN": not_captured(run)}
+    # Keys one side has whose tag the other side's host filter dropped, COMPILEDUMP_MOE_LAYERS set
+    # differently: one note names the setting, instead of a problem per key. (With the same setting,
+    # as after --map renamed tags the filter did not match, they stay problems.)
+    settings_differ = moe_layers_of(ref.manifest) != moe_layers_of(run.manifest)
+    filtered_by = {side: set((fact or {}).get("filtered", ()) if settings_differ else ())
+                   for side, fact in captured.items()}
+    one_sided: dict[str, list[str]] = {"REF": [], "RUN": []}
     for info in ordered:
         key = info.key
         if key not in run.members:
             if key not in run.bad_members and key not in run.excluded:
-                problems.append(Problem("missing_in_run", rank, "present in REF only", key))
+                if info.tag in filtered_by["RUN"]:
+                    one_sided["REF"].append(key)
+                else:
+                    problems.append(Problem("missing_in_run", rank, "present in REF only", key))
             continue
         if key not in ref.members:
             if key not in ref.bad_members and key not in ref.excluded:
-                problems.append(Problem("extra_in_run", rank, "present in RUN only", key))
+                if info.tag in filtered_by["REF"]:
+                    one_sided["RUN"].append(key)
+                else:
+                    problems.append(Problem("extra_in_run", rank, "present in RUN only", key))
             continue
         records.append(measurer.record(info, problems))
     for position, record in enumerate(records):
@@ -109,10 +125,10 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
         mixed = mixed_phase_keys(dump)
         if mixed[0]:
             problems.append(Problem("mixed_phases", rank, mixed_phase_detail(side, *mixed, prompt), side=side))
-    captured = {"REF": not_captured(ref), "RUN": not_captured(run)}
     note = not_captured_note(captured)
     if note is not None:
         notes.append(note)
+    notes.extend(one_sided_note(side, keys, ref.manifest, run.manifest) for side, keys in one_sided.items() if keys)
     notes.extend(note for note in (recovered_note("REF", ref), recovered_note("RUN", run)) if note)
     result = PairResult(rank=rank, ref=str(ref.path), run=str(run.path), ref_manifest=ref.manifest is not None,
                         run_manifest=run.manifest is not None, keys=records, problems=problems, notes=notes,

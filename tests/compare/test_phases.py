@@ -179,3 +179,30 @@ def test_steps_are_compared_whatever_their_batch(tmp_path, capsys, captures):
     ref_path, run_path = write_pair(tmp_path, captures, run, ref_manifest=ref_manifest, run_manifest=run_manifest)
     code, _, report = compare_json(capsys, ref_path, run_path)
     assert code == 0 and report["not_comparable"] == [] and report["compared"] == len(captures)
+
+
+def test_keys_the_other_sides_moe_filter_dropped_are_one_note_naming_the_setting(tmp_path, capsys, captures):
+    """REF recorded layers 0-4's internals (COMPILEDUMP_MOE_LAYERS=5), RUN only layer 0's (1): the
+    keys of layers 1-4 that RUN's filter dropped (every layer's output is kept) are one note naming
+    both settings, not a problem per key; a key RUN lacks for another reason is still a problem;
+    the rest is compared as before."""
+    rng = np.random.default_rng(8)
+    internals = [c.key for c in captures if c.key.startswith(("layer1_", "layer2_", "layer3_", "layer4_"))]
+    lost = "final_norm"  # missing on RUN, not filtered
+    run = [c for c in factory.perturb(captures, rng, noise=1e-7) if c.key not in internals and c.key != lost]
+    ref_manifest = factory.manifest_for(captures, source_dtype="float32")
+    ref_manifest["config"]["moe_layers"] = 5
+    run_manifest = factory.manifest_for(run, source_dtype="float32",
+                                        filtered_tags={key: "moe_layers" for key in internals})
+    run_manifest["config"]["moe_layers"] = 1
+    ref_path, run_path = write_pair(tmp_path, captures, run, ref_manifest=ref_manifest, run_manifest=run_manifest)
+    code, out, report = compare_json(capsys, ref_path, run_path)
+    assert code == 0
+    problems = report["problems"]
+    assert [(p["kind"], p["key"]) for p in problems if p["kind"] in ("missing_in_run", "extra_in_run")] == [
+        ("missing_in_run", lost)]
+    (line,) = [line for line in out if "filtered: not compared" in line]
+    assert len(internals) == 8 and {"layer1", "layer4"} <= {record["key"] for record in report["keys"]}
+    assert line == (f"note: REF has {len(internals)} keys whose tags RUN's COMPILEDUMP_MOE_LAYERS (REF 5, RUN 1) "
+                    f"filtered: not compared; set the same COMPILEDUMP_MOE_LAYERS on both sides to compare them "
+                    f"({', '.join(internals[:4])}, ... ({len(internals) - 4} more))"), line
