@@ -200,7 +200,8 @@ def format_report(report: Report, table: str = "all") -> list[str]:
         lines.append(f"== {rank}REF {pair.ref}  vs  RUN {pair.run}")
         records = pair.keys
         if table == "divergent":
-            records = [record for record in records if record.divergent or record.status != "ok"]
+            # The marked rows (!, *, ?, ~); a decode step's router logits (-) are shown, never judged.
+            records = [record for record in records if record.divergent or record.status not in ("ok", "shown")]
         if table != "none" and records:
             lines.extend(format_table(records))
     for note in report.notes:

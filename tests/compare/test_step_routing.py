@@ -363,3 +363,21 @@ def test_step_ids_of_several_rows_are_judged_alone(tmp_path):
     keys = {record.key: record for record in report.keys}
     assert keys["layer0_step_topk_1"].status == "near_tie"  # judged by the logits of its last row
     assert keys["logits_1"].divergent and keys["logits_2"].divergent and report.exit_status == 1
+
+
+def test_the_divergent_table_leaves_out_the_router_logits_shown(tmp_path, capsys):
+    """`--table divergent` prints the marked rows; a decode step's router logits are shown in the
+    full table (`-`, never judged), not among them, however far off."""
+    from compiledump.cli import main
+
+    rng = np.random.default_rng(12)
+    ref = step_captures(rng)
+    run = run_side(ref, rng, {}, {"layer0_step_router_1", "layer2_out_2"})
+    paths = [str(path) for path in write(tmp_path, ref, run, "float32")]
+    tables = {}
+    for table in ("all", "divergent"):
+        assert main(["compare", *paths, "--table", table]) == 1
+        tables[table] = [line[2:].split()[0] for line in capsys.readouterr().out.splitlines()
+                         if line[:2] in ("! ", "* ", "- ", "? ", "~ ", "  ") and len(line.split()) > 5
+                         and line[2:].split()[0] != "key"]
+    assert "layer0_step_router_1" in tables["all"] and tables["divergent"] == ["layer2_out_2"]
