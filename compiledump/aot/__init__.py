@@ -11,8 +11,8 @@ process without Python), so exporting differs from compiling in two ways:
 
 The registry that the flush needs to name the arena's regions (tags, kinds, regions, shapes) is
 written into the package as metadata (the "plan", plan.py), which `load` (program.py, with
-`export` and `package`) and the native
-library's C++ flush (kernels/dump.cpp) read back. docs/export.md is the contract.
+`export` and `package`) and the native library's C++ flush (kernels/dump.cpp) read back.
+docs/export.md is the contract.
 
     ep = compiledump.aot.export(model, (tokens,))          # inputs become (arena, ctrl, tokens)
     path = compiledump.aot.package(ep, "model.pt2")        # AOTInductor + the plan

@@ -155,7 +155,7 @@ def hybrid_note(manifests: list, layer: int | None, klass: str | None) -> str | 
 _FILTERS = {"moe_layers": "COMPILEDUMP_MOE_LAYERS"}
 
 
-def moe_layers_of(manifest: dict | None):
+def moe_layers_of(manifest: dict | None) -> int | None:
     """The COMPILEDUMP_MOE_LAYERS a side captured with (its manifest's config), or None."""
     config = (manifest or {}).get("config")
     return config.get("moe_layers") if isinstance(config, dict) else None

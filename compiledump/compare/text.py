@@ -312,8 +312,9 @@ def not_comparable_line(pair: PairResult) -> str | None:
         described.append(f"{count} x REF {_call(phase_ref, tokens_ref)} vs RUN {_call(phase_run, tokens_run)}")
     keys = ", ".join(record.key for record in refused[:6]) + (f", ... ({len(refused) - 6} more)"
                                                               if len(refused) > 6 else "")
+    fix = fix_hint(pair.prompt_tokens, (pair.prompt_tokens_ref, pair.prompt_tokens_run))
     return (f"not comparable: {len(refused)} keys hold values of different phases or token counts "
-            f"({'; '.join(described)}): {keys}; not compared, fix: {fix_hint(pair.prompt_tokens, (pair.prompt_tokens_ref, pair.prompt_tokens_run))}")
+            f"({'; '.join(described)}): {keys}; not compared, fix: {fix}")
 
 
 def _call(phase: str | None, tokens: int | None) -> str:

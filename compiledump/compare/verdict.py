@@ -21,8 +21,8 @@ from .phases import (
     hybrid_note,
     mixed_phase_detail,
     mixed_phase_keys,
-    not_captured,
     moe_layers_of,
+    not_captured,
     not_captured_note,
     one_sided_note,
     prompt_length,
@@ -97,7 +97,8 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     # Keys one side has whose tag the other side's host filter dropped, COMPILEDUMP_MOE_LAYERS set
     # differently: one note names the setting, instead of a problem per key. (With the same setting,
     # as after --map renamed tags the filter did not match, they stay problems.)
-    settings_differ = moe_layers_of(ref.manifest) != moe_layers_of(run.manifest)
+    settings = (moe_layers_of(ref.manifest), moe_layers_of(run.manifest))
+    settings_differ = None not in settings and settings[0] != settings[1]
     filtered_by = {side: set((fact or {}).get("filtered", ()) if settings_differ else ())
                    for side, fact in captured.items()}
     one_sided: dict[str, list[str]] = {"REF": [], "RUN": []}
