@@ -18,8 +18,8 @@ from typing import Callable
 EXIT_OK = 0
 EXIT_DIVERGENCE = 1
 EXIT_UNUSABLE = 2
-# compare: no divergence among the keys compared, but some were not comparable, or expert ids differ
-# where no reference router logits judge them.
+# compare: no divergence among the keys compared, but some were not comparable or not compared, or
+# expert ids differ where no reference router logits judge them.
 EXIT_NOT_COMPARABLE = 3
 
 
@@ -97,8 +97,9 @@ def _add_compare_parser(subparsers) -> None:
         description="Compare REF (the reference run) with RUN key by key, in model order. Thresholds follow "
                     "the lower precision of the two sides' source dtypes (docs/compare.md). Exit status: "
                     "0 no divergence, 1 divergence found, 2 unusable input, 3 no divergence but some keys "
-                    "were not comparable (values of different phases or token counts) or expert ids "
-                    "differ where no reference router logits judge them.",
+                    "were not comparable (values of different phases or token counts) or not compared "
+                    "(shapes or dtypes that cannot be), or expert ids differ where no reference router "
+                    "logits judge them.",
     )
     parser.add_argument("ref", metavar="REF", help="reference dump: an .npz file or a directory of per-rank files")
     parser.add_argument("run", metavar="RUN", help="dump to check: an .npz file or a directory of per-rank files")

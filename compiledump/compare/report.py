@@ -172,11 +172,17 @@ class PairResult:
 
     @property
     def compared(self) -> int:
-        return sum(1 for record in self.keys if record.status != "not_comparable")
+        return sum(1 for record in self.keys if record.status not in ("not_comparable", "skipped"))
 
     @property
     def not_comparable(self) -> list[KeyRecord]:
         return [record for record in self.keys if record.status == "not_comparable"]
+
+    @property
+    def not_compared(self) -> list[KeyRecord]:
+        """Keys both sides hold that were not compared (shapes or dtypes that cannot be, an
+        unreadable array): their problems say why."""
+        return [record for record in self.keys if record.status == "skipped"]
 
     @property
     def divergent_keys(self) -> int:
@@ -228,6 +234,10 @@ class Report:
         return [record for pair in self.pairs for record in pair.not_comparable]
 
     @property
+    def not_compared(self) -> list[KeyRecord]:
+        return [record for pair in self.pairs for record in pair.not_compared]
+
+    @property
     def closest(self) -> Closest | None:
         return Closest.of(self.keys)
 
@@ -239,12 +249,13 @@ class Report:
     @property
     def exit_status(self) -> int:
         """The CLI's exit status: 1 when something diverged; else 3 when some keys were not
-        comparable (different phases or token counts) or expert ids differ where no reference
-        router logits could judge them (docs/compare.md); else 0."""
+        comparable (different phases or token counts) or not compared (shapes or dtypes that
+        cannot be), or expert ids differ where no reference router logits could judge them
+        (docs/compare.md); else 0."""
         if self.first_divergence is not None:
             return 1
         unjudged = any(item.routing_verdict == "not_judged" for item in self.id_mismatches)
-        return 3 if self.not_comparable or unjudged else 0
+        return 3 if self.not_comparable or self.not_compared or unjudged else 0
 
     def to_json(self) -> dict:
         """The report as strict-JSON-ready data (docs/compare.md, "Output")."""

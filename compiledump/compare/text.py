@@ -336,6 +336,8 @@ def final_line(report: Report) -> str:
                     f"vs threshold {_number(closest.threshold)}")
         refused = len(report.not_comparable)
         skipped = f"; {refused} keys NOT COMPARABLE (see above)" if refused else ""
+        if report.not_compared:
+            skipped += f"; {len(report.not_compared)} keys held by both sides NOT COMPARED (see the problems)"
         extra = f"; {len(report.problems)} problems listed above" if report.problems else ""
         flip = report.first_argmax_flip
         tie = f"; {flip.kind} argmax flip at step {flip.step}" if flip is not None else ""
