@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import operator
 import re
 
 import torch
@@ -181,6 +182,20 @@ def enabled() -> bool:
     return STATE.config.active and STATE.profiling_depth == 0
 
 
+def _int_argument(call: str, value):
+    """An int argument of `set_rows`/`set_gather_rows`, checked here rather than failing later in a
+    capture: Python and numpy ints, and SymInts (a graph's shape, under torch.compile); not bools,
+    floats, None or tensors (reading a device tensor's value would sync the host)."""
+    if isinstance(value, torch.SymInt):
+        return value
+    if not isinstance(value, (bool, torch.Tensor)):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"compiledump.{call}: expected an int, got {type(value).__name__} {value!r}")
+
+
 def _write_register(index: int, value: int) -> None:
     rt = STATE.runtime
     if rt is None:
@@ -214,6 +229,7 @@ def set_rows(rows: int) -> None:
     """Tell the dump how many rows the sampler just produced; `record_step` is skipped while
     this exceeds `max_rows` (warm-up batches). Call it outside graphs, or inside with a value
     fixed by the graph's shape."""
+    rows = _int_argument("set_rows", rows)
     if not STATE.config.active:
         return
     rt = STATE.runtime
@@ -230,12 +246,14 @@ def set_gather_rows(*, record: int | None = None, step: int | None = None) -> No
     Negative values count from the end. The kernels read these at run time, so set them outside
     graphs and replay: no recompilation, no re-capture.
     """
+    record = None if record is None else _int_argument("set_gather_rows", record)
+    step = None if step is None else _int_argument("set_gather_rows", step)
     if not STATE.config.active:
         return
     if record is not None:
-        _write_register(L.REG_RECORD_ROW, int(record))
+        _write_register(L.REG_RECORD_ROW, record)
     if step is not None:
-        _write_register(L.REG_STEP_ROW, int(step))
+        _write_register(L.REG_STEP_ROW, step)
 
 
 # --------------------------------------------------------------------------------------------

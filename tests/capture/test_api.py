@@ -211,6 +211,36 @@ def test_gather_rows(dump_dir):
         np.testing.assert_array_equal(data["h2"], h[-2, 0].numpy())
 
 
+@pytest.mark.parametrize("value", [None, 1.5, "3", True, torch.tensor(2)], ids=repr)
+def test_row_setters_refuse_what_is_not_an_int_at_the_call(dump_dir, value):
+    """set_rows(None) used to fail at the next record_step, far from the cause; 1.5 was truncated
+    (1.5 rows > max_rows 1 kept the step) and set_gather_rows(step=2.7) read row 2. (None is
+    set_gather_rows' "leave it as it is".)"""
+    calls = [lambda: compiledump.set_rows(value)]
+    if value is not None:
+        calls += [lambda: compiledump.set_gather_rows(record=value), lambda: compiledump.set_gather_rows(step=value)]
+    for call in calls:
+        with pytest.raises(TypeError, match=r"compiledump\.set_(gather_)?rows: expected an int"):
+            call()
+
+
+def test_row_setters_take_numpy_ints_and_a_graphs_shape(dump_dir):
+    compiledump.set_gather_rows(step=np.int64(1))
+    compiledump.record_step("s", s := torch.randn(3, 5))
+    compiledump.set_gather_rows(step=0)
+
+    @torch.compile(fullgraph=True, dynamic=True)
+    def step(x):
+        compiledump.set_rows(x.shape[0])  # a SymInt while tracing
+        compiledump.record_step("t", x)
+
+    step(torch.randn(1, 5))
+    step(torch.randn(2, 5))  # 2 rows > max_rows 1: skipped
+    with np.load(compiledump.flush()) as data:
+        np.testing.assert_array_equal(data["s_0"], s[1].numpy())
+        assert [key for key in data.files if key.startswith("t_")] == ["t_0"]
+
+
 def test_once_keeps_first_write_even_compiled(dump_dir):
     fn = torch.compile(lambda x: compiledump.record("logits", x, once=True), fullgraph=True)
     first = torch.randn(3, 5)
