@@ -200,7 +200,7 @@ def flush_at_exit() -> None:
         if note is not None:
             print(f"[compiledump] {note}", file=sys.stderr, flush=True)
     except Exception as error:  # noqa: BLE001
-        print(f"[compiledump] flush at exit failed: {error!r}", flush=True)
+        print(f"[compiledump] flush at exit failed: {error!r}", file=sys.stderr, flush=True)
 
 
 def silence_note() -> str | None:

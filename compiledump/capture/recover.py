@@ -26,6 +26,9 @@ from ..format.routers import captured_routers
 from ..ops import layout as L
 from .collect import Slot, collect
 
+# A recovered dump's faulthandler report, kept beside it: `<stem>.fault.txt`.
+FAULT_SUFFIX = ".fault.txt"
+
 
 class RecoverError(ValueError):
     """A leftover directory that cannot be read (its journal has no start event, say)."""
@@ -117,14 +120,20 @@ def running(start: dict) -> bool:
     return started is None or process_start_time(pid) == started
 
 
-def cause_of(live: Path, events: list[dict]) -> str:
-    """What the files say of how the process ended."""
+def fault_report(live: Path) -> str:
+    """Python's faulthandler report the dead process left (a segfault's or abort's stack), or ''."""
     try:
-        fault = (live / spec.LIVE_FAULT).read_text(errors="replace").strip()
+        return (live / spec.LIVE_FAULT).read_text(errors="replace").strip()
     except OSError:
-        fault = ""
+        return ""
+
+
+def cause_of(live: Path, events: list[dict], report: str) -> str:
+    """What the files say of how the process ended; `report` names where the faulthandler report
+    (its first line is the cause) can be read after recovery."""
+    fault = fault_report(live)
     if fault:
-        return f"{fault.splitlines()[0]} (faulthandler's report: {spec.LIVE_FAULT} in {live.name})"
+        return f"{fault.splitlines()[0]} (faulthandler's report: {report})"
     for event in reversed(events):
         if event.get("event") == "exception":
             return (f"unhandled exception {event.get('type')}: {event.get('message')} (the flush at exit did not "
@@ -153,7 +162,10 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
     if arena.size < used:
         raise RecoverError(f"{live}: arena file of {arena.size} words, regions up to {used}")
     got = collect(slots, overflow, arena, ctrl, prompt)
-    result.cause = cause_of(live, events)
+    stem = live.name[: -len(spec.LIVE_SUFFIX)]
+    # The faulthandler report outlives the directory: its stack is what a crash's user reads next.
+    kept_report = live.parent / f"{stem}{FAULT_SUFFIX}"
+    result.cause = cause_of(live, events, f"{spec.LIVE_FAULT} in {live.name}" if keep else kept_report.name)
     if torn:
         result.notes.append("the journal's last line was cut by the kill (an event after every stored capture)")
     routers = captured_routers(declared, got.tags)
@@ -175,12 +187,13 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
         **({"routers": routers} if routers else {}),
         **({"mixers": mixers} if mixers else {}),
     )
-    stem = live.name[: -len(spec.LIVE_SUFFIX)]
     result.npz = writer.write_dump(live.parent, stem, got.arrays, manifest)
     result.keys = len(got.keys)
     result.interrupted = got.drops.get("interrupted", 0)
     del arena  # the memmap, before its file goes
     if not keep:
+        if fault_report(live):
+            kept_report.write_text((live / spec.LIVE_FAULT).read_text(errors="replace"))
         shutil.rmtree(live, ignore_errors=True)
     return result
 

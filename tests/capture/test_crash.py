@@ -234,6 +234,14 @@ def test_crash_without_flush_is_recovered(eager_reference, tmp_path, mode, cause
     results, errors = recover_directory(tmp_path)
     assert errors == [] and len(results) == 1 and cause in results[0].cause
     _check_recovered(tmp_path, 2, eager_reference)
+    # A segfault's stack outlives the directory recover removes, where the cause says it is.
+    reports = list(tmp_path.glob("*.fault.txt"))
+    if mode == "segfault":
+        assert [path.name for path in reports] == [results[0].npz.name.replace(".npz", ".fault.txt")]
+        assert results[0].cause.endswith(f"(faulthandler's report: {reports[0].name})")
+        assert reports[0].read_text().startswith(cause) and "File " in reports[0].read_text()
+    else:
+        assert reports == []
 
 
 def test_unhandled_exception_flushes_and_cleans_up(eager_reference, tmp_path):
