@@ -185,8 +185,9 @@ def _warn_never_kept(manifest: dict) -> None:
     warnings.warn(
         f"compiledump: nothing kept of tag(s) {', '.join(map(repr, fresh))}: the token gate (COMPILEDUMP_TOKENS) "
         f"skipped every capture, whose first dim was never the prompt's {manifest.get('prompt_tokens')} token "
-        "rows. Record a decode-only value with record_step, pass tensors with their tokens first (layout= for a "
-        "3-D one), or set COMPILEDUMP_TOKENS=0 to keep the last write whatever its size",
+        "rows. Record a decode-only value with record_step, a value without a tokens dim (a 1-D tensor) with "
+        "record(..., once=True), pass tensors with their tokens first (layout= for a 3-D one), or set "
+        "COMPILEDUMP_TOKENS=0 to keep the last write whatever its size",
         RuntimeWarning, stacklevel=4)
 
 
