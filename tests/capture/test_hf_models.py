@@ -11,6 +11,7 @@ and issue 13 (verdicts with default thresholds).
 """
 
 import copy
+import dataclasses
 import importlib.util
 import logging
 import warnings
@@ -24,6 +25,7 @@ from torch._inductor.graph import GraphLowering
 
 import compiledump
 from compiledump import cli
+from compiledump import config as cd_config
 from compiledump.compare import CompareOptions, compare
 from helpers import readme_samples
 
@@ -100,13 +102,16 @@ class Pair:
 
 def _pair(name, batch, tmp_path_factory, **kwargs):
     torch._dynamo.reset()
-    compiledump.reset()
+    compiledump.reset()  # keeps the settings: the defaults are set again below
     previous = compiledump.get_config()
+    # The default settings, as a user's run has them, whatever an earlier test file of this
+    # worker left configured (the README's Comparing sample is compared with this output).
+    compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=previous.dir)))
     try:
         return Pair(name, batch, tmp_path_factory.mktemp(f"{name}_b{batch}"), **kwargs)
     finally:
         compiledump.reset()
-        compiledump.configure(dir=previous.dir, rows=previous.rows)
+        compiledump.configure(**dataclasses.asdict(previous))
 
 
 ONE_PERCENT = [("norm", 1, 1.01), ("experts", 1, 1.01)]
