@@ -51,9 +51,9 @@ def _emit(lines: list[str], json_path: str | None = None) -> None:
             print(line, file=stream)
         stream.flush()
     except BrokenPipeError:
-        # Point stdout at /dev/null so the interpreter's final flush does not raise again.
+        # Point the stream at /dev/null so the interpreter's final flush does not raise again.
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(devnull, stream.fileno())
 
 
 def _threshold_override(text: str) -> tuple[str, float]:

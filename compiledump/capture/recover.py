@@ -128,10 +128,9 @@ def fault_report(live: Path) -> str:
         return ""
 
 
-def cause_of(live: Path, events: list[dict], report: str) -> str:
-    """What the files say of how the process ended; `report` names where the faulthandler report
-    (its first line is the cause) can be read after recovery."""
-    fault = fault_report(live)
+def cause_of(fault: str, events: list[dict], report: str) -> str:
+    """What the files say of how the process ended: the faulthandler report `fault` (its first
+    line; `report` names where it can be read after recovery), else the journal's `events`."""
     if fault:
         return f"{fault.splitlines()[0]} (faulthandler's report: {report})"
     for event in reversed(events):
@@ -165,7 +164,8 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
     stem = live.name[: -len(spec.LIVE_SUFFIX)]
     # The faulthandler report outlives the directory: its stack is what a crash's user reads next.
     kept_report = live.parent / f"{stem}{FAULT_SUFFIX}"
-    result.cause = cause_of(live, events, f"{spec.LIVE_FAULT} in {live.name}" if keep else kept_report.name)
+    fault = fault_report(live)
+    result.cause = cause_of(fault, events, f"{spec.LIVE_FAULT} in {live.name}" if keep else kept_report.name)
     if torn:
         result.notes.append("the journal's last line was cut by the kill (an event after every stored capture)")
     routers = captured_routers(declared, got.tags)
@@ -192,8 +192,8 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
     result.interrupted = got.drops.get("interrupted", 0)
     del arena  # the memmap, before its file goes
     if not keep:
-        if fault_report(live):
-            kept_report.write_text((live / spec.LIVE_FAULT).read_text(errors="replace"))
+        if fault:
+            kept_report.write_text(fault + "\n")
         shutil.rmtree(live, ignore_errors=True)
     return result
 

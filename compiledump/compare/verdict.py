@@ -99,8 +99,8 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     # as after --map renamed tags the filter did not match, they stay problems.)
     settings = (moe_layers_of(ref.manifest), moe_layers_of(run.manifest))
     settings_differ = None not in settings and settings[0] != settings[1]
-    filtered_by = {side: set((fact or {}).get("filtered", ()) if settings_differ else ())
-                   for side, fact in captured.items()}
+    # (Settings that differ come from two manifests, so both sides' facts are there.)
+    filtered_by = {side: set(fact["filtered"]) if settings_differ else set() for side, fact in captured.items()}
     one_sided: dict[str, list[str]] = {"REF": [], "RUN": []}
     for info in ordered:
         key = info.key
