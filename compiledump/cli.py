@@ -98,7 +98,8 @@ def _add_compare_parser(subparsers) -> None:
                     "the lower precision of the two sides' source dtypes (docs/compare.md). Exit status: "
                     "0 no divergence, 1 divergence found, 2 unusable input, 3 no divergence but some keys "
                     "were not comparable (values of different phases or token counts) or not compared "
-                    "(shapes or dtypes that cannot be), or expert ids differ where no reference router "
+                    "(shapes or dtypes that cannot be, an unreadable array, shards that cannot be merged), "
+                    "or expert ids differ where no reference router "
                     "logits judge them.",
     )
     parser.add_argument("ref", metavar="REF", help="reference dump: an .npz file or a directory of per-rank files")

@@ -150,6 +150,19 @@ class KeyMeasurer:
             record.status = "skipped"
             return record
 
+    def not_compared(self, info: KeyInfo) -> KeyRecord:
+        """The record of a key both sides hold that one of them cannot give (its problem says
+        why): skipped, with the shapes of the sides that can ([] for the other)."""
+        ref_member, run_member = self.ref.members.get(info.key), self.run.members.get(info.key)
+        shape = lambda member: list(member.shape) if member is not None else []  # noqa: E731
+        dtype = lambda member: str(member.read_dtype) if member is not None else "-"  # noqa: E731
+        ref_info, run_info = self.ref.infos.get(info.key, info), self.run.infos.get(info.key, info)
+        sides = SideFacts(ref_info.source_dtype, run_info.source_dtype, ref_info.tokens, run_info.tokens,
+                          ref_info.written_phase, run_info.written_phase)
+        return KeyRecord(key=info.key, rank=self.rank, kind=info.kind, tag=info.tag, layer=info.layer, step=info.step,
+                         phase=info.phase, shape_ref=shape(ref_member), shape_run=shape(run_member),
+                         dtype_ref=dtype(ref_member), dtype_run=dtype(run_member), status="skipped", sides=sides)
+
     def measure(self, record: KeyRecord, x: np.ndarray, y: np.ndarray, info: KeyInfo,
                 margins: bool = True) -> KeyRecord:
         """``record`` with the metrics of REF array ``x`` against RUN array ``y`` and, when the

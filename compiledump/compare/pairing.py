@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..format.reader import Dump, DumpError, DumpFile, DuplicateRank, collect_dumps, rank_sort_key
 from .report import Problem
-from .shards import merge_side
+from .shards import holds_a_part, merge_side
 
 
 @dataclass
@@ -65,10 +65,15 @@ def pair_by_rank(ref: dict[str, Path], run: dict[str, Path]) -> tuple[list[tuple
 def _merged_pairs(ref: dict[str, Path], run: dict[str, Path]) -> list[Pair] | None:
     """When one side is a single file and the other several per-rank files whose manifests
     declare shards, pair each merged shard set of the several with the single file (labelled
-    by its ranks, e.g. ``0+1``). None otherwise: files are paired by rank."""
+    by its ranks, e.g. ``0+1``). The same when the other side is one file that is a part of a
+    sharded run (rank 0 of tp_size 2, its other ranks' files missing) and the single file is
+    not: its shards cannot be merged and must not be compared as whole values (a partial sum
+    against the full value would be a false divergence). None otherwise: files are paired by rank."""
     for single, several, label in ((ref, run, "RUN"), (run, ref, "REF")):
-        if len(single) != 1 or len(several) < 2:
+        if len(single) != 1 or not several:
             continue
+        if len(several) == 1 and (not _is_a_part(several) or _is_a_part(single)):
+            continue  # two single files: compared as they are, shards against shards
         merged = merge_side(several, label)
         if merged is None:
             continue
@@ -80,3 +85,9 @@ def _merged_pairs(ref: dict[str, Path], run: dict[str, Path]) -> list[Pair] | No
             pairs.append(Pair(name, dump, other) if label == "REF" else Pair(name, other, dump))
         return pairs
     return None
+
+
+def _is_a_part(files: dict[str, Path]) -> bool:
+    """Whether the one file in ``files`` holds only its rank's part of a key (holds_a_part)."""
+    ((rank, path),) = files.items()
+    return holds_a_part(DumpFile(path, "REF"), rank)

@@ -87,7 +87,7 @@ class MergedDump(Dump):
 
     def _shard_replicas(self, key: str, spec: ShardInfo, holders) -> list[Replica] | None:
         rank_name = "world_rank" if spec.group == "world" else f"{spec.group}_rank"
-        size_name = "world_size" if spec.group == "world" else f"{spec.group}_size"
+        size_name = _size_name(spec.group)
         unordered = [rank for rank, _ in holders if rank_name not in self._coords[rank]]
         if unordered:
             self._exclude("shard_incomplete", key,
@@ -149,6 +149,21 @@ class MergedDump(Dump):
             for key, entry in manifest["keys"].items():
                 keys.setdefault(key, entry)
         return dict(manifests[0], keys=keys, drops=drops, merged_ranks=self.merged_ranks)
+
+
+def holds_a_part(dump: DumpFile, rank: str) -> bool:
+    """Whether ``dump`` declares a shard of a group whose size, as its manifest states it, is
+    over 1: some of its keys are one rank's part, not the whole value."""
+    coords = dump.parallel_coords(rank)
+    for key in dump.members:
+        spec = dump.shard(key)
+        if spec is not None and coords.get(_size_name(spec.group), 1) > 1:
+            return True
+    return False
+
+
+def _size_name(group: str) -> str:
+    return "world_size" if group == "world" else f"{group}_size"
 
 
 def merge_side(files: dict[str, Path], label: str) -> list[MergedDump] | None:

@@ -175,6 +175,8 @@ def format_table(records: list[KeyRecord]) -> list[str]:
     for record in records:
         mark = "!" if record.divergent else marks.get(record.status, " ")
         shape = "x".join(str(n) for n in record.shape_ref) or "scalar"
+        if record.status == "skipped" and not record.shape_ref:
+            shape = "x".join(str(n) for n in record.shape_run) or "-"  # REF could not give it (problems)
         floats = record.floats
         nan = f"{floats.nan_ref}/{floats.nan_run}" if floats else "-"
         inf = f"{floats.inf_ref}/{floats.inf_run}" if floats else "-"

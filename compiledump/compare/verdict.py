@@ -104,6 +104,11 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     one_sided: dict[str, list[str]] = {"REF": [], "RUN": []}
     for info in ordered:
         key = info.key
+        if (key not in run.members or key not in ref.members) and _held(ref, key) and _held(run, key):
+            # Both sides hold it, one of them unusably (shards that cannot be merged, an
+            # unreadable array): its problem says why; it counts as not compared.
+            records.append(measurer.not_compared(info))
+            continue
         if key not in run.members:
             if key not in run.bad_members and key not in run.excluded:
                 if info.tag in filtered_by["RUN"]:
@@ -147,6 +152,12 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
             result.notes.append(note)
             first.caution = "after layers whose bf16 rounding can exceed the defaults (see the note)"
     return result
+
+
+def _held(dump: Dump, key: str) -> bool:
+    """Whether ``dump`` holds ``key``, usable or not (``excluded``: shards that do not merge;
+    ``bad_members``: an unreadable array)."""
+    return key in dump.members or key in dump.excluded or key in dump.bad_members
 
 
 def _divergence(record: KeyRecord, last_good: KeyRecord | None) -> Divergence:

@@ -287,7 +287,9 @@ def test_unreadable_member_is_a_problem_not_a_crash(tmp_path):
     run_path.write_bytes(bytes(data))
     report = cmp.compare(ref_path, run_path)
     assert [(p.kind, p.key, p.side) for p in report.problems] == [("unreadable", "layer1", "RUN")]
-    assert report.exit_status == 0
+    # Both sides hold layer1; it was not compared, so the comparison is not called clean.
+    assert [(r.key, r.status) for r in report.not_compared] == [("layer1", "skipped")]
+    assert report.exit_status == 3
 
 
 def test_compressed_npz_is_read(tmp_path):

@@ -365,8 +365,9 @@ def test_json_report_fields_are_pinned(tmp_path):
         assert all(set(item) == NOT_COMPARABLE for item in report["not_comparable"])
         assert report["compared"] == sum(pair["compared"] for pair in report["pairs"])
         unjudged = any((item["routing"] or {}).get("verdict") == "not_judged" for item in report["id_mismatches"])
+        not_compared = any(record["status"] == "skipped" for record in report["keys"])
         expected = 1 if report["first_divergence"] is not None else (
-            3 if report["not_comparable"] or unjudged else 0)
+            3 if report["not_comparable"] or unjudged or not_compared else 0)
         assert report["exit_status"] == expected
         seen_exits.add(report["exit_status"])
     # Every kind was produced: the pin checks something.

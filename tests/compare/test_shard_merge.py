@@ -261,9 +261,11 @@ def test_shards_that_cannot_be_merged_are_problems_not_crashes(tmp_path):
     report = cmp.compare(ref_path, tmp_path / "gap")
     kinds = {(p.kind, p.key) for p in report.problems}
     assert ("shard_incomplete", "layer0_up") in kinds and ("shard_incomplete", "logits_shard_1") in kinds
-    assert "layer0_up" not in {r.key for r in report.keys}
-    assert "layer0" in {r.key for r in report.keys}  # replicated keys are still compared
-    assert report.exit_status == 0
+    # Held by both sides, not compared: listed as such, and the run is not called clean (exit 3).
+    assert key_record(report, "layer0_up").status == "skipped"
+    assert {r.key for r in report.not_compared} == {k for kind, k in kinds if kind == "shard_incomplete"}
+    assert key_record(report, "layer0").status == "ok"  # replicated keys are still compared
+    assert report.exit_status == 3
     # No set_parallel on the run side: the shards cannot be ordered.
     write_sharded(tmp_path / "noparallel", ref, edit=lambda rank, m: m.pop("parallel"))
     report = cmp.compare(ref_path, tmp_path / "noparallel")
@@ -283,6 +285,43 @@ def test_shards_that_cannot_be_merged_are_problems_not_crashes(tmp_path):
     skipped = key_record(report, "layer0_experts")
     assert skipped.status == "skipped"  # merged [4, 24] vs [4, 12]: a shape mismatch
     assert any(p.kind == "shape_mismatch" and p.key == "layer0_experts" for p in report.problems)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_one_rank_of_a_sharded_run_is_not_compared_as_the_whole(tmp_path, capsys, reverse):
+    # Only rank 0's file of a TP=2 run was collected. Its partial sums, held against the full
+    # values, once read as a divergence in layer 0 (rel_diff ~0.6) and its concat shards as shape
+    # mismatches: the verdict blamed a layer for a missing file.
+    ref = reference_captures(np.random.default_rng(7))
+    ref_path = factory.write_compiledump(tmp_path / "ref", ref, rank="x", pid=1)
+    write_sharded(tmp_path / "run", ref, tp=2, ranks=[0], bug=("layer1", 0))
+    sides = [str(ref_path), str(tmp_path / "run")]
+    code = main(["compare", *(sides[::-1] if reverse else sides), "--json", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "r.json").read_text())
+    sharded = {key for key, shard in shard_plan().items() if shard is not None and shard["group"] == "tp"}
+    incomplete = {p["key"] for p in report["problems"] if p["kind"] == "shard_incomplete"}
+    assert incomplete == sharded and "tp_rank [0] present (ranks 0), expected 0..1" in out
+    assert {r["key"] for r in report["keys"] if r["status"] == "skipped"} == sharded
+    # The replicated keys are compared: the real bug (layer1 on rank 0) is the first divergence.
+    assert code == 1 and report["first_divergence"]["key"] == "layer1"
+    assert record_of(report, "layer0")["status"] == "ok"
+    # Without the bug: nothing diverges, but the comparison could not tell everything (exit 3).
+    write_sharded(tmp_path / "clean", ref, tp=2, ranks=[0])
+    report = cmp.compare(ref_path, tmp_path / "clean")
+    assert report.first_divergence is None and report.exit_status == 3
+    assert {r.key for r in report.not_compared} == sharded
+    assert f"{len(sharded)} keys held by both sides NOT COMPARED" in cmp.format_report(report)[-1]
+
+
+def test_two_single_rank_files_of_sharded_runs_compare_slice_with_slice(tmp_path):
+    # Rank 0 of one TP=2 run against rank 0 of another: both are parts, paired as they are.
+    ref = reference_captures(np.random.default_rng(7))
+    write_sharded(tmp_path / "a", ref, tp=2, ranks=[0], seed=1)
+    write_sharded(tmp_path / "b", ref, tp=2, ranks=[0], seed=2)
+    report = cmp.compare(tmp_path / "a", tmp_path / "b")
+    assert report.exit_status == 0 and report.problems == [] and report.not_compared == []
+    assert key_record(report, "layer0_up").shape_ref == [FFN // 2]
 
 
 def test_without_shard_declarations_ranks_pair_by_rank_as_before(tmp_path):
