@@ -104,6 +104,14 @@ def final_norm_path(layers_path: str, modules: dict) -> str | None:
                  if path in modules), None)
 
 
+def token_embedding_path(layers_path: str, modules: dict) -> str | None:
+    """The token embedding beside `layers` (`embed_tokens`, whose input is the token ids a forward
+    feeds), or None."""
+    parent = layers_path.rpartition(".")[0]
+    path = f"{parent}.embed_tokens" if parent else "embed_tokens"
+    return path if path in modules else None
+
+
 def lm_head_path(modules: dict) -> str | None:
     """The model's own lm_head, else the nearest nested one (Llama 4's multimodal class holds
     language_model.lm_head)."""

@@ -326,6 +326,14 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
     _warn_untapped(layers_path, layers, unrouted, no_attn)
     if (norm_path := layout.final_norm_path(layers_path, modules)) is not None:
         handle._add(modules[norm_path], "final_norm", norm_path, "output")
+    if (embed_path := layout.token_embedding_path(layers_path, modules)) is not None:
+        def fed(input_ids) -> None:
+            # The token each forward feeds at the position whose logits `logits_<n>` hold: the
+            # comparator sees where greedy decoding fed the two sides different tokens (after an
+            # argmax flip), from which on their steps cannot be compared.
+            if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point():
+                api.record_step("input_token", input_ids[handle.batch_row, -1:])
+        handle._add(modules[embed_path], "input_token", embed_path, "input", capture=fed)
     if (head_path := layout.lm_head_path(modules)) is not None:
         def logits(output) -> None:
             handle.fired = True

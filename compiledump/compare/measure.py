@@ -72,8 +72,10 @@ class KeyMeasurer:
         self.workspace = workspace
         self.klass = klass  # the pair's class from its float keys (float_class)
 
-    def record(self, info: KeyInfo, problems: list[Problem]) -> KeyRecord:
-        """Compare ``info.key`` (present on both sides); problems met go to ``problems``."""
+    def record(self, info: KeyInfo, problems: list[Problem], not_comparable: str | None = None) -> KeyRecord:
+        """Compare ``info.key`` (present on both sides); problems met go to ``problems``.
+        ``not_comparable``: why the two values cannot be compared, found beyond the key itself
+        (the sides fed this decode step different tokens)."""
         key = info.key
         ref_member, run_member = self.ref.members[key], self.run.members[key]
         ref_info, run_info = self.ref.infos.get(key, info), self.run.infos.get(key, info)
@@ -84,7 +86,7 @@ class KeyMeasurer:
                            dtype_ref=str(ref_member.read_dtype), dtype_run=str(run_member.read_dtype), sides=sides,
                            limits=self.options.thresholds_for(key, ref_info.source_dtype, run_info.source_dtype,
                                                               info.phase, self.klass))
-        reason = not_comparable_reason(info.kind, ref_info, run_info)
+        reason = not_comparable or not_comparable_reason(info.kind, ref_info, run_info)
         if reason is not None:
             # Values of different phases or token counts: comparing them could only mislead.
             return replace(record, status="not_comparable", reason=reason)

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..format import spec
 from .facts import Closest, SideFacts, default_thresholds_json, threshold_uses
+from .inputs import FedTokens
 from .key_record import KeyRecord, MergeInfo
 from .options import CompareOptions
 from .routing import Routing
@@ -169,6 +170,7 @@ class PairResult:
     prompt_tokens_ref: int | None = None  # each side's own
     prompt_tokens_run: int | None = None
     renamed: dict[str, str] = field(default_factory=dict)  # --map: new RUN key -> old
+    fed_tokens: FedTokens | None = None  # the first decode step fed different tokens (inputs.py)
 
     @property
     def compared(self) -> int:
@@ -201,7 +203,8 @@ class PairResult:
                 "id_mismatches": [item.to_json() for item in self.id_mismatches],
                 "decode_margins": _opt(self.decode_margins), "closest": _opt(self.closest),
                 "thresholds": threshold_uses(self.keys), "not_captured": self.not_captured,
-                "first_nonfinite": self.nonfinite, "renamed": self.renamed}
+                "first_nonfinite": self.nonfinite, "renamed": self.renamed,
+                "fed_tokens_differ": _opt(self.fed_tokens)}
 
 
 @dataclass

@@ -216,9 +216,9 @@ def format_report(report: Report, table: str = "all") -> list[str]:
     for pair in report.pairs:
         prefix = f"rank {pair.rank} " if many else ""
         lines.extend(f"{prefix}{line}" for line in threshold_lines(pair))
-        line = not_comparable_line(pair)
-        if line is not None:
-            lines.append(f"{prefix}{line}")
+        for line in (not_comparable_line(pair), fed_tokens_line(pair)):
+            if line is not None:
+                lines.append(f"{prefix}{line}")
     if report.problems:
         lines.append(f"problems: {len(report.problems)}")
         for problem in report.problems:
@@ -299,9 +299,26 @@ def threshold_lines(pair: PairResult) -> list[str]:
     return lines
 
 
+def fed_tokens_line(pair: PairResult) -> str | None:
+    """One line for the decode steps run on different tokens (compare/inputs.py), with the fix."""
+    fed = pair.fed_tokens
+    if fed is None:
+        return None
+    refused = [record for record in pair.not_comparable if record.reason == fed.reason()]
+    steps = sorted({record.step for record in refused})
+    span = f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {fed.step}"
+    flip = pair.first_argmax_flip
+    after = (f", each side decoding its own argmax after the argmax flip at step {flip.step} ({flip.kind})"
+             if flip is not None and flip.step == fed.step - 1 else "")
+    return (f"not comparable: decode {span} ({len(refused)} keys): the sides fed different tokens from step "
+            f"{fed.step} (REF {fed.ref}, RUN {fed.run}){after}; fix: feed the engine the reference's tokens "
+            "(teacher forcing) to compare the steps after a flip")
+
+
 def not_comparable_line(pair: PairResult) -> str | None:
     """One line for the keys whose two values come from different phases or token counts."""
-    refused = pair.not_comparable
+    fed = pair.fed_tokens
+    refused = [record for record in pair.not_comparable if fed is None or record.reason != fed.reason()]
     if not refused:
         return None
     calls: dict[tuple, int] = {}

@@ -12,6 +12,7 @@ from pathlib import Path
 from ..format.keys import chosen, order_key_infos
 from ..format.reader import Dump, DumpError, rank_sort_key
 from .flips import excuse_flips
+from .inputs import after_fed_difference, first_fed_difference
 from .measure import KeyMeasurer, float_class, logits_tags
 from .metrics import Workspace
 from .options import CompareOptions
@@ -93,6 +94,7 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     measurer = KeyMeasurer(ref, run, options, rank, logits_tags(ordered, authority.members | other.members),
                            workspace, float_class(ref, run, sorted(common)))
     records: list[KeyRecord] = []
+    fed = first_fed_difference(ref, run, ordered)
     captured = {"REF": not_captured(ref), "RUN": not_captured(run)}
     # Keys one side has whose tag the other side's host filter dropped, COMPILEDUMP_MOE_LAYERS set
     # differently: one note names the setting, instead of a problem per key. (With the same setting,
@@ -123,7 +125,10 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
                 else:
                     problems.append(Problem("extra_in_run", rank, "present in RUN only", key))
             continue
-        records.append(measurer.record(info, problems))
+        # From the step where greedy decoding fed the sides different tokens on, their values
+        # cannot be compared (inputs.py).
+        refused = fed.reason() if after_fed_difference(info, fed) else None
+        records.append(measurer.record(info, problems, refused))
     for position, record in enumerate(records):
         record.position = position
     prompt = prompt_length(ref, run)
@@ -141,7 +146,7 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
                         not_captured=captured, prompt_tokens=prompt, prompt_tokens_ref=prompt_length(ref),
                         prompt_tokens_run=prompt_length(run),
                         nonfinite={"REF": first_nonfinite(ref), "RUN": first_nonfinite(run)},
-                        renamed=run.renamed() if isinstance(run, RenamedDump) else {})
+                        renamed=run.renamed() if isinstance(run, RenamedDump) else {}, fed_tokens=fed)
     analyse_pair(result)
     first = result.first_divergence
     if first is not None and first.metric != "ids":

@@ -63,8 +63,11 @@ def test_default_taps_capture_what_the_model_computes(dump_dir, name):
     expected_tags = {f"layer{i}{suffix}" for i in range(4) for suffix in
                      ("", "_attn", "_mlp") + (("_router", "_topk") if moe else ())}
     step_tags = {f"layer{i}_step_{what}" for i in range(4) for what in ("router", "topk")} if moe else set()
-    assert set(handle.taps) == expected_tags | step_tags | {"final_norm", "logits"}
-    assert set(arrays) == expected_tags | {f"{tag}_0" for tag in step_tags} | {"final_norm", "logits_0"}
+    assert set(handle.taps) == expected_tags | step_tags | {"final_norm", "logits", "input_token"}
+    assert set(arrays) == expected_tags | {f"{tag}_0" for tag in step_tags} | {"final_norm", "logits_0", "input_token_0"}
+    # The token the forward fed at the position whose logits logits_0 holds (the prompt's last).
+    assert handle.taps["input_token"] == "model.embed_tokens:input"
+    assert arrays["input_token_0"].tolist() == [ids[0, -1].item()]
     for i in range(3):  # hidden_states[i + 1] is layer i's output, last position (the last one is normed)
         np.testing.assert_allclose(arrays[f"layer{i}"], out.hidden_states[i + 1][0, -1].numpy(), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(arrays["final_norm"], out.hidden_states[4][0, -1].numpy(), rtol=1e-6, atol=1e-6)

@@ -1,0 +1,108 @@
+"""Decode steps run on different tokens: greedy decoding after an argmax flip.
+
+A Hugging Face model (built from config, random weights, eager) is instrumented on both sides;
+the engine side's decode loop is fed a token of its own choosing from one step on, as greedy
+decoding does after an argmax flip. The comparator reads the fed tokens (`input_token_<n>`,
+recorded by instrument from the embedding's input) and must not judge those steps: before, an
+honest bf16 engine decoding greedily after a near tie exited 1 naming a layer of a later step.
+The tokens each side fed are known here, so the expected step is too.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import compiledump
+from compiledump import config as cd_config
+from compiledump.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("hf_example", REPO / "examples" / "hf_reference_vs_compiled.py")
+ex = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ex)
+PROMPT, STEPS = 7, 5
+
+
+def run_side(model, directory, fed, bug_at_step=None):
+    """Prefill a 7-token prompt, then decode feeding `fed[n]` at step n+1 (the tokens are given,
+    not decoded, so each test says where the sides' inputs part). `bug_at_step`: from that
+    decode step on, the last layer's MLP output is scaled by 1.01 (a decode-only bug)."""
+    compiledump.reset()
+    compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory), moe_layers=2)))
+    handle = compiledump.instrument(model)
+    step = [0]
+    hook = model.model.layers[-1].mlp.register_forward_hook(
+        lambda _m, _a, out: out * 1.01 if bug_at_step is not None and step[0] >= bug_at_step else out)
+    prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(3))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=prompt, cache=cache, use_cache=True)
+        for token in fed:
+            step[0] += 1
+            model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        compiledump.flush()
+    hook.remove()
+    handle.remove()
+    compiledump.reset()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ex.build_model("qwen3_moe")
+
+
+def compare(tmp_path, capsys):
+    code = main(["compare", str(tmp_path / "ref"), str(tmp_path / "run"), "--json", str(tmp_path / "r.json")])
+    return code, capsys.readouterr().out.splitlines(), json.loads((tmp_path / "r.json").read_text())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_steps_fed_other_tokens_are_not_comparable(model, tmp_path, capsys, dtype):
+    tokens = torch.randint(0, model.config.vocab_size, (STEPS,), generator=torch.Generator().manual_seed(4)).tolist()
+    other = list(tokens)
+    other[2] = (tokens[2] + 1) % model.config.vocab_size  # the run decoded another token at step 3
+    other[3] = (tokens[3] + 5) % model.config.vocab_size
+    run_side(model, tmp_path / "ref", tokens)
+    run_side(copy.deepcopy(model).to(dtype), tmp_path / "run", other)
+    code, out, report = compare(tmp_path, capsys)
+    (pair,) = report["pairs"]
+    # Step n's logits come from the token fed at step n: input_token_3 is fed[2].
+    assert pair["fed_tokens_differ"] == {"step": 3, "ref": tokens[2], "run": other[2]}
+    refused = {record["key"] for record in report["keys"] if record["status"] == "not_comparable"}
+    steps = {record["key"]: record["step"] for record in report["keys"] if record["step"] is not None}
+    assert refused == {key for key, step in steps.items() if step >= 3} and "logits_5" in refused
+    assert all(record["status"] in ("ok", "shown") for record in report["keys"] if record["key"] not in refused)
+    # No divergence among what was compared; the steps after the inputs parted are not called clean.
+    assert code == 3 and report["first_divergence"] is None
+    line = next(text for text in out if text.startswith("not comparable: decode steps 3-5"))
+    assert f"fed different tokens from step 3 (REF {tokens[2]}, RUN {other[2]})" in line and "teacher forcing" in line
+    assert out[-1].startswith("no divergence") and f"{len(refused)} keys NOT COMPARABLE" in out[-1]
+
+
+def test_the_same_tokens_are_compared_and_a_bug_before_the_parting_is_found(model, tmp_path, capsys):
+    tokens = torch.randint(0, model.config.vocab_size, (STEPS,), generator=torch.Generator().manual_seed(5)).tolist()
+    # Teacher forcing: the same tokens, every step compared.
+    run_side(model, tmp_path / "ref", tokens)
+    run_side(copy.deepcopy(model), tmp_path / "run", tokens)
+    code, _, report = compare(tmp_path, capsys)
+    assert code == 0 and report["pairs"][0]["fed_tokens_differ"] is None
+    assert {f"input_token_{n}" for n in range(STEPS + 1)} <= {record["key"] for record in report["keys"]}
+    # A decode-only bug from step 2, and the run's tokens parting at step 4 (as its flip would make
+    # them): the bug is named at step 2; steps 4-5 are not judged.
+    other = list(tokens)
+    other[3] = (tokens[3] + 1) % model.config.vocab_size
+    run_side(copy.deepcopy(model), tmp_path / "run", other, bug_at_step=2)
+    code, _, report = compare(tmp_path, capsys)
+    assert code == 1 and report["first_divergence"]["step"] == 2
+    assert report["pairs"][0]["fed_tokens_differ"]["step"] == 4
