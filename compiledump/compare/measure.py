@@ -137,12 +137,15 @@ class KeyMeasurer:
                 result = self.measure(record, x, y, info)
                 if result.ids is not None and (not result.ids.ids_equal or self._weighs_by_cut(info)):
                     result = self.judge_ids(result, info, x, y)
-                elif result.floats is not None and result.metric != "nonfinite" and self._judges_ids(info):
+                elif result.floats is not None and result.metric != "nonfinite" and self._judges_ids(info) \
+                        and not (info.kind == "step" and record.limits.klass == "fp32"):
                     # A decode step's router logits: one logit per expert, in the decode-step noise
                     # and reached by flips of earlier tokens; what moves them moves the step's later
                     # keys too. A sparse-attention indexer's scores are noisier than
                     # the hidden states (ReLU'd sums over heads; fp8 in engines), and what its picks
-                    # change shows in layer<i>_attn. A non-finite mismatch is never excused.
+                    # change shows in layer<i>_attn. A non-finite mismatch is never excused. In
+                    # fp32, where routing does not flip and decode noise is ~1e-12, a step's router
+                    # logits are judged: they name the first layer a decode-only bug reaches.
                     result = replace(result, status="shown", divergent=False, metric=None, value=None)
                 return result
             # A merged side's ids are judged strictly (any mismatch diverges): no routing analysis.

@@ -181,12 +181,26 @@ def test_last_good_is_a_judged_key_not_the_router_logits_shown_before_the_diverg
     rng = np.random.default_rng(11)
     ref = step_captures(rng)
     run = run_side(ref, rng, {}, {"layer1_step_router_1", "layer1_out_1"})
-    report = compare(*write(tmp_path, ref, run, "float32"))
+    report = compare(*write(tmp_path, ref, run, "bfloat16"))
     keys = {record.key: record for record in report.keys}
     assert keys["layer1_step_router_1"].status == "shown" and keys["layer1_step_router_1"].floats.rel_diff > 0.2
     first = report.first_divergence
     assert (first.key, first.last_good, first.last_good_step) == ("layer1_out_1", "layer0_out_1", 1)
     assert "last good: layer0_out_1" in format_report(report)[-1]
+
+
+def test_in_fp32_a_steps_router_logits_are_judged_and_name_the_layer(tmp_path):
+    """float32 routing does not flip and its decode noise is ~1e-12 (docs/compare.md): a step's
+    router logits are judged there, so a decode-only bug is named at the first layer it reaches
+    (here layer 1's router logits at step 1, before the layer's output), not only at the logits."""
+    rng = np.random.default_rng(11)
+    ref = step_captures(rng)
+    run = run_side(ref, rng, {}, {"layer1_step_router_1", "layer1_out_1"}, noise=1e-9)
+    report = compare(*write(tmp_path, ref, run, "float32"))
+    keys = {record.key: record for record in report.keys}
+    assert keys["layer1_step_router_1"].status == "divergent" and keys["layer0_step_router_1"].status == "ok"
+    first = report.first_divergence
+    assert (first.key, first.layer, first.step, first.last_good) == ("layer1_step_router_1", 1, 1, "layer0_out_1")
 
 
 @pytest.mark.parametrize("prefill_noise", [True, False])
@@ -373,7 +387,7 @@ def test_the_divergent_table_leaves_out_the_router_logits_shown(tmp_path, capsys
     rng = np.random.default_rng(12)
     ref = step_captures(rng)
     run = run_side(ref, rng, {}, {"layer0_step_router_1", "layer2_out_2"})
-    paths = [str(path) for path in write(tmp_path, ref, run, "float32")]
+    paths = [str(path) for path in write(tmp_path, ref, run, "bfloat16")]
     tables = {}
     for table in ("all", "divergent"):
         assert main(["compare", *paths, "--table", table]) == 1
