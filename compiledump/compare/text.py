@@ -47,7 +47,7 @@ def describe_divergence(item: Divergence) -> str:
     if item.metric in ("rel_diff", "norm_diff"):
         text += f": {item.metric} {item.value:.3e} > threshold {item.threshold:.1e}"
         if item.divergent_rows:
-            text += f" at {_rows_text(item.divergent_rows, item.row_count)}"
+            text += f" at {rows_text(item.divergent_rows, item.row_count)}"
     elif item.metric == "nonfinite":
         text += f": {item.value} positions NaN/Inf on one side only"
     elif item.metric == "ids":
@@ -77,7 +77,7 @@ def _routing_word(item) -> str:
     return word
 
 
-def _rows_text(rows: list[int], count: int | None) -> str:
+def rows_text(rows: list[int], count: int | None) -> str:
     """``tokens 2, 5 of 7`` (0-based token positions of an all-rows key)."""
     shown = ", ".join(str(row) for row in rows[:12]) + (f", ... ({len(rows) - 12} more)" if len(rows) > 12 else "")
     return f"token{'s' if len(rows) > 1 else ''} {shown}" + (f" of {count}" if count is not None else "")
@@ -111,7 +111,7 @@ def _note_for(record: KeyRecord) -> str:
         return f"NOT COMPARABLE: {record.reason}"
     parts = []
     if record.divergent_rows and record.status != "shown":
-        parts.append(f"diverges at {_rows_text(record.divergent_rows, len(record.rows.rel_diff))}")
+        parts.append(f"diverges at {rows_text(record.divergent_rows, len(record.rows.rel_diff))}")
     elif record.divergent and record.metric == "norm_diff":
         parts.append(f"norm_diff {record.value:.3e} > {record.limits.norm_diff:.1e}")
     if record.excused_rows:
@@ -127,7 +127,7 @@ def _note_for(record: KeyRecord) -> str:
         else:
             why = (f"the near tie at {by} routed to other {chosen(by)}" if record.excused_near_tie else
                    f"whose expert ids differ at {by} where no reference router logits judge them")
-            parts.append(f"{what}not judged at {_rows_text(record.excused_rows, count)}: at or after a token {why}")
+            parts.append(f"{what}not judged at {rows_text(record.excused_rows, count)}: at or after a token {why}")
     if record.status == "shown":
         parts.append("read to judge this step's expert ids, not judged itself" if record.step is not None
                      else "read to judge the keys its indexer picks, not judged itself")

@@ -15,6 +15,7 @@ from .flips import excuse_flips
 from .inputs import after_fed_difference, first_fed_difference
 from .measure import KeyMeasurer, float_class, logits_tags
 from .metrics import Workspace
+from .one_row import one_row_note
 from .options import CompareOptions
 from .pairing import find_pairs
 from .phases import (
@@ -156,6 +157,11 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
         if note is not None:
             result.notes.append(note)
             first.caution = "after layers whose bf16 rounding can exceed the defaults (see the note)"
+    note = one_row_note(records, result.prefill_divergence, prompt)
+    if note is not None:
+        result.notes.append(note)
+        if first is not None and first.key == result.prefill_divergence.key and first.caution is None:
+            first.caution = "one-row mode: the bug may sit earlier, at other tokens (see the note)"
     return result
 
 

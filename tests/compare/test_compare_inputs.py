@@ -186,7 +186,7 @@ def test_manifest_problems_become_notes_and_names_decide(tmp_path):
     report = cmp.compare(ref, run)
     assert report.first_divergence.key == "layer2_moe_out"
     assert report.notes[0].startswith("RUN: manifest compiledump_rank0_pid1000.json unreadable (")
-    assert report.notes[-1] == "not captured: REF dropped calls token_gate=5"
+    assert "not captured: REF dropped calls token_gate=5" in report.notes
     assert (report.pairs[0].ref_manifest, report.pairs[0].run_manifest) == (True, False)
 
 
