@@ -129,7 +129,7 @@ def _collect(rt: Runtime, arena: np.ndarray, ctrl: np.ndarray) -> tuple[dict, di
         drops=got.drops,
         # Only when some captured router was declared (readers that predate it ignore it).
         **({"routers": declared} if declared else {}),
-        **({"mixers": mixers.manifest_mixers()} if STATE.mixers else {}),  # instrument()'s
+        **mixers.manifest_layers(),  # instrument()'s
     )
     return got.arrays, manifest
 

@@ -38,6 +38,7 @@ LAYER_TAPS = {
     "mlp": "MLP / MoE output",
     "": "layer output (the tag is layer<i>)",
 }
+_LAYER_TOPK = re.compile(r"layer(\d+)_topk")
 _PATH_SIDE = re.compile(r"^(?P<path>[^:]*)(?::(?P<side>input|output))?$")
 
 
@@ -286,7 +287,6 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
 def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict) -> None:
     unrouted = []  # MoE blocks whose router has none of the ROUTERS names
     no_attn = []  # layers where no module's input is the residual stream after attention
-    mixers.declare_mixers(mixers.kinds_of(layers, [layout.child(layer, layout.MIXERS) for layer in layers]))
     handle._first_layer = f"{layers_path}.0"
     for i, layer in enumerate(layers):
         prefix = f"{layers_path}.{i}"
@@ -324,6 +324,8 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
             _tap_router(handle, f"layer{i}", prefix, layer, router_name)  # Gemma 4: router and experts beside a dense mlp
         handle._add(layer, f"layer{i}", prefix, "output")
     _warn_untapped(layers_path, layers, unrouted, no_attn)
+    mixers.declare_mixers(mixers.kinds_of(layers, [layout.child(layer, layout.MIXERS) for layer in layers]),
+                          _routing(handle, unrouted))
     if (norm_path := layout.final_norm_path(layers_path, modules)) is not None:
         handle._add(modules[norm_path], "final_norm", norm_path, "output")
     if (embed_path := layout.token_embedding_path(layers_path, modules)) is not None:
@@ -365,6 +367,15 @@ def _warn_untapped(layers_path: str, layers, unrouted: list, no_attn: list[str])
                       "in attention shows first at layer<i>_mlp or layer<i>. Add one with "
                       f"taps={{'layer{{i}}_attn': '{layers_path}.{{i}}.<module>:input'}} where such a module exists.",
                       RuntimeWarning, stacklevel=4)
+
+
+def _routing(handle: Instrumented, unrouted: list) -> dict:
+    """The manifest's `routing` (capture/mixers.py): the layers whose router is tapped, and whether
+    that is every per-token selection of the model, each step's included."""
+    routed = sorted(int(match.group(1)) for tag in handle.taps if (match := _LAYER_TOPK.fullmatch(tag)))
+    other = [tag for tag in handle.taps if tag.endswith("_topk") and not _LAYER_TOPK.fullmatch(tag)
+             and not tag.endswith("_step_topk")]  # an indexer's picks, attention heads routed as experts
+    return {"routed": routed, "complete": not unrouted and not other and (handle.step_routing or not routed)}
 
 
 def _is_float(value) -> bool:

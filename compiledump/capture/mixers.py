@@ -1,10 +1,19 @@
-"""The token mixer of each decoder layer `instrument()` tapped, written into the manifest.
+"""The token mixer of each decoder layer `instrument()` tapped, and whether it recorded every
+routing decision of the model, written into the manifest.
 
 The comparator reads it to qualify a low-precision divergence in a hybrid model: bf16 rounding in
 linear-attention and state-space layers can exceed the defaults calibrated on attention models
 (docs/compare.md, "Hybrid models"). Kinds: "attention", "mlp" (a layer without token mixing:
 Nemotron-H's MoE layers), or the non-attention mixer's name ("linear_attn", "mamba", "conv", or
 the class name of a `self_attn`/`mixer` module that is not softmax attention).
+
+`routing` (`{"routed": [layer indices], "complete": bool}`) tells the comparator whether every
+token-routing decision of the model is recorded as ids: the MoE layers whose router instrument
+tapped, and `complete` false when some MoE block had no router it could tap, a step's routing is
+not recorded (`step_routing=False`), or something else selects per token (a sparse-attention
+indexer, attention heads routed as experts). With every decision recorded and none differing,
+nothing can have flipped a route, and decode steps are judged at the prefill thresholds
+(docs/compare.md, "Default thresholds").
 """
 
 from __future__ import annotations
@@ -57,21 +66,25 @@ def _common_prefix(names: list[str]) -> str:
     return first[:end]
 
 
-def declare_mixers(mixers: dict[int, str]) -> None:
-    """Record `{layer index: kind}` for the model being instrumented (replacing another's)."""
+def declare_mixers(mixers: dict[int, str], routing: dict | None = None) -> None:
+    """Record `{layer index: kind}` and the `routing` fact for the model being instrumented
+    (replacing another's)."""
     with STATE.lock:
         STATE.mixers = {str(i): kind for i, kind in mixers.items()}
+        STATE.routing = dict(routing or {})
         live = getattr(STATE.runtime, "live", None)
         if live is not None:
             journal_mixers(live)
 
 
-def manifest_mixers() -> dict[str, str]:
-    """The manifest's `mixers` (a copy: flush may run from a signal handler)."""
-    return dict(STATE.mixers)
+def manifest_layers() -> dict:
+    """The manifest's `mixers` and `routing`, those declared (copies: flush may run from a signal
+    handler)."""
+    return {name: dict(value) for name, value in (("mixers", STATE.mixers), ("routing", STATE.routing)) if value}
 
 
 def journal_mixers(live) -> None:
-    """Journal the declared mixers into crash-proof capture's `live` files (recover reads them)."""
+    """Journal the declared mixers and routing into crash-proof capture's `live` files (recover
+    reads them)."""
     if STATE.mixers:
-        live.write({"event": "mixers", "mixers": dict(STATE.mixers)})
+        live.write({"event": "mixers", **manifest_layers()})

@@ -152,7 +152,7 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
         result.skipped = (f"pid {start.get('pid')} {where} may still be running (its files are in use); "
                           "use --force if it is not")
         return result
-    slots, overflow, prompt, config, declared, mixers = _registry(start, events)
+    slots, overflow, prompt, config, declared, layers = _registry(start, events)
     ctrl = np.fromfile(live / spec.LIVE_CTRL, dtype=np.int32)
     if ctrl.size < L.control_words(0):
         raise RecoverError(f"{live}: control block of {ctrl.size} words")
@@ -185,7 +185,7 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
         tags=got.tags,
         drops=got.drops,
         **({"routers": routers} if routers else {}),
-        **({"mixers": mixers} if mixers else {}),
+        **layers,
     )
     result.npz = writer.write_dump(live.parent, stem, got.arrays, manifest)
     result.keys = len(got.keys)
@@ -199,15 +199,15 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
 
 
 def _registry(start: dict, events: list[dict]):
-    """(slots, overflow tags, prompt length, config, router declarations, layer mixers) as the journal
-    last had them."""
+    """(slots, overflow tags, prompt length, config, router declarations, the manifest's `mixers`
+    and `routing` from instrument) as the journal last had them."""
     by_index: dict[int, Slot] = {}
     slots: list[Slot] = []
     overflow: list[str] = []
     prompt = None
     config = start.get("config", {})
     declared: dict[str, dict] = {}
-    mixers: dict[str, str] = {}
+    layers: dict[str, dict] = {}
     for event in events:
         kind = event.get("event")
         if kind == "slot":
@@ -229,9 +229,9 @@ def _registry(start: dict, events: list[dict]):
         elif kind == "router":
             declared[event["tag"]] = event["router"]
         elif kind == "mixers":
-            mixers = event["mixers"]
+            layers = {name: event[name] for name in ("mixers", "routing") if event.get(name)}
     # A slot whose region was never claimed (offset -1) reports its counters only.
-    return slots, overflow, prompt, config, declared, mixers
+    return slots, overflow, prompt, config, declared, layers
 
 
 def recover_directory(directory: str | os.PathLike, force: bool = False,

@@ -125,6 +125,12 @@ class KeyRecord:
         return self.ids_differ or (self.routing is not None and bool(self.routing.rows))
 
     @property
+    def routes_flipped(self) -> bool:
+        """Some token went to other experts (not only the same ones in another order), or the ids
+        differ where no routing analysis can tell."""
+        return self.routing_differs and (self.routing is None or bool(self.routing.flipped_rows))
+
+    @property
     def metric_kind(self) -> str | None:
         return "float" if self.floats is not None else ("ids" if self.ids is not None else None)
 

@@ -18,7 +18,7 @@ from .cut import add_cut_rows
 from .facts import SideFacts
 from .key_record import KeyRecord, MergeInfo, RankPart
 from .metrics import RowMetrics, Workspace, compare_float_arrays, compare_id_arrays, compare_rows
-from .options import PRECISION_ORDER, CompareOptions, Thresholds, judged_class, pair_class
+from .options import DECODE_NO_FLIP, PRECISION_ORDER, CompareOptions, Thresholds, judged_class, pair_class
 from .phases import not_comparable_reason
 from .report import Problem
 from .routing import judge_routing, top_k_counterexample
@@ -72,10 +72,12 @@ class KeyMeasurer:
         self.workspace = workspace
         self.klass = klass  # the pair's class from its float keys (float_class)
 
-    def record(self, info: KeyInfo, problems: list[Problem], not_comparable: str | None = None) -> KeyRecord:
+    def record(self, info: KeyInfo, problems: list[Problem], not_comparable: str | None = None,
+               no_flip: bool = False) -> KeyRecord:
         """Compare ``info.key`` (present on both sides); problems met go to ``problems``.
         ``not_comparable``: why the two values cannot be compared, found beyond the key itself
-        (the sides fed this decode step different tokens)."""
+        (the sides fed this decode step different tokens). ``no_flip``: no routing flip can have
+        reached this key (a decode step is then judged at the prefill thresholds)."""
         key = info.key
         ref_member, run_member = self.ref.members[key], self.run.members[key]
         ref_info, run_info = self.ref.infos.get(key, info), self.run.infos.get(key, info)
@@ -84,8 +86,9 @@ class KeyMeasurer:
         record = KeyRecord(key=key, rank=self.rank, kind=info.kind, tag=info.tag, layer=info.layer, step=info.step,
                            phase=info.phase, shape_ref=list(ref_member.shape), shape_run=list(run_member.shape),
                            dtype_ref=str(ref_member.read_dtype), dtype_run=str(run_member.read_dtype), sides=sides,
-                           limits=self.options.thresholds_for(key, ref_info.source_dtype, run_info.source_dtype,
-                                                              info.phase, self.klass))
+                           limits=self.options.thresholds_for(
+                               key, ref_info.source_dtype, run_info.source_dtype,
+                               DECODE_NO_FLIP if no_flip and info.kind == "step" else info.phase, self.klass))
         reason = not_comparable or not_comparable_reason(info.kind, ref_info, run_info)
         if reason is not None:
             # Values of different phases or token counts: comparing them could only mislead.

@@ -35,6 +35,11 @@ DEFAULT_STEP_THRESHOLDS: dict[str, tuple[float, float]] = {
 }
 
 
+# The phase of a decode step that no routing flip can have reached: every routing decision of the
+# model recorded on both sides, and every ids key so far equal.
+DECODE_NO_FLIP = "decode_no_flip"
+
+
 def phase_thresholds(klass: str, phase: str = "prefill") -> tuple[float, float]:
     """The default (rel_diff, norm_diff) of precision class ``klass`` for a key of ``phase``
     (``prefill``: every key but the decode steps; ``decode``: step keys)."""
@@ -132,10 +137,17 @@ class CompareOptions:
         dtypes are ``ref_dtype`` and ``run_dtype``, in a pair of dumps whose float keys say they
         compute in precision class ``computes_in`` (``judged_class``)."""
         klass = judged_class(pair_class(ref_dtype, run_dtype), computes_in)
-        default_rel, default_norm = phase_thresholds(klass, phase)
         origin = "legacy" if klass == "legacy" else "calibrated"
-        if phase == "decode" and klass in DEFAULT_STEP_THRESHOLDS:
-            origin += " decode"
+        if phase == DECODE_NO_FLIP:
+            # A step before any differing ids, every routing decision recorded: no allowance for a
+            # routing flip is needed, so the prefill defaults apply (compare/phases.py routing_recorded).
+            default_rel, default_norm = phase_thresholds(klass, "prefill")
+            if klass in DEFAULT_STEP_THRESHOLDS:
+                origin += " decode, no routing flip"
+        else:
+            default_rel, default_norm = phase_thresholds(klass, phase)
+            if phase == "decode" and klass in DEFAULT_STEP_THRESHOLDS:
+                origin += " decode"
         rel, rel_source = default_rel, origin
         if self.threshold is not None:
             rel, rel_source = self.threshold, "--threshold"

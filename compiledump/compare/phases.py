@@ -189,3 +189,36 @@ def not_captured_note(facts: dict[str, dict | None]) -> str | None:
         if bits:
             parts.append(f"{side} " + ", ".join(bits))
     return "not captured: " + "; ".join(parts) if parts else None
+
+
+def routing_recorded(ref: Dump, run: Dump) -> bool:
+    """Whether both sides recorded every routing decision of the model as ids: their manifest's
+    ``routing`` (``instrument``'s) says complete, and no routed layer's ids were filtered out
+    (COMPILEDUMP_MOE_LAYERS). Then, while every ids key agrees, no route can have flipped, and a
+    decode step needs no allowance for one (docs/compare.md, "Default thresholds")."""
+    return all(_unrecorded_routing(dump) == [] for dump in (ref, run))
+
+
+def _unrecorded_routing(dump: Dump) -> list[int] | None:
+    """The routed layers whose ids ``dump`` filtered out, or None when its manifest cannot say
+    that every routing decision was recorded otherwise."""
+    manifest = dump.manifest or {}
+    routing = manifest.get("routing")
+    if not isinstance(routing, dict) or routing.get("complete") is not True:
+        return None
+    filtered = manifest.get("filtered_tags") or {}
+    return [i for i in routing.get("routed") or [] if isinstance(i, int)
+            and (f"layer{i}_topk" in filtered or f"layer{i}_step_topk" in filtered)]
+
+
+def unrecorded_routing_note(ref: Dump, run: Dump) -> str | None:
+    """What to set so that decode steps can be judged without the routing-flip allowance, when
+    the only thing missing is routed layers the MoE layer filter left out."""
+    sides = [_unrecorded_routing(dump) for dump in (ref, run)]
+    if None in sides or not any(sides):
+        return None
+    layers = sorted(set(sides[0]) | set(sides[1]))
+    return (f"decode steps are judged with the routing-flip allowance of the decode-step defaults: the routing of "
+            f"layer(s) {preview([str(i) for i in layers], 4)} is not recorded (COMPILEDUMP_MOE_LAYERS); with "
+            f"COMPILEDUMP_MOE_LAYERS={layers[-1] + 1} on both sides, steps before any differing expert ids are "
+            "judged at the prefill thresholds, which catch a decode-only bug of a few percent")

@@ -286,6 +286,9 @@ def threshold_lines(pair: PairResult) -> list[str]:
         computed = f", as the pair's other keys are {use['class']}" if lowered else ""
         origin = {"calibrated": f"{use['class']} defaults{computed}, calibrated: docs/compare.md",
                   "calibrated decode": f"{use['class']} decode-step defaults{computed}, calibrated: docs/compare.md",
+                  "calibrated decode, no routing flip": f"{use['class']} defaults{computed} for decode steps no routing "
+                                                        "flip reaches (every route recorded, none differs so far), "
+                                                        "calibrated: docs/compare.md",
                   "legacy": "legacy default: a side has no source dtype (no manifest)",
                   "legacy decode": "legacy decode-step default: a side has no source dtype (no manifest)"}
         if use["rel_source"] == use["norm_source"]:

@@ -29,6 +29,8 @@ from .phases import (
     one_sided_note,
     prompt_length,
     recovered_note,
+    routing_recorded,
+    unrecorded_routing_note,
 )
 from .rename import RenamedDump
 from .key_record import KeyRecord
@@ -96,6 +98,8 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
                            workspace, float_class(ref, run, sorted(common)))
     records: list[KeyRecord] = []
     fed = first_fed_difference(ref, run, ordered)
+    # Every routing decision recorded on both sides: until some ids differ, no route has flipped.
+    no_flip = routing_recorded(ref, run)
     captured = {"REF": not_captured(ref), "RUN": not_captured(run)}
     # Keys one side has whose tag the other side's host filter dropped, COMPILEDUMP_MOE_LAYERS set
     # differently: one note names the setting, instead of a problem per key. (With the same setting,
@@ -129,7 +133,8 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
         # From the step where greedy decoding fed the sides different tokens on, their values
         # cannot be compared (inputs.py).
         refused = fed.reason() if after_fed_difference(info, fed) else None
-        records.append(measurer.record(info, problems, refused))
+        records.append(measurer.record(info, problems, refused, no_flip))
+        no_flip = no_flip and not records[-1].routes_flipped
     for position, record in enumerate(records):
         record.position = position
     prompt = prompt_length(ref, run)
@@ -142,6 +147,8 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
         notes.append(note)
     notes.extend(one_sided_note(side, keys, ref.manifest, run.manifest) for side, keys in one_sided.items() if keys)
     notes.extend(note for note in (recovered_note("REF", ref), recovered_note("RUN", run)) if note)
+    if any(r.phase == "decode" and r.limits is not None and r.limits.rel_source.endswith(" decode") for r in records):
+        notes.extend(note for note in (unrecorded_routing_note(ref, run),) if note)
     result = PairResult(rank=rank, ref=str(ref.path), run=str(run.path), ref_manifest=ref.manifest is not None,
                         run_manifest=run.manifest is not None, keys=records, problems=problems, notes=notes,
                         not_captured=captured, prompt_tokens=prompt, prompt_tokens_ref=prompt_length(ref),

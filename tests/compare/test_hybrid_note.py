@@ -39,7 +39,12 @@ def _mixers(directory: Path) -> dict:
     return json.loads(manifest.read_text())["mixers"]
 
 
-def test_the_manifest_names_each_layer_s_mixer_and_a_recovered_dump_keeps_it(dump_dir):
+def _routing(directory: Path) -> dict:
+    (manifest,) = directory.glob("*.json")
+    return json.loads(manifest.read_text())["routing"]
+
+
+def test_the_manifest_names_each_layer_s_mixer_and_routing_and_a_recovered_dump_keeps_them(dump_dir):
     """Captured here rather than with dump_prefill, whose reset would remove the crash-proof files
     that recover reads."""
     model, ids = _qwen3_next(0), torch.randint(3, 211, (1, 7), generator=torch.Generator().manual_seed(1))
@@ -51,8 +56,11 @@ def test_the_manifest_names_each_layer_s_mixer_and_a_recovered_dump_keeps_it(dum
     handle.remove()
     want = {"0": "linear_attn", "1": "attention", "2": "linear_attn", "3": "attention"}
     assert _mixers(dump_dir) == want
+    # Qwen3-Next's MoE layers are routed (its router tapped), nothing else selects per token.
+    routing = {"routed": [0, 1, 2, 3], "complete": True}
+    assert _routing(dump_dir) == routing
     results, errors = recover_directory(dump_dir, force=True, keep=True)
-    assert errors == [] and results[0].npz == path and _mixers(dump_dir) == want
+    assert errors == [] and results[0].npz == path and _mixers(dump_dir) == want and _routing(dump_dir) == routing
 
 
 def test_an_attention_model_has_no_caution(dump_dir):

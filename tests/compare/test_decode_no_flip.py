@@ -1,0 +1,124 @@
+"""Decode steps no routing flip can have reached are judged at the prefill thresholds.
+
+The decode-step defaults of the low-precision classes (rel_diff 2e-1) allow for routing flips,
+which move a step's logits up to 1e-1; they let a decode-only bug through (positions off by one:
+rel_diff ~6e-3 in a bf16 engine, "no divergence" before). `instrument` writes in the manifest
+whether it recorded every routing decision (`routing`); with every routed layer's ids kept
+(COMPILEDUMP_MOE_LAYERS covering them) and every ids key agreeing so far, nothing can have flipped
+a route, and a step is judged at the prefill thresholds (docs/compare.md, "Default thresholds").
+A Hugging Face model built from config (random weights, eager) on both sides; the engine's
+decode-only bug is known, so is the step it must be named at.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import compiledump
+from compiledump import config as cd_config
+from compiledump.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("hf_example", REPO / "examples" / "hf_reference_vs_compiled.py")
+ex = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ex)
+
+PROMPT, STEPS = 7, 4
+
+
+def run_side(model, directory, tokens, moe_layers, position_offset=0, step_routing=True):
+    """Prefill a 7-token prompt and decode the given `tokens` (teacher forcing); decode positions
+    shifted by `position_offset` (the bug: the prefill is right)."""
+    compiledump.reset()
+    compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory), moe_layers=moe_layers)))
+    handle = compiledump.instrument(model, step_routing=step_routing)
+    prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(3))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=prompt, cache=cache, use_cache=True)
+        for n, token in enumerate(tokens):
+            position = torch.tensor([[PROMPT + n + position_offset]])
+            model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True, position_ids=position)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        compiledump.flush()
+    handle.remove()
+    compiledump.reset()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ex.build_model("qwen3_moe")  # 4 layers, every one MoE
+
+
+def compare(tmp_path, capsys):
+    code = main(["compare", str(tmp_path / "ref"), str(tmp_path / "run"), "--json", str(tmp_path / "r.json")])
+    return code, capsys.readouterr().out.splitlines(), json.loads((tmp_path / "r.json").read_text())
+
+
+def sources(report) -> dict[str, str]:
+    return {record["key"]: record["threshold_source"] for record in report["keys"] if record.get("threshold_source")}
+
+
+def test_the_manifest_says_whether_every_route_is_recorded(model, tmp_path):
+    run_side(model, tmp_path / "moe", [5], moe_layers=2)
+    run_side(ex.build_model("llama"), tmp_path / "dense", [5], moe_layers=2)
+    run_side(model, tmp_path / "nosteps", [5], moe_layers=4, step_routing=False)
+    facts = {name: json.loads(next((tmp_path / name).glob("*.json")).read_text())["routing"]
+             for name in ("moe", "dense", "nosteps")}
+    assert facts == {"moe": {"routed": [0, 1, 2, 3], "complete": True},  # layers 2-3 then filtered (below)
+                     "dense": {"routed": [], "complete": True},  # nothing routes: nothing can flip
+                     "nosteps": {"routed": [0, 1, 2, 3], "complete": False}}  # a step's own routing unseen
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
+def test_a_decode_only_bug_in_a_bf16_engine_is_named_at_its_step(model, tmp_path, capsys, name):
+    # Llama routes nothing, so nothing can flip: before, its decode steps were judged with the
+    # routing-flip allowance all the same and this bug exited 0. (In Qwen3-MoE it also moves a
+    # route far from a tie at step 1, which names the step either way.)
+    reference = model if name == "qwen3_moe" else ex.build_model(name)
+    tokens = torch.randint(0, reference.config.vocab_size, (STEPS,),
+                           generator=torch.Generator().manual_seed(4)).tolist()
+    engine = copy.deepcopy(reference).to(torch.bfloat16)
+    run_side(reference, tmp_path / "ref", tokens, moe_layers=4)
+    run_side(engine, tmp_path / "run", tokens, moe_layers=4, position_offset=1)
+    code, out, report = compare(tmp_path, capsys)
+    first = report["first_divergence"]
+    assert code == 1 and (first["phase"], first["step"]) == ("decode", 1), out[-1]
+    if name == "llama":
+        assert (first["key"], first["threshold"]) == ("logits_1", 2e-3)  # bf16's prefill default
+        assert any(line.startswith("thresholds: float32 vs bfloat16 -> rel_diff <= 2e-03") and
+                   "decode steps no routing flip reaches" in line for line in out)
+    # The same engine without the bug: no divergence; decode steps are judged at the prefill
+    # thresholds until some token's experts change, and with the allowance after.
+    run_side(engine, tmp_path / "run", tokens, moe_layers=4)
+    code, out, report = compare(tmp_path, capsys)
+    assert code == 0, out[-1]
+    flipped = False
+    for record in report["keys"]:
+        if record["phase"] == "decode" and record.get("threshold_source"):
+            assert record["threshold_source"] == ("calibrated decode" if flipped else
+                                                  "calibrated decode, no routing flip"), record["key"]
+        routing = record.get("routing") or {}
+        flipped = flipped or bool(record.get("ids_equal") is False and [
+            row for row in routing.get("rows", ()) if row["overlap"] < row["k"]])
+
+
+def test_unrecorded_routing_keeps_the_allowance_and_says_what_to_set(model, tmp_path, capsys):
+    tokens = torch.randint(0, model.config.vocab_size, (STEPS,), generator=torch.Generator().manual_seed(4)).tolist()
+    engine = copy.deepcopy(model).to(torch.bfloat16)
+    run_side(model, tmp_path / "ref", tokens, moe_layers=2)  # layers 2-3's routing filtered out
+    run_side(engine, tmp_path / "run", tokens, moe_layers=2)
+    code, out, report = compare(tmp_path, capsys)
+    assert code == 0 and set(sources(report).values()) <= {"calibrated", "calibrated decode"}
+    note = next(line for line in out if line.startswith("note: decode steps are judged with the routing-flip"))
+    assert "layer(s) 2, 3 is not recorded" in note and "COMPILEDUMP_MOE_LAYERS=4 on both sides" in note
