@@ -104,6 +104,15 @@ def final_norm_path(layers_path: str, modules: dict) -> str | None:
                  if path in modules), None)
 
 
+def consecutive(path: str, modules: dict) -> range:
+    """0..n-1 for the longest run of `path.format(i=...)` from 0 that names modules (DBRX's
+    `transformer.blocks.{i}`, where no `layers` list is found)."""
+    n = 0
+    while path.format(i=n) in modules:
+        n += 1
+    return range(n)
+
+
 def token_embedding_path(layers_path: str, modules: dict) -> str | None:
     """The token embedding beside `layers` (`embed_tokens`, whose input is the token ids a forward
     feeds), or None."""

@@ -38,7 +38,6 @@ LAYER_TAPS = {
     "mlp": "MLP / MoE output",
     "": "layer output (the tag is layer<i>)",
 }
-_LAYER_TOPK = re.compile(r"layer(\d+)_topk")
 _PATH_SIDE = re.compile(r"^(?P<path>[^:]*)(?::(?P<side>input|output))?$")
 
 
@@ -269,7 +268,7 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
         match = _PATH_SIDE.match(path_pattern)
         path, side = match.group("path"), match.group("side") or "output"
         indices = ([None] if "{i}" not in path else range(len(layers)) if layers is not None
-                   else _consecutive(path, modules))  # no `layers` found (DBRX's `blocks`): 0, 1, ... while they exist
+                   else layout.consecutive(path, modules))  # no `layers` found (DBRX's `blocks`): 0, 1, ... while they exist
         found = False
         for i in indices:
             name = path.format(i=i) if i is not None else path
@@ -325,7 +324,7 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
         handle._add(layer, f"layer{i}", prefix, "output")
     _warn_untapped(layers_path, layers, unrouted, no_attn)
     mixers.declare_mixers(mixers.kinds_of(layers, [layout.child(layer, layout.MIXERS) for layer in layers]),
-                          _routing(handle, unrouted))
+                          mixers.routing_fact(handle.taps, bool(unrouted), handle.step_routing))
     if (norm_path := layout.final_norm_path(layers_path, modules)) is not None:
         handle._add(modules[norm_path], "final_norm", norm_path, "output")
     if (embed_path := layout.token_embedding_path(layers_path, modules)) is not None:
@@ -369,25 +368,8 @@ def _warn_untapped(layers_path: str, layers, unrouted: list, no_attn: list[str])
                       RuntimeWarning, stacklevel=4)
 
 
-def _routing(handle: Instrumented, unrouted: list) -> dict:
-    """The manifest's `routing` (capture/mixers.py): the layers whose router is tapped, and whether
-    that is every per-token selection of the model, each step's included."""
-    routed = sorted(int(match.group(1)) for tag in handle.taps if (match := _LAYER_TOPK.fullmatch(tag)))
-    other = [tag for tag in handle.taps if tag.endswith("_topk") and not _LAYER_TOPK.fullmatch(tag)
-             and not tag.endswith("_step_topk")]  # an indexer's picks, attention heads routed as experts
-    return {"routed": routed, "complete": not unrouted and not other and (handle.step_routing or not routed)}
-
-
 def _is_float(value) -> bool:
     return isinstance(value, torch.Tensor) and value.is_floating_point()
-
-
-def _consecutive(path: str, modules: dict) -> range:
-    """0..n-1 for the longest run of `path.format(i=...)` from 0 that names modules."""
-    n = 0
-    while path.format(i=n) in modules:
-        n += 1
-    return range(n)
 
 
 def _tap_router(handle: Instrumented, name: str, block_path: str, block: torch.nn.Module, router_name: str) -> None:

@@ -18,6 +18,8 @@ nothing can have flipped a route, and decode steps are judged at the prefill thr
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from ..format.spec import MIXER_ATTENTION as ATTENTION, MIXER_NONE as NO_MIXING
@@ -64,6 +66,19 @@ def _common_prefix(names: list[str]) -> str:
     first, last = min(names), max(names)
     end = next((n for n, (a, b) in enumerate(zip(first, last)) if a != b), min(len(first), len(last)))
     return first[:end]
+
+
+_LAYER_TOPK = re.compile(r"layer(\d+)_topk")
+
+
+def routing_fact(taps, unrouted: bool, step_routing: bool) -> dict:
+    """The manifest's `routing` from instrument's `taps`: the layers whose router is tapped, and
+    whether that is every per-token selection of the model (no MoE block left `unrouted`, no other
+    selection such as an indexer's picks, each step's routing recorded)."""
+    routed = sorted(int(match.group(1)) for tag in taps if (match := _LAYER_TOPK.fullmatch(tag)))
+    other = [tag for tag in taps if tag.endswith("_topk") and not _LAYER_TOPK.fullmatch(tag)
+             and not tag.endswith("_step_topk")]  # an indexer's picks, attention heads routed as experts
+    return {"routed": routed, "complete": not unrouted and not other and (step_routing or not routed)}
 
 
 def declare_mixers(mixers: dict[int, str], routing: dict | None = None) -> None:
