@@ -85,6 +85,7 @@ class Value:
     after_ids: bool  # after the pair's first differing ids key in model order
     flip: bool | None = None  # a routing flip before it (RoutingLog; None: not logged, compiled engines)
     step: int | None = None
+    no_flip: bool = False  # a decode step judged at the prefill defaults: no routing flip can reach it
 
 
 @dataclass
@@ -195,8 +196,10 @@ def measure(pair: Pair, ref: str, run: str) -> Pair:
             kept = [row for row in range(len(record.rows.rel_diff)) if row not in (record.excused_rows or ())]
             rel = max((record.rows.rel_diff[row] for row in kept), default=0.0)
             norm = max((record.rows.norm_diff[row] or 0.0 for row in kept), default=0.0)
+        no_flip = record.limits is not None and record.limits.rel_source.endswith("no routing flip")
         pair.values.append(Value(record.key, record.layer, record.phase, rel, norm, record.position > first_ids,
-                                 after_flip(pair.flips, record.phase, record.layer, record.step), record.step))
+                                 after_flip(pair.flips, record.phase, record.layer, record.step), record.step,
+                                 no_flip))
     pair.excused = sum(1 for record in report.keys if record.excused_rows)
     for record in report.keys:
         if record.ids_differ and record.routing is not None:

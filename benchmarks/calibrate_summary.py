@@ -26,10 +26,13 @@ def summarise(pairs: list, bug_layer: int) -> dict:
     noise: dict[str, dict] = {}
     for klass in ("fp32", "fp16", "bf16", "fp8"):
         members = [pair for pair in honest if pair.klass == klass]
-        for phase in ("prefill", "decode"):
+        # Decode steps are judged at the decode-step defaults (their allowance for routing flips),
+        # or, where no flip can reach them (docs/compare.md), at the prefill defaults: "decode-nf".
+        for phase in ("prefill", "decode", "decode-nf"):
             if not members:
                 continue
-            judged = [(value, pair) for pair in members for value in pair.values if value.phase == phase]
+            judged = [(value, pair) for pair in members for value in pair.values
+                      if value.phase == phase.split("-")[0] and value.no_flip == (phase == "decode-nf")]
             groups = {
                 "judged": judged,  # every value the comparator judged
                 "rounding": [(v, p) for v, p in judged if v.flip is False and not v.after_ids],
@@ -45,10 +48,10 @@ def summarise(pairs: list, bug_layer: int) -> dict:
                 subset = [value for value, pair in groups["rounding"] if pair.init == init]
                 entry[f"rounding init={init}"] = [max((v.rel for v in subset), default=0.0),
                                                   max((v.norm for v in subset), default=0.0)]
-            rel_limit, norm_limit = phase_thresholds(klass, phase)
+            rel_limit, norm_limit = phase_thresholds(klass, "prefill" if phase == "decode-nf" else phase)
             # The thresholds must clear the rounding noise; above it, the values after a routing
             # flip in a decode step (which no dump records) for the decode defaults.
-            top = entry["judged"] if phase == "decode" else entry["rounding"]
+            top = entry["judged"] if phase.startswith("decode") else entry["rounding"]
             entry.update(default_rel=rel_limit, default_norm=norm_limit,
                          margin_rel=rel_limit / top["rel"] if top["rel"] else math.inf,
                          margin_norm=norm_limit / top["norm"] if top["norm"] else math.inf)
@@ -112,9 +115,13 @@ def print_summary(summary: dict, graphs: dict, elapsed: float, args) -> None:
     print("max rel_diff / norm_diff of the honest float keys the comparator judged, by precision class and phase;")
     print("'rounding': no routing flip before the key (router hooks) and no differing ids before it;")
     print("'after flip': a routing flip before the key (the comparator sees it only where ids are recorded).")
+    print("'decode-nf': decode steps judged at the prefill defaults (every route recorded, no token's experts")
+    print("differing before them: docs/compare.md); 'decode': the other decode steps, with the routing-flip allowance.")
     print(f"{'class phase':<14} {'rounding':>19} {'after flip':>19} {'all judged':>19}  "
           f"{'default':>13}  margin (prefill: over rounding; decode: over all)")
     for name, entry in summary["noise"].items():
+        if not entry["judged"]["keys"]:
+            continue  # e.g. fp32 decode-nf: the fp32 decode defaults are the prefill ones
         cells = [f"{entry[g]['rel']:.1e} / {entry[g]['norm']:.1e}" if entry[g]["keys"] else "-"
                  for g in ("rounding", "flip", "judged")]
         print(f"{name:<14} {cells[0]:>19} {cells[1]:>19} {cells[2]:>19}  "
@@ -122,6 +129,8 @@ def print_summary(summary: dict, graphs: dict, elapsed: float, args) -> None:
               f"x{entry['margin_rel']:.3g} / x{entry['margin_norm']:.3g}")
     print()
     for name, entry in summary["noise"].items():
+        if not entry["judged"]["keys"]:
+            continue
         print(f"{name}: all judged max rel_diff at {entry['judged']['rel_at']}; max norm_diff at "
               f"{entry['judged']['norm_at']}")
         print(f"{'':<14} rounding max rel_diff at {entry['rounding']['rel_at']}; max norm_diff at "
