@@ -141,7 +141,7 @@ class KeyMeasurer:
                 if result.ids is not None and (not result.ids.ids_equal or self._weighs_by_cut(info)):
                     result = self.judge_ids(result, info, x, y)
                 elif result.floats is not None and result.metric != "nonfinite" and self._judges_ids(info) \
-                        and not (info.kind == "step" and record.limits.klass == "fp32"):
+                        and not (info.kind == "step" and (record.limits.klass == "fp32" or no_flip)):
                     # A decode step's router logits: one logit per expert, in the decode-step noise
                     # and reached by flips of earlier tokens; what moves them moves the step's later
                     # keys too. A sparse-attention indexer's scores are noisier than

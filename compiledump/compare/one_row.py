@@ -17,9 +17,12 @@ from .text import rows_text
 ROWS_FIX = "record every row (COMPILEDUMP_ROWS=all) to name where it begins"
 
 
-def one_row_note(records: list[KeyRecord], first: Divergence | None, prompt: int | None) -> str | None:
+def one_row_note(records: list[KeyRecord], first: Divergence | None,
+                 prompt: int | None) -> tuple[str, bool] | None:
     """A note when ``first`` (a prefill float divergence) may come from token rows no earlier key
-    recorded, or None."""
+    recorded, and whether the first divergence should carry a caution (only where an every-row key
+    shows other tokens diverging first: a one-row key after attention is more often right about
+    its own layer, as a wrong norm or attention there is), or None."""
     if first is None or first.phase != "prefill" or first.metric in ("ids", "argmax") or (
             prompt is not None and prompt < 2):  # a one-token prompt has no other tokens
         return None
@@ -34,7 +37,7 @@ def one_row_note(records: list[KeyRecord], first: Divergence | None, prompt: int
             return None
         return (f"{key.key} diverges at {rows_text(key.divergent_rows, len(key.rows.rel_diff))} but not at the "
                 f"last, the only token {last_ok.key} (last good) holds (one-row mode): those tokens may have "
-                f"diverged before it; {ROWS_FIX}")
+                f"diverged before it; {ROWS_FIX}"), True
     layer = key.layer if key.layer is not None else -1
     crossed = (last_ok is not None and last_ok.layer is not None and layer > last_ok.layer) or (
         last_ok is None and layer >= 1)
@@ -45,4 +48,4 @@ def one_row_note(records: list[KeyRecord], first: Divergence | None, prompt: int
              else "which no earlier key records")
     return (f"{key.key} holds the prompt's last token only (one-row mode), and attention mixes in the other "
             f"tokens, {since}: the bug may be at those tokens in an earlier layer, not only in layer {layer}; "
-            f"{ROWS_FIX}")
+            f"{ROWS_FIX}"), False

@@ -147,7 +147,8 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
         notes.append(note)
     notes.extend(one_sided_note(side, keys, ref.manifest, run.manifest) for side, keys in one_sided.items() if keys)
     notes.extend(note for note in (recovered_note("REF", ref), recovered_note("RUN", run)) if note)
-    if any(r.phase == "decode" and r.limits is not None and r.limits.rel_source.endswith(" decode") for r in records):
+    if any(r.phase == "decode" and r.floats is not None and r.limits is not None
+           and r.limits.rel_source.endswith(" decode") for r in records):
         notes.extend(note for note in (unrecorded_routing_note(ref, run),) if note)
     result = PairResult(rank=rank, ref=str(ref.path), run=str(run.path), ref_manifest=ref.manifest is not None,
                         run_manifest=run.manifest is not None, keys=records, problems=problems, notes=notes,
@@ -164,10 +165,10 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
         if note is not None:
             result.notes.append(note)
             first.caution = "after layers whose bf16 rounding can exceed the defaults (see the note)"
-    note = one_row_note(records, result.prefill_divergence, prompt)
-    if note is not None:
-        result.notes.append(note)
-        if first is not None and first.key == result.prefill_divergence.key and first.caution is None:
+    blind_spot = one_row_note(records, result.prefill_divergence, prompt)
+    if blind_spot is not None:
+        result.notes.append(blind_spot[0])
+        if blind_spot[1] and first is not None and first.key == result.prefill_divergence.key and first.caution is None:
             first.caution = "one-row mode: the bug may sit earlier, at other tokens (see the note)"
     return result
 
