@@ -124,3 +124,13 @@ def test_unrecorded_routing_keeps_the_allowance_and_says_what_to_set(model, tmp_
     assert code == 0 and set(sources(report).values()) <= {"calibrated", "calibrated decode"}
     note = next(line for line in out if line.startswith("note: decode steps are judged with the routing-flip"))
     assert "layer(s) 2, 3 is not recorded" in note and "COMPILEDUMP_MOE_LAYERS=4 on both sides" in note
+
+
+def test_no_allowance_note_where_no_key_is_judged_with_it(model, tmp_path, capsys):
+    # fp32 against fp32, layers 2-3's routing filtered: decode steps are judged at fp32's defaults,
+    # which have no routing-flip allowance, so the note would be false (a trial saw it there).
+    tokens = torch.randint(0, model.config.vocab_size, (STEPS,), generator=torch.Generator().manual_seed(4)).tolist()
+    run_side(model, tmp_path / "ref", tokens, moe_layers=2)
+    run_side(copy.deepcopy(model), tmp_path / "run", tokens, moe_layers=2)
+    code, out, _ = compare(tmp_path, capsys)
+    assert code == 0 and not any("routing-flip allowance" in line for line in out)
