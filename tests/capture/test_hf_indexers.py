@@ -241,9 +241,9 @@ def test_honest_bf16_pooled_indexer_pairs_exit_0(tmp_path, rows):
     for seed in (1,):
         reference = glm5_next_text(seed=seed)
         ids = torch.randint(3, 211, (1, 48), generator=torch.Generator().manual_seed(seed + 1))
-        for bug in (False, True):
+        for bug in (False, True):  # the reference's dump of the honest pair serves the buggy one
             report = compare_bf16_prefill(reference, tmp_path / f"{seed}_{bug}", ids, rows, _scale_layer1_experts
-                                          if bug else None)
+                                          if bug else None, tmp_path / f"{seed}_False" / "ref" if bug else None)
             if bug:
                 assert report.exit_status == 1 and report.first_divergence.layer == 1, format_report(report)[-1]
             else:

@@ -36,16 +36,21 @@ def dump_prefill(model: torch.nn.Module, directory: Path, ids: torch.Tensor, row
     compiledump.configure(**dataclasses.asdict(previous))
 
 
-def compare_bf16_prefill(reference: torch.nn.Module, root: Path, ids: torch.Tensor, rows: str, engine_bug=None):
+def compare_bf16_prefill(reference: torch.nn.Module, root: Path, ids: torch.Tensor, rows: str, engine_bug=None,
+                         reference_dump: Path | None = None):
     """One prefill of the float32 ``reference`` and of its bfloat16 copy (broken by ``engine_bug(engine)``
-    when given) dumped under ``root``/ref and ``root``/run, and their comparison's report."""
+    when given) dumped under ``root``/ref and ``root``/run, and their comparison's report.
+    ``reference_dump``: the reference's dump of the same ids and rows, made by an earlier call
+    (``root``/ref of it), instead of running the reference again."""
     from compiledump.compare import compare
 
     engine = copy.deepcopy(reference).to(torch.bfloat16)
     if engine_bug is not None:
         engine_bug(engine)
-    dump_prefill(reference, root / "ref", ids, rows)
+    if reference_dump is None:
+        reference_dump = root / "ref"
+        dump_prefill(reference, reference_dump, ids, rows)
     dump_prefill(engine, root / "run", ids, rows)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        return compare(root / "ref", root / "run")
+        return compare(reference_dump, root / "run")
