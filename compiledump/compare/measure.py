@@ -147,8 +147,9 @@ class KeyMeasurer:
                     # keys too. A sparse-attention indexer's scores are noisier than
                     # the hidden states (ReLU'd sums over heads; fp8 in engines), and what its picks
                     # change shows in layer<i>_attn. A non-finite mismatch is never excused. In
-                    # fp32, where routing does not flip and decode noise is ~1e-12, a step's router
-                    # logits are judged: they name the first layer a decode-only bug reaches.
+                    # fp32 (routing does not flip, decode noise ~1e-12) and at a step no routing
+                    # flip can have reached (no_flip), a step's router logits are judged: they name
+                    # the first layer a decode-only bug reaches.
                     result = replace(result, status="shown", divergent=False, metric=None, value=None)
                 return result
             # A merged side's ids are judged strictly (any mismatch diverges): no routing analysis.
