@@ -69,11 +69,14 @@ def _merged_pairs(ref: dict[str, Path], run: dict[str, Path]) -> list[Pair] | No
     sharded run (rank 0 of tp_size 2, its other ranks' files missing) and the single file is
     not: its shards cannot be merged and must not be compared as whole values (a partial sum
     against the full value would be a false divergence). None otherwise: files are paired by rank."""
+    parts = None  # two single files: which of them is one rank's part, decided once
+    if len(ref) == 1 and len(run) == 1:
+        parts = {"REF": _is_a_part(ref), "RUN": _is_a_part(run)}
+        if parts["REF"] == parts["RUN"]:
+            return None  # compared as they are, shards against shards (or wholes against wholes)
     for single, several, label in ((ref, run, "RUN"), (run, ref, "REF")):
-        if len(single) != 1 or not several:
+        if len(single) != 1 or not several or (parts is not None and not parts[label]):
             continue
-        if len(several) == 1 and (not _is_a_part(several) or _is_a_part(single)):
-            continue  # two single files: compared as they are, shards against shards
         merged = merge_side(several, label)
         if merged is None:
             continue
