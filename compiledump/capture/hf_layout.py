@@ -97,11 +97,16 @@ def _beside_embeddings(found: list, modules: dict[str, torch.nn.Module]) -> list
     return [(name, module) for name, module in found if hasattr(modules[name.rpartition(".")[0]], "embed_tokens")]
 
 
+def _beside_layers(layers_path: str, names, modules: dict) -> str | None:
+    """The path of the first of `names` that is a module beside `layers` (its sibling), or None."""
+    parent = layers_path.rpartition(".")[0]
+    return next((path for path in (f"{parent}.{name}" if parent else name for name in names)
+                 if path in modules), None)
+
+
 def final_norm_path(layers_path: str, modules: dict) -> str | None:
     """The final norm beside `layers` (FINAL_NORMS), or None."""
-    parent = layers_path.rpartition(".")[0]
-    return next((path for path in (f"{parent}.{name}" if parent else name for name in FINAL_NORMS)
-                 if path in modules), None)
+    return _beside_layers(layers_path, FINAL_NORMS, modules)
 
 
 def consecutive(path: str, modules: dict) -> range:
@@ -116,9 +121,7 @@ def consecutive(path: str, modules: dict) -> range:
 def token_embedding_path(layers_path: str, modules: dict) -> str | None:
     """The token embedding beside `layers` (`embed_tokens`, whose input is the token ids a forward
     feeds), or None."""
-    parent = layers_path.rpartition(".")[0]
-    path = f"{parent}.embed_tokens" if parent else "embed_tokens"
-    return path if path in modules else None
+    return _beside_layers(layers_path, ("embed_tokens",), modules)
 
 
 def lm_head_path(modules: dict) -> str | None:
