@@ -3,6 +3,7 @@
     api.py         the public calls (configure, init, record*, profiling, set_rows, ...)
     instrument.py  instrument(model): forward hooks that call api.py on a model's modules
     hf_layout.py   where a Hugging Face decoder keeps its layers, norms, MLP blocks and routers
+    residual.py    where a layer keeps the residual stream (vLLM/SGLang: two parts, added by the next norm)
     hf_routers.py  which Hugging Face routers select how (the rules instrument declares)
     layouts.py     how record reads a tensor (layout=, rows=)
     routers.py     declare_router: how a router that is not a plain top-k selects, for compare

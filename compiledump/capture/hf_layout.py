@@ -124,7 +124,14 @@ def token_embedding_path(layers_path: str, modules: dict) -> str | None:
     return _beside_layers(layers_path, ("embed_tokens",), modules)
 
 
-def lm_head_path(modules: dict) -> str | None:
-    """The model's own lm_head, else the nearest nested one (Llama 4's multimodal class holds
-    language_model.lm_head)."""
-    return "lm_head" if "lm_head" in modules else next((path for path in modules if path.endswith(".lm_head")), None)
+def logits_path(modules: dict) -> str | None:
+    """The module whose output is the logits: the model's own lm_head, else the nearest nested one
+    (Llama 4's multimodal class holds language_model.lm_head); where a `logits_processor` sits
+    beside it (vLLM, SGLang), that one: their lm_head only holds the weight the processor reads
+    (calling it is an error)."""
+    head = "lm_head" if "lm_head" in modules else next((path for path in modules if path.endswith(".lm_head")), None)
+    if head is None:
+        return None
+    parent = head.rpartition(".")[0]
+    processor = f"{parent}.logits_processor" if parent else "logits_processor"
+    return processor if processor in modules else head

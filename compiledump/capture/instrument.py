@@ -24,20 +24,10 @@ from collections.abc import Callable
 
 import torch
 
-from . import api, hf_layout as layout, indexers, mixers, routers
+from . import api, hf_layout as layout, indexers, mixers, residual, routers
 from .hf_routers import PROBABILITY_ROUTERS, int_attr, selection_of
 from .state import STATE, warn_once
 
-# Default tags per decoder layer i (docs/api.md, "instrument").
-LAYER_TAPS = {
-    "attn": "residual stream after attention (input of post_attention_layernorm)",
-    "router": "router logits (MoE layers)",
-    "topk": "top-k expert ids (MoE layers)",
-    "step_router": "router logits of each step's logits row, as steps (MoE layers under COMPILEDUMP_MOE_LAYERS)",
-    "step_topk": "top-k expert ids of each step's logits row, as steps (MoE layers under COMPILEDUMP_MOE_LAYERS)",
-    "mlp": "MLP / MoE output",
-    "": "layer output (the tag is layer<i>)",
-}
 _PATH_SIDE = re.compile(r"^(?P<path>[^:]*)(?::(?P<side>input|output))?$")
 
 
@@ -109,24 +99,30 @@ class Instrumented:
         else:
             api.record_ids(tag, self._rows(tensor))
 
-    def _add(self, module: torch.nn.Module, tag: str, path: str, side: str, capture: Callable | None = None):
+    def _add(self, module: torch.nn.Module, tag: str, path: str, side: str, capture: Callable | None = None,
+             read: Callable | None = None):
+        """Hook `module`'s output, or its first input (side "input"); or what `read` makes of them."""
         capture = capture or (lambda value: self._capture(tag, value))
         if side == "input":
+            read = read or residual.first_input
+
             def pre_hook(_module, args, kwargs):
                 if STATE.config.active:  # off: nothing at all reaches the graph
-                    capture(args[0] if args else next(iter(kwargs.values()), None))
+                    capture(read(args, kwargs))
             self._handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
         else:
             def hook(_module, _args, output):
                 if STATE.config.active:
-                    capture(output)
+                    capture(read(output) if read else output)
             self._handles.append(module.register_forward_hook(hook))
         self.taps[tag] = f"{path}:input" if side == "input" else path
 
     def _track_shape(self, path: str, layer: torch.nn.Module) -> None:
+        hidden_of = residual.hidden_states_reader(layer)  # vLLM's and SGLang's layers take positions first
+
         def pre_hook(_module, args, kwargs):
             if STATE.config.active:
-                hidden = args[0] if args else kwargs.get("hidden_states")
+                hidden = hidden_of(args, kwargs)
                 # [batch, seq, hidden], or [batch, seq, hc_mult, hidden] with hyper-connections
                 batched = isinstance(hidden, torch.Tensor) and hidden.dim() in (3, 4)
                 self._shape.batch, self._shape.seq = (hidden.shape[0], hidden.shape[1]) if batched else (None, None)
@@ -306,9 +302,11 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
             indexers.tap_indexer(handle, f"layer{i}_index", f"{prefix}.{mixer_name}.{indexer_name}", indexer,
                                  handle._router(f"layer{i}_index", mixer, indexer))
             routers.withdraw(f"layer{i}_index_router")  # the plain top-k of its scores
+        split = residual.defers_residual(layer)  # vLLM, SGLang: the stream in two parts (residual.py)
         attn_input = layout.residual_after_attention(layer, block_name)
         if attn_input is not None:
-            handle._add(getattr(layer, attn_input), f"layer{i}_attn", f"{prefix}.{attn_input}", "input")
+            handle._add(getattr(layer, attn_input), f"layer{i}_attn", f"{prefix}.{attn_input}", "input",
+                        read=residual.norm_stream if split else None)
         else:
             no_attn.append(prefix)
         if block_name is not None:
@@ -321,7 +319,7 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
             handle._add(block, f"layer{i}_mlp", f"{prefix}.{block_name}", "output")
         if layout.holds_experts(layer) and (router_name := layout.child(layer, layout.ROUTERS)) is not None:
             _tap_router(handle, f"layer{i}", prefix, layer, router_name)  # Gemma 4: router and experts beside a dense mlp
-        handle._add(layer, f"layer{i}", prefix, "output")
+        handle._add(layer, f"layer{i}", prefix, "output", read=residual.layer_stream if split else None)
     _warn_untapped(layers_path, layers, unrouted, no_attn)
     mixers.declare_mixers(mixers.kinds_of(layers, [layout.child(layer, layout.MIXERS) for layer in layers]),
                           mixers.routing_fact(handle.taps, bool(unrouted), handle.step_routing))
@@ -335,8 +333,11 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
             if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point():
                 api.record_step("input_token", input_ids[handle.batch_row, -1:])
         handle._add(modules[embed_path], "input_token", embed_path, "input", capture=fed)
-    if (head_path := layout.lm_head_path(modules)) is not None:
+    if (head_path := layout.logits_path(modules)) is not None:
         def logits(output) -> None:
+            output = getattr(output, "next_token_logits", output)  # SGLang's LogitsProcessorOutput
+            if not isinstance(output, torch.Tensor):  # vLLM's on a pipeline stage without logits
+                return
             handle.fired = True
             # [batch, seq, vocab]: the request's last position; flat [tokens, vocab] (vLLM-style):
             # the row set_gather_rows(step=...) names.

@@ -170,6 +170,29 @@ def one_sided_note(side: str, keys: list[str], ref_manifest: dict | None, run_ma
             f"same COMPILEDUMP_MOE_LAYERS on both sides to compare them ({preview(keys, 4)})")
 
 
+# Routing tags: a layer's expert ids (prompt and steps) and the router logits beside each step's
+_ROUTING_SUFFIXES = ("_step_topk", "_step_router", "_topk")
+
+
+def gate_without_ids(tag: str, lacking: Dump, lacking_tags: set[str]) -> bool:
+    """Whether `tag` is routing that the `lacking` side never recorded while it holds the layer's
+    router logits: its gate returned logits alone (an engine's: vLLM, SGLang)."""
+    suffix = next((suffix for suffix in _ROUTING_SUFFIXES if tag.endswith(suffix)), None)
+    return suffix is not None and tag not in lacking_tags and f"{tag[: -len(suffix)]}_router" in lacking.members
+
+
+def one_sided_ids_note(side: str, keys: list[str]) -> str:
+    """One line for the routing only `side` recorded (expert ids, a step's router logits), the other
+    side having none of their tags (its routers returned logits alone): not compared, and what that
+    leaves untold."""
+    other = "RUN" if side == "REF" else "REF"
+    return (f"{other} recorded no expert ids where {side} did ({len(keys)} keys: {preview(keys, 4)}): not "
+            f"compared, so a routing flip there cannot be told from a bug. A router that returns its logits "
+            f"alone records no ids, nor each step's routing (a gate returning (logits, None), as vLLM's and "
+            f"SGLang's do, whose fused MoE picks the experts): record {other}'s picks with "
+            "compiledump.record_ids('layer<i>_topk', topk_ids)")
+
+
 def not_captured_note(facts: dict[str, dict | None]) -> str | None:
     """One line over both sides: tags filtered, tags never kept, dropped calls, with counts."""
     parts = []
@@ -200,15 +223,19 @@ def routing_recorded(ref: Dump, run: Dump) -> bool:
 
 
 def _unrecorded_routing(dump: Dump) -> list[int] | None:
-    """The routed layers whose ids ``dump`` filtered out, or None when its manifest cannot say
-    that every routing decision was recorded otherwise."""
+    """The routed layers whose ids ``dump`` filtered out, or None when it cannot say that every
+    routing decision was recorded otherwise: its manifest does not say so, or a routed layer the
+    filter kept holds no ids (an engine's gate returns logits alone, its fused MoE picking the
+    experts out of sight: vLLM's, SGLang's)."""
     manifest = dump.manifest or {}
     routing = manifest.get("routing")
     if not isinstance(routing, dict) or routing.get("complete") is not True:
         return None
     filtered = manifest.get("filtered_tags") or {}
-    return [i for i in routing.get("routed") or [] if isinstance(i, int)
-            and (f"layer{i}_topk" in filtered or f"layer{i}_step_topk" in filtered)]
+    routed = [i for i in routing.get("routed") or [] if isinstance(i, int)]
+    out = [i for i in routed if f"layer{i}_topk" in filtered or f"layer{i}_step_topk" in filtered]
+    recorded = dump.members.keys() - getattr(dump, "derived", set())  # not ids derived from logits (picked.py)
+    return None if any(i not in out and f"layer{i}_topk" not in recorded for i in routed) else out
 
 
 def unrecorded_routing_note(ref: Dump, run: Dump) -> str | None:

@@ -12,20 +12,23 @@ from pathlib import Path
 from ..format.keys import chosen, order_key_infos
 from ..format.reader import Dump, DumpError, rank_sort_key
 from .flips import excuse_flips
-from .inputs import after_fed_difference, first_fed_difference
+from .inputs import FED_TAG, after_fed_difference, first_fed_difference, one_sided_fed_note
 from .measure import KeyMeasurer, float_class, logits_tags
 from .metrics import Workspace
 from .one_row import one_row_note
 from .options import CompareOptions
+from .picked import with_picked_ids
 from .pairing import find_pairs
 from .phases import (
     first_nonfinite,
+    gate_without_ids,
     hybrid_note,
     mixed_phase_detail,
     mixed_phase_keys,
     moe_layers_of,
     not_captured,
     not_captured_note,
+    one_sided_ids_note,
     one_sided_note,
     prompt_length,
     recovered_note,
@@ -75,6 +78,10 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     """
     problems: list[Problem] = []
     notes = [f"REF: {note}" for note in ref.notes] + [f"RUN: {note}" for note in run.notes]
+    renamed = run.renamed() if isinstance(run, RenamedDump) else {}
+    # Expert ids an engine's gate did not give, from its router logits (picked.py)
+    ref, run, picked = with_picked_ids(ref, run)
+    notes.extend(picked)
     for side, dump in (("REF", ref), ("RUN", run)):
         for key, why in dump.bad_members.items():
             problems.append(Problem("unreadable", rank, f"{side} {why}", key, side=side))
@@ -109,6 +116,11 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     # (Settings that differ come from two manifests, so both sides' facts are there.)
     filtered_by = {side: set(fact["filtered"]) if settings_differ else set() for side, fact in captured.items()}
     one_sided: dict[str, list[str]] = {"REF": [], "RUN": []}
+    fed_alone: dict[str, list[str]] = {"REF": [], "RUN": []}  # fed tokens one side recorded: one note
+    # Routing (expert ids, a step's router logits) of tags one side never recorded (an engine's
+    # gate gives its logits alone, its fused MoE picking the experts): one note
+    ids_alone: dict[str, list[str]] = {"REF": [], "RUN": []}
+    tags = {side: {info.tag for info in ordered if info.key in dump.members} for side, dump in (("REF", ref), ("RUN", run))}
     for info in ordered:
         key = info.key
         if (key not in run.members or key not in ref.members) and _held(ref, key) and _held(run, key):
@@ -120,6 +132,10 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
             if key not in run.bad_members and key not in run.excluded:
                 if info.tag in filtered_by["RUN"]:
                     one_sided["REF"].append(key)
+                elif info.tag == FED_TAG:
+                    fed_alone["REF"].append(key)
+                elif gate_without_ids(info.tag, run, tags["RUN"]):
+                    ids_alone["REF"].append(key)
                 else:
                     problems.append(Problem("missing_in_run", rank, "present in REF only", key))
             continue
@@ -127,6 +143,10 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
             if key not in ref.bad_members and key not in ref.excluded:
                 if info.tag in filtered_by["REF"]:
                     one_sided["RUN"].append(key)
+                elif info.tag == FED_TAG:
+                    fed_alone["RUN"].append(key)
+                elif gate_without_ids(info.tag, ref, tags["REF"]):
+                    ids_alone["RUN"].append(key)
                 else:
                     problems.append(Problem("extra_in_run", rank, "present in RUN only", key))
             continue
@@ -146,6 +166,8 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     if note is not None:
         notes.append(note)
     notes.extend(one_sided_note(side, keys, ref.manifest, run.manifest) for side, keys in one_sided.items() if keys)
+    notes.extend(one_sided_fed_note(side, keys) for side, keys in fed_alone.items() if keys)
+    notes.extend(one_sided_ids_note(side, keys) for side, keys in ids_alone.items() if keys)
     notes.extend(note for note in (recovered_note("REF", ref), recovered_note("RUN", run)) if note)
     if any(r.phase == "decode" and r.floats is not None and r.limits is not None
            and r.limits.rel_source.endswith(" decode") for r in records):
@@ -155,7 +177,7 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
                         not_captured=captured, prompt_tokens=prompt, prompt_tokens_ref=prompt_length(ref),
                         prompt_tokens_run=prompt_length(run),
                         nonfinite={"REF": first_nonfinite(ref), "RUN": first_nonfinite(run)},
-                        renamed=run.renamed() if isinstance(run, RenamedDump) else {}, fed_tokens=fed)
+                        renamed=renamed, fed_tokens=fed)
     analyse_pair(result)
     first = result.first_divergence
     if first is not None and first.metric != "ids":

@@ -1,0 +1,122 @@
+"""Expert ids a side did not record, derived from its router logits by the model's routing rule.
+
+An engine's MoE gate often returns its logits alone (vLLM's and SGLang's: `(logits, None)`), its
+fused MoE kernel picking the experts out of sight, so `instrument` records the router logits of
+every prompt row but no ids. Without them a near-tie routing flip, which a low-precision engine
+makes honestly now and then, reads as a divergence of the MoE output after it. Where the other
+side recorded the ids, the rule its router declares (plain top-k where it declares none), applied
+to this side's logits, gives the experts this side picked if it follows that rule: a flip is then
+judged as a recorded one is. A bug in how the engine picks its experts is not seen in derived ids,
+which follow the rule: it shows in the MoE output after them, as any bug does. Decode steps get
+none (an engine's flat `[tokens, ...]` gate records no step rows), so they keep the routing-flip
+allowance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from ..format.keys import KeyInfo, router_key_for
+from ..format.reader import Dump, Member, Replica, preview
+from ..format.routers import TOKEN, UNKNOWN, RouterInfo
+from .selection import choice_scores, select
+
+
+class _DerivedReplica(Replica):
+    """A derived key's one whole copy, held in memory (no file behind it)."""
+
+    def __init__(self, key: str, array: np.ndarray) -> None:
+        super().__init__(key, None, [])
+        self._array = array
+
+    def arrays(self) -> list[np.ndarray]:
+        return [self._array]
+
+
+class PickedIdsDump(Dump):
+    """A side seen with the ids it did not record added (`derived`: their keys)."""
+
+    def __init__(self, inner: Dump, arrays: dict[str, np.ndarray], infos: dict[str, KeyInfo]) -> None:
+        self.inner = inner
+        self.path, self.label = inner.path, inner.label
+        self.manifest, self.merged_ranks = inner.manifest, inner.merged_ranks
+        self.notes, self.problems = list(inner.notes), list(inner.problems)
+        self.bad_members, self.excluded = inner.bad_members, inner.excluded
+        self._arrays = arrays
+        self.derived = set(arrays)
+        self.members = {**inner.members, **{key: Member(key, np.dtype(np.int32), array.shape, False, "", None)
+                                            for key, array in arrays.items()}}
+        self.infos = {**inner.infos, **infos}
+
+    def replicas(self, key: str) -> list[Replica]:
+        return [_DerivedReplica(key, self._arrays[key])] if key in self._arrays else self.inner.replicas(key)
+
+    def router(self, key: str):
+        return self.inner.router(key)
+
+
+def with_picked_ids(ref: Dump, run: Dump) -> tuple[Dump, Dump, list[str]]:
+    """`ref` and `run`, each with the prompt ids it lacks and the other holds derived where it can
+    be (module docstring), and a note per side that got some."""
+    notes = []
+    sides = []
+    for side, this, other in (("REF", ref, run), ("RUN", run, ref)):
+        arrays, infos = _derive(this, other)
+        if arrays:
+            this = PickedIdsDump(this, arrays, infos)
+            notes.append(f"{side} recorded router logits but no expert ids for {preview(sorted(arrays), 4)} (its "
+                         f"gates return their logits alone, as vLLM's and SGLang's do): its ids there are derived "
+                         f"from its logits by the routing rule of {'RUN' if side == 'REF' else 'REF'}'s routers, so "
+                         "a near-tie routing flip is judged; how it picks its experts is checked only by the "
+                         "MoE outputs after them")
+        sides.append(this)
+    return sides[0], sides[1], notes
+
+
+def _derive(this: Dump, other: Dump) -> tuple[dict[str, np.ndarray], dict[str, KeyInfo]]:
+    """The prompt ids keys `other` holds whose tag `this` never recorded, from `this`'s router
+    logits of every row, where their shapes fit and the rule is known."""
+    held_tags = {info.tag for key, info in this.infos.items() if key in this.members}
+    arrays, infos = {}, {}
+    for key, info in other.infos.items():
+        router_key = router_key_for(key)
+        if (info.kind != "ids" or key not in other.members or info.tag in held_tags or router_key is None
+                or router_key not in this.members or this.members[router_key].is_integer):
+            continue
+        ids_shape, logits_shape = other.members[key].shape, this.members[router_key].shape
+        if len(ids_shape) != 2 or len(logits_shape) != 2 or ids_shape[0] != logits_shape[0]:
+            continue  # one row of logits (router_rows="one") cannot give every row's picks
+        rule = other.router(router_key) or this.router(router_key) or RouterInfo(top_k=ids_shape[1])
+        if rule.score in (TOKEN, UNKNOWN) or rule.top_k != ids_shape[1]:
+            continue
+        try:
+            logits = np.asarray(this.replicas(router_key)[0].whole(), np.float64)
+        except (OSError, ValueError, KeyError):
+            continue
+        if not np.isfinite(logits).all():
+            continue
+        arrays[key] = _pick(rule, choice_scores(rule, logits), np.asarray(other.replicas(key)[0].whole()))
+        router_info = this.infos.get(router_key)
+        infos[key] = replace(info, tokens=router_info.tokens if router_info else info.tokens,
+                             written_phase=router_info.written_phase if router_info else info.written_phase)
+    return arrays, infos
+
+
+def _pick(rule: RouterInfo, scores: np.ndarray, other_ids: np.ndarray) -> np.ndarray:
+    """The experts `rule` picks by `scores`, best first, as top-k returns them. Where experts tie
+    exactly across the cut (frequent in bf16: 8 bits of mantissa), which one the engine's top-k
+    kept is not known: the one the other side did not pick is taken, so that the tie is judged as
+    a flip (its gap is the reference's) rather than hidden, and the MoE output after it, which
+    follows the engine's actual pick, is not read as a divergence nothing explains."""
+    if rule.n_group > 1:  # expert groups: select() masks whole groups first; ties there are left as it breaks them
+        picked = select(rule, scores)
+        order = np.argsort(-np.take_along_axis(scores, picked, axis=-1), axis=-1, kind="stable")
+        return np.take_along_axis(picked, order, axis=-1).astype(np.int32)
+    rows, experts = scores.shape
+    expert = np.broadcast_to(np.arange(experts), (rows, experts))
+    theirs = (expert[:, :, None] == other_ids[:, None, :]).any(-1)
+    # np.lexsort sorts by its last key first: the score (highest first), then not theirs, then the id
+    ranked = np.lexsort((expert, theirs, -scores), axis=-1)
+    return ranked[:, :rule.top_k].astype(np.int32)

@@ -1,0 +1,192 @@
+"""`instrument()` on an engine built as vLLM and SGLang build their models, against the Hugging Face
+model it was loaded from (tests/helpers/vllm_style.py: flat tokens, the residual add deferred to a
+fused add-RMSNorm, `(logits, None)` gates, a logits processor beside a never-called lm_head).
+
+Before, an honest fp32 engine of this shape was "first divergence: layer0_attn" (the attention
+output recorded as the residual stream, the MLP output as the layer's), had no logits, and an
+honest bf16 MoE engine exited 1 where bf16 rounding flipped a near tie (its gates give no ids).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from transformers import DynamicCache  # noqa: E402
+
+import compiledump  # noqa: E402
+from compiledump import config as cd_config  # noqa: E402
+from compiledump.cli import main  # noqa: E402
+from compiledump.compare import picked  # noqa: E402
+from compiledump.format.reader import DumpFile  # noqa: E402
+from helpers import vllm_style  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("hf_example", REPO / "examples" / "hf_reference_vs_compiled.py")
+ex = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ex)
+
+
+def _dump(model, directory: Path, run, moe_layers: int = 2, hooks=()) -> dict:
+    """Instrument `model`, `run()` it, flush into `directory`; the handle's taps."""
+    compiledump.reset()
+    compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory), moe_layers=moe_layers)))
+    handle = compiledump.instrument(model)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        run()
+        compiledump.flush()
+    handle.remove()
+    compiledump.reset()
+    return handle.taps
+
+
+def pair(tmp_path, name: str, seed: int = 0, dtype=torch.float32, bug=None, moe_layers: int = 2):
+    """The Hugging Face model `name` (fp32, eager, its own cache) and its engine (`dtype`, `bug`),
+    a 7-token prompt then 4 decode tokens fed to both (teacher forcing): the compare's exit status,
+    its output lines, its JSON report."""
+    hf = ex.build_model(name, seed=seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    prompt = torch.randint(0, hf.config.vocab_size, (7,), generator=g)
+    decode = torch.randint(0, hf.config.vocab_size, (4,), generator=g).tolist()
+
+    def reference():
+        cache = DynamicCache(config=hf.config)
+        hf(input_ids=prompt[None], cache=cache, use_cache=True)
+        for token in decode:
+            hf(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True)
+
+    engine = vllm_style.ForCausalLM(hf, bug).eval().to(dtype)
+    _dump(hf, tmp_path / "ref", reference, moe_layers)
+    _dump(engine, tmp_path / "run", lambda: engine.generate(prompt, decode), moe_layers)
+    return hf, engine, prompt
+
+
+def compare(tmp_path, capsys):
+    code = main(["compare", str(tmp_path / "ref"), str(tmp_path / "run"), "--json", str(tmp_path / "r.json")])
+    return code, capsys.readouterr().out.splitlines(), json.loads((tmp_path / "r.json").read_text())
+
+
+def _arrays(directory: Path) -> dict:
+    with np.load(next(directory.glob("*.npz"))) as data:
+        return {key: data[key] for key in data.files}
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
+def test_an_honest_engine_records_the_residual_stream_and_its_logits(tmp_path, capsys, name):
+    hf, engine, prompt = pair(tmp_path, name)
+    # The residual stream, independently: Hugging Face's own layer outputs and its post-attention
+    # norm's input, hooked on the reference model (the prompt's last token).
+    seen = {}
+
+    def keep(tag, tensor) -> None:  # a hook that returns None leaves the module's inputs and output
+        seen[tag] = tensor[0, -1].clone()
+
+    hooks = [layer.post_attention_layernorm.register_forward_pre_hook(
+        lambda _m, args, i=i: keep(f"layer{i}_attn", args[0])) for i, layer in enumerate(hf.model.layers)]
+    hooks += [layer.register_forward_hook(
+        lambda _m, _a, out, i=i: keep(f"layer{i}", out)) for i, layer in enumerate(hf.model.layers)]
+    with torch.no_grad():
+        hf(input_ids=prompt[None], use_cache=False)
+    for hook in hooks:
+        hook.remove()
+    run = _arrays(tmp_path / "run")
+    for key in ("layer0_attn", "layer1_attn", "layer0", "layer3"):
+        np.testing.assert_allclose(run[key], seen[key].numpy(), rtol=1e-4, atol=1e-5, err_msg=key)
+    assert {f"logits_{n}" for n in range(5)} <= run.keys()  # from the logits processor
+    assert not any(key.startswith("input_token") for key in run)  # flat ids: not recorded
+    code, lines, report = compare(tmp_path, capsys)
+    assert code == 0, lines[-1]
+    assert lines[-1].startswith("no divergence: ")
+    compared = {record["key"] for record in report["keys"] if record.get("status") == "ok"}
+    assert {"layer0_attn", "layer0", "layer3", "final_norm", "logits_4"} <= compared
+    assert not any(p["kind"] == "missing_in_run" for p in report["problems"]), report["problems"]
+    assert any(line.startswith("note: only REF recorded the tokens its steps fed (5 input_token_<n>") for line in lines)
+
+
+@pytest.mark.parametrize("bug, key", [("norm_eps", "layer1_mlp"), ("rope_base", "layer0_attn"),
+                                      ("decode_position", "logits_1")])
+def test_an_engine_bug_is_named_where_it_starts(tmp_path, capsys, bug, key):
+    pair(tmp_path, "llama", bug=bug)
+    code, lines, report = compare(tmp_path, capsys)
+    assert code == 1 and report["first_divergence"]["key"] == key, lines[-1]
+
+
+def test_a_near_tie_the_engine_s_gate_flipped_is_judged_from_its_logits(tmp_path, capsys):
+    """Seed 11's bf16 engine flips a near tie in layer 1 at the last token (router logits 0.349 vs
+    0.347). Its gates give no ids: they are derived from its router logits, the flip judged a near
+    tie, exit 0 (before: "first divergence: layer1_mlp", exit 1)."""
+    pair(tmp_path, "qwen3_moe", seed=11, dtype=torch.bfloat16)
+    code, lines, report = compare(tmp_path, capsys)
+    assert code == 0, lines[-1]
+    records = {record["key"]: record for record in report["keys"]}
+    assert records["layer1_topk"]["status"] == "near_tie" and records["layer1_topk"]["routing"]["near_tie_rows"] == [6]
+    notes = report["notes"]
+    assert any(note.startswith("RUN recorded router logits but no expert ids for layer0_topk, layer1_topk")
+               for note in notes), notes
+    assert any(note.startswith("RUN recorded no expert ids where REF did (20 keys: layer0_step_router_0")
+               for note in notes), notes
+
+
+def test_a_bug_in_how_the_engine_weighs_experts_is_still_found(tmp_path, capsys):
+    """Derived ids follow the rule: a fused MoE that renormalises its top-k weights where the model
+    does not shows in the MoE output after them."""
+    pair(tmp_path, "qwen3_moe", seed=3, dtype=torch.bfloat16, bug="renormalize")
+    code, lines, report = compare(tmp_path, capsys)
+    assert code == 1 and report["first_divergence"]["key"] == "layer0_mlp", lines[-1]
+
+
+def test_derived_ids_do_not_prove_a_step_s_routing(tmp_path, capsys):
+    """Every layer's routing kept (COMPILEDUMP_MOE_LAYERS=4): the reference's routing is complete,
+    the engine's gates recorded none of it, so decode steps keep the routing-flip allowance."""
+    pair(tmp_path, "qwen3_moe", dtype=torch.bfloat16, moe_layers=4)
+    code, lines, report = compare(tmp_path, capsys)
+    assert code == 0, lines[-1]
+    sources = {record["key"]: record.get("threshold_source") or "" for record in report["keys"]}
+    assert sources["logits_2"] == "calibrated decode"  # not "calibrated decode, no routing flip"
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3_grouped"])
+def test_derived_ids_are_the_ones_the_model_s_own_router_picks(tmp_path, name):
+    """The Hugging Face model's own ids (its router: softmax top-k; DeepSeek-V3's sigmoid + bias in
+    expert groups) against those derived from the same logits by its declared rule."""
+    hf = ex.build_model(name, seed=2)
+    prompt = torch.randint(0, hf.config.vocab_size, (1, 13), generator=torch.Generator().manual_seed(5))
+    _dump(hf, tmp_path / "full", lambda: hf(input_ids=prompt, use_cache=False), moe_layers=4)
+    full = DumpFile(next((tmp_path / "full").glob("*.npz")))
+    arrays = _arrays(tmp_path / "full")
+    (tmp_path / "logits").mkdir()
+    np.savez(tmp_path / "logits" / "d.npz", **{k: v for k, v in arrays.items() if not k.endswith("topk")})
+    derived, _ = picked._derive(DumpFile(tmp_path / "logits" / "d.npz"), full)
+    routed = [key for key in arrays if key.endswith("_topk") and "step" not in key]
+    assert routed and sorted(derived) == sorted(routed)
+    for key in routed:
+        np.testing.assert_array_equal(np.sort(derived[key]), np.sort(arrays[key]), err_msg=key)
+        if name == "qwen3_moe":  # torch.topk's order, best first (DeepSeek-V3's router keeps topk's unsorted)
+            np.testing.assert_array_equal(derived[key], arrays[key], err_msg=key)
+
+
+def test_an_exact_tie_across_the_cut_is_the_pick_the_other_side_did_not_make():
+    """bf16 logits tie exactly now and then (seed 1 of these engines: 1.6484375 twice in layer 1);
+    which expert the engine's top-k kept is unknown, so the derived pick is the one that shows a
+    flip, judged against the reference's gap, instead of ids "equal" beside an MoE output that
+    follows the other expert. Rows without a tie are the plain top-k, best first."""
+    from compiledump.compare.selection import choice_scores
+    from compiledump.format.routers import RouterInfo
+
+    logits = np.array([[0.5, 1.6484375, 1.6484375, -1.0], [2.0, 1.0, 0.5, 0.0], [0.1, 0.3, 0.3, 0.3]])
+    rule = RouterInfo(top_k=2)
+    scores = choice_scores(rule, logits)
+    np.testing.assert_array_equal(picked._pick(rule, scores, np.array([[0, 1], [1, 0], [1, 2]])),
+                                  [[2, 1], [0, 1], [3, 1]])  # row 0: both tied inside (2 first: not theirs); row 2: 3 not theirs
+    np.testing.assert_array_equal(picked._pick(RouterInfo(top_k=1), choice_scores(RouterInfo(top_k=1), logits),
+                                               np.array([[1], [0], [2]])), [[2], [0], [1]])
