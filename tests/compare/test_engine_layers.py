@@ -190,3 +190,28 @@ def test_an_exact_tie_across_the_cut_is_the_pick_the_other_side_did_not_make():
                                   [[2, 1], [0, 1], [3, 1]])  # row 0: both tied inside (2 first: not theirs); row 2: 3 not theirs
     np.testing.assert_array_equal(picked._pick(RouterInfo(top_k=1), choice_scores(RouterInfo(top_k=1), logits),
                                                np.array([[1], [0], [2]])), [[2], [0], [1]])
+
+
+def test_the_compiled_engine_records_what_the_eager_one_does(tmp_path):
+    """torch.compile(fullgraph=True) traces the stream readers (no graph break): the same prefill
+    values as eager, the layer outputs and the post-attention norms' summed inputs."""
+    hf = ex.build_model("llama", seed=4)
+    engine = vllm_style.ForCausalLM(hf).eval()
+    prompt = torch.randint(0, hf.config.vocab_size, (9,), generator=torch.Generator().manual_seed(6))
+    positions = torch.arange(9)
+
+    def prefill(forward):
+        def run():
+            for layer in engine.model.layers:
+                layer.self_attn.cache = None
+            engine.compute_logits(forward(prompt, positions)[-1:])
+        return run
+
+    torch._dynamo.reset()
+    _dump(engine, tmp_path / "eager", prefill(engine))
+    _dump(engine, tmp_path / "compiled", prefill(torch.compile(engine, fullgraph=True)))
+    torch._dynamo.reset()
+    eager, compiled = _arrays(tmp_path / "eager"), _arrays(tmp_path / "compiled")
+    assert {"layer0_attn", "layer1_attn", "layer0", "layer3", "final_norm", "logits_0"} <= eager.keys() == compiled.keys()
+    for key in eager:
+        np.testing.assert_allclose(compiled[key], eager[key], rtol=1e-5, atol=1e-6, err_msg=key)
