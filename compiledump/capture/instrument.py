@@ -385,6 +385,9 @@ def _tap_router(handle: Instrumented, name: str, block_path: str, block: torch.n
     else:
         routers.withdraw(f"{name}_router")
     handle._list_routing(name, f"{block_path}.{router_name}")
+    if isinstance(picker := getattr(block, "topk", None), torch.nn.Module):
+        # SGLang's TopK module picks the experts from its gate's logits: its topk_ids are the engine's own
+        handle._add(picker, f"{name}_topk", f"{block_path}.topk", "output", read=lambda out: getattr(out, "topk_ids", None))
 
 
 def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:

@@ -50,7 +50,7 @@ def _dump(model, directory: Path, run, moe_layers: int = 2, hooks=()) -> dict:
     return handle.taps
 
 
-def pair(tmp_path, name: str, seed: int = 0, dtype=torch.float32, bug=None, moe_layers: int = 2):
+def pair(tmp_path, name: str, seed: int = 0, dtype=torch.float32, bug=None, moe_layers: int = 2, sglang=False):
     """The Hugging Face model `name` (fp32, eager, its own cache) and its engine (`dtype`, `bug`),
     a 7-token prompt then 4 decode tokens fed to both (teacher forcing): the compare's exit status,
     its output lines, its JSON report."""
@@ -65,7 +65,7 @@ def pair(tmp_path, name: str, seed: int = 0, dtype=torch.float32, bug=None, moe_
         for token in decode:
             hf(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True)
 
-    engine = vllm_style.ForCausalLM(hf, bug).eval().to(dtype)
+    engine = vllm_style.ForCausalLM(hf, bug, sglang).eval().to(dtype)
     _dump(hf, tmp_path / "ref", reference, moe_layers)
     _dump(engine, tmp_path / "run", lambda: engine.generate(prompt, decode), moe_layers)
     return hf, engine, prompt
@@ -81,9 +81,9 @@ def _arrays(directory: Path) -> dict:
         return {key: data[key] for key in data.files}
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
-def test_an_honest_engine_records_the_residual_stream_and_its_logits(tmp_path, capsys, name):
-    hf, engine, prompt = pair(tmp_path, name)
+@pytest.mark.parametrize("name, sglang", [("llama", False), ("qwen3_moe", False), ("llama", True)])
+def test_an_honest_engine_records_the_residual_stream_and_its_logits(tmp_path, capsys, name, sglang):
+    hf, engine, prompt = pair(tmp_path, name, sglang=sglang)
     # The residual stream, independently: Hugging Face's own layer outputs and its post-attention
     # norm's input, hooked on the reference model (the prompt's last token).
     seen = {}
@@ -215,3 +215,27 @@ def test_the_compiled_engine_records_what_the_eager_one_does(tmp_path):
     assert {"layer0_attn", "layer1_attn", "layer0", "layer3", "final_norm", "logits_0"} <= eager.keys() == compiled.keys()
     for key in eager:
         np.testing.assert_allclose(compiled[key], eager[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_sglang_s_topk_module_records_the_engine_s_own_picks(tmp_path, capsys):
+    """SGLang's MoE block picks its experts in a `topk` module: its `topk_ids` are recorded as
+    `layer<i>_topk` (nothing derived), and seed 11's bf16 near tie is judged from them."""
+    _, engine, prompt = pair(tmp_path, "qwen3_moe", seed=11, dtype=torch.bfloat16, sglang=True)
+    picks = {}  # the prefill's picks again, hooked independently
+
+    def keep(i, out) -> None:  # returns None: the module's output stays
+        picks[i] = out.topk_ids.clone()
+
+    hooks = [engine.model.layers[i].mlp.topk.register_forward_hook(lambda _m, _a, out, i=i: keep(i, out))
+             for i in (0, 1)]
+    with torch.no_grad():
+        engine.generate(prompt, [])
+    for hook in hooks:
+        hook.remove()
+    run = _arrays(tmp_path / "run")
+    for i in (0, 1):
+        np.testing.assert_array_equal(run[f"layer{i}_topk"], picks[i].numpy())
+    code, lines, report = compare(tmp_path, capsys)
+    assert code == 0, lines[-1]
+    assert {record["key"]: record["status"] for record in report["keys"]}["layer1_topk"] == "near_tie"
+    assert not any("derived" in note for note in report["notes"]), report["notes"]

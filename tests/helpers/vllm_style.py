@@ -13,12 +13,18 @@ What matters for the capture (vLLM's `model_executor/models/llama.py`, SGLang's 
 - `lm_head` is never called (vLLM's ParallelLMHead raises): `logits_processor(lm_head, hidden)`
   computes the logits of the rows the runner picks (each request's last token).
 
+With `sglang=True` the layers take SGLang's `(positions, hidden_states, forward_batch, residual)`
+and an MoE block picks its experts in a `topk` module (SGLang's TopK, returning `topk_ids`)
+whose output the fused MoE takes.
+
 `bug` injects one engine bug: "norm_eps" (layer 1's post-attention norm uses eps 1e-2),
 "rope_base" (rotary base 5000 instead of the config's), "decode_position" (decode positions off
 by one), "renormalize" (the fused MoE renormalises its top-k weights where the model does not).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -118,10 +124,8 @@ class FusedMoE(nn.Module):
         self.w13_weight = nn.Parameter(torch.empty(experts, 2 * inner, hidden))
         self.w2_weight = nn.Parameter(torch.empty(experts, hidden, inner))
 
-    def forward(self, hidden_states, router_logits):
-        weights, ids = torch.softmax(router_logits, dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+    def forward(self, hidden_states, router_logits=None, topk_output=None):
+        weights, ids = pick(router_logits, self.top_k, self.renormalize) if topk_output is None else topk_output[:2]
         out = torch.zeros_like(hidden_states)
         for token in range(hidden_states.shape[0]):
             for weight, expert in zip(weights[token], ids[token].tolist()):
@@ -130,21 +134,48 @@ class FusedMoE(nn.Module):
         return out
 
 
+def pick(router_logits, top_k: int, renormalize: bool):
+    """Softmax in float32, top-k, renormalised or not: (weights, ids)."""
+    weights, ids = torch.softmax(router_logits, dim=-1, dtype=torch.float32).topk(top_k, dim=-1)
+    return (weights / weights.sum(dim=-1, keepdim=True) if renormalize else weights), ids
+
+
+class TopKOutput(NamedTuple):
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    router_logits: torch.Tensor
+
+
+class TopK(nn.Module):
+    """SGLang's TopK: the experts picked from the gate's logits, for the fused MoE to run."""
+
+    def __init__(self, top_k: int, renormalize: bool):
+        super().__init__()
+        self.top_k, self.renormalize = top_k, renormalize
+
+    def forward(self, hidden_states, router_logits):
+        return TopKOutput(*pick(router_logits, self.top_k, self.renormalize), router_logits)
+
+
 class SparseMoeBlock(nn.Module):
-    def __init__(self, config, bug: str | None):
+    def __init__(self, config, bug: str | None, sglang: bool):
         super().__init__()
         self.gate, self.experts = Gate(config.hidden_size, config.num_experts), FusedMoE(config, bug)
+        if sglang:
+            self.topk = TopK(self.experts.top_k, self.experts.renormalize)
 
     def forward(self, hidden_states):
         router_logits, _ = self.gate(hidden_states)
+        if hasattr(self, "topk"):
+            return self.experts(hidden_states, topk_output=self.topk(hidden_states, router_logits))
         return self.experts(hidden_states=hidden_states, router_logits=router_logits)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, base: float, mlp_eps: float, bug: str | None):
+    def __init__(self, config, base: float, mlp_eps: float, bug: str | None, sglang: bool = False):
         super().__init__()
         self.self_attn = Attention(config, base)
-        self.mlp = SparseMoeBlock(config, bug) if hasattr(config, "num_experts") else MLP(config)
+        self.mlp = SparseMoeBlock(config, bug, sglang) if hasattr(config, "num_experts") else MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, mlp_eps)
 
@@ -157,6 +188,11 @@ class DecoderLayer(nn.Module):
         hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
+
+
+class SGLangDecoderLayer(DecoderLayer):
+    def forward(self, positions, hidden_states, forward_batch, residual):
+        return super().forward(positions, hidden_states, residual)
 
 
 class LMHead(nn.Module):
@@ -176,19 +212,22 @@ class LogitsProcessor(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, config, bug: str | None):
+    def __init__(self, config, bug: str | None, sglang: bool):
         super().__init__()
+        self.sglang = sglang
+        layer = SGLangDecoderLayer if sglang else DecoderLayer
         base = 5000.0 if bug == "rope_base" else config.rope_parameters["rope_theta"]
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, base, 1e-2 if bug == "norm_eps" and i == 1 else config.rms_norm_eps, bug)
+            layer(config, base, 1e-2 if bug == "norm_eps" and i == 1 else config.rms_norm_eps, bug, sglang)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions):
         hidden_states, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
+            extra = (object(),) if self.sglang else ()  # SGLang's forward_batch
+            hidden_states, residual = layer(positions, hidden_states, *extra, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -196,10 +235,10 @@ class Model(nn.Module):
 class ForCausalLM(nn.Module):
     """The engine of `hf_model` (a Hugging Face Llama or Qwen3-MoE), with its weights."""
 
-    def __init__(self, hf_model, bug: str | None = None):
+    def __init__(self, hf_model, bug: str | None = None, sglang: bool = False):
         super().__init__()
         config = hf_model.config
-        self.model = Model(config, bug)
+        self.model = Model(config, bug, sglang)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         self.logits_processor = LogitsProcessor()
         self.bug = bug
