@@ -1,6 +1,6 @@
 """`instrument()` on an engine built as vLLM and SGLang build their models, against the Hugging Face
-model it was loaded from (tests/helpers/vllm_style.py: flat tokens, the residual add deferred to a
-fused add-RMSNorm, `(logits, None)` gates, a logits processor beside a never-called lm_head).
+model it was loaded from (examples/vllm_style_engine.py: flat tokens, the residual add deferred to
+a fused add-RMSNorm, `(logits, None)` gates, a logits processor beside a never-called lm_head).
 
 Before, an honest fp32 engine of this shape was "first divergence: layer0_attn" (the attention
 output recorded as the residual stream, the MLP output as the layer's), had no logits, and an
@@ -9,10 +9,8 @@ honest bf16 MoE engine exited 1 where bf16 rounding flipped a near tie (its gate
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -21,54 +19,23 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import DynamicCache  # noqa: E402
-
-import compiledump  # noqa: E402
-from compiledump import config as cd_config  # noqa: E402
 from compiledump.cli import main  # noqa: E402
 from compiledump.compare import picked  # noqa: E402
 from compiledump.format.reader import DumpFile  # noqa: E402
-from helpers import vllm_style  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("hf_example", REPO / "examples" / "hf_reference_vs_compiled.py")
-ex = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ex)
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def _dump(model, directory: Path, run, moe_layers: int = 2, hooks=()) -> dict:
-    """Instrument `model`, `run()` it, flush into `directory`; the handle's taps."""
-    compiledump.reset()
-    compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory), moe_layers=moe_layers)))
-    handle = compiledump.instrument(model)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        run()
-        compiledump.flush()
-    handle.remove()
-    compiledump.reset()
-    return handle.taps
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def pair(tmp_path, name: str, seed: int = 0, dtype=torch.float32, bug=None, moe_layers: int = 2, sglang=False):
-    """The Hugging Face model `name` (fp32, eager, its own cache) and its engine (`dtype`, `bug`),
-    a 7-token prompt then 4 decode tokens fed to both (teacher forcing): the compare's exit status,
-    its output lines, its JSON report."""
-    hf = ex.build_model(name, seed=seed)
-    g = torch.Generator().manual_seed(100 + seed)
-    prompt = torch.randint(0, hf.config.vocab_size, (7,), generator=g)
-    decode = torch.randint(0, hf.config.vocab_size, (4,), generator=g).tolist()
-
-    def reference():
-        cache = DynamicCache(config=hf.config)
-        hf(input_ids=prompt[None], cache=cache, use_cache=True)
-        for token in decode:
-            hf(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True)
-
-    engine = vllm_style.ForCausalLM(hf, bug, sglang).eval().to(dtype)
-    _dump(hf, tmp_path / "ref", reference, moe_layers)
-    _dump(engine, tmp_path / "run", lambda: engine.generate(prompt, decode), moe_layers)
-    return hf, engine, prompt
+engines = _load("vllm_style_engine")
+ex = _load("hf_reference_vs_compiled")
+_dump, pair = engines.dump, engines.run_pair
 
 
 def compare(tmp_path, capsys):
@@ -196,7 +163,7 @@ def test_the_compiled_engine_records_what_the_eager_one_does(tmp_path):
     """torch.compile(fullgraph=True) traces the stream readers (no graph break): the same prefill
     values as eager, the layer outputs and the post-attention norms' summed inputs."""
     hf = ex.build_model("llama", seed=4)
-    engine = vllm_style.ForCausalLM(hf).eval()
+    engine = engines.ForCausalLM(hf).eval()
     prompt = torch.randint(0, hf.config.vocab_size, (9,), generator=torch.Generator().manual_seed(6))
     positions = torch.arange(9)
 

@@ -32,3 +32,13 @@ def test_cuda_graph_runner(dump_dir):
     with np.load(path) as data:
         # The capture-time warm-up is suspended: exactly the six real steps are kept.
         assert sorted(data.files) == sorted(f"logits_{n}" for n in range(6))
+
+
+def test_vllm_style_engine(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("vllm_style_engine", EXAMPLES / "vllm_style_engine.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main([str(tmp_path / "honest")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("no divergence: ")
+    assert module.main([str(tmp_path / "bug"), "--bug", "renormalize", "--seed", "3"]) == 1
+    assert capsys.readouterr().out.splitlines()[-1].startswith("first divergence: layer0_mlp (layer 0)")

@@ -1,6 +1,13 @@
-"""Llama and Qwen3-MoE engines built the way vLLM and SGLang build their models, loaded from a
-Hugging Face model's weights: the reference's independent counterpart for `instrument()` on
-engine code.
+"""An engine built the way vLLM and SGLang build their models, against the Hugging Face model it was
+loaded from, both dumped with `compiledump.instrument` and nothing else, then compared.
+
+    python examples/vllm_style_engine.py [OUT] [--model llama|qwen3_moe] [--dtype float32|bfloat16]
+        [--seed N] [--sglang] [--moe-layers N] [--bug norm_eps|rope_base|decode_position|renormalize]
+
+Both sides prefill a 7-token prompt and decode 4 tokens fed to both (teacher forcing): the
+reference is the Hugging Face model, float32, eager, with its DynamicCache; the engine (Llama or
+Qwen3-MoE, in `--dtype`) is written as vLLM writes them. Prints the comparison and exits with its
+status (0 no divergence, 1 divergence, 3 not comparable).
 
 What matters for the capture (vLLM's `model_executor/models/llama.py`, SGLang's alike):
 - tokens are flat, `[tokens, hidden]`, with `positions` beside them (no batch dimension);
@@ -24,11 +31,21 @@ by one), "renormalize" (the fused MoE renormalises its top-k weights where the m
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import importlib.util
+import sys
+import tempfile
+import warnings
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import compiledump
+from compiledump import config as cd_config
 
 
 class RMSNorm(nn.Module):
@@ -275,3 +292,70 @@ class ForCausalLM(nn.Module):
         for n, token in enumerate(decode):
             hidden = self(torch.tensor([token]), torch.tensor([prompt.numel() + n + shift]))
             self.compute_logits(hidden[-1:])
+
+
+def _hf_example():
+    """examples/hf_reference_vs_compiled.py (its `build_model`: the tiny configs)."""
+    spec = importlib.util.spec_from_file_location("hf_reference_vs_compiled",
+                                                  Path(__file__).with_name("hf_reference_vs_compiled.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def dump(model: nn.Module, directory: Path, run, moe_layers: int = 2) -> dict:
+    """Instrument `model`, `run()` it, flush into `directory`; the handle's taps."""
+    compiledump.reset()
+    compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory), moe_layers=moe_layers)))
+    handle = compiledump.instrument(model)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        run()
+        compiledump.flush()
+    handle.remove()
+    compiledump.reset()
+    return handle.taps
+
+
+def run_pair(out: Path, name: str = "qwen3_moe", seed: int = 0, dtype=torch.float32, bug: str | None = None,
+             moe_layers: int = 2, sglang: bool = False):
+    """The reference's dump in `out/ref`, the engine's in `out/run`; (the Hugging Face model, the
+    engine, the prompt)."""
+    hf = _hf_example().build_model(name, seed=seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    prompt = torch.randint(0, hf.config.vocab_size, (7,), generator=g)
+    decode = torch.randint(0, hf.config.vocab_size, (4,), generator=g).tolist()
+
+    def reference():
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=hf.config)
+        hf(input_ids=prompt[None], cache=cache, use_cache=True)
+        for token in decode:
+            hf(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True)
+
+    engine = ForCausalLM(hf, bug, sglang).eval().to(dtype)
+    dump(hf, Path(out) / "ref", reference, moe_layers)
+    dump(engine, Path(out) / "run", lambda: engine.generate(prompt, decode), moe_layers)
+    return hf, engine, prompt
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", nargs="?", help="output directory (default: a temporary one)")
+    parser.add_argument("--model", choices=("llama", "qwen3_moe"), default="qwen3_moe")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sglang", action="store_true", help="SGLang's layer signature and TopK module")
+    parser.add_argument("--moe-layers", type=int, default=2, help="COMPILEDUMP_MOE_LAYERS on both sides")
+    parser.add_argument("--bug", choices=("norm_eps", "rope_base", "decode_position", "renormalize"))
+    args = parser.parse_args(argv)
+    out = Path(args.out or tempfile.mkdtemp(prefix="compiledump_engine_"))
+    run_pair(out, args.model, args.seed, getattr(torch, args.dtype), args.bug, args.moe_layers, args.sglang)
+    from compiledump.cli import main as cli
+
+    return cli(["compare", str(out / "ref"), str(out / "run")])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
