@@ -1,12 +1,12 @@
 """An engine built the way vLLM and SGLang build their models, against the Hugging Face model it was
 loaded from, both dumped with `compiledump.instrument` and nothing else, then compared.
 
-    python examples/vllm_style_engine.py [OUT] [--model llama|qwen3_moe] [--dtype float32|bfloat16]
+    python examples/vllm_style_engine.py [OUT] [--model llama|qwen3_moe|mixtral] [--dtype float32|bfloat16]
         [--seed N] [--sglang] [--moe-layers N] [--bug norm_eps|rope_base|decode_position|renormalize]
 
 Both sides prefill a 7-token prompt and decode 4 tokens fed to both (teacher forcing): the
-reference is the Hugging Face model, float32, eager, with its DynamicCache; the engine (Llama or
-Qwen3-MoE, in `--dtype`) is written as vLLM writes them. Prints the comparison and exits with its
+reference is the Hugging Face model, float32, eager, with its DynamicCache; the engine (Llama,
+Qwen3-MoE or Mixtral, in `--dtype`) is written as vLLM writes them. Prints the comparison and exits with its
 status (0 no divergence, 1 divergence, 3 not comparable).
 
 What matters for the capture (vLLM's `model_executor/models/llama.py`, SGLang's alike):
@@ -82,7 +82,7 @@ class Attention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.qkv_proj = nn.Linear(config.hidden_size, (self.heads + 2 * self.kv_heads) * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=False)
-        if hasattr(config, "num_experts"):  # Qwen3: RMSNorm over each head of q and k before the rotary
+        if config.model_type == "qwen3_moe":  # Qwen3: RMSNorm over each head of q and k before the rotary
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.base = base
@@ -136,8 +136,10 @@ class FusedMoE(nn.Module):
 
     def __init__(self, config, bug: str | None):
         super().__init__()
-        experts, hidden, inner = config.num_experts, config.hidden_size, config.moe_intermediate_size
-        self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob != (bug == "renormalize")
+        experts, hidden, inner = _experts(config), config.hidden_size, getattr(config, "moe_intermediate_size", None) \
+            or config.intermediate_size
+        renormalize = getattr(config, "norm_topk_prob", True)  # Mixtral always renormalises
+        self.top_k, self.renormalize = config.num_experts_per_tok, renormalize != (bug == "renormalize")
         self.w13_weight = nn.Parameter(torch.empty(experts, 2 * inner, hidden))
         self.w2_weight = nn.Parameter(torch.empty(experts, hidden, inner))
 
@@ -149,6 +151,12 @@ class FusedMoE(nn.Module):
                 gate, up = F.linear(hidden_states[token], self.w13_weight[expert]).chunk(2, dim=-1)
                 out[token] += (F.linear(F.silu(gate) * up, self.w2_weight[expert]) * weight).to(out.dtype)
         return out
+
+
+def _experts(config) -> int | None:
+    """The routed experts of an MoE config (Qwen3-MoE's `num_experts`, Mixtral's
+    `num_local_experts`); None for a dense one."""
+    return getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
 
 
 def pick(router_logits, top_k: int, renormalize: bool):
@@ -177,7 +185,7 @@ class TopK(nn.Module):
 class SparseMoeBlock(nn.Module):
     def __init__(self, config, bug: str | None, sglang: bool):
         super().__init__()
-        self.gate, self.experts = Gate(config.hidden_size, config.num_experts), FusedMoE(config, bug)
+        self.gate, self.experts = Gate(config.hidden_size, _experts(config)), FusedMoE(config, bug)
         if sglang:
             self.topk = TopK(self.experts.top_k, self.experts.renormalize)
 
@@ -192,7 +200,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config, base: float, mlp_eps: float, bug: str | None, sglang: bool = False):
         super().__init__()
         self.self_attn = Attention(config, base)
-        self.mlp = SparseMoeBlock(config, bug, sglang) if hasattr(config, "num_experts") else MLP(config)
+        self.mlp = SparseMoeBlock(config, bug, sglang) if _experts(config) else MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, mlp_eps)
 
@@ -250,7 +258,7 @@ class Model(nn.Module):
 
 
 class ForCausalLM(nn.Module):
-    """The engine of `hf_model` (a Hugging Face Llama or Qwen3-MoE), with its weights."""
+    """The engine of `hf_model` (a Hugging Face Llama, Qwen3-MoE or Mixtral), with its weights."""
 
     def __init__(self, hf_model, bug: str | None = None, sglang: bool = False):
         super().__init__()
@@ -343,7 +351,7 @@ def run_pair(out: Path, name: str = "qwen3_moe", seed: int = 0, dtype=torch.floa
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", nargs="?", help="output directory (default: a temporary one)")
-    parser.add_argument("--model", choices=("llama", "qwen3_moe"), default="qwen3_moe")
+    parser.add_argument("--model", choices=("llama", "qwen3_moe", "mixtral"), default="qwen3_moe")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sglang", action="store_true", help="SGLang's layer signature and TopK module")

@@ -79,7 +79,7 @@ class RoutingFlips:
         return reached
 
 
-def excuse_flips(records: list[KeyRecord]) -> dict[str, list[str]]:
+def excuse_flips(records: list[KeyRecord], step_zero_in_prompt: bool = False) -> dict[str, list[str]]:
     """Marks, in model order, the keys whose differences only a routing flip before them
     explains (module docstring). Changes ``records`` in place: an ids key's reached rows are
     not judged (``Routing.excuse``); a float key that crossed only in reached rows gets status
@@ -89,11 +89,13 @@ def excuse_flips(records: list[KeyRecord]) -> dict[str, list[str]]:
     Prefill: one-row keys hold the last row of the call (that of the ids' last row); all-rows
     keys a row per token. Decode steps: each step's keys hold one token, after the prompt's,
     whose routing the step's ids keys (``layer<N>_step_topk_<n>``) record (docs/compare.md,
-    "Decode steps")."""
+    "Decode steps"). With ``step_zero_in_prompt`` (instrument's steps count forwards, the prefill
+    first) step 0 is the prompt's last token, so a flip of that token in the prefill's ids is
+    step 0's own (an engine's gates record no step ids to say so again)."""
     excused: dict[str, list[str]] = {}
     flips = RoutingFlips()
     prompt, noise = _excuse_prefill(records, flips, excused)
-    _excuse_steps(records, flips, prompt, noise, excused)
+    _excuse_steps(records, flips, prompt - 1 if step_zero_in_prompt and prompt else prompt, noise, excused)
     return excused
 
 
@@ -143,10 +145,10 @@ def _excuse_prefill(records: list[KeyRecord], flips: RoutingFlips,
     return prompt, noise
 
 
-def _excuse_steps(records: list[KeyRecord], flips: RoutingFlips, prompt: int, noise: dict[int | None, float],
+def _excuse_steps(records: list[KeyRecord], flips: RoutingFlips, step_zero: int, noise: dict[int | None, float],
                   excused: dict[str, list[str]]) -> None:
     """The decode-step part of :func:`excuse_flips`. Step n's keys hold one token, taken as row
-    ``prompt + n`` after the prompt's rows: its ids are not judged where a flip reaches them
+    ``step_zero + n`` (the prompt's rows before it): its ids are not judged where a flip reaches them
     (its own in an earlier layer, or through attention one of any earlier token, prompt or
     step, in an earlier layer), as in the prefill; its float keys are not judged where its own
     flip reaches them, and keep the decode-step thresholds, which allow for what reaches a step
@@ -156,7 +158,7 @@ def _excuse_steps(records: list[KeyRecord], flips: RoutingFlips, prompt: int, no
     for index, record in enumerate(records):
         if record.phase != "decode" or record.step is None:
             continue
-        row = prompt + record.step
+        row = step_zero + record.step
         routing = record.routing
         if record.routing_differs and routing is not None:
             if len(routing.rows) != 1 or routing.rows[0].row != 0:

@@ -9,7 +9,9 @@ to this side's logits, gives the experts this side picked if it follows that rul
 judged as a recorded one is. A bug in how the engine picks its experts is not seen in derived ids,
 which follow the rule: it shows in the MoE output after them, as any bug does. Decode steps get
 none (an engine's flat `[tokens, ...]` gate records no step rows), so they keep the routing-flip
-allowance.
+allowance; and where the other side's router logits at a step are a near tie, a flip this side
+made there unseen could explain more than the allowance: a key of that step that crosses is not
+comparable (`unseen_step_flips`), not a divergence.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import numpy as np
 from ..format.keys import KeyInfo, router_key_for
 from ..format.reader import Dump, Member, Replica, preview
 from ..format.routers import TOKEN, UNKNOWN, RouterInfo
-from .selection import choice_scores, select
+from .phases import gate_without_ids
+from .routing import routing_epsilon
+from .selection import choice_scores, judgeable, select, selection_gap
 
 
 class _DerivedReplica(Replica):
@@ -105,18 +109,70 @@ def _derive(this: Dump, other: Dump) -> tuple[dict[str, np.ndarray], dict[str, K
 
 
 def _pick(rule: RouterInfo, scores: np.ndarray, other_ids: np.ndarray) -> np.ndarray:
-    """The experts `rule` picks by `scores`, best first, as top-k returns them. Where experts tie
+    """The experts `rule` picks by `scores`, in the other side's order (`_aligned`). Where experts tie
     exactly across the cut (frequent in bf16: 8 bits of mantissa), which one the engine's top-k
     kept is not known: the one the other side did not pick is taken, so that the tie is judged as
     a flip (its gap is the reference's) rather than hidden, and the MoE output after it, which
     follows the engine's actual pick, is not read as a divergence nothing explains."""
     if rule.n_group > 1:  # expert groups: select() masks whole groups first; ties there are left as it breaks them
-        picked = select(rule, scores)
-        order = np.argsort(-np.take_along_axis(scores, picked, axis=-1), axis=-1, kind="stable")
-        return np.take_along_axis(picked, order, axis=-1).astype(np.int32)
+        return _aligned(select(rule, scores), other_ids)
     rows, experts = scores.shape
     expert = np.broadcast_to(np.arange(experts), (rows, experts))
     theirs = (expert[:, :, None] == other_ids[:, None, :]).any(-1)
     # np.lexsort sorts by its last key first: the score (highest first), then not theirs, then the id
     ranked = np.lexsort((expert, theirs, -scores), axis=-1)
-    return ranked[:, :rule.top_k].astype(np.int32)
+    return _aligned(ranked[:, :rule.top_k], other_ids)
+
+
+def _aligned(picked: np.ndarray, other_ids: np.ndarray) -> np.ndarray:
+    """`picked` reordered per row: the experts the other side also picked in its positions, the
+    others in the positions of those it picked instead. The order an engine's kernel keeps is not
+    known, so none is invented: only a different set shows (a reordering would be a note about
+    nothing the engine did, and could take the root-cause line from a real near tie)."""
+    out = np.array(other_ids, dtype=np.int64, copy=True)
+    for row in range(out.shape[0]):
+        mine = [int(e) for e in picked[row]]
+        extra = iter([e for e in mine if e not in set(out[row].tolist())])
+        out[row] = [e if e in mine else next(extra) for e in out[row].tolist()]
+    return out.astype(np.int32)
+
+
+def unseen_step_flips(ref: Dump, run: Dump, near_tie: float | None, near_tie_ulps: float) -> dict[int, str]:
+    """{decode step: why its keys cannot be judged} for the steps where one side recorded no
+    routing (its gates give logits alone) and the other side's router logits of that step are a
+    near tie in some layer (module docstring)."""
+    unseen: dict[int, str] = {}
+    for side, have, lacking in (("REF", ref, run), ("RUN", run, ref)):
+        lacking_tags = {info.tag for key, info in lacking.infos.items() if key in lacking.members}
+        for key, info in sorted(have.infos.items(), key=lambda item: (item[1].step or 0, item[1].order)):
+            if (info.kind != "step" or info.step is None or info.step in unseen or key not in have.members
+                    or not info.tag.endswith("_step_router") or not gate_without_ids(info.tag, lacking, lacking_tags)):
+                continue
+            ids_key = key.replace("_step_router_", "_step_topk_")
+            width = have.members[ids_key].shape[-1] if ids_key in have.members else None
+            rule = have.router(key) or (RouterInfo(top_k=width) if width else None)
+            try:
+                row = np.asarray(have.replicas(key)[0].whole(), np.float64).reshape(-1)
+            except (OSError, ValueError, KeyError):
+                continue
+            if rule is None or rule.score in (TOKEN, UNKNOWN) or judgeable(rule) or not np.isfinite(row).all() \
+                    or rule.top_k >= row.size:
+                continue
+            gap, epsilon = _flip_gap(rule, row), routing_epsilon(row, near_tie, near_tie_ulps)
+            if gap <= epsilon:
+                other = "RUN" if side == "REF" else "REF"
+                unseen[info.step] = (f"{other} recorded no routing at this step, where {side}'s {key} is a near tie "
+                                     f"(router logit gap {gap:.3g} <= epsilon {epsilon:.3g}): a routing flip "
+                                     f"{other} made there unseen could explain it; record {other}'s expert ids of each "
+                                     "step to judge it")
+    return unseen
+
+
+def _flip_gap(rule: RouterInfo, row: np.ndarray) -> float:
+    """The smallest move of the logits (the tie gap of compare/selection.py) that swaps the
+    weakest expert `rule` picks from `row` for the strongest it leaves."""
+    scores = choice_scores(rule, row[None])[0]
+    picked = select(rule, scores[None])[0]
+    left = np.setdiff1d(np.arange(row.size), picked)
+    weakest, strongest = picked[np.argmin(scores[picked])], left[np.argmax(scores[left])]
+    return selection_gap(rule, row, np.append(picked[picked != weakest], strongest))

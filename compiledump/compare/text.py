@@ -217,7 +217,7 @@ def format_report(report: Report, table: str = "all") -> list[str]:
     for pair in report.pairs:
         prefix = f"rank {pair.rank} " if many else ""
         lines.extend(f"{prefix}{line}" for line in threshold_lines(pair))
-        for line in (not_comparable_line(pair), fed_tokens_line(pair)):
+        for line in (not_comparable_line(pair), fed_tokens_line(pair), *unseen_flip_lines(pair)):
             if line is not None:
                 lines.append(f"{prefix}{line}")
     if report.problems:
@@ -322,10 +322,21 @@ def fed_tokens_line(pair: PairResult) -> str | None:
             "(teacher forcing) to compare the steps after a flip")
 
 
+def unseen_flip_lines(pair: PairResult) -> list[str]:
+    """A line per decode step whose crossing keys a routing flip one side did not record may explain
+    (compare/picked.py); steps are never refused for their phases."""
+    fed = pair.fed_tokens
+    by_step: dict[int, list] = {}
+    for record in pair.not_comparable:
+        if record.kind == "step" and (fed is None or record.reason != fed.reason()):
+            by_step.setdefault(record.step, []).append(record)
+    return [f"not comparable: decode step {step} ({', '.join(r.key for r in refused)}): {refused[0].reason}"
+            for step, refused in sorted(by_step.items())]
+
+
 def not_comparable_line(pair: PairResult) -> str | None:
     """One line for the keys whose two values come from different phases or token counts."""
-    fed = pair.fed_tokens
-    refused = [record for record in pair.not_comparable if fed is None or record.reason != fed.reason()]
+    refused = [record for record in pair.not_comparable if record.kind != "step"]
     if not refused:
         return None
     calls: dict[tuple, int] = {}

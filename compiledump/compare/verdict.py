@@ -17,7 +17,7 @@ from .measure import KeyMeasurer, float_class, logits_tags
 from .metrics import Workspace
 from .one_row import one_row_note
 from .options import CompareOptions
-from .picked import with_picked_ids
+from .picked import unseen_step_flips, with_picked_ids
 from .pairing import find_pairs
 from .phases import (
     first_nonfinite,
@@ -82,6 +82,7 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     # Expert ids an engine's gate did not give, from its router logits (picked.py)
     ref, run, picked = with_picked_ids(ref, run)
     notes.extend(picked)
+    unseen = unseen_step_flips(ref, run, options.near_tie, options.near_tie_ulps)
     for side, dump in (("REF", ref), ("RUN", run)):
         for key, why in dump.bad_members.items():
             problems.append(Problem("unreadable", rank, f"{side} {why}", key, side=side))
@@ -154,6 +155,9 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
         # cannot be compared (inputs.py).
         refused = fed.reason() if after_fed_difference(info, fed) else None
         records.append(measurer.record(info, problems, refused, no_flip))
+        if records[-1].divergent and info.step in unseen and records[-1].floats is not None \
+                and records[-1].limits.klass != "fp32":  # (fp32 routing does not flip honestly)
+            records[-1] = measurer.record(info, problems, unseen[info.step], no_flip)  # (picked.py)
         no_flip = no_flip and not records[-1].routes_flipped
     for position, record in enumerate(records):
         record.position = position
@@ -178,7 +182,8 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
                         prompt_tokens_run=prompt_length(run),
                         nonfinite={"REF": first_nonfinite(ref), "RUN": first_nonfinite(run)},
                         renamed=renamed, fed_tokens=fed)
-    analyse_pair(result)
+    # instrument's steps count forwards (its manifests have `mixers`): step 0 is the prompt's last token
+    analyse_pair(result, any("mixers" in (dump.manifest or {}) for dump in (ref, run)))
     first = result.first_divergence
     if first is not None and first.metric != "ids":
         limits = records[first.position].limits
@@ -236,10 +241,10 @@ def _first_in_phase(floats: list[KeyRecord], phase: str) -> Divergence | None:
     return None
 
 
-def analyse_pair(pair: PairResult) -> None:
+def analyse_pair(pair: PairResult, step_zero_in_prompt: bool = False) -> None:
     """Fill in ``pair``'s findings from its key records."""
     records = pair.keys
-    excused = excuse_flips(records)
+    excused = excuse_flips(records, step_zero_in_prompt)
     floats = [record for record in records if record.floats is not None]
     pair.prefill_divergence = _first_in_phase(floats, "prefill")
     pair.decode_divergence = _first_in_phase(floats, "decode")

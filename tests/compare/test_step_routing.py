@@ -10,6 +10,7 @@ file from the definitions, independently of compiledump.compare.
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -395,3 +396,37 @@ def test_the_divergent_table_leaves_out_the_router_logits_shown(tmp_path, capsys
                          if line[:2] in ("! ", "* ", "- ", "? ", "~ ", "  ") and len(line.split()) > 5
                          and line[2:].split()[0] != "key"]
     assert "layer0_step_router_1" in tables["all"] and tables["divergent"] == ["layer2_out_2"]
+
+
+@pytest.mark.parametrize("instrumented", [True, False])
+def test_instrument_s_step_0_is_the_prompt_s_last_token(tmp_path, instrumented):
+    """instrument's steps count forwards (its manifests have `mixers`): step 0's logits are the
+    prompt's last token's, so a near tie in that token's prompt ids is step 0's own flip, and
+    logits_0 far off is not judged, though no step ids say so again (an engine's gates record
+    none). Hand-written steps start after the prompt: there logits_0 is judged (exit 1)."""
+    rng = np.random.default_rng(4)
+    ref = [c for c in step_captures(rng, prefill_router_rows=4) if "_step_" not in c.key]
+    by_key = {c.key: c.array for c in ref}
+    last = by_key["layer0_router"][3]
+    order = np.argsort(-last.astype(np.float64), kind="stable")
+    last[order[TOPK]] = last[order[TOPK - 1]] - np.float32(0.001)
+    by_key["layer0_topk"][3] = top_k(last)
+    prompt_ids = by_key["layer0_topk"].copy()
+    row = prompt_ids[3].tolist()
+    row[row.index(order[TOPK - 1])] = order[TOPK]
+    prompt_ids[3] = row
+    ref_path, run_path = write(tmp_path, ref, run_side(ref, rng, {"layer0_topk": prompt_ids}, {"logits_0"}),
+                               "bfloat16", all_rows=True)
+    if instrumented:
+        for path in (ref_path, run_path):
+            manifest = path.with_suffix(".json")
+            data = json.loads(manifest.read_text())
+            manifest.write_text(json.dumps({**data, "mixers": {str(i): "attention" for i in range(LAYERS)}}))
+    report = compare(ref_path, run_path)
+    keys = {record.key: record for record in report.keys}
+    assert keys["layer0_topk"].status == "near_tie"
+    if instrumented:
+        assert keys["logits_0"].status == "after_near_tie" and keys["logits_0"].excused_by == ["layer0_topk"]
+        assert report.exit_status == 0, "\n".join(format_report(report))
+    else:
+        assert report.exit_status == 1 and report.first_divergence.key == "logits_0"

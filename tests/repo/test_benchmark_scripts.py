@@ -36,3 +36,14 @@ def test_sweep_routing_counts_where_a_scaled_layer_is_named(tmp_path):
     (row,) = [line.split() for line in lines[lines.index(header) + 1:] if line.startswith("qwen3_moe ")]
     pairs, exit0, exit1, exit3, named = (int(value) for value in row[2:7])
     assert pairs == 2 == exit0 + exit1 + exit3 and named <= exit1
+
+
+def test_sweep_engines_prints_its_verdict_table(tmp_path):
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "sweep_engines.py"), "--seeds", "2", "--models",
+                          "qwen3_moe", "--bug", "renormalize"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("model "))
+    (row,) = [line.split() for line in lines[lines.index(header) + 1:] if line.startswith("qwen3_moe ")]
+    assert row[:5] == ["qwen3_moe", "vllm", "bfloat16", "2", "renormalize"]
+    assert [int(value) for value in row[5:9]] == [2, 0, 2, 0] and row[9:] == ["layer0_mlp", "2"]
