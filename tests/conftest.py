@@ -48,6 +48,22 @@ def pytest_configure(config):
         pytest.exit(f"the Triton kernel cannot run on CPU here: {why}", returncode=4)
 
 
+# The heaviest test files (minutes of Inductor compiles and child processes on 2 cores), run
+# first: with `-n auto --dist loadfile` a file runs whole on one worker, so a heavy file
+# collected late (tests/repo, tests/ops) ran alone at the end while the other worker idled.
+_HEAVY_FIRST = ("capture/test_hf_models.py", "capture/test_hf_indexers.py", "capture/test_crash.py",
+                "repo/test_gpu_scripts.py", "compare/test_sparsemixer.py", "demo/test_demo.py", "ops/test_ops.py",
+                "ops/test_variants.py", "compare/test_model_verdicts.py", "export/test_aot.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        path = item.nodeid.split("::")[0]
+        return next((i for i, heavy in enumerate(_HEAVY_FIRST) if path.endswith(heavy)), len(_HEAVY_FIRST))
+
+    items.sort(key=rank)  # stable: every other file keeps its place
+
+
 @pytest.fixture(autouse=True)
 def _no_leaked_buffer_hooks():
     """Drop the global buffer-registration hooks a test leaves behind. torch 2.11's export registers
