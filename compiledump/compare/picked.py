@@ -132,6 +132,9 @@ def _aligned(picked: np.ndarray, other_ids: np.ndarray) -> np.ndarray:
     out = np.array(other_ids, dtype=np.int64, copy=True)
     for row in range(out.shape[0]):
         mine = [int(e) for e in picked[row]]
+        if len(set(out[row].tolist())) != len(mine):  # the other side repeats an id: no positions to keep
+            out[row] = mine
+            continue
         extra = iter([e for e in mine if e not in set(out[row].tolist())])
         out[row] = [e if e in mine else next(extra) for e in out[row].tolist()]
     return out.astype(np.int32)

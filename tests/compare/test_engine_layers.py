@@ -156,6 +156,8 @@ def test_an_exact_tie_across_the_cut_is_the_pick_the_other_side_did_not_make():
                                   [[2, 1], [1, 0], [1, 3]])  # row 2: three tied, 3 is not theirs
     np.testing.assert_array_equal(picked._pick(RouterInfo(top_k=1), choice_scores(RouterInfo(top_k=1), logits),
                                                np.array([[1], [0], [2]])), [[2], [0], [1]])
+    # an ids row that repeats an expert has no positions to keep: the picks as ranked
+    np.testing.assert_array_equal(picked._pick(rule, scores, np.array([[5, 5], [1, 0], [1, 2]]))[0], [1, 2])
 
 
 def test_the_compiled_engine_records_what_the_eager_one_does(tmp_path):
