@@ -97,16 +97,16 @@ def _beside_embeddings(found: list, modules: dict[str, torch.nn.Module]) -> list
     return [(name, module) for name, module in found if hasattr(modules[name.rpartition(".")[0]], "embed_tokens")]
 
 
-def _beside_layers(layers_path: str, names, modules: dict) -> str | None:
-    """The path of the first of `names` that is a module beside `layers` (its sibling), or None."""
-    parent = layers_path.rpartition(".")[0]
+def _beside(path: str, names, modules: dict) -> str | None:
+    """The path of the first of `names` that is a module beside `path` (its sibling), or None."""
+    parent = path.rpartition(".")[0]
     return next((path for path in (f"{parent}.{name}" if parent else name for name in names)
                  if path in modules), None)
 
 
 def final_norm_path(layers_path: str, modules: dict) -> str | None:
     """The final norm beside `layers` (FINAL_NORMS), or None."""
-    return _beside_layers(layers_path, FINAL_NORMS, modules)
+    return _beside(layers_path, FINAL_NORMS, modules)
 
 
 def consecutive(path: str, modules: dict) -> range:
@@ -121,7 +121,7 @@ def consecutive(path: str, modules: dict) -> range:
 def token_embedding_path(layers_path: str, modules: dict) -> str | None:
     """The token embedding beside `layers` (`embed_tokens`, whose input is the token ids a forward
     feeds), or None."""
-    return _beside_layers(layers_path, ("embed_tokens",), modules)
+    return _beside(layers_path, ("embed_tokens",), modules)
 
 
 def logits_path(modules: dict) -> str | None:
@@ -130,8 +130,4 @@ def logits_path(modules: dict) -> str | None:
     beside it (vLLM, SGLang), that one: their lm_head only holds the weight the processor reads
     (calling it is an error)."""
     head = "lm_head" if "lm_head" in modules else next((path for path in modules if path.endswith(".lm_head")), None)
-    if head is None:
-        return None
-    parent = head.rpartition(".")[0]
-    processor = f"{parent}.logits_processor" if parent else "logits_processor"
-    return processor if processor in modules else head
+    return None if head is None else _beside(head, ("logits_processor",), modules) or head
