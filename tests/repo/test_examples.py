@@ -8,11 +8,15 @@ import numpy as np
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def _run(name):
+def _load(name):
     spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.main()
+    return module
+
+
+def _run(name):
+    return _load(name).main()
 
 
 def test_instrument_your_model(dump_dir):
@@ -35,9 +39,7 @@ def test_cuda_graph_runner(dump_dir):
 
 
 def test_vllm_style_engine(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("vllm_style_engine", EXAMPLES / "vllm_style_engine.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _load("vllm_style_engine")
     assert module.main([str(tmp_path / "honest")]) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("no divergence: ")
     assert module.main([str(tmp_path / "bug"), "--bug", "renormalize", "--seed", "3"]) == 1
