@@ -57,6 +57,13 @@ def _token(dump: Dump, key: str) -> int | None:
     return int(values[0]) if values.size == 1 and np.isfinite(values[0]) else None
 
 
+def step_zero_in_prompt(ref: Dump, run: Dump) -> bool:
+    """Whether step 0 holds the prompt's last position: the steps count forwards, the prefill's
+    first, as `instrument` records them (its manifests have `mixers`) or as a side that recorded
+    the token its step 0 fed (``input_token_0``) did."""
+    return any("mixers" in (dump.manifest or {}) or f"{FED_TAG}_0" in dump.members for dump in (ref, run))
+
+
 def one_sided_fed_note(side: str, keys: list[str]) -> str:
     """One line for the fed tokens only `side` recorded (an engine whose flat `[tokens]` input ids
     `instrument` does not record, or one instrumented by hand): not a problem per step, but where

@@ -23,7 +23,7 @@ import numpy as np
 from ..format.keys import KeyInfo, router_key_for
 from ..format.reader import Dump, Member, Replica, preview
 from ..format.routers import TOKEN, UNKNOWN, RouterInfo
-from .phases import gate_without_ids
+from .phases import gate_without_ids, held_tags
 from .routing import routing_epsilon
 from .selection import choice_scores, judgeable, select, selection_gap
 
@@ -82,11 +82,11 @@ def with_picked_ids(ref: Dump, run: Dump) -> tuple[Dump, Dump, list[str]]:
 def _derive(this: Dump, other: Dump) -> tuple[dict[str, np.ndarray], dict[str, KeyInfo]]:
     """The prompt ids keys `other` holds whose tag `this` never recorded, from `this`'s router
     logits of every row, where their shapes fit and the rule is known."""
-    held_tags = {info.tag for key, info in this.infos.items() if key in this.members}
+    held = held_tags(this)
     arrays, infos = {}, {}
     for key, info in other.infos.items():
         router_key = router_key_for(key)
-        if (info.kind != "ids" or key not in other.members or info.tag in held_tags or router_key is None
+        if (info.kind != "ids" or key not in other.members or info.tag in held or router_key is None
                 or router_key not in this.members or this.members[router_key].is_integer):
             continue
         ids_shape, logits_shape = other.members[key].shape, this.members[router_key].shape
@@ -131,12 +131,12 @@ def _aligned(picked: np.ndarray, other_ids: np.ndarray) -> np.ndarray:
     nothing the engine did, and could take the root-cause line from a real near tie)."""
     out = np.array(other_ids, dtype=np.int64, copy=True)
     for row in range(out.shape[0]):
-        mine = [int(e) for e in picked[row]]
-        if len(set(out[row].tolist())) != len(mine):  # the other side repeats an id: no positions to keep
+        mine, theirs = [int(e) for e in picked[row]], out[row].tolist()
+        if len(set(theirs)) != len(mine):  # the other side repeats an id: no positions to keep
             out[row] = mine
             continue
-        extra = iter([e for e in mine if e not in set(out[row].tolist())])
-        out[row] = [e if e in mine else next(extra) for e in out[row].tolist()]
+        extra = iter([e for e in mine if e not in theirs])
+        out[row] = [e if e in mine else next(extra) for e in theirs]
     return out.astype(np.int32)
 
 
@@ -146,7 +146,7 @@ def unseen_step_flips(ref: Dump, run: Dump, near_tie: float | None, near_tie_ulp
     near tie in some layer (module docstring)."""
     unseen: dict[int, str] = {}
     for side, have, lacking in (("REF", ref, run), ("RUN", run, ref)):
-        lacking_tags = {info.tag for key, info in lacking.infos.items() if key in lacking.members}
+        lacking_tags = held_tags(lacking)
         for key, info in sorted(have.infos.items(), key=lambda item: (item[1].step or 0, item[1].order)):
             if (info.kind != "step" or info.step is None or info.step in unseen or key not in have.members
                     or not info.tag.endswith("_step_router") or not gate_without_ids(info.tag, lacking, lacking_tags)):

@@ -171,6 +171,7 @@ class PairResult:
     prompt_tokens_run: int | None = None
     renamed: dict[str, str] = field(default_factory=dict)  # --map: new RUN key -> old
     fed_tokens: FedTokens | None = None  # the first decode step fed different tokens (inputs.py)
+    step_zero_in_prompt: bool = False  # step 0 is the prompt's last position (inputs.step_zero_in_prompt)
 
     @property
     def compared(self) -> int:

@@ -7,7 +7,6 @@ from typing import Any
 
 from ..format.keys import chosen
 from .facts import threshold_uses
-from .inputs import FED_TAG
 from .options import pair_class
 from .phases import fix_hint, tokens_text
 from .key_record import KeyRecord, MergeInfo
@@ -256,7 +255,8 @@ def format_report(report: Report, table: str = "all") -> list[str]:
                      f"last good: {prefill.last_good or 'none (no earlier prefill key judged good)'}")
     if decode is not None:
         # instrument's steps count forwards: its step 0 is the prefill's last position, not a decode step.
-        prefill_step = decode.step == 0 and any(r.tag == FED_TAG and r.step == 0 for r in report.keys)
+        prefill_step = decode.step == 0 and any(pair.step_zero_in_prompt for pair in report.pairs
+                                                if pair.rank == decode.rank)
         step = f"{decode.step} (the prefill's last position)" if prefill_step else decode.step
         lines.append(f"decode: first divergent step {step}: {describe_divergence(decode)}; "
                      f"last good: {decode.last_good or 'none (no earlier decode key judged good)'}")

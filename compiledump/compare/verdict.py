@@ -12,7 +12,7 @@ from pathlib import Path
 from ..format.keys import chosen, order_key_infos
 from ..format.reader import Dump, DumpError, rank_sort_key
 from .flips import excuse_flips
-from .inputs import FED_TAG, after_fed_difference, first_fed_difference, one_sided_fed_note
+from .inputs import FED_TAG, after_fed_difference, first_fed_difference, one_sided_fed_note, step_zero_in_prompt
 from .measure import KeyMeasurer, float_class, logits_tags
 from .metrics import Workspace
 from .one_row import one_row_note
@@ -22,6 +22,7 @@ from .pairing import find_pairs
 from .phases import (
     first_nonfinite,
     gate_without_ids,
+    held_tags,
     hybrid_note,
     mixed_phase_detail,
     mixed_phase_keys,
@@ -121,7 +122,7 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     # Routing (expert ids, a step's router logits) of tags one side never recorded (an engine's
     # gate gives its logits alone, its fused MoE picking the experts): one note
     ids_alone: dict[str, list[str]] = {"REF": [], "RUN": []}
-    tags = {side: {info.tag for info in ordered if info.key in dump.members} for side, dump in (("REF", ref), ("RUN", run))}
+    tags = {"REF": held_tags(ref), "RUN": held_tags(run)}
     for info in ordered:
         key = info.key
         if (key not in run.members or key not in ref.members) and _held(ref, key) and _held(run, key):
@@ -181,9 +182,8 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
                         not_captured=captured, prompt_tokens=prompt, prompt_tokens_ref=prompt_length(ref),
                         prompt_tokens_run=prompt_length(run),
                         nonfinite={"REF": first_nonfinite(ref), "RUN": first_nonfinite(run)},
-                        renamed=renamed, fed_tokens=fed)
-    # instrument's steps count forwards (its manifests have `mixers`): step 0 is the prompt's last token
-    analyse_pair(result, any("mixers" in (dump.manifest or {}) for dump in (ref, run)))
+                        renamed=renamed, fed_tokens=fed, step_zero_in_prompt=step_zero_in_prompt(ref, run))
+    analyse_pair(result)
     first = result.first_divergence
     if first is not None and first.metric != "ids":
         limits = records[first.position].limits
@@ -241,10 +241,10 @@ def _first_in_phase(floats: list[KeyRecord], phase: str) -> Divergence | None:
     return None
 
 
-def analyse_pair(pair: PairResult, step_zero_in_prompt: bool = False) -> None:
+def analyse_pair(pair: PairResult) -> None:
     """Fill in ``pair``'s findings from its key records."""
     records = pair.keys
-    excused = excuse_flips(records, step_zero_in_prompt)
+    excused = excuse_flips(records, pair.step_zero_in_prompt)
     floats = [record for record in records if record.floats is not None]
     pair.prefill_divergence = _first_in_phase(floats, "prefill")
     pair.decode_divergence = _first_in_phase(floats, "decode")
