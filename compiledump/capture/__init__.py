@@ -4,6 +4,7 @@
     instrument.py  instrument(model): forward hooks that call api.py on a model's modules
     hf_layout.py   where a Hugging Face decoder keeps its layers, norms, MLP blocks and routers
     residual.py    where a layer keeps the residual stream (vLLM/SGLang: two parts, added by the next norm)
+    router_taps.py the hooks on a model's routers: what a router returns, what instrument records of it
     hf_routers.py  which Hugging Face routers select how (the rules instrument declares)
     layouts.py     how record reads a tensor (layout=, rows=)
     routers.py     declare_router: how a router that is not a plain top-k selects, for compare

@@ -24,8 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import api, hf_layout as layout, indexers, mixers, residual, routers
-from .hf_routers import PROBABILITY_ROUTERS, int_attr, selection_of
+from . import api, hf_layout as layout, indexers, mixers, residual, router_taps, routers
 from .state import STATE, warn_once
 
 _PATH_SIDE = re.compile(r"^(?P<path>[^:]*)(?::(?P<side>input|output))?$")
@@ -158,65 +157,6 @@ class Instrumented:
         steps = (f"{name}_step_router", f"{name}_step_topk") if self.step_routing else ()
         return (f"{name}_router", f"{name}_topk", *steps)
 
-    def _router(self, name: str, block: torch.nn.Module, router: torch.nn.Module):
-        """The capture of a router whose tags are `<name>_router`, `<name>_topk` and their steps."""
-        top_k = int_attr((block, router), ("top_k", "num_experts_per_tok"))
-
-        def capture(output, step_logits: torch.Tensor | None = None, whole: bool = True) -> None:
-            # `step_logits`: the step row to record instead of the last row of the logits (an
-            # indexer's, padded to one width for every step: capture/indexers.py); `whole` False:
-            # the step tags only (an indexer's prompt rows too large for the arena).
-            # Hugging Face 5.x routers return (logits, scores, top-k ids, ...); Llama 4's (scores,
-            # logits); JetMoE's (sorted expert ids, ..., logits); older ones bare logits; vLLM's and
-            # SGLang's gates (linear layers) return (logits, None), the None their unused output
-            # bias. The checks below are on types and dtypes only, so dynamo resolves them while
-            # tracing (no graph break).
-            engine_gate = isinstance(output, (tuple, list)) and len(output) == 2 and output[1] is None
-            if isinstance(output, (tuple, list)) and len(output) >= 3 and not _is_float(output[0]) \
-                    and _is_float(output[-1]):
-                logits, ids = output[-1], None  # JetMoE: its ids are sorted for dispatch, not per token
-            elif isinstance(output, (tuple, list)):
-                logits = output[0] if engine_gate or len(output) != 2 else output[1]
-                ids = output[2] if len(output) >= 3 else None
-            else:
-                logits, ids = output, None
-            self.fired = True
-            if type(router).__name__ in PROBABILITY_ROUTERS and isinstance(logits, torch.Tensor):
-                # softmax probabilities: their log is the logits up to a per-row constant, which no
-                # top-k or logit gap sees (the floor keeps an underflowed probability finite)
-                logits = torch.log(logits.float().clamp_min(1e-30))
-            if not _is_float(logits):
-                if not torch.compiler.is_compiling():  # a constant while tracing: no graph break
-                    self._unlist_routing(name)
-                    warn_once(f"instrument: {type(router).__name__} (a router) returns no "
-                              "floating-point logits where Hugging Face routers do (first, second of two, or last after ids), "
-                              "so no layer<i>_router/_topk is recorded (nor listed in handle.taps); add them with taps=")
-                return  # not a router of these conventions (its taps are the user's to add)
-            rows = self._rows(logits)
-            # Every prompt row by default: a routing flip in any row can then be judged by its own
-            # router logits (ids are recorded whole), which one row cannot do for the others.
-            if whole:
-                api.record(f"{name}_router", rows, rows=self.router_rows)
-            if engine_gate:
-                # The engine's fused MoE picks the experts, by a rule (a bias, groups) not visible
-                # here: no ids, and no step routing (a step's logits are read to judge its ids).
-                return
-            # Each step's routing of the token whose logits `logits_<n>` holds (the same row), so
-            # that the comparator can tell a decode step's routing flip from a bug.
-            if self.step_routing:
-                api.record_step(f"{name}_step_router", self._step_row(rows) if step_logits is None else step_logits,
-                                moe_filtered=True)
-            if ids is None and top_k is not None:
-                ids = torch.topk(logits, top_k, dim=-1).indices
-            if isinstance(ids, torch.Tensor) and not ids.is_floating_point():
-                rows = self._rows(ids)
-                if whole:
-                    api.record_ids(f"{name}_topk", rows)
-                if self.step_routing:
-                    api.record_step(f"{name}_step_topk", self._step_row(rows), moe_filtered=True)
-
-        return capture
-
 
 def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, defaults: bool = True,
                batch_row: int = 0, step_routing: bool = True, router_rows: str | None = "all") -> Instrumented:
@@ -295,12 +235,12 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
         if isinstance(heads, torch.nn.Module) and layout.child(heads, ("router",)) is not None:
             # JetMoE's mixture of attention heads: its router picks each token's heads, so its
             # flips are judged as the MLP's are (layer<i>_attn_router, layer<i>_attn_topk).
-            _tap_router(handle, f"layer{i}_attn", f"{prefix}.{mixer_name}.experts", heads, "router")
+            router_taps.tap_router(handle, f"layer{i}_attn", f"{prefix}.{mixer_name}.experts", heads, "router")
         if (indexer_name := layout.indexer_of(mixer) if mixer is not None else None) is not None:
             # A sparse-attention indexer picks each token's keys: judged as the MLP's experts are
             indexer = mixer.get_submodule(indexer_name)
             indexers.tap_indexer(handle, f"layer{i}_index", f"{prefix}.{mixer_name}.{indexer_name}", indexer,
-                                 handle._router(f"layer{i}_index", mixer, indexer))
+                                 router_taps.router_capture(handle, f"layer{i}_index", mixer, indexer))
             routers.withdraw(f"layer{i}_index_router")  # the plain top-k of its scores
         split = residual.defers_residual(layer)  # vLLM, SGLang: the stream in two parts (residual.py)
         attn_input = layout.residual_after_attention(layer, block_name)
@@ -313,12 +253,12 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
             block = getattr(layer, block_name)
             router_name = layout.child(block, layout.ROUTERS)
             if router_name is not None:
-                _tap_router(handle, f"layer{i}", f"{prefix}.{block_name}", block, router_name)
+                router_taps.tap_router(handle, f"layer{i}", f"{prefix}.{block_name}", block, router_name)
             elif layout.routes_tokens(block):
                 unrouted.append((f"{prefix}.{block_name}", block))
             handle._add(block, f"layer{i}_mlp", f"{prefix}.{block_name}", "output")
         if layout.holds_experts(layer) and (router_name := layout.child(layer, layout.ROUTERS)) is not None:
-            _tap_router(handle, f"layer{i}", prefix, layer, router_name)  # Gemma 4: router and experts beside a dense mlp
+            router_taps.tap_router(handle, f"layer{i}", prefix, layer, router_name)  # Gemma 4: router and experts beside a dense mlp
         handle._add(layer, f"layer{i}", prefix, "output", read=residual.layer_stream if split else None)
     _warn_untapped(layers_path, layers, unrouted, no_attn)
     mixers.declare_mixers(mixers.kinds_of(layers, [layout.child(layer, layout.MIXERS) for layer in layers]),
@@ -367,27 +307,6 @@ def _warn_untapped(layers_path: str, layers, unrouted: list, no_attn: list[str])
                       "in attention shows first at layer<i>_mlp or layer<i>. Add one with "
                       f"taps={{'layer{{i}}_attn': '{layers_path}.{{i}}.<module>:input'}} where such a module exists.",
                       RuntimeWarning, stacklevel=4)
-
-
-def _is_float(value) -> bool:
-    return isinstance(value, torch.Tensor) and value.is_floating_point()
-
-
-def _tap_router(handle: Instrumented, name: str, block_path: str, block: torch.nn.Module, router_name: str) -> None:
-    """The router tags `<name>_router`, `<name>_topk` (and steps) on `block`'s child `router_name`,
-    and its selection declared (or any earlier declaration of the tag withdrawn: another model's)."""
-    router = getattr(block, router_name)
-    handle._add(router, f"{name}_router", f"{block_path}.{router_name}", "output",
-                capture=handle._router(name, block, router))
-    selection = selection_of(block, router)
-    if selection is not None:
-        routers.declare_router(f"{name}_router", **selection)
-    else:
-        routers.withdraw(f"{name}_router")
-    handle._list_routing(name, f"{block_path}.{router_name}")
-    if isinstance(picker := getattr(block, "topk", None), torch.nn.Module):
-        # SGLang's TopK module picks the experts from its gate's logits: its topk_ids are the engine's own
-        handle._add(picker, f"{name}_topk", f"{block_path}.topk", "output", read=lambda out: getattr(out, "topk_ids", None))
 
 
 def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:

@@ -42,7 +42,7 @@ def first_input(args: tuple, kwargs: dict):
 def layer_stream(output):
     """A deferring layer's output `(hidden_states, residual)` -> their sum, the stream (the first
     alone where the residual is None); anything else as it is."""
-    if isinstance(output, (tuple, list)) and len(output) >= 2 and _is_float(output[0]) and _is_float(output[1]):
+    if isinstance(output, (tuple, list)) and len(output) >= 2 and is_float(output[0]) and is_float(output[1]):
         return output[0] + output[1]
     return output
 
@@ -52,7 +52,7 @@ def norm_stream(args: tuple, kwargs: dict):
     before the norm runs: its CUDA kernel overwrites both); `x` where it is called without one."""
     x = args[0] if args else kwargs.get("x", kwargs.get("hidden_states"))
     residual = args[1] if len(args) > 1 else kwargs.get("residual")
-    return x + residual if _is_float(x) and _is_float(residual) else x
+    return x + residual if is_float(x) and is_float(residual) else x
 
 
 def _parameters(layer: torch.nn.Module):
@@ -62,5 +62,6 @@ def _parameters(layer: torch.nn.Module):
         return {}
 
 
-def _is_float(value) -> bool:
+def is_float(value) -> bool:
+    """Whether `value` is a floating-point tensor."""
     return isinstance(value, torch.Tensor) and value.is_floating_point()

@@ -1,0 +1,96 @@
+"""The hooks on a model's routers: what a router's output holds, and what `instrument` records of it.
+
+`<name>_router` (the router logits of every prompt row by default), `<name>_topk` (the expert
+ids), and each forward's step row of both (`<name>_step_router`, `<name>_step_topk`), for the
+conventions of Hugging Face routers, vLLM's and SGLang's gates and SGLang's TopK module; the
+router's selection rule declared for the comparator (capture/hf_routers.py). `handle` is
+instrument's `Instrumented`, whose row readers and tap list these share (as capture/indexers.py
+does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from . import api, residual, routers
+from .hf_routers import PROBABILITY_ROUTERS, int_attr, selection_of
+from .state import warn_once
+
+
+def tap_router(handle, name: str, block_path: str, block: torch.nn.Module, router_name: str) -> None:
+    """The router tags `<name>_router`, `<name>_topk` (and steps) on `block`'s child `router_name`,
+    and its selection declared (or any earlier declaration of the tag withdrawn: another model's)."""
+    router = getattr(block, router_name)
+    handle._add(router, f"{name}_router", f"{block_path}.{router_name}", "output",
+                capture=router_capture(handle, name, block, router))
+    selection = selection_of(block, router)
+    if selection is not None:
+        routers.declare_router(f"{name}_router", **selection)
+    else:
+        routers.withdraw(f"{name}_router")
+    handle._list_routing(name, f"{block_path}.{router_name}")
+    if isinstance(picker := getattr(block, "topk", None), torch.nn.Module):
+        # SGLang's TopK module picks the experts from its gate's logits: its topk_ids are the engine's own
+        handle._add(picker, f"{name}_topk", f"{block_path}.topk", "output", read=lambda out: getattr(out, "topk_ids", None))
+
+
+def router_capture(handle, name: str, block: torch.nn.Module, router: torch.nn.Module) -> Callable:
+    """The capture of a router whose tags are `<name>_router`, `<name>_topk` and their steps."""
+    top_k = int_attr((block, router), ("top_k", "num_experts_per_tok"))
+
+    def capture(output, step_logits: torch.Tensor | None = None, whole: bool = True) -> None:
+        # `step_logits`: the step row to record instead of the last row of the logits (an
+        # indexer's, padded to one width for every step: capture/indexers.py); `whole` False:
+        # the step tags only (an indexer's prompt rows too large for the arena).
+        # Hugging Face 5.x routers return (logits, scores, top-k ids, ...); Llama 4's (scores,
+        # logits); JetMoE's (sorted expert ids, ..., logits); older ones bare logits; vLLM's and
+        # SGLang's gates (linear layers) return (logits, None), the None their unused output
+        # bias. The checks below are on types and dtypes only, so dynamo resolves them while
+        # tracing (no graph break).
+        engine_gate = isinstance(output, (tuple, list)) and len(output) == 2 and output[1] is None
+        if isinstance(output, (tuple, list)) and len(output) >= 3 and not residual.is_float(output[0]) \
+                and residual.is_float(output[-1]):
+            logits, ids = output[-1], None  # JetMoE: its ids are sorted for dispatch, not per token
+        elif isinstance(output, (tuple, list)):
+            logits = output[0] if engine_gate or len(output) != 2 else output[1]
+            ids = output[2] if len(output) >= 3 else None
+        else:
+            logits, ids = output, None
+        handle.fired = True
+        if type(router).__name__ in PROBABILITY_ROUTERS and isinstance(logits, torch.Tensor):
+            # softmax probabilities: their log is the logits up to a per-row constant, which no
+            # top-k or logit gap sees (the floor keeps an underflowed probability finite)
+            logits = torch.log(logits.float().clamp_min(1e-30))
+        if not residual.is_float(logits):
+            if not torch.compiler.is_compiling():  # a constant while tracing: no graph break
+                handle._unlist_routing(name)
+                warn_once(f"instrument: {type(router).__name__} (a router) returns no "
+                          "floating-point logits where Hugging Face routers do (first, second of two, or last after ids), "
+                          "so no layer<i>_router/_topk is recorded (nor listed in handle.taps); add them with taps=")
+            return  # not a router of these conventions (its taps are the user's to add)
+        rows = handle._rows(logits)
+        # Every prompt row by default: a routing flip in any row can then be judged by its own
+        # router logits (ids are recorded whole), which one row cannot do for the others.
+        if whole:
+            api.record(f"{name}_router", rows, rows=handle.router_rows)
+        if engine_gate:
+            # The engine's fused MoE picks the experts, by a rule (a bias, groups) not visible
+            # here: no ids, and no step routing (a step's logits are read to judge its ids).
+            return
+        # Each step's routing of the token whose logits `logits_<n>` holds (the same row), so
+        # that the comparator can tell a decode step's routing flip from a bug.
+        if handle.step_routing:
+            api.record_step(f"{name}_step_router", handle._step_row(rows) if step_logits is None else step_logits,
+                            moe_filtered=True)
+        if ids is None and top_k is not None:
+            ids = torch.topk(logits, top_k, dim=-1).indices
+        if isinstance(ids, torch.Tensor) and not ids.is_floating_point():
+            rows = handle._rows(ids)
+            if whole:
+                api.record_ids(f"{name}_topk", rows)
+            if handle.step_routing:
+                api.record_step(f"{name}_step_topk", handle._step_row(rows), moe_filtered=True)
+
+    return capture
