@@ -39,6 +39,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "`set_rows` value exceeds this", "max_rows"),
     EnvVar("COMPILEDUMP_MAX_STEPS", "256", "steps kept per `record_step` tag; later ones are counted as "
            "`step_capacity` drops", "max_steps"),
+    EnvVar("COMPILEDUMP_LAYER_STEPS", "16", "forwards (decode steps) of which each decoder layer's output "
+           "is kept for the token of that forward's logits (`layer<N>_step_<n>`, which `instrument` records, so "
+           "that a decode-only bug is named at its layer); later ones are counted as `layer_steps` (a filter). "
+           "`0`: `instrument` records none. Capped by `COMPILEDUMP_MAX_STEPS`", "layer_steps"),
     EnvVar("COMPILEDUMP_ARENA_MB", "256", "device arena size in MiB (all captures of a run); a tag that does "
            "not fit is counted as `arena_full`", "arena_mb"),
     EnvVar("COMPILEDUMP_MAX_TAGS", "1024", "distinct tags; more are counted as `tag_table_full`", "max_tags"),
@@ -105,6 +109,7 @@ class Config:
     moe_layers: tags `layer<N>_<x>` are kept only for N < moe_layers.
     max_rows: `record_step` is skipped while the last `set_rows()` value exceeds it.
     max_steps: steps kept per `record_step` tag.
+    layer_steps: steps kept of each layer's step state (`layer<N>_step`, instrument's); 0: none.
     arena_mb: size of the device arena that holds every capture (MiB).
     max_tags: number of distinct tags.
     persist: "auto" (file-backed arena on CPU), "1" (also on CUDA: host-mapped) or "0" (never).
@@ -117,6 +122,7 @@ class Config:
     moe_layers: int = 2
     max_rows: int = 1
     max_steps: int = 256
+    layer_steps: int = 16
     arena_mb: int = 256
     max_tags: int = 1024
     persist: str = "auto"
@@ -132,7 +138,7 @@ class Config:
             raise ValueError(f"compiledump: tokens must be 'auto' or a non-negative int, got {self.tokens!r}")
         if self.rows not in ("one", "all"):
             raise ValueError(f"compiledump: rows must be 'one' or 'all', got {self.rows!r}")
-        for field in ("moe_layers", "max_rows", "max_steps", "arena_mb", "max_tags"):
+        for field in ("moe_layers", "max_rows", "max_steps", "layer_steps", "arena_mb", "max_tags"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"compiledump: {field} must be a non-negative int, got {value!r}")

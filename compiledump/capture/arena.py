@@ -285,6 +285,10 @@ class Runtime:
 
     def _allocate(self, slot: Slot, payload: tuple, x: torch.Tensor, source_shape: list | None = None) -> None:
         capacity = self.config.max_steps if slot.kind == L.KIND_STEP else 1
+        if slot.kind == L.KIND_STEP and spec.stream_step_tag(slot.tag) and 0 < self.config.layer_steps < capacity:
+            # A layer's step state: the first decode steps, where a decode bug first shows (a region
+            # of every layer for every step would crowd the logits out of the arena).
+            capacity, slot.overflow = self.config.layer_steps, "layer_steps"
         words = math.prod(payload) * capacity
         start = -(-self.used_words // L.REGION_ALIGN_WORDS) * L.REGION_ALIGN_WORDS
         slot.source_dtype = str(x.dtype).removeprefix("torch.")
@@ -304,7 +308,8 @@ class Runtime:
                               f"({error.strerror}): its captures are counted as arena_full")
             # Journaled before the kernel stores anything in the region: recover can read it.
             self.live.write({"event": "region", "index": slot.index, "kind": slot.kind, "payload": list(payload),
-                             "offset": slot.offset, "capacity": capacity, "source_dtype": slot.source_dtype,
+                             "offset": slot.offset, "capacity": capacity, "overflow": slot.overflow,
+                             "source_dtype": slot.source_dtype,
                              "source_shape": slot.source_shape})
         # Set last: another thread may read payload_shape without the lock.
         slot.payload_shape = payload

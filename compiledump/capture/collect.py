@@ -35,6 +35,7 @@ class Slot:
     payload_shape: tuple | None = None  # shape of one stored capture (None until first kept)
     offset: int = -1  # arena word offset of the region; -1 = no region
     capacity: int = 1  # captures the region holds (steps for KIND_STEP)
+    overflow: str = "step_capacity"  # the drop reason of steps past capacity (spec.DROP_REASONS)
     source_dtype: str | None = None
     source_shape: tuple | None = None
 
@@ -74,7 +75,7 @@ def collect(slots, overflow_tags, arena: np.ndarray, ctrl: np.ndarray, prompt_to
         if slot.offset >= 0 and written:
             kept, step_capacity, interrupted = _kept(slot, written, int(words[L.SLOT_COMMITTED]))
             if step_capacity:
-                drops["step_capacity"] = step_capacity
+                drops[slot.overflow] = step_capacity
             if interrupted:
                 drops["interrupted"] = interrupted
         if kept:

@@ -44,10 +44,11 @@ class Instrumented:
     with capture on), and `remove()` to detach every hook."""
 
     def __init__(self, model: torch.nn.Module, batch_row: int, step_routing: bool = True,
-                 router_rows: str | None = "all"):
+                 router_rows: str | None = "all", step_states: bool = True):
         self.model = model
         self.batch_row = batch_row
         self.step_routing = step_routing
+        self.step_states = step_states
         self.router_rows = router_rows
         self.taps: dict[str, str] = {}
         self.fired = False
@@ -97,6 +98,19 @@ class Instrumented:
             api.record(tag, rows, layout="tokens_hc_dim" if tensor.dim() == 4 and rows.dim() == 3 else None)
         else:
             api.record_ids(tag, self._rows(tensor))
+
+    def _stream_capture(self, tag: str) -> Callable:
+        """A decoder layer's output: the prompt's rows as `tag`, and the row of each forward's
+        step (the token whose logits `logits_<n>` hold) as `<tag>_step_<n>`, so that a decode-only
+        bug is named at its layer. `[batch, seq, hidden]` or flat `[tokens, hidden]` states only
+        (not hyper-connections'); COMPILEDUMP_LAYER_STEPS of them, none when it is 0."""
+        def capture(value) -> None:
+            self._capture(tag, value)
+            tensor = value[0] if isinstance(value, (tuple, list)) else value
+            if self.step_states and STATE.config.layer_steps and isinstance(tensor, torch.Tensor) \
+                    and tensor.is_floating_point() and tensor.dim() in (2, 3):
+                api.record_step(f"{tag}_step", self._step_row(self._rows(tensor)))
+        return capture
 
     def _add(self, module: torch.nn.Module, tag: str, path: str, side: str, capture: Callable | None = None,
              read: Callable | None = None):
@@ -159,7 +173,8 @@ class Instrumented:
 
 
 def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, defaults: bool = True,
-               batch_row: int = 0, step_routing: bool = True, router_rows: str | None = "all") -> Instrumented:
+               batch_row: int = 0, step_routing: bool = True, router_rows: str | None = "all",
+               step_states: bool = True) -> Instrumented:
     """Attach capture points to `model`'s modules; returns a handle with `.remove()`.
 
     With `defaults`, a decoder-only causal LM gets, per layer i, `layer<i>_attn` (the residual
@@ -168,7 +183,10 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
     one per forward, prefill included), with the routing of that position in each MoE layer the
     MoE layer filter keeps (`layer<i>_step_router_<n>`, `layer<i>_step_topk_<n>`: two captures
     per such layer and forward, which `step_routing=False` leaves out; without them the
-    comparator cannot tell a decode step's routing flip from a bug). `taps` adds more: `{"layer{i}_q":
+    comparator cannot tell a decode step's routing flip from a bug), and each layer's output at that
+    position (`layer<i>_step_<n>`, of the first COMPILEDUMP_LAYER_STEPS forwards; one more capture
+    per layer and forward, which `step_states=False` leaves out), so that a decode-only bug is
+    named at its layer. `taps` adds more: `{"layer{i}_q":
     "model.layers.{i}.self_attn.q_proj"}` (a `{i}` in both expands over the layers; paths are
     relative to `model`; append `:input` for the module's first input instead of its output).
     Integer tensors are captured with `record_ids`, others with `record`. `layer<i>_router`
@@ -186,7 +204,7 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
     inner = _uncompiled(model)
     if router_rows not in ("all", "one", None):
         raise ValueError(f"compiledump.instrument: router_rows must be 'all', 'one' or None, got {router_rows!r}")
-    handle = Instrumented(inner, batch_row, step_routing, router_rows)
+    handle = Instrumented(inner, batch_row, step_routing, router_rows, step_states)
     modules = dict(inner.named_modules())
     layers_path, layers = layout.find_layers(modules)
     if defaults:
@@ -259,7 +277,10 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
             handle._add(block, f"layer{i}_mlp", f"{prefix}.{block_name}", "output")
         if layout.holds_experts(layer) and (router_name := layout.child(layer, layout.ROUTERS)) is not None:
             router_taps.tap_router(handle, f"layer{i}", prefix, layer, router_name)  # Gemma 4: router and experts beside a dense mlp
-        handle._add(layer, f"layer{i}", prefix, "output", read=residual.layer_stream if split else None)
+        handle._add(layer, f"layer{i}", prefix, "output", read=residual.layer_stream if split else None,
+                    capture=handle._stream_capture(f"layer{i}"))
+        if handle.step_states and STATE.config.layer_steps:
+            handle.taps[f"layer{i}_step"] = prefix
     _warn_untapped(layers_path, layers, unrouted, no_attn)
     mixers.declare_mixers(mixers.kinds_of(layers, [layout.child(layer, layout.MIXERS) for layer in layers]),
                           mixers.routing_fact(handle.taps, bool(unrouted), handle.step_routing))

@@ -221,6 +221,7 @@ def _registry(start: dict, events: list[dict]):
             slot = by_index[event["index"]]
             slot.payload_shape = tuple(event["payload"])
             slot.offset, slot.capacity = event["offset"], event["capacity"]
+            slot.overflow = event.get("overflow", slot.overflow)
             slot.source_dtype, slot.source_shape = event["source_dtype"], event["source_shape"]
         elif kind == "prompt":
             prompt = event["tokens"]

@@ -290,6 +290,8 @@ def threshold_lines(pair: PairResult) -> list[str]:
         computed = f", as the pair's other keys are {use['class']}" if lowered else ""
         origin = {"calibrated": f"{use['class']} defaults{computed}, calibrated: docs/compare.md",
                   "calibrated decode": f"{use['class']} decode-step defaults{computed}, calibrated: docs/compare.md",
+                  "calibrated decode, layer state": f"{use['class']} decode-step defaults for a layer's state{computed}, "
+                                                    "calibrated: docs/compare.md",
                   "calibrated decode, no routing flip": f"{use['class']} defaults{computed} for decode steps no routing "
                                                         "flip reaches (every route recorded, none differs so far), "
                                                         "calibrated: docs/compare.md",

@@ -9,6 +9,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from ..format import spec
 from ..format.keys import chosen, order_key_infos
 from ..format.reader import Dump, DumpError, rank_sort_key
 from .flips import excuse_flips
@@ -125,6 +126,8 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     tags = {"REF": held_tags(ref), "RUN": held_tags(run)}
     for info in ordered:
         key = info.key
+        if spec.prompt_stream_step(key):  # the prompt's `layer<N>` holds it (format/spec.py)
+            continue
         if (key not in run.members or key not in ref.members) and _held(ref, key) and _held(run, key):
             # Both sides hold it, one of them unusably (shards that cannot be merged, an
             # unreadable array): its problem says why; it counts as not compared.

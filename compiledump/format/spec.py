@@ -27,10 +27,11 @@ DROP_REASONS = (
     "arena_full",  # no arena space left when the tag was first seen
     "tag_table_full",  # more tags than COMPILEDUMP_MAX_TAGS
     "step_capacity",  # more steps than COMPILEDUMP_MAX_STEPS
+    "layer_steps",  # a layer's step state (`layer<N>_step`) past COMPILEDUMP_LAYER_STEPS steps
     "interrupted",  # the process died while writing it (a recovered dump; the torn value is not read)
 )
 # Reported in the manifest but not warned about: the user asked for these filters.
-DELIBERATE_REASONS = frozenset({"suspended", "token_gate", "rows_gate"})
+DELIBERATE_REASONS = frozenset({"suspended", "token_gate", "rows_gate", "layer_steps"})
 
 # The manifest's `mixers` ({layer index: kind}, written by instrument()): softmax attention, a layer
 # without token mixing, or else the name of a linear-attention / state-space mixer.
@@ -87,6 +88,31 @@ def masked_scores(tag: str) -> bool:
 # layer filter (COMPILEDUMP_MOE_LAYERS) reads it.
 _LAYER_TAG = re.compile(r"^layer(\d+)(?:_|$)")
 LAYER_ONLY = re.compile(r"^layer\d+$")
+
+
+# `instrument` records each decoder layer's output twice: the prompt's rows as `layer<N>`, and the
+# token whose logits each forward's `logits_<n>` holds as the step tag `layer<N>_step` (a layer's
+# step state), of the first COMPILEDUMP_LAYER_STEPS forwards. Its step 0 comes from the prompt's
+# forward, where it repeats `layer<N>`'s last row on a `[batch, seq, hidden]` model but holds the
+# step row (the first token) of a flat `[tokens, hidden]` engine's prefill: the comparator leaves
+# it out.
+_STREAM_STEP_TAG = re.compile(r"^layer\d+_step$")
+
+
+def stream_step_tag(tag: str) -> bool:
+    """Whether `tag` is a layer's step state, `layer<N>_step` (COMPILEDUMP_LAYER_STEPS steps kept)."""
+    return _STREAM_STEP_TAG.match(tag) is not None
+
+
+def stream_step_key(key: str) -> bool:
+    """Whether `key` is a step of a layer's step state, `layer<N>_step_<n>`."""
+    split = split_step_key(key)
+    return split is not None and stream_step_tag(split[0])
+
+
+def prompt_stream_step(key: str) -> bool:
+    """Whether `key` is a layer's step state at step 0 (`layer<N>_step_0`), which is not compared."""
+    return stream_step_key(key) and key.endswith("_0")
 
 
 def layer_of(tag: str) -> int | None:

@@ -63,6 +63,7 @@ def test_default_taps_capture_what_the_model_computes(dump_dir, name):
     expected_tags = {f"layer{i}{suffix}" for i in range(4) for suffix in
                      ("", "_attn", "_mlp") + (("_router", "_topk") if moe else ())}
     step_tags = {f"layer{i}_step_{what}" for i in range(4) for what in ("router", "topk")} if moe else set()
+    step_tags |= {f"layer{i}_step" for i in range(4)}  # each layer's state at the logits' token
     assert set(handle.taps) == expected_tags | step_tags | {"final_norm", "logits", "input_token"}
     assert set(arrays) == expected_tags | {f"{tag}_0" for tag in step_tags} | {"final_norm", "logits_0", "input_token_0"}
     # The token the forward fed at the position whose logits logits_0 holds (the prompt's last).
@@ -70,6 +71,8 @@ def test_default_taps_capture_what_the_model_computes(dump_dir, name):
     assert arrays["input_token_0"].tolist() == [ids[0, -1].item()]
     for i in range(3):  # hidden_states[i + 1] is layer i's output, last position (the last one is normed)
         np.testing.assert_allclose(arrays[f"layer{i}"], out.hidden_states[i + 1][0, -1].numpy(), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(arrays[f"layer{i}_step_0"], out.hidden_states[i + 1][0, -1].numpy(), rtol=1e-6,
+                                   atol=1e-6)
     np.testing.assert_allclose(arrays["final_norm"], out.hidden_states[4][0, -1].numpy(), rtol=1e-6, atol=1e-6)
     with torch.no_grad():
         normed = model.model.norm(torch.from_numpy(arrays["layer3"]))
@@ -336,12 +339,12 @@ def test_each_step_records_the_routing_of_its_logits_row(dump_dir):
         row = prompt - 1 if step == 0 else 0
         np.testing.assert_allclose(arrays[f"layer1_step_router_{step}"], logits[row].numpy(), rtol=1e-6, atol=1e-6)
         np.testing.assert_array_equal(arrays[f"layer1_step_topk_{step}"], top[row].numpy())
-    assert not any(key.startswith("layer3_step") for key in arrays)
+    assert not any(key.startswith(("layer3_step_router", "layer3_step_topk")) for key in arrays)
     assert manifest["filtered_tags"]["layer3_step_topk"] == "moe_layers"
     # Stored as float32; the reader gives a step of an integer tensor back as int32 ids.
     dump = DumpFile(path, "REF")
     assert dump.members["layer1_step_topk_2"].is_integer and dump.array("layer1_step_topk_2").dtype == np.int32
-    # step_routing=False: no step routing, and nothing else missing.
+    # step_routing=False: no step routing, and nothing else missing (the layers' states of each step stay).
     first.remove()
     compiledump.reset()
     handle = compiledump.instrument(model, step_routing=False)
@@ -351,8 +354,10 @@ def test_each_step_records_the_routing_of_its_logits_row(dump_dir):
         model(input_ids=inputs.step(0), **ex.cache_kwargs(model, cache))
     handle.remove()
     arrays_without, _ = _load(compiledump.flush())
-    assert set(arrays_without) == {key for key in arrays if "_step_" not in key and not key.endswith(("_2", "_3"))}
-    assert not any("_step_" in tag for tag in handle.taps)
+    routing = ("_step_router", "_step_topk")
+    assert set(arrays_without) == {key for key in arrays if not any(what in key for what in routing)
+                                   and not key.endswith(("_2", "_3"))}
+    assert "layer3_step_1" in arrays_without and not any(what in tag for tag in handle.taps for what in routing)
 
 
 def test_explicit_taps_inputs_and_remove(dump_dir):

@@ -75,13 +75,16 @@ def test_an_honest_engine_records_the_residual_stream_and_its_logits(tmp_path, c
     assert code == 0, lines[-1]
     assert lines[-1].startswith("no divergence: ")
     compared = {record["key"] for record in report["keys"] if record.get("status") == "ok"}
-    assert {"layer0_attn", "layer0", "layer3", "final_norm", "logits_4"} <= compared
+    assert {"layer0_attn", "layer0", "layer3", "final_norm", "logits_4", "layer0_step_1", "layer3_step_4"} <= compared
+    # A layer's state at step 0 is the prefill's first token here (the flat step row), the
+    # reference's last: not compared (the prompt's layer<i> holds it)
+    assert not any(record["key"].endswith("_step_0") and "router" not in record["key"] for record in report["keys"])
     assert not any(p["kind"] == "missing_in_run" for p in report["problems"]), report["problems"]
     assert any(line.startswith("note: only REF recorded the tokens its steps fed (5 input_token_<n>") for line in lines)
 
 
 @pytest.mark.parametrize("bug, key", [("norm_eps", "layer1_mlp"), ("rope_base", "layer0_attn"),
-                                      ("decode_position", "logits_1")])
+                                      ("decode_position", "layer0_step_1")])
 def test_an_engine_bug_is_named_where_it_starts(tmp_path, capsys, bug, key):
     pair(tmp_path, "llama", bug=bug)
     code, lines, report = compare(tmp_path, capsys)
@@ -221,5 +224,6 @@ def test_a_decode_flip_the_engine_s_gates_hid_is_not_read_as_a_divergence(tmp_pa
     assert records["logits_2"]["status"] == "not_comparable"
     assert "layer0_step_router_2 is a near tie" in records["logits_2"]["reason"]
     assert records["logits_3"]["status"] == "ok"  # the steps after it are judged
-    assert any(line.startswith("not comparable: decode step 2 (logits_2): RUN recorded no routing at this step")
-               and line.endswith("record RUN's expert ids of each step to judge it") for line in lines), lines
+    # (the layers' states at step 2 that cross too are named in the same line)
+    assert any(line.startswith("not comparable: decode step 2 (") and "logits_2): RUN recorded no routing at this step"
+               in line and line.endswith("record RUN's expert ids of each step to judge it") for line in lines), lines

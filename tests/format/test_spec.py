@@ -29,8 +29,9 @@ def test_cpp_drop_reasons_and_kinds_match_python():
 
 def test_device_names_are_the_format_names():
     # Counters map onto the manifest's drop reasons, kinds onto its kinds: nothing else.
-    # Two reasons are no counter: steps past the region, and writes a crash left uncommitted.
-    assert set(L.DROP_REASONS.values()) | {"step_capacity", "interrupted"} == set(spec.DROP_REASONS)
+    # Three reasons are no counter: steps past the region (past COMPILEDUMP_MAX_STEPS, or a layer's
+    # step state past COMPILEDUMP_LAYER_STEPS), and writes a crash left uncommitted.
+    assert set(L.DROP_REASONS.values()) | {"step_capacity", "layer_steps", "interrupted"} == set(spec.DROP_REASONS)
     assert set(L.KIND_NAMES.values()) == set(spec.KINDS)
     assert spec.DELIBERATE_REASONS < set(spec.DROP_REASONS)
 

@@ -1,0 +1,155 @@
+"""Each decoder layer's state at every decode step (`layer<N>_step_<n>`, recorded by `instrument`):
+a decode-only bug is named at the layer and step where it starts, not only at the step's logits.
+Hugging Face Llama built from config (random weights), eager, against an fp32 reference; the
+values checked against the model's own `output_hidden_states`, an independent path."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache
+
+import compiledump
+from compiledump import config as cd_config
+from compiledump.capture.recover import recover_directory
+from compiledump.cli import main
+from compiledump.compare.options import CompareOptions, DECODE_NO_FLIP
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("hf_example", REPO / "examples" / "hf_reference_vs_compiled.py")
+ex = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ex)
+
+PROMPT = 7
+TOKENS = [11, 40, 3, 77]  # teacher-forced decode tokens
+
+
+def _decode_only_bug(model, layer: int, scale: float):
+    """Layer `layer`'s attention output scaled by `scale` in decode forwards only (one token): a bug
+    in a decode-only path (a paged KV cache, a decode attention kernel). Returns the hook."""
+    def hook(_module, _args, output):
+        out, *rest = output
+        return (out * scale, *rest) if out.shape[1] == 1 else None  # None: the output stays
+    return model.model.layers[layer].self_attn.register_forward_hook(hook)
+
+
+def _run(model, directory: Path, step_states: bool = True, **settings) -> list:
+    """Prefill a 7-token prompt and decode TOKENS under `instrument`; the hidden states of every
+    forward (output_hidden_states), read independently of the dump."""
+    compiledump.reset()
+    compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory), **settings)))
+    handle = compiledump.instrument(model, step_states=step_states)
+    prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(3))
+    cache = DynamicCache(config=model.config)
+    states = []
+    with torch.no_grad():
+        out = model(input_ids=prompt, cache=cache, use_cache=True, output_hidden_states=True)
+        states.append(out.hidden_states)
+        for token in TOKENS:
+            out = model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True, output_hidden_states=True)
+            states.append(out.hidden_states)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiledump.flush()
+    handle.remove()
+    compiledump.reset()
+    states.append([str(w.message) for w in caught])
+    return states
+
+
+def _dump(directory: Path):
+    path = next(directory.glob("*.npz"))
+    with np.load(path) as data:
+        arrays = {key: data[key] for key in data.files}
+    return arrays, json.loads(path.with_suffix(".json").read_text())
+
+
+@pytest.mark.parametrize("dtype, scale", [(torch.float32, 1.01), (torch.bfloat16, 1.5)])
+def test_a_decode_only_bug_in_one_layer_is_named_at_that_layer_and_step(tmp_path, capsys, dtype, scale):
+    """Before: "first divergence: logits_1" (the dump had no layer state of a decode step)."""
+    reference = ex.build_model("llama")  # 4 layers, dense
+    engine = copy.deepcopy(reference).to(dtype)
+    hook = _decode_only_bug(engine, 2, scale)
+    _run(reference, tmp_path / "ref")
+    _run(engine, tmp_path / "run")
+    code = main(["compare", str(tmp_path / "ref"), str(tmp_path / "run"), "--json", str(tmp_path / "r.json")])
+    lines, report = capsys.readouterr().out.splitlines(), json.loads((tmp_path / "r.json").read_text())
+    first = report["first_divergence"]
+    assert code == 1 and (first["key"], first["layer"], first["step"]) == ("layer2_step_1", 2, 1), lines[-1]
+    records = {record["key"]: record for record in report["keys"]}
+    assert records["layer1_step_1"]["status"] == "ok" and records["layer3"]["status"] == "ok"  # the prompt is right
+    assert "layer0_step_0" not in records  # the prompt's layer0 holds it
+    # Without the bug: no divergence, every layer's state of every step compared.
+    hook.remove()
+    _run(engine, tmp_path / "run")
+    code = main(["compare", str(tmp_path / "ref"), str(tmp_path / "run"), "--json", str(tmp_path / "r.json")])
+    lines, report = capsys.readouterr().out.splitlines(), json.loads((tmp_path / "r.json").read_text())
+    compared = {record["key"] for record in report["keys"] if record["status"] == "ok"}
+    assert code == 0 and {f"layer{i}_step_{n}" for i in range(4) for n in range(1, 5)} <= compared, lines[-1]
+
+
+def test_layer_steps_keeps_the_first_forwards_and_counts_the_rest_as_a_filter(tmp_path):
+    model = ex.build_model("llama")
+    states = _run(model, tmp_path / "two", layer_steps=2)
+    arrays, manifest = _dump(tmp_path / "two")
+    for i in range(4):
+        if i < 3:  # hidden_states[i + 1]: layer i's output (the last one is normed); step 0 the
+            # prompt's last position, step 1 the first decode token
+            for n in (0, 1):
+                np.testing.assert_allclose(arrays[f"layer{i}_step_{n}"], states[n][i + 1][0, -1].numpy(), rtol=1e-6,
+                                           atol=1e-6)
+        assert f"layer{i}_step_1" in arrays and f"layer{i}_step_2" not in arrays
+        assert manifest["tags"][f"layer{i}_step_<n>"]["drops"] == {"layer_steps": 3}
+    assert [f"logits_{n}" in arrays for n in range(5)] == [True] * 5  # other steps keep COMPILEDUMP_MAX_STEPS
+    warned = states[-1]
+    assert not any("layer_steps" in message and "dropped" in message for message in warned), warned  # a filter
+    assert any(message.startswith("compiledump: captures skipped by filters (") and "layer_steps: 12" in message
+               for message in warned), warned
+    # 0, or instrument(..., step_states=False): none recorded
+    _run(model, tmp_path / "none", layer_steps=0)
+    _run(model, tmp_path / "off", step_states=False)
+    for name in ("none", "off"):
+        arrays, _ = _dump(tmp_path / name)
+        assert not any(key.startswith("layer0_step") for key in arrays) and {"layer0", "logits_4"} <= arrays.keys()
+
+
+def test_a_hand_written_layer_state_obeys_the_limit_and_survives_recovery(dump_dir):
+    compiledump.configure(layer_steps=3)
+    values = [torch.randn(2, 9, dtype=torch.bfloat16)[:, ::2] for _ in range(5)]  # non-contiguous rows
+    for value in values:
+        compiledump.record_step("layer4_step", value)
+        compiledump.record_step("other_step", value)
+    flushed = compiledump.flush()
+    with np.load(flushed) as data:
+        got = {key: data[key] for key in data.files}
+    for n in range(3):
+        np.testing.assert_array_equal(got[f"layer4_step_{n}"], values[n][0].float().numpy())
+    assert "layer4_step_3" not in got and "other_step_4" in got
+    manifest = json.loads(Path(flushed).with_suffix(".json").read_text())
+    assert manifest["tags"]["layer4_step_<n>"]["drops"] == {"layer_steps": 2}
+    # The crash-proof journal keeps why the region is smaller: a recovered dump says the same.
+    results, errors = recover_directory(dump_dir, force=True, keep=True)
+    assert errors == [] and results[0].npz == Path(flushed)
+    assert json.loads(Path(flushed).with_suffix(".json").read_text())["tags"]["layer4_step_<n>"]["drops"] == \
+        {"layer_steps": 2}
+
+
+def test_a_layer_state_after_a_possible_routing_flip_has_twice_the_logits_norm_allowance():
+    options = CompareOptions()
+    layer = options.thresholds_for("layer3_step_2", "float32", "bfloat16", phase="decode")
+    logits = options.thresholds_for("logits_2", "float32", "bfloat16", phase="decode")
+    assert (layer.rel_diff, layer.norm_diff) == (logits.rel_diff, 2 * logits.norm_diff) == (2e-1, 1e-1)
+    assert layer.norm_source == "calibrated decode, layer state"
+    # Where no flip can reach the step, and in fp32, the same thresholds as every key.
+    quiet = options.thresholds_for("layer3_step_2", "float32", "bfloat16", phase=DECODE_NO_FLIP)
+    assert (quiet.rel_diff, quiet.norm_diff) == (2e-3, 3e-2)
+    exact = options.thresholds_for("layer3_step_2", "float32", "float32", phase="decode")
+    assert (exact.rel_diff, exact.norm_diff) == (1e-8, 1e-5)
