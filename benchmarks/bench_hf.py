@@ -8,7 +8,8 @@ The model of examples/hf_reference_vs_compiled.py (built from a small config, ra
 nothing downloaded): two copies with the same weights, one instrumented with the default taps,
 both `torch.compile(model.forward, fullgraph=True)` with a StaticCache and a padded decode batch
 of 4. A third copy is instrumented with `step_routing=False` (no `layer<i>_step_router`/
-`_step_topk` captures: 8 fewer per step here). After the prefill, the same decode step (same
+`_step_topk` captures: 8 fewer per step here), a fourth with `step_states=False` (no
+`layer<i>_step` captures: 4 fewer). After the prefill, the same decode step (same
 position, so the cache never fills) is timed interleaved in one process, one thread. Prints the
 median ms per step, the ratios to the plain model (target <= 1.15) and the number of capture
 calls per step of each.
@@ -50,9 +51,11 @@ def main(argv=None) -> None:
     compiledump.configure(dir=tempfile.mkdtemp(prefix="bench-hf-"), max_steps=4, tokens=0, moe_layers=1000)
     model = build_model(args.model)
     inputs = Inputs(model.config.vocab_size, steps=1, batch=args.batch)
-    sides = {"plain": copy.deepcopy(model), "instrumented": model, "no step routing": copy.deepcopy(model)}
+    sides = {"plain": copy.deepcopy(model), "instrumented": model, "no step routing": copy.deepcopy(model),
+             "no step states": copy.deepcopy(model)}
     handles = {"instrumented": compiledump.instrument(sides["instrumented"]),
-               "no step routing": compiledump.instrument(sides["no step routing"], step_routing=False)}
+               "no step routing": compiledump.instrument(sides["no step routing"], step_routing=False),
+               "no step states": compiledump.instrument(sides["no step states"], step_states=False)}
     # Two functions, not `torch.compile(m.forward)` twice: dynamo caches by code object and does
     # not guard on module hooks, so the second model would run the first one's graph.
     def plain_forward(**kwargs):
@@ -64,8 +67,11 @@ def main(argv=None) -> None:
     def no_step_routing_forward(**kwargs):
         return sides["no step routing"](**kwargs)
 
+    def no_step_states_forward(**kwargs):
+        return sides["no step states"](**kwargs)
+
     functions = {"plain": plain_forward, "instrumented": instrumented_forward,
-                 "no step routing": no_step_routing_forward}
+                 "no step routing": no_step_routing_forward, "no step states": no_step_states_forward}
     step = {}
     with torch.no_grad():
         for name, m in sides.items():
@@ -93,7 +99,7 @@ def main(argv=None) -> None:
           f"{median(times['plain']) * 1e3:.3f} ms per step")
     print(f"{'instrument()':<28}{'captures':>9}{'ms':>8}{'ratio':>8}{'target':>8}")
     for name in handles:
-        label = "default taps" if name == "instrumented" else "step_routing=False"
+        label = {"instrumented": "default taps", "no step routing": "step_routing=False"}.get(name, "step_states=False")
         print(f"{label:<28}{captures[name]:>9}{median(times[name]) * 1e3:>8.3f}"
               f"{ratio(times, name, 'plain'):>8.3f}{1.15:>8.2f}")
 

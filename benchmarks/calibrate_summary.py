@@ -11,7 +11,18 @@ import os
 
 import torch
 
-from compiledump.compare.options import phase_thresholds
+from compiledump.compare.options import DECODE_LAYER, phase_thresholds
+from compiledump.format import spec
+
+
+def _phase(value) -> str:
+    """The row a judged value belongs to: prefill, decode-nf (judged at the prefill defaults),
+    decode-layer (a layer's step state, with its allowance) or decode (the other step keys)."""
+    if value.phase != "decode":
+        return value.phase
+    if value.no_flip:
+        return "decode-nf"
+    return "decode-layer" if spec.stream_step_key(value.key) else "decode"
 
 
 def _top(values: list[tuple[float, str]]) -> tuple[float, str]:
@@ -26,13 +37,13 @@ def summarise(pairs: list, bug_layer: int) -> dict:
     noise: dict[str, dict] = {}
     for klass in ("fp32", "fp16", "bf16", "fp8"):
         members = [pair for pair in honest if pair.klass == klass]
-        # Decode steps are judged at the decode-step defaults (their allowance for routing flips),
-        # or, where no flip can reach them (docs/compare.md), at the prefill defaults: "decode-nf".
-        for phase in ("prefill", "decode", "decode-nf"):
+        # Decode steps are judged at the decode-step defaults (their allowance for routing flips;
+        # a layer's state, "decode-layer", its own), or, where no flip can reach them
+        # (docs/compare.md), at the prefill defaults: "decode-nf".
+        for phase in ("prefill", "decode", "decode-layer", "decode-nf"):
             if not members:
                 continue
-            judged = [(value, pair) for pair in members for value in pair.values
-                      if value.phase == phase.split("-")[0] and value.no_flip == (phase == "decode-nf")]
+            judged = [(value, pair) for pair in members for value in pair.values if _phase(value) == phase]
             groups = {
                 "judged": judged,  # every value the comparator judged
                 "rounding": [(v, p) for v, p in judged if v.flip is False and not v.after_ids],
@@ -48,7 +59,8 @@ def summarise(pairs: list, bug_layer: int) -> dict:
                 subset = [value for value, pair in groups["rounding"] if pair.init == init]
                 entry[f"rounding init={init}"] = [max((v.rel for v in subset), default=0.0),
                                                   max((v.norm for v in subset), default=0.0)]
-            rel_limit, norm_limit = phase_thresholds(klass, "prefill" if phase == "decode-nf" else phase)
+            rel_limit, norm_limit = phase_thresholds(
+                klass, {"decode-nf": "prefill", "decode-layer": DECODE_LAYER}.get(phase, phase))
             # The thresholds must clear the rounding noise; above it, the values after a routing
             # flip in a decode step (which no dump records) for the decode defaults.
             top = entry["judged"] if phase.startswith("decode") else entry["rounding"]
@@ -116,7 +128,8 @@ def print_summary(summary: dict, graphs: dict, elapsed: float, args) -> None:
     print("'rounding': no routing flip before the key (router hooks) and no differing ids before it;")
     print("'after flip': a routing flip before the key (the comparator sees it only where ids are recorded).")
     print("'decode-nf': decode steps judged at the prefill defaults (every route recorded, no token's experts")
-    print("differing before them: docs/compare.md); 'decode': the other decode steps, with the routing-flip allowance.")
+    print("differing before them: docs/compare.md); 'decode': the other decode steps, with the routing-flip allowance;")
+    print("'decode-layer': the layers' states of those steps (layer<N>_step_<n>), with their own allowance.")
     print(f"{'class phase':<14} {'rounding':>19} {'after flip':>19} {'all judged':>19}  "
           f"{'default':>13}  margin (prefill: over rounding; decode: over all)")
     for name, entry in summary["noise"].items():
