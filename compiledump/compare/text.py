@@ -8,6 +8,7 @@ from typing import Any
 from ..format.keys import chosen
 from .facts import threshold_uses
 from .options import pair_class
+from .overwrites import WRITTEN_AGAIN, written_again_line
 from .phases import fix_hint, tokens_text
 from .key_record import KeyRecord, MergeInfo
 from .report import Divergence, PairResult, Report
@@ -216,7 +217,8 @@ def format_report(report: Report, table: str = "all") -> list[str]:
     for pair in report.pairs:
         prefix = f"rank {pair.rank} " if many else ""
         lines.extend(f"{prefix}{line}" for line in threshold_lines(pair))
-        for line in (not_comparable_line(pair), fed_tokens_line(pair), *unseen_flip_lines(pair)):
+        for line in (not_comparable_line(pair), written_again_line(pair.not_comparable), fed_tokens_line(pair),
+                     *unseen_flip_lines(pair)):
             if line is not None:
                 lines.append(f"{prefix}{line}")
     if report.problems:
@@ -338,7 +340,8 @@ def unseen_flip_lines(pair: PairResult) -> list[str]:
 
 def not_comparable_line(pair: PairResult) -> str | None:
     """One line for the keys whose two values come from different phases or token counts."""
-    refused = [record for record in pair.not_comparable if record.kind != "step"]
+    refused = [record for record in pair.not_comparable
+               if record.kind != "step" and not (record.reason or "").startswith(WRITTEN_AGAIN)]
     if not refused:
         return None
     calls: dict[tuple, int] = {}

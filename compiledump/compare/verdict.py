@@ -17,6 +17,7 @@ from .inputs import FED_TAG, after_fed_difference, first_fed_difference, one_sid
 from .measure import KeyMeasurer, float_class, logits_tags
 from .metrics import Workspace
 from .one_row import one_row_note
+from .overwrites import written_again
 from .options import CompareOptions
 from .picked import unseen_step_flips, with_picked_ids
 from .pairing import find_pairs
@@ -108,6 +109,7 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
                            workspace, float_class(ref, run, sorted(common)))
     records: list[KeyRecord] = []
     fed = first_fed_difference(ref, run, ordered)
+    again = written_again(ref, run, renamed)  # prompt values a later forward replaced (overwrites.py)
     # Every routing decision recorded on both sides: until some ids differ, no route has flipped.
     no_flip = routing_recorded(ref, run)
     captured = {"REF": not_captured(ref), "RUN": not_captured(run)}
@@ -157,7 +159,7 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
             continue
         # From the step where greedy decoding fed the sides different tokens on, their values
         # cannot be compared (inputs.py).
-        refused = fed.reason() if after_fed_difference(info, fed) else None
+        refused = fed.reason() if after_fed_difference(info, fed) else again.get(key)
         records.append(measurer.record(info, problems, refused, no_flip))
         if records[-1].divergent and info.step in unseen and records[-1].floats is not None \
                 and records[-1].limits.klass != "fp32":  # (fp32 routing does not flip honestly)

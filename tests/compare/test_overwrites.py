@@ -1,0 +1,99 @@
+"""A prompt value that a later forward of the prompt's length replaced on one side (the token gate
+lets any forward of that many rows through, and `record` keeps the last write): not comparable,
+exit 3, with the fix, instead of a divergence that is not there (compare/overwrites.py).
+
+Before, each of these flows exited 1 at the first prompt key: the flat engine (examples/
+vllm_style_engine.py) against its Hugging Face model at `layer0_attn`, the hand-written one at
+`layer0`."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import compiledump
+from compiledump import config as cd_config
+from compiledump.cli import main
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _side(directory: Path, writes: list[torch.Tensor], logits: torch.Tensor, tokens="auto") -> None:
+    """`record("layer0", w)` for each write (the first names the prompt length), then `logits`."""
+    compiledump.reset()
+    compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory), tokens=tokens)))
+    for write in writes:
+        compiledump.record("layer0", write)
+    compiledump.record_step("logits", logits)
+    compiledump.flush()
+    compiledump.reset()
+
+
+def _compare(tmp_path, capsys):
+    code = main(["compare", str(tmp_path / "ref"), str(tmp_path / "run"), "--json", str(tmp_path / "r.json")])
+    return code, capsys.readouterr().out.splitlines(), json.loads((tmp_path / "r.json").read_text())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_record_written_again_by_a_forward_of_its_length_is_not_comparable(tmp_path, capsys, dtype):
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randn(7, 33, generator=g).to(dtype)
+    later = torch.randn(7, 33, generator=g).to(dtype)  # e.g. a decode batch padded to 7 rows
+    _side(tmp_path / "ref", [prompt], prompt[-1])
+    _side(tmp_path / "run", [prompt, later], prompt[-1])
+    code, lines, report = _compare(tmp_path, capsys)
+    assert code == 3, lines[-1]
+    record = next(record for record in report["keys"] if record["key"] == "layer0")
+    assert record["status"] == "not_comparable"
+    assert record["reason"].startswith("written again after the prompt: RUN wrote it in 2 forwards of the prompt's "
+                                       "7 tokens, REF in 1")
+    line = next(line for line in lines if line.startswith("not comparable: 1 prompt keys were written again"))
+    assert "compiledump.profiling()" in line and "compiledump.clear()" in line
+    # The same flow on both sides (each wrote it twice): compared, equal.
+    _side(tmp_path / "ref", [later, prompt], prompt[-1])
+    _side(tmp_path / "run", [later, prompt], prompt[-1])
+    code, lines, _ = _compare(tmp_path, capsys)
+    assert code == 0, lines[-1]
+
+
+def test_with_the_token_gate_off_every_forward_overwrites_by_design(tmp_path, capsys):
+    """COMPILEDUMP_TOKENS=0 (debug_dump.py's behaviour): the last write is what the user asked for."""
+    g = torch.Generator().manual_seed(1)
+    prompt, later = torch.randn(5, 16, generator=g), torch.randn(5, 16, generator=g)
+    _side(tmp_path / "ref", [prompt, later], later[-1], tokens=0)
+    _side(tmp_path / "run", [later], later[-1], tokens=0)
+    code, lines, report = _compare(tmp_path, capsys)
+    assert code == 0 and {r["key"]: r["status"] for r in report["keys"]}["layer0"] == "ok", lines[-1]
+
+
+def test_a_flat_engine_s_next_request_of_the_prompt_s_length_is_named_not_read_as_a_divergence(tmp_path, capsys):
+    """The flat engine runs another 7-token request after the compared one (outside profiling()):
+    its layers' records pass the token gate and replace the compared prompt's."""
+    spec = importlib.util.spec_from_file_location("vllm_style_engine", EXAMPLES / "vllm_style_engine.py")
+    engines = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(engines)
+    hf, engine, prompt = engines.run_pair(tmp_path, "llama")
+    g = torch.Generator().manual_seed(100)  # run_pair's prompt and decode tokens (seed 0)
+    assert torch.equal(torch.randint(0, hf.config.vocab_size, (7,), generator=g), prompt)
+    decode = torch.randint(0, hf.config.vocab_size, (4,), generator=g).tolist()
+    other = torch.randint(0, hf.config.vocab_size, (prompt.numel(),), generator=torch.Generator().manual_seed(9))
+
+    def two_requests() -> None:
+        engine.generate(prompt, decode)
+        engine.generate(other, [])  # the next request's prefill: a fifth step of RUN's logits
+
+    engines.dump(engine, tmp_path / "run", two_requests)
+    code, lines, report = _compare(tmp_path, capsys)
+    assert code == 3, lines[-1]
+    refused = {r["key"] for r in report["keys"] if r["status"] == "not_comparable"}
+    assert {"layer0_attn", "layer0", "layer3", "final_norm"} <= refused
+    assert any(line.startswith("not comparable: ") and "prompt keys were written again after the prompt" in line
+               and "RUN wrote it in 2 forwards" in line for line in lines), lines
+    # Its logits and the layers' states of each step are steps: compared, and they agree.
+    statuses = {r["key"]: r["status"] for r in report["keys"]}
+    assert statuses["logits_0"] == statuses["logits_4"] == statuses["layer2_step_1"] == "ok"
