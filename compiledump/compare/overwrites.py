@@ -12,12 +12,15 @@ prompt, so the key is not comparable (exit 3), with one line that names the fix.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..format.reader import Dump
 
 # The manifest kinds whose last write wins (record, all-rows record, record_ids).
 _LAST_WRITE_KINDS = ("record", "ids")
-# How every reason of this module starts (text.py groups the keys by it).
+# How every reason of this module starts (text.py groups the keys by them).
 WRITTEN_AGAIN = "written again after the prompt"
+SHIFTED = "steps shifted"
 FIX = ("choose a prompt length that no decode batch size equals, run warm-ups and other requests inside "
        "compiledump.profiling(), or call compiledump.clear() right before the compared request")
 
@@ -42,16 +45,81 @@ def written_again(ref: Dump, run: Dump, old_names: dict[str, str]) -> dict[str, 
     return found
 
 
-def written_again_line(records: list) -> str | None:
-    """One line for the keys `written_again` refused, with the fix."""
-    refused = [record for record in records if (record.reason or "").startswith(WRITTEN_AGAIN)]
-    if not refused:
+def shifted_steps(ref: Dump, run: Dump, again: dict[str, str]) -> str | None:
+    """Why every step key is not comparable when the side that wrote the prompt's records more
+    often ran its extra forwards *before* the compared request (a warm-up outside profiling()):
+    its steps start with theirs, so its step n is the other side's step n - k. Told by the fed
+    tokens where both sides recorded them (`input_token`), else by which of its logits steps matches
+    the other side's `logits_0` far better. None when the steps line up (the extra forwards came
+    after the request) or it cannot be told."""
+    if not again:
         return None
-    keys = ", ".join(record.key for record in refused[:6]) + (f", ... ({len(refused) - 6} more)"
-                                                              if len(refused) > 6 else "")
-    why = refused[0].reason.removeprefix(f"{WRITTEN_AGAIN}: ")
-    return (f"not comparable: {len(refused)} prompt keys were {WRITTEN_AGAIN} ({keys}): {why}. Not compared; "
-            f"fix: {FIX}")
+    more, fewer = (run, ref) if "RUN wrote" in next(iter(again.values())) else (ref, run)
+    counts = [_steps(dump, "logits") for dump in (more, fewer)]
+    extra = counts[0] - counts[1]
+    if extra < 1:
+        return None
+    fed = [_values(dump, "input_token", max(counts)) for dump in (more, fewer)]
+    if all(fed) and len(fed[0]) == counts[0] and len(fed[1]) == counts[1]:
+        aligned = all(a == b for a, b in zip(fed[0], fed[1]))
+        shifted = all(a == b for a, b in zip(fed[0][extra:], fed[1]))
+        evidence = "its fed tokens from step {k} on are the other side's from step 0"
+    else:
+        first = [_array(fewer, "logits_0"), _array(more, "logits_0"), _array(more, f"logits_{extra}")]
+        if any(x is None or x.shape != first[0].shape for x in first):
+            return None
+        scale = float(np.linalg.norm(first[0])) or 1.0
+        errors = [float(np.linalg.norm(x - first[0])) / scale for x in first[1:]]
+        aligned, shifted = errors[0] <= 10 * errors[1], errors[1] * 10 < errors[0]
+        evidence = "its logits_{k} matches the other side's logits_0"
+    if aligned or not shifted:
+        return None
+    side = "RUN" if more is run else "REF"
+    return (f"{SHIFTED}: {side} ran {extra} forward(s) of the prompt's length before the compared request (a warm-up "
+            f"outside profiling()), so its step n is the other side's step n - {extra} ("
+            + evidence.format(k=extra) + ")")
+
+
+def written_again_lines(records: list) -> list[str]:
+    """One line for the keys `written_again` refused, one for the steps `shifted_steps` refused,
+    each with the fix."""
+    lines = []
+    for marker, what in ((WRITTEN_AGAIN, "prompt keys were written again after the prompt"),
+                         (SHIFTED, "step keys are shifted")):
+        refused = [record for record in records if (record.reason or "").startswith(marker)]
+        if not refused:
+            continue
+        keys = ", ".join(record.key for record in refused[:6]) + (f", ... ({len(refused) - 6} more)"
+                                                                  if len(refused) > 6 else "")
+        why = refused[0].reason.removeprefix(f"{marker}: ")
+        lines.append(f"not comparable: {len(refused)} {what} ({keys}): {why}. Not compared; fix: {FIX}")
+    return lines
+
+
+def _steps(dump: Dump, tag: str) -> int:
+    """How many consecutive steps `<tag>_0, _1, ...` the dump holds."""
+    n = 0
+    while f"{tag}_{n}" in dump.members:
+        n += 1
+    return n
+
+
+def _array(dump: Dump, key: str) -> np.ndarray | None:
+    try:
+        return np.asarray(dump.replicas(key)[0].whole(), dtype=np.float64)
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _values(dump: Dump, tag: str, limit: int) -> list | None:
+    """The one value of each step `<tag>_<n>` (a fed token id), or None when one is not a single value."""
+    out = []
+    for n in range(min(_steps(dump, tag), limit)):
+        x = _array(dump, f"{tag}_{n}")
+        if x is None or x.size != 1:
+            return None
+        out.append(float(x.reshape(-1)[0]))
+    return out
 
 
 def _gated(dump: Dump) -> bool:

@@ -255,3 +255,16 @@ def unrecorded_routing_note(ref: Dump, run: Dump) -> str | None:
             f"layer(s) {preview([str(i) for i in layers], 4)} is not recorded (COMPILEDUMP_MOE_LAYERS); with "
             f"COMPILEDUMP_MOE_LAYERS={layers[-1] + 1} on both sides, steps before any differing expert ids are "
             "judged at the prefill thresholds, which catch a decode-only bug of a few percent")
+
+
+def layer_steps_note(manifests: list, step: int | None, key: str) -> str | None:
+    """Why a decode step's first divergence is named at a step key without a layer: the layers'
+    states (`layer<N>_step_<n>`) were kept for the first COMPILEDUMP_LAYER_STEPS forwards only, and
+    `step` is past them (on either side)."""
+    caps = [((manifest or {}).get("config") or {}).get("layer_steps") for manifest in manifests]
+    cap = min((c for c in caps if isinstance(c, int) and not isinstance(c, bool) and c > 0), default=None)
+    if step is None or cap is None or step < cap or key.startswith("layer"):
+        return None
+    return (f"each layer's state at a decode step is kept for the first {cap} forwards (COMPILEDUMP_LAYER_STEPS="
+            f"{cap}, steps 0-{cap - 1}); step {step} is past them, so the layer where it first diverges is not "
+            f"known: set COMPILEDUMP_LAYER_STEPS above {step} on both sides to name it")

@@ -8,7 +8,7 @@ from typing import Any
 from ..format.keys import chosen
 from .facts import threshold_uses
 from .options import pair_class
-from .overwrites import WRITTEN_AGAIN, written_again_line
+from .overwrites import SHIFTED, WRITTEN_AGAIN, written_again_lines
 from .phases import fix_hint, tokens_text
 from .key_record import KeyRecord, MergeInfo
 from .report import Divergence, PairResult, Report
@@ -217,7 +217,7 @@ def format_report(report: Report, table: str = "all") -> list[str]:
     for pair in report.pairs:
         prefix = f"rank {pair.rank} " if many else ""
         lines.extend(f"{prefix}{line}" for line in threshold_lines(pair))
-        for line in (not_comparable_line(pair), written_again_line(pair.not_comparable), fed_tokens_line(pair),
+        for line in (not_comparable_line(pair), *written_again_lines(pair.not_comparable), fed_tokens_line(pair),
                      *unseen_flip_lines(pair)):
             if line is not None:
                 lines.append(f"{prefix}{line}")
@@ -332,7 +332,8 @@ def unseen_flip_lines(pair: PairResult) -> list[str]:
     fed = pair.fed_tokens
     by_step: dict[int, list] = {}
     for record in pair.not_comparable:
-        if record.kind == "step" and (fed is None or record.reason != fed.reason()):
+        if record.kind == "step" and (fed is None or record.reason != fed.reason()) \
+                and not (record.reason or "").startswith(SHIFTED):
             by_step.setdefault(record.step, []).append(record)
     return [f"not comparable: decode step {step} ({', '.join(r.key for r in refused)}): {refused[0].reason}"
             for step, refused in sorted(by_step.items())]

@@ -17,7 +17,7 @@ from .inputs import FED_TAG, after_fed_difference, first_fed_difference, one_sid
 from .measure import KeyMeasurer, float_class, logits_tags
 from .metrics import Workspace
 from .one_row import one_row_note
-from .overwrites import written_again
+from .overwrites import shifted_steps, written_again
 from .options import CompareOptions
 from .picked import unseen_step_flips, with_picked_ids
 from .pairing import find_pairs
@@ -26,6 +26,7 @@ from .phases import (
     gate_without_ids,
     held_tags,
     hybrid_note,
+    layer_steps_note,
     mixed_phase_detail,
     mixed_phase_keys,
     moe_layers_of,
@@ -108,8 +109,9 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     measurer = KeyMeasurer(ref, run, options, rank, logits_tags(ordered, authority.members | other.members),
                            workspace, float_class(ref, run, sorted(common)))
     records: list[KeyRecord] = []
-    fed = first_fed_difference(ref, run, ordered)
     again = written_again(ref, run, renamed)  # prompt values a later forward replaced (overwrites.py)
+    shifted = shifted_steps(ref, run, again)  # ... or a warm-up before the request: steps misaligned
+    fed = None if shifted else first_fed_difference(ref, run, ordered)
     # Every routing decision recorded on both sides: until some ids differ, no route has flipped.
     no_flip = routing_recorded(ref, run)
     captured = {"REF": not_captured(ref), "RUN": not_captured(run)}
@@ -160,6 +162,8 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
         # From the step where greedy decoding fed the sides different tokens on, their values
         # cannot be compared (inputs.py).
         refused = fed.reason() if after_fed_difference(info, fed) else again.get(key)
+        if shifted and info.kind == "step":
+            refused = shifted
         records.append(measurer.record(info, problems, refused, no_flip))
         if records[-1].divergent and info.step in unseen and records[-1].floats is not None \
                 and records[-1].limits.klass != "fp32":  # (fp32 routing does not flip honestly)
@@ -176,7 +180,8 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     if note is not None:
         notes.append(note)
     notes.extend(one_sided_note(side, keys, ref.manifest, run.manifest) for side, keys in one_sided.items() if keys)
-    notes.extend(one_sided_fed_note(side, keys) for side, keys in fed_alone.items() if keys)
+    # (a side whose steps are shifted holds more fed tokens: not a side that records none)
+    notes.extend(one_sided_fed_note(side, keys) for side, keys in fed_alone.items() if keys and not shifted)
     notes.extend(one_sided_ids_note(side, keys) for side, keys in ids_alone.items() if keys)
     notes.extend(note for note in (recovered_note("REF", ref), recovered_note("RUN", run)) if note)
     if any(r.phase == "decode" and r.floats is not None and r.limits is not None
@@ -197,6 +202,8 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
         if note is not None:
             result.notes.append(note)
             first.caution = "after layers whose bf16 rounding can exceed the defaults (see the note)"
+    if first is not None and (note := layer_steps_note([ref.manifest, run.manifest], first.step, first.key)):
+        result.notes.append(note)
     blind_spot = one_row_note(records, result.prefill_divergence, prompt)
     if blind_spot is not None:
         result.notes.append(blind_spot[0])

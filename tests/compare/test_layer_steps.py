@@ -153,3 +153,24 @@ def test_a_layer_state_after_a_possible_routing_flip_has_twice_the_logits_norm_a
     assert (quiet.rel_diff, quiet.norm_diff) == (2e-3, 3e-2)
     exact = options.thresholds_for("layer3_step_2", "float32", "float32", phase="decode")
     assert (exact.rel_diff, exact.norm_diff) == (1e-8, 1e-5)
+
+
+def test_a_step_past_the_kept_layer_states_says_how_to_name_its_layer(tmp_path, capsys):
+    """COMPILEDUMP_LAYER_STEPS=2 keeps steps 0-1; a bug from decode step 3 on is named at logits_3,
+    with a note that names the setting (before, nothing said the layers' states had stopped)."""
+    reference = ex.build_model("llama")
+    engine = copy.deepcopy(reference)
+    forwards = []
+
+    def hook(_module, _args, output):  # decode forwards from the third on (step 3 on)
+        forwards.append(1)
+        out, *rest = output
+        return (out * 1.01, *rest) if out.shape[1] == 1 and len(forwards) >= 4 else None
+    engine.model.layers[2].self_attn.register_forward_hook(hook)
+    _run(reference, tmp_path / "ref", layer_steps=2)
+    _run(engine, tmp_path / "run", layer_steps=2)
+    code = main(["compare", str(tmp_path / "ref"), str(tmp_path / "run")])
+    lines = capsys.readouterr().out.splitlines()
+    assert code == 1 and lines[-1].startswith("first divergence: logits_3 (step 3)"), lines[-1]
+    assert any(line.startswith("note: each layer's state at a decode step is kept for the first 2 forwards "
+                               "(COMPILEDUMP_LAYER_STEPS=2, steps 0-1); step 3 is past them") for line in lines), lines

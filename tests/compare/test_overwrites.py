@@ -97,3 +97,43 @@ def test_a_flat_engine_s_next_request_of_the_prompt_s_length_is_named_not_read_a
     # Its logits and the layers' states of each step are steps: compared, and they agree.
     statuses = {r["key"]: r["status"] for r in report["keys"]}
     assert statuses["logits_0"] == statuses["logits_4"] == statuses["layer2_step_1"] == "ok"
+
+
+@pytest.mark.parametrize("engine_kind", ["flat", "hf"])
+def test_a_warm_up_before_the_request_shifts_its_steps_and_says_so(tmp_path, capsys, engine_kind):
+    """A forward of the prompt's length before the compared request, outside profiling() (a warm-up
+    to trigger compilation): the side's steps start with the warm-up's. Before: the flat engine read
+    "first divergence: logits_0" (exit 1); the Hugging Face flow, which records the fed tokens,
+    exited 3 with a teacher-forcing fix that did not apply."""
+    spec = importlib.util.spec_from_file_location("vllm_style_engine", EXAMPLES / "vllm_style_engine.py")
+    engines = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(engines)
+    hf, engine, prompt = engines.run_pair(tmp_path, "llama")
+    g = torch.Generator().manual_seed(100)  # run_pair's prompt and decode tokens (seed 0)
+    assert torch.equal(torch.randint(0, hf.config.vocab_size, (7,), generator=g), prompt)
+    decode = torch.randint(0, hf.config.vocab_size, (4,), generator=g).tolist()
+    warm = torch.randint(0, hf.config.vocab_size, (7,), generator=torch.Generator().manual_seed(9))
+    if engine_kind == "flat":
+        def warm_then_request() -> None:
+            engine.generate(warm, [])
+            engine.generate(prompt, decode)
+        engines.dump(engine, tmp_path / "run", warm_then_request)
+    else:
+        from transformers import DynamicCache
+
+        def warm_then_request() -> None:
+            hf(input_ids=warm[None], use_cache=False)
+            cache = DynamicCache(config=hf.config)
+            hf(input_ids=prompt[None], cache=cache, use_cache=True)
+            for token in decode:
+                hf(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True)
+        with torch.no_grad():
+            engines.dump(hf, tmp_path / "run", warm_then_request)
+    code, lines, report = _compare(tmp_path, capsys)
+    assert code == 3, lines[-1]
+    statuses = {r["key"]: r["status"] for r in report["keys"]}
+    assert statuses["logits_0"] == statuses["logits_4"] == "not_comparable"
+    line = next(line for line in lines if line.startswith("not comparable: ") and "step keys are shifted" in line)
+    evidence = "fed tokens" if engine_kind == "hf" else "logits_1 matches the other side's logits_0"
+    assert "RUN ran 1 forward(s) of the prompt's length before the compared request" in line and evidence in line
+    assert not any("teacher forcing" in line for line in lines)
