@@ -295,8 +295,8 @@ def threshold_lines(pair: PairResult) -> list[str]:
                   "calibrated decode, layer state": f"{use['class']} decode-step defaults for a layer's state{computed}, "
                                                     "calibrated: docs/compare.md",
                   "calibrated decode, no routing flip": f"{use['class']} defaults{computed} for decode steps no routing "
-                                                        "flip reaches (every route recorded, none differs so far), "
-                                                        "calibrated: docs/compare.md",
+                                                        "flip reaches (every route recorded and none differs so far, "
+                                                        "or none to record), calibrated: docs/compare.md",
                   "legacy": "legacy default: a side has no source dtype (no manifest)",
                   "legacy decode": "legacy decode-step default: a side has no source dtype (no manifest)"}
         if use["rel_source"] == use["norm_source"]:
