@@ -39,6 +39,18 @@ def _compare(tmp_path, capsys):
     return code, capsys.readouterr().out.splitlines(), json.loads((tmp_path / "r.json").read_text())
 
 
+def _engine_pair(tmp_path):
+    """examples/vllm_style_engine.py's Llama pair (the reference dumped in tmp_path/ref): the module,
+    the Hugging Face model, the flat engine, and the prompt and decode tokens run_pair used."""
+    spec = importlib.util.spec_from_file_location("vllm_style_engine", EXAMPLES / "vllm_style_engine.py")
+    engines = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(engines)
+    hf, engine, prompt = engines.run_pair(tmp_path, "llama")
+    g = torch.Generator().manual_seed(100)  # run_pair's prompt and decode tokens (seed 0)
+    assert torch.equal(torch.randint(0, hf.config.vocab_size, (7,), generator=g), prompt)
+    return engines, hf, engine, prompt, torch.randint(0, hf.config.vocab_size, (4,), generator=g).tolist()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_prompt_record_written_again_by_a_forward_of_its_length_is_not_comparable(tmp_path, capsys, dtype):
     g = torch.Generator().manual_seed(0)
@@ -74,13 +86,7 @@ def test_with_the_token_gate_off_every_forward_overwrites_by_design(tmp_path, ca
 def test_a_flat_engine_s_next_request_of_the_prompt_s_length_is_named_not_read_as_a_divergence(tmp_path, capsys):
     """The flat engine runs another 7-token request after the compared one (outside profiling()):
     its layers' records pass the token gate and replace the compared prompt's."""
-    spec = importlib.util.spec_from_file_location("vllm_style_engine", EXAMPLES / "vllm_style_engine.py")
-    engines = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(engines)
-    hf, engine, prompt = engines.run_pair(tmp_path, "llama")
-    g = torch.Generator().manual_seed(100)  # run_pair's prompt and decode tokens (seed 0)
-    assert torch.equal(torch.randint(0, hf.config.vocab_size, (7,), generator=g), prompt)
-    decode = torch.randint(0, hf.config.vocab_size, (4,), generator=g).tolist()
+    engines, hf, engine, prompt, decode = _engine_pair(tmp_path)
     other = torch.randint(0, hf.config.vocab_size, (prompt.numel(),), generator=torch.Generator().manual_seed(9))
 
     def two_requests() -> None:
@@ -105,13 +111,7 @@ def test_a_warm_up_before_the_request_shifts_its_steps_and_says_so(tmp_path, cap
     to trigger compilation): the side's steps start with the warm-up's. Before: the flat engine read
     "first divergence: logits_0" (exit 1); the Hugging Face flow, which records the fed tokens,
     exited 3 with a teacher-forcing fix that did not apply."""
-    spec = importlib.util.spec_from_file_location("vllm_style_engine", EXAMPLES / "vllm_style_engine.py")
-    engines = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(engines)
-    hf, engine, prompt = engines.run_pair(tmp_path, "llama")
-    g = torch.Generator().manual_seed(100)  # run_pair's prompt and decode tokens (seed 0)
-    assert torch.equal(torch.randint(0, hf.config.vocab_size, (7,), generator=g), prompt)
-    decode = torch.randint(0, hf.config.vocab_size, (4,), generator=g).tolist()
+    engines, hf, engine, prompt, decode = _engine_pair(tmp_path)
     warm = torch.randint(0, hf.config.vocab_size, (7,), generator=torch.Generator().manual_seed(9))
     if engine_kind == "flat":
         def warm_then_request() -> None:
