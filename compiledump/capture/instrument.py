@@ -86,21 +86,18 @@ class Instrumented:
         `set_gather_rows(step=...)` names)."""
         return rows[-1] if self._shape.batch is not None and rows.dim() == 2 else rows
 
-    def _capture(self, tag: str, value) -> torch.Tensor | None:
-        """Record `value` (its first element, for a tuple) under `tag`; the request's rows it
-        recorded when they are floating point, else None."""
+    def _capture(self, tag: str, value) -> None:
         tensor = value[0] if isinstance(value, (tuple, list)) else value
         if not isinstance(tensor, torch.Tensor):
-            return None
+            return
         self.fired = True
-        if not tensor.is_floating_point():
+        if tensor.is_floating_point():
+            rows = self._rows(tensor)
+            # Still 3-D after the request's rows were taken: [seq, hc_mult, hidden] (a decode
+            # step's [1, hc, hidden] too, which record would otherwise doubt).
+            api.record(tag, rows, layout="tokens_hc_dim" if tensor.dim() == 4 and rows.dim() == 3 else None)
+        else:
             api.record_ids(tag, self._rows(tensor))
-            return None
-        rows = self._rows(tensor)
-        # Still 3-D after the request's rows were taken: [seq, hc_mult, hidden] (a decode
-        # step's [1, hc, hidden] too, which record would otherwise doubt).
-        api.record(tag, rows, layout="tokens_hc_dim" if tensor.dim() == 4 and rows.dim() == 3 else None)
-        return rows
 
     def _stream_capture(self, tag: str) -> Callable:
         """A decoder layer's output: the prompt's rows as `tag`, and the row of each forward's
@@ -108,9 +105,11 @@ class Instrumented:
         bug is named at its layer. `[batch, seq, hidden]` or flat `[tokens, hidden]` states only
         (not hyper-connections'); COMPILEDUMP_LAYER_STEPS of them, none when it is 0."""
         def capture(value) -> None:
-            rows = self._capture(tag, value)  # [tokens, hidden] ([tokens, hc_mult, hidden]: not recorded)
-            if rows is not None and rows.dim() == 2 and self.step_states and STATE.config.layer_steps:
-                api.record_step(f"{tag}_step", self._step_row(rows))
+            self._capture(tag, value)
+            tensor = value[0] if isinstance(value, (tuple, list)) else value
+            if self.step_states and STATE.config.layer_steps and isinstance(tensor, torch.Tensor) \
+                    and tensor.is_floating_point() and tensor.dim() in (2, 3):
+                api.record_step(f"{tag}_step", self._step_row(self._rows(tensor)))
         return capture
 
     def _add(self, module: torch.nn.Module, tag: str, path: str, side: str, capture: Callable | None = None,
