@@ -42,13 +42,13 @@ def first_fed_difference(ref: Dump, run: Dump, ordered: list[KeyInfo]) -> FedTok
                    if info.tag == FED_TAG and info.step is not None and info.key in ref.members
                    and info.key in run.members)
     for step, key in steps:
-        x, y = (_token(dump, key) for dump in (ref, run))
+        x, y = (fed_token(dump, key) for dump in (ref, run))
         if x is not None and y is not None and x != y:
             return FedTokens(step, x, y)
     return None
 
 
-def _token(dump: Dump, key: str) -> int | None:
+def fed_token(dump: Dump, key: str) -> int | None:
     """The fed token of ``key`` (one id), or None when it cannot be read as one."""
     try:
         values = np.asarray(dump.replicas(key)[0].whole()).reshape(-1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..format.reader import Dump
+from .inputs import FED_TAG, fed_token
 
 # The manifest kinds whose last write wins (record, all-rows record, record_ids).
 _LAST_WRITE_KINDS = ("record", "ids")
@@ -25,42 +26,46 @@ FIX = ("choose a prompt length that no decode batch size equals, run warm-ups an
        "compiledump.profiling(), or call compiledump.clear() right before the compared request")
 
 
-def written_again(ref: Dump, run: Dump, old_names: dict[str, str]) -> dict[str, str]:
-    """{key: why it is not comparable} for the last-write keys one side wrote more often than the
-    other (both sides' token gates on, both counts in their manifests). `old_names`: RUN's keys
-    renamed by --map, new -> old (its manifest keeps the old)."""
+def written_again(ref: Dump, run: Dump, old_names: dict[str, str]) -> tuple[dict[str, str], str | None]:
+    """({key: why it is not comparable}, the side that wrote more: "REF", "RUN" or None) for the
+    last-write keys one side wrote more often than the other (both sides' token gates on, both
+    counts in their manifests). `old_names`: RUN's keys renamed by --map, new -> old (its manifest
+    keeps the old)."""
     if not (_gated(ref) and _gated(run)):
-        return {}
+        return {}, None
     prompt = (ref.manifest or {}).get("prompt_tokens")
-    found = {}
+    found, wrote_more = {}, None
     for key in ref.members.keys() & run.members.keys():
         ref_passes, run_passes = _passes(ref, key), _passes(run, old_names.get(key, key))
         if ref_passes is None or run_passes is None or ref_passes == run_passes or max(ref_passes, run_passes) < 2:
             continue
         more, fewer = ("REF", "RUN") if ref_passes > run_passes else ("RUN", "REF")
+        wrote_more = wrote_more or more
         tokens = f"the prompt's {prompt} tokens" if isinstance(prompt, int) else "the prompt's length"
         found[key] = (f"{WRITTEN_AGAIN}: {more} wrote it in {max(ref_passes, run_passes)} forwards of {tokens}, "
                       f"{fewer} in {min(ref_passes, run_passes)}; the last write wins, so {more}'s value may be a "
                       f"later forward's (a decode batch of as many rows, or a warm-up outside profiling())")
-    return found
+    return found, wrote_more
 
 
-def shifted_steps(ref: Dump, run: Dump, again: dict[str, str]) -> str | None:
+def shifted_steps(ref: Dump, run: Dump, wrote_more: str | None) -> str | None:
     """Why every step key is not comparable when the side that wrote the prompt's records more
-    often ran its extra forwards *before* the compared request (a warm-up outside profiling()):
+    often (`wrote_more`, from `written_again`) ran its extra forwards *before* the compared request
+    (a warm-up outside profiling()):
     its steps start with theirs, so its step n is the other side's step n - k. Told by the fed
     tokens where both sides recorded them (`input_token`), else by which of its logits steps matches
     the other side's `logits_0` far better. None when the steps line up (the extra forwards came
     after the request) or it cannot be told."""
-    if not again:
+    if wrote_more is None:
         return None
-    more, fewer = (run, ref) if "RUN wrote" in next(iter(again.values())) else (ref, run)
+    more, fewer = (run, ref) if wrote_more == "RUN" else (ref, run)
     counts = [_steps(dump, "logits") for dump in (more, fewer)]
     extra = counts[0] - counts[1]
     if extra < 1:
         return None
-    fed = [_values(dump, "input_token", max(counts)) for dump in (more, fewer)]
-    if all(fed) and len(fed[0]) == counts[0] and len(fed[1]) == counts[1]:
+    fed = [[fed_token(dump, f"{FED_TAG}_{n}") for n in range(min(_steps(dump, FED_TAG), counts[0]))]
+           for dump in (more, fewer)]
+    if [len(tokens) for tokens in fed] == counts and None not in fed[0] + fed[1]:
         aligned = all(a == b for a, b in zip(fed[0], fed[1]))
         shifted = all(a == b for a, b in zip(fed[0][extra:], fed[1]))
         evidence = "its fed tokens from step {k} on are the other side's from step 0"
@@ -74,8 +79,7 @@ def shifted_steps(ref: Dump, run: Dump, again: dict[str, str]) -> str | None:
         evidence = "its logits_{k} matches the other side's logits_0"
     if aligned or not shifted:
         return None
-    side = "RUN" if more is run else "REF"
-    return (f"{SHIFTED}: {side} ran {extra} forward(s) of the prompt's length before the compared request (a warm-up "
+    return (f"{SHIFTED}: {wrote_more} ran {extra} forward(s) of the prompt's length before the compared request (a warm-up "
             f"outside profiling()), so its step n is the other side's step n - {extra} ("
             + evidence.format(k=extra) + ")")
 
@@ -109,17 +113,6 @@ def _array(dump: Dump, key: str) -> np.ndarray | None:
         return np.asarray(dump.replicas(key)[0].whole(), dtype=np.float64)
     except (OSError, ValueError, KeyError):
         return None
-
-
-def _values(dump: Dump, tag: str, limit: int) -> list | None:
-    """The one value of each step `<tag>_<n>` (a fed token id), or None when one is not a single value."""
-    out = []
-    for n in range(min(_steps(dump, tag), limit)):
-        x = _array(dump, f"{tag}_{n}")
-        if x is None or x.size != 1:
-            return None
-        out.append(float(x.reshape(-1)[0]))
-    return out
 
 
 def _gated(dump: Dump) -> bool:

@@ -109,8 +109,8 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     measurer = KeyMeasurer(ref, run, options, rank, logits_tags(ordered, authority.members | other.members),
                            workspace, float_class(ref, run, sorted(common)))
     records: list[KeyRecord] = []
-    again = written_again(ref, run, renamed)  # prompt values a later forward replaced (overwrites.py)
-    shifted = shifted_steps(ref, run, again)  # ... or a warm-up before the request: steps misaligned
+    again, wrote_more = written_again(ref, run, renamed)  # prompt values a later forward replaced (overwrites.py)
+    shifted = shifted_steps(ref, run, wrote_more)  # ... or a warm-up before the request: steps misaligned
     fed = None if shifted else first_fed_difference(ref, run, ordered)
     # Every routing decision recorded on both sides: until some ids differ, no route has flipped.
     no_flip = routing_recorded(ref, run)
