@@ -55,7 +55,7 @@ def phase_thresholds(klass: str, phase: str = "prefill") -> tuple[float, float]:
     if phase == DECODE_LAYER and klass in DEFAULT_STEP_THRESHOLDS:
         rel, norm = DEFAULT_STEP_THRESHOLDS[klass]
         return rel, max(norm, DEFAULT_LAYER_STEP_NORM)
-    if phase in ("decode", DECODE_LAYER) and klass in DEFAULT_STEP_THRESHOLDS:
+    if phase == "decode" and klass in DEFAULT_STEP_THRESHOLDS:
         return DEFAULT_STEP_THRESHOLDS[klass]
     return DEFAULT_THRESHOLDS[klass]
 
