@@ -74,12 +74,20 @@ def test_opcheck_set_register(small_arena):
 
 # --- Triton kernel (interpreted) vs the CPU reference kernel ------------------------------------
 
-@pytest.mark.parametrize("geometry", list(GEOMETRIES))
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", [L.KIND_RECORD, L.KIND_RECORD_ONCE, L.KIND_STEP, L.KIND_RECORD_ROWS])
+def _triton_cases():
+    """Every geometry and kind in float32; in bf16/fp16, whose difference is the data path alone
+    (the load, the fp32 sum, the cast), one row (a step) and every row (an all-rows record): the
+    kinds' row choices and claims are dtype-blind, and each interpreted case costs seconds."""
+    for dtype in DTYPES:
+        kinds = ([L.KIND_RECORD, L.KIND_RECORD_ONCE, L.KIND_STEP, L.KIND_RECORD_ROWS] if dtype == torch.float32
+                 else [L.KIND_STEP, L.KIND_RECORD_ROWS])
+        for geometry, kind in itertools.product(GEOMETRIES, kinds):
+            if not (kind == L.KIND_RECORD_ROWS and geometry == "1d"):  # record() stores a 1-D tensor whole
+                yield pytest.param(geometry, dtype, kind, id=f"{L.KIND_NAMES[kind]}-{str(dtype)[6:]}-{geometry}")
+
+
+@pytest.mark.parametrize("geometry,dtype,kind", list(_triton_cases()))
 def test_triton_matches_cpu_reference(geometry, dtype, kind):
-    if kind == L.KIND_RECORD_ROWS and geometry == "1d":
-        pytest.skip("all-rows records are 2-D or 3-D (record() stores a 1-D tensor whole)")
     g = generator_for(geometry, str(dtype), kind)
     x = GEOMETRIES[geometry](g, dtype)
     registers = REGISTERS if dtype == torch.float32 else DATA_PATH_REGISTERS
@@ -92,10 +100,13 @@ def test_triton_matches_cpu_reference_ids(name):
     assert_matches_reference(register.capture_triton, x, L.KIND_IDS, calls=2)
 
 
-@pytest.mark.parametrize("geometry, dtype", [
-    ("2d_logits", torch.float32), ("2d_logits", torch.bfloat16), ("3d_hc", torch.bfloat16), ("3d_hc", torch.float16),
-    ("2d_strided", torch.float16), ("3d_nonfinite", torch.float32), ("3d_nonfinite", torch.bfloat16)])
-@pytest.mark.parametrize("kind", [L.KIND_STEP, L.KIND_RECORD_ONCE])
+@pytest.mark.parametrize("geometry, dtype, kind", [
+    # both split kinds (a step's claim, a keep-first record's) on float32; the other data paths as steps
+    *((geometry, torch.float32, kind) for geometry in ("2d_logits", "3d_nonfinite")
+      for kind in (L.KIND_STEP, L.KIND_RECORD_ONCE)),
+    ("2d_logits", torch.bfloat16, L.KIND_STEP), ("3d_hc", torch.bfloat16, L.KIND_RECORD_ONCE),
+    ("3d_hc", torch.float16, L.KIND_STEP), ("2d_strided", torch.float16, L.KIND_STEP),
+    ("3d_nonfinite", torch.bfloat16, L.KIND_STEP)])
 def test_triton_split_capture_matches_cpu_reference(geometry, dtype, kind, monkeypatch):
     """A wide step or keep-first record runs as two launches (one program claims and publishes
     its decision, then every tile's program copies as it says) and writes what the reference
