@@ -44,8 +44,13 @@ class Instrumented:
     with capture on), and `remove()` to detach every hook."""
 
     def __init__(self, model: torch.nn.Module, batch_row: int, step_routing: bool = True,
-                 router_rows: str | None = "all", step_states: bool = True):
+                 router_rows: str | None = "all", step_states: bool = True, exclude=()):
         self.model = model
+        # exclude's patterns, "{i}" standing for any layer index; each must match a tag attached
+        self._exclude = {pattern: re.compile(re.escape(pattern).replace(re.escape("{i}"), r"\d+"))
+                         for pattern in exclude}
+        self._excluded_by: set[str] = set()  # the patterns that matched a tag
+        self._left_out: set[str] = set()  # the tags they matched
         self.batch_row = batch_row
         self.step_routing = step_routing
         self.step_states = step_states
@@ -65,6 +70,14 @@ class Instrumented:
         self._handles.clear()
         if self in STATE.instruments:
             STATE.instruments.remove(self)
+
+    def excludes(self, tag: str) -> bool:
+        """Whether `tag` was left out by `instrument(exclude=...)` (its hook is not attached)."""
+        hits = [pattern for pattern, regex in self._exclude.items() if regex.fullmatch(tag)]
+        self._excluded_by.update(hits)
+        if hits:
+            self._left_out.add(tag)
+        return bool(hits)
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -115,6 +128,8 @@ class Instrumented:
     def _add(self, module: torch.nn.Module, tag: str, path: str, side: str, capture: Callable | None = None,
              read: Callable | None = None):
         """Hook `module`'s output, or its first input (side "input"); or what `read` makes of them."""
+        if self.excludes(tag):
+            return
         capture = capture or (lambda value: self._capture(tag, value))
         if side == "input":
             read = read or residual.first_input
@@ -174,7 +189,7 @@ class Instrumented:
 
 def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, defaults: bool = True,
                batch_row: int = 0, step_routing: bool = True, router_rows: str | None = "all",
-               step_states: bool = True) -> Instrumented:
+               step_states: bool = True, exclude: tuple[str, ...] | list[str] = ()) -> Instrumented:
     """Attach capture points to `model`'s modules; returns a handle with `.remove()`.
 
     With `defaults`, a decoder-only causal LM gets, per layer i, `layer<i>_attn` (the residual
@@ -186,7 +201,11 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
     comparator cannot tell a decode step's routing flip from a bug), and each layer's output at that
     position (`layer<i>_step_<n>`, of the first COMPILEDUMP_LAYER_STEPS forwards; one more capture
     per layer and forward, which `step_states=False` leaves out), so that a decode-only bug is
-    named at its layer. `taps` adds more: `{"layer{i}_q":
+    named at its layer. `exclude` leaves tags out, `{i}` standing for every layer:
+    `exclude=("layer{i}_mlp",)` (a tag takes its steps along: `layer{i}` its `layer<i>_step_<n>`,
+    `layer{i}_router` its picks and step routing); a pattern that matches no tag raises
+    `ValueError`. In compiled bf16 code a capture can move a rounding (docs/compiling.md: the MoE
+    block's output is the measured case). `taps` adds more: `{"layer{i}_q":
     "model.layers.{i}.self_attn.q_proj"}` (a `{i}` in both expands over the layers; paths are
     relative to `model`; append `:input` for the module's first input instead of its output).
     Integer tensors are captured with `record_ids`, others with `record`. `layer<i>_router`
@@ -204,7 +223,10 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
     inner = _uncompiled(model)
     if router_rows not in ("all", "one", None):
         raise ValueError(f"compiledump.instrument: router_rows must be 'all', 'one' or None, got {router_rows!r}")
-    handle = Instrumented(inner, batch_row, step_routing, router_rows, step_states)
+    if isinstance(exclude, str):
+        raise TypeError(f"compiledump.instrument: exclude takes a sequence of tag patterns, got the string {exclude!r} "
+                        f"(write exclude=({exclude!r},))")
+    handle = Instrumented(inner, batch_row, step_routing, router_rows, step_states, exclude)
     modules = dict(inner.named_modules())
     layers_path, layers = layout.find_layers(modules)
     if defaults:
@@ -233,8 +255,17 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
         if not found:
             raise ValueError(f"compiledump.instrument: tap {tag_pattern!r}: no module at {path_pattern!r} "
                              f"(module paths are relative to the model, e.g. {next((n for n in modules if n), '')!r})")
+    if unmatched := [pattern for pattern in handle._exclude if pattern not in handle._excluded_by]:
+        handle.remove()
+        raise ValueError(f"compiledump.instrument: exclude pattern(s) {', '.join(map(repr, unmatched))} match no tag "
+                         f"attached (tags: {', '.join(_tag_patterns({*handle.taps, *handle._left_out}))})")
     STATE.instruments.append(handle)
     return handle
+
+
+def _tag_patterns(taps) -> list[str]:
+    """The attached tags with each layer index written `{i}`: what `exclude` takes."""
+    return sorted({re.sub(r"^layer\d+", "layer{i}", tag) for tag in taps})
 
 
 def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict) -> None:
@@ -254,7 +285,8 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
             # JetMoE's mixture of attention heads: its router picks each token's heads, so its
             # flips are judged as the MLP's are (layer<i>_attn_router, layer<i>_attn_topk).
             router_taps.tap_router(handle, f"layer{i}_attn", f"{prefix}.{mixer_name}.experts", heads, "router")
-        if (indexer_name := layout.indexer_of(mixer) if mixer is not None else None) is not None:
+        if (indexer_name := layout.indexer_of(mixer) if mixer is not None else None) is not None \
+                and not handle.excludes(f"layer{i}_index_router"):
             # A sparse-attention indexer picks each token's keys: judged as the MLP's experts are
             indexer = mixer.get_submodule(indexer_name)
             indexers.tap_indexer(handle, f"layer{i}_index", f"{prefix}.{mixer_name}.{indexer_name}", indexer,
@@ -279,7 +311,7 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
             router_taps.tap_router(handle, f"layer{i}", prefix, layer, router_name)  # Gemma 4: router and experts beside a dense mlp
         handle._add(layer, f"layer{i}", prefix, "output", read=residual.layer_stream if split else None,
                     capture=handle._stream_capture(f"layer{i}"))
-        if handle.step_states and STATE.config.layer_steps:
+        if handle.step_states and STATE.config.layer_steps and f"layer{i}" in handle.taps:
             handle.taps[f"layer{i}_step"] = prefix
     _warn_untapped(layers_path, layers, unrouted, no_attn)
     mixers.declare_mixers(mixers.kinds_of(layers, [layout.child(layer, layout.MIXERS) for layer in layers]),

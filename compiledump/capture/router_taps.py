@@ -22,6 +22,9 @@ from .state import warn_once
 def tap_router(handle, name: str, block_path: str, block: torch.nn.Module, router_name: str) -> None:
     """The router tags `<name>_router`, `<name>_topk` (and steps) on `block`'s child `router_name`,
     and its selection declared (or any earlier declaration of the tag withdrawn: another model's)."""
+    if handle.excludes(f"{name}_router"):  # its picks and steps go with it
+        routers.withdraw(f"{name}_router")
+        return
     router = getattr(block, router_name)
     handle._add(router, f"{name}_router", f"{block_path}.{router_name}", "output",
                 capture=router_capture(handle, name, block, router))

@@ -379,6 +379,49 @@ def test_explicit_taps_inputs_and_remove(dump_dir):
     assert compiledump.flush() is None  # nothing hooked any more
 
 
+def test_exclude_leaves_out_tags_and_what_depends_on_them(dump_dir):
+    """`exclude` patterns (`{i}`: every layer) leave tags out of the hooks, the taps and the dump,
+    with their steps: `layer{i}_mlp` alone; `layer1` with `layer1_step_<n>`; `layer{i}_router`
+    with the picks and step routing of every layer. What is kept is captured as without `exclude`."""
+    model = ex.build_model("qwen3_moe")
+    inputs = ex.Inputs(model.config.vocab_size, steps=2, batch=1)
+
+    def run(**kwargs):
+        compiledump.reset()
+        compiledump.configure(dir=str(dump_dir))
+        handle = compiledump.instrument(model, **kwargs)
+        cache = ex.DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=inputs.prompt, **ex.cache_kwargs(model, cache))
+            for n in range(2):
+                model(input_ids=inputs.step(n)[:1], **ex.cache_kwargs(model, cache))
+        handle.remove()
+        arrays, manifest = _load(compiledump.flush())
+        return handle, arrays, manifest
+
+    _, full, _ = run()
+    handle, kept, _ = run(exclude=["layer{i}_mlp", "layer1", "layer{i}_router"])
+    gone = {key for key in full if key.endswith("_mlp") or key == "layer1" or key.startswith("layer1_step_")
+            or "_router" in key or "_topk" in key}
+    assert {"layer0_mlp", "layer1", "layer1_step_1", "layer0_router", "layer1_step_topk_1"} <= gone
+    assert set(kept) == set(full) - gone and {"layer0", "layer1_attn", "layer0_step_1", "logits_2"} <= set(kept)
+    for key in kept:
+        np.testing.assert_array_equal(kept[key], full[key], err_msg=key)
+    assert not any(tag.endswith(("_mlp", "_router", "_topk")) for tag in handle.taps)
+    assert "layer1" not in handle.taps and "layer1_step" not in handle.taps and "layer0_step" in handle.taps
+
+
+def test_exclude_patterns_must_match_a_tag(dump_dir):
+    model = ex.build_model("llama")
+    with pytest.raises(ValueError, match=r"'layer{i}_router', 'layer9' match no tag attached \(tags: .*layer{i}_mlp"):
+        compiledump.instrument(model, exclude=("layer{i}_router", "layer9", "layer{i}_mlp"))
+    with pytest.raises(TypeError, match=r"exclude=\('logits',\)"):
+        compiledump.instrument(model, exclude="logits")
+    ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(5))
+    _forward(model, ids)
+    assert compiledump.flush() is None  # the refused calls left no hook behind
+
+
 def test_bad_arguments_are_clear_errors(dump_dir):
     model = ex.build_model("llama")
     with pytest.raises(ValueError, match=r"no module at 'model.layers.{i}.nope' \(.*e.g. 'model'\)"):
