@@ -156,13 +156,14 @@ def test_an_indexer_of_another_shape_is_warned_about_once(tmp_path):
 
 
 def test_engine_flow_static_cache_against_dynamic_cache(tmp_path):
-    """examples/hf_reference_vs_compiled.py's flow on DeepSeek-V3.2 (index_topk 4, 7-token prompt, 6
-    decode steps): the float32 eager reference with a DynamicCache (one more key per step) against the
+    """examples/hf_reference_vs_compiled.py's flow on a 2-layer DeepSeek-V3.2 (a dense layer and an
+    MoE one, each with its indexer, index_topk 4; 7-token prompt, 6 decode steps; two layers keep
+    the cold compile of the suite's largest engine near a minute): the float32 eager reference with a DynamicCache (one more key per step) against the
     bf16 engine compiled with fullgraph, a StaticCache (every key, later ones masked) and a padded batch
     of 4. Every step's index scores are kept on both sides (the reference's padded to one width) and
     compared over the keys both have: no problem, no graph break, exit 0; x1.05 on layer 1's experts
     (the same compiled graphs) is named at layer 1."""
-    honest, broken, graphs, breaks = honest_and_broken(lambda: deepseek_v32(index_topk=4, max_positions=64), tmp_path)
+    honest, broken, graphs, breaks = honest_and_broken(lambda: deepseek_v32(index_topk=4, max_positions=64, layers=2), tmp_path)
     assert graphs == 2 and breaks == 0
     keys = {record.key: record for record in honest.pairs[0].keys}
     for i in range(2):  # COMPILEDUMP_MOE_LAYERS: layers 0 and 1 keep step tags

@@ -132,7 +132,7 @@ def test_a_scaled_expert_layer_is_still_named_in_phimoe(tmp_path):
 
 
 def test_engine_flow_judges_a_decode_steps_cut_flip(tmp_path):
-    """examples/hf_reference_vs_compiled.py's flow on PhiMoE: the float32 eager reference against the
+    """examples/hf_reference_vs_compiled.py's flow on a 2-layer PhiMoE: the float32 eager reference against the
     bf16 engine compiled with fullgraph, a static cache and a padded batch of 4. In seed 2 rounding
     moves an expert across layer 1's cut at decode step 3, which is judged a near tie (the weights
     differ, the ids agree). No problem, no graph break, exit 0; x1.05 on layer 1's experts (the same
@@ -142,7 +142,7 @@ def test_engine_flow_judges_a_decode_steps_cut_flip(tmp_path):
     from helpers.engine_flow import honest_and_broken
     from helpers.hf_models import phimoe
 
-    honest, broken, graphs, breaks = honest_and_broken(lambda: phimoe(2), tmp_path)
+    honest, broken, graphs, breaks = honest_and_broken(lambda: phimoe(2, layers=2), tmp_path)
     assert graphs == 2 and breaks == 0
     assert honest.problems == [] and honest.exit_status == 0, format_report(honest)[-1]
     cut_steps = [record for record in honest.pairs[0].keys if record.step is not None and record.routing is not None

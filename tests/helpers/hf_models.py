@@ -17,13 +17,13 @@ def longcat_flash() -> transformers.PreTrainedModel:
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-def deepseek_v32(index_topk: int, seed: int = 0, init: float = 0.1, max_positions: int = 128):
-    """DeepSeek-V3.2, 4 layers (layer 0 dense), hidden 64, 8 routed experts top-2, and a sparse-attention
+def deepseek_v32(index_topk: int, seed: int = 0, init: float = 0.1, max_positions: int = 128, layers: int = 4):
+    """DeepSeek-V3.2, `layers` layers (layer 0 dense), hidden 64, 8 routed experts top-2, and a sparse-attention
     indexer in every layer keeping `index_topk` keys per query; random weights of scale `init`."""
     import torch
 
     config = transformers.AutoConfig.for_model(
-        "deepseek_v32", vocab_size=211, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        "deepseek_v32", vocab_size=211, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=48, n_routed_experts=8,
         n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1,
         kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8,
@@ -46,13 +46,13 @@ def minimax_m3_vl_text(sparse_layers: tuple[int, ...] = (0, 2)):
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-def phimoe(seed: int = 0, init: float = 0.1):
-    """PhiMoE, 4 layers, hidden 64, 8 experts top-2 weighed by its sparsemixer (router_jitter_noise 0.01:
+def phimoe(seed: int = 0, init: float = 0.1, layers: int = 4):
+    """PhiMoE, `layers` layers, hidden 64, 8 experts top-2 weighed by its sparsemixer (router_jitter_noise 0.01:
     a cut of 0.02); random weights of scale `init`, as benchmarks/sweep_routing.py builds it."""
     import torch
 
     config = transformers.AutoConfig.for_model(
-        "phimoe", vocab_size=211, hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        "phimoe", vocab_size=211, hidden_size=64, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=64,
         initializer_range=init, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)
