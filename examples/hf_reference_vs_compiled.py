@@ -146,7 +146,9 @@ class Engine:
                  rows: str = "one", dump_dir: Path | None = None):
         self.model, self.inputs, self.rows = model.to(dtype), inputs, rows
         torch._dynamo.reset()
-        _start(dump_dir or Path(tempfile.mkdtemp(prefix="compiledump-engine-")), rows)
+        # Where each flush writes before `run` moves the dump out: removed with the engine.
+        self._scratch = tempfile.TemporaryDirectory(prefix="compiledump-engine-") if dump_dir is None else None
+        _start(dump_dir or Path(self._scratch.name), rows)
         self.handle = compiledump.instrument(self.model)  # before compiling: dynamo traces the hooks
         self.forward = torch.compile(self.model.forward, fullgraph=True)
         self.graphs = self.breaks = 0
