@@ -2,7 +2,7 @@
 against the same model compiled with `compiledump.instrument()` and capture on, bit for bit.
 
     python benchmarks/numerics_preserved.py [--models llama,qwen3_moe,mixtral] [--dtypes bfloat16,float32]
-        [--taps defaults,layer,attn,mlp,router,no-mlp]
+        [--taps defaults,layer,attn,mlp,router,no-mlp] [--device cpu|cuda]
 
 The models of examples/hf_reference_vs_compiled.py (small configs, random weights, nothing
 downloaded), a batch of 3 prompts of 7 tokens and 2 greedy forwards (no cache), both sides
@@ -93,14 +93,15 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default="llama,qwen3_moe,mixtral")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--taps", default="defaults,layer,attn,mlp,router,no-mlp")
+    parser.add_argument("--device", default="cpu", help="where the models run (cuda: Inductor's Triton kernels)")
     args = parser.parse_args(argv)
-    print(f"# {machine()}")
+    print(f"# {machine()}; device {args.device}")
     print("| model | dtype | taps | logits vs the uninstrumented compiled model |")
     print("|---|---|---|---|")
-    ids = torch.randint(0, 512, (3, 7), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 512, (3, 7), generator=torch.Generator().manual_seed(1)).to(args.device)
     for name in args.models.split(","):
         for dtype_name in args.dtypes.split(","):
-            base = build_model(name).to(getattr(torch, dtype_name))
+            base = build_model(name).to(args.device, getattr(torch, dtype_name))
             plain = forwards(copy.deepcopy(base), ids)
             for tap_set in args.taps.split(","):
                 if tap_set == "router" and not hasattr(base.model.layers[0].mlp, "gate"):
