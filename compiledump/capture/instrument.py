@@ -49,7 +49,6 @@ class Instrumented:
         # exclude's patterns, "{i}" standing for any layer index; each must match a tag attached
         self._exclude = {pattern: re.compile(re.escape(pattern).replace(re.escape("{i}"), r"\d+"))
                          for pattern in exclude}
-        self._excluded_by: set[str] = set()  # the patterns that matched a tag
         self._left_out: set[str] = set()  # the tags they matched
         self.batch_row = batch_row
         self.step_routing = step_routing
@@ -73,11 +72,10 @@ class Instrumented:
 
     def excludes(self, tag: str) -> bool:
         """Whether `tag` was left out by `instrument(exclude=...)` (its hook is not attached)."""
-        hits = [pattern for pattern, regex in self._exclude.items() if regex.fullmatch(tag)]
-        self._excluded_by.update(hits)
-        if hits:
+        if any(regex.fullmatch(tag) for regex in self._exclude.values()):
             self._left_out.add(tag)
-        return bool(hits)
+            return True
+        return False
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -255,7 +253,8 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
         if not found:
             raise ValueError(f"compiledump.instrument: tap {tag_pattern!r}: no module at {path_pattern!r} "
                              f"(module paths are relative to the model, e.g. {next((n for n in modules if n), '')!r})")
-    if unmatched := [pattern for pattern in handle._exclude if pattern not in handle._excluded_by]:
+    if unmatched := [pattern for pattern, regex in handle._exclude.items()
+                     if not any(regex.fullmatch(tag) for tag in handle._left_out)]:
         handle.remove()
         raise ValueError(f"compiledump.instrument: exclude pattern(s) {', '.join(map(repr, unmatched))} match no tag "
                          f"attached (tags: {', '.join(_tag_patterns({*handle.taps, *handle._left_out}))})")
