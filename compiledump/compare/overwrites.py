@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..format import spec
 from ..format.reader import Dump
 from .inputs import FED_TAG, fed_token
 
@@ -63,14 +64,15 @@ def shifted_steps(ref: Dump, run: Dump, wrote_more: str | None) -> str | None:
     extra = counts[0] - counts[1]
     if extra < 1:
         return None
-    fed = [[fed_token(dump, f"{FED_TAG}_{n}") for n in range(min(_steps(dump, FED_TAG), counts[0]))]
+    fed = [[fed_token(dump, spec.step_key(FED_TAG, n)) for n in range(min(_steps(dump, FED_TAG), counts[0]))]
            for dump in (more, fewer)]
     if [len(tokens) for tokens in fed] == counts and None not in fed[0] + fed[1]:
         aligned = all(a == b for a, b in zip(fed[0], fed[1]))
         shifted = all(a == b for a, b in zip(fed[0][extra:], fed[1]))
         evidence = "its fed tokens from step {k} on are the other side's from step 0"
     else:
-        first = [_array(fewer, "logits_0"), _array(more, "logits_0"), _array(more, f"logits_{extra}")]
+        first = [_array(fewer, spec.step_key("logits", 0)), _array(more, spec.step_key("logits", 0)),
+                 _array(more, spec.step_key("logits", extra))]
         if any(x is None or x.shape != first[0].shape for x in first):
             return None
         scale = float(np.linalg.norm(first[0])) or 1.0
@@ -103,7 +105,7 @@ def written_again_lines(records: list) -> list[str]:
 def _steps(dump: Dump, tag: str) -> int:
     """How many consecutive steps `<tag>_0, _1, ...` the dump holds."""
     n = 0
-    while f"{tag}_{n}" in dump.members:
+    while spec.step_key(tag, n) in dump.members:
         n += 1
     return n
 
