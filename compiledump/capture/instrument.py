@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..format import spec
 from . import api, hf_layout as layout, indexers, mixers, residual, router_taps, routers
 from .state import STATE, warn_once
 
@@ -47,8 +48,7 @@ class Instrumented:
                  router_rows: str | None = "all", step_states: bool = True, exclude=()):
         self.model = model
         # exclude's patterns, "{i}" standing for any layer index; each must match a tag attached
-        self._exclude = {pattern: re.compile(re.escape(pattern).replace(re.escape("{i}"), r"\d+"))
-                         for pattern in exclude}
+        self._exclude = {pattern: spec.tag_pattern(pattern) for pattern in exclude}
         self._left_out: set[str] = set()  # the tags they matched
         self.batch_row = batch_row
         self.step_routing = step_routing
@@ -258,6 +258,7 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
         handle.remove()
         raise ValueError(f"compiledump.instrument: exclude pattern(s) {', '.join(map(repr, unmatched))} match no tag "
                          f"attached (tags: {', '.join(_tag_patterns({*handle.taps, *handle._left_out}))})")
+    mixers.declare_exclude(list(handle._exclude))
     STATE.instruments.append(handle)
     return handle
 

@@ -92,14 +92,25 @@ def declare_mixers(mixers: dict[int, str], routing: dict | None = None) -> None:
             journal_mixers(live)
 
 
+def declare_exclude(patterns: list[str]) -> None:
+    """Record the `instrument(exclude=...)` patterns of the model being instrumented (replacing
+    another's): the comparator tells the keys they left out from keys missing for other reasons."""
+    with STATE.lock:
+        STATE.exclude = list(patterns)
+        live = getattr(STATE.runtime, "live", None)
+        if live is not None:
+            journal_mixers(live)
+
+
 def manifest_layers() -> dict:
-    """The manifest's `mixers` and `routing`, those declared (copies: flush may run from a signal
-    handler)."""
-    return {name: dict(value) for name, value in (("mixers", STATE.mixers), ("routing", STATE.routing)) if value}
+    """The manifest's `mixers`, `routing` and `exclude`, those declared (copies: flush may run from
+    a signal handler)."""
+    return {name: type(value)(value) for name, value in (("mixers", STATE.mixers), ("routing", STATE.routing),
+                                                           ("exclude", STATE.exclude)) if value}
 
 
 def journal_mixers(live) -> None:
-    """Journal the declared mixers and routing into crash-proof capture's `live` files (recover
-    reads them)."""
-    if STATE.mixers:
-        live.write({"event": "mixers", **manifest_layers()})
+    """Journal what instrument() declared (mixers, routing, exclude) into crash-proof capture's
+    `live` files (recover reads them)."""
+    if declared := manifest_layers():
+        live.write({"event": "mixers", **declared})

@@ -230,7 +230,7 @@ def _registry(start: dict, events: list[dict]):
         elif kind == "router":
             declared[event["tag"]] = event["router"]
         elif kind == "mixers":
-            layers = {name: event[name] for name in ("mixers", "routing") if event.get(name)}
+            layers = {name: event[name] for name in ("mixers", "routing", "exclude") if event.get(name)}
     # A slot whose region was never claimed (offset -1) reports its counters only.
     return slots, overflow, prompt, config, declared, layers
 

@@ -170,6 +170,20 @@ def one_sided_note(side: str, keys: list[str], ref_manifest: dict | None, run_ma
             f"same COMPILEDUMP_MOE_LAYERS on both sides to compare them ({preview(keys, 4)})")
 
 
+def exclude_patterns(manifest: dict | None) -> list[str]:
+    """The `instrument(exclude=...)` patterns a side was captured with (its manifest's), or none."""
+    patterns = (manifest or {}).get("exclude")
+    return [p for p in patterns if isinstance(p, str)] if isinstance(patterns, list) else []
+
+
+def excluded_note(side: str, keys: list[str], patterns: dict[str, list[str]]) -> str:
+    """One line for the keys only `side` has because the other side's instrument(exclude=...)
+    (`patterns`: each side's) left their tags out: not compared, and the patterns."""
+    other = "RUN" if side == "REF" else "REF"
+    return (f"{side} has {len(keys)} keys whose tags {other}'s instrument(exclude={tuple(patterns[other])!r}) left "
+            f"out: not compared ({preview(keys, 4)})")
+
+
 # Routing tags: a layer's expert ids (prompt and steps) and the router logits beside each step's
 _ROUTING_SUFFIXES = ("_step_topk", "_step_router", "_topk")
 

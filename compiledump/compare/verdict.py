@@ -22,6 +22,8 @@ from .options import CompareOptions
 from .picked import unseen_step_flips, with_picked_ids
 from .pairing import find_pairs
 from .phases import (
+    exclude_patterns,
+    excluded_note,
     first_nonfinite,
     gate_without_ids,
     held_tags,
@@ -128,6 +130,9 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     # gate gives its logits alone, its fused MoE picking the experts): one note
     ids_alone: dict[str, list[str]] = {"REF": [], "RUN": []}
     tags = {"REF": held_tags(ref), "RUN": held_tags(run)}
+    # Tags a side's instrument(exclude=...) left out: one note, not a problem per key
+    excluded = {"REF": exclude_patterns(ref.manifest), "RUN": exclude_patterns(run.manifest)}
+    left_out: dict[str, list[str]] = {"REF": [], "RUN": []}
     for info in ordered:
         key = info.key
         if spec.prompt_stream_step(key):  # the prompt's `layer<N>` holds it (format/spec.py)
@@ -137,27 +142,22 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
             # unreadable array): its problem says why; it counts as not compared.
             records.append(measurer.not_compared(info))
             continue
-        if key not in run.members:
-            if key not in run.bad_members and key not in run.excluded:
-                if info.tag in filtered_by["RUN"]:
-                    one_sided["REF"].append(key)
-                elif info.tag == FED_TAG:
-                    fed_alone["REF"].append(key)
-                elif gate_without_ids(info.tag, run, tags["RUN"]):
-                    ids_alone["REF"].append(key)
-                else:
-                    problems.append(Problem("missing_in_run", rank, "present in REF only", key))
-            continue
-        if key not in ref.members:
-            if key not in ref.bad_members and key not in ref.excluded:
-                if info.tag in filtered_by["REF"]:
-                    one_sided["RUN"].append(key)
-                elif info.tag == FED_TAG:
-                    fed_alone["RUN"].append(key)
-                elif gate_without_ids(info.tag, ref, tags["REF"]):
-                    ids_alone["RUN"].append(key)
-                else:
-                    problems.append(Problem("extra_in_run", rank, "present in RUN only", key))
+        if key not in run.members or key not in ref.members:  # one side holds it: the other is `lacking`
+            lacking, holder, dump = ("RUN", "REF", run) if key not in run.members else ("REF", "RUN", ref)
+            if key in dump.bad_members or key in dump.excluded:
+                continue
+            if spec.excluded_by(info.tag, excluded[lacking]):
+                left_out[holder].append(key)
+            elif info.tag in filtered_by[lacking]:
+                one_sided[holder].append(key)
+            elif info.tag == FED_TAG:
+                fed_alone[holder].append(key)
+            elif gate_without_ids(info.tag, dump, tags[lacking]):
+                ids_alone[holder].append(key)
+            elif lacking == "RUN":
+                problems.append(Problem("missing_in_run", rank, "present in REF only", key))
+            else:
+                problems.append(Problem("extra_in_run", rank, "present in RUN only", key))
             continue
         # From the step where greedy decoding fed the sides different tokens on, their values
         # cannot be compared (inputs.py).
@@ -180,6 +180,7 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     if note is not None:
         notes.append(note)
     notes.extend(one_sided_note(side, keys, ref.manifest, run.manifest) for side, keys in one_sided.items() if keys)
+    notes.extend(excluded_note(side, keys, excluded) for side, keys in left_out.items() if keys)
     # (a side whose steps are shifted holds more fed tokens: not a side that records none)
     notes.extend(one_sided_fed_note(side, keys) for side, keys in fed_alone.items() if keys and not shifted)
     notes.extend(one_sided_ids_note(side, keys) for side, keys in ids_alone.items() if keys)

@@ -121,6 +121,26 @@ def layer_of(tag: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+# `instrument(exclude=...)` leaves default tags out by pattern, `{i}` standing for any layer index
+# (the manifest's "exclude" lists the patterns). A tag left out takes along the tags recorded by
+# the same hook: a layer `layer<N>` its step state `layer<N>_step`, a router `<name>_router` its
+# picks `<name>_topk` and its steps `<name>_step_router`, `<name>_step_topk`.
+_TAKEN_ALONG = ((re.compile(r"^(layer\d+)_step$"), r"\1"),
+                (re.compile(r"^(.+?)_(?:step_topk|step_router|topk)$"), r"\1_router"))
+
+
+def tag_pattern(pattern: str) -> re.Pattern:
+    """The regex of an `exclude` pattern: the pattern literally, `{i}` matching any layer index."""
+    return re.compile(re.escape(pattern).replace(re.escape("{i}"), r"\d+"))
+
+
+def excluded_by(tag: str, patterns) -> str | None:
+    """The first of `patterns` (`instrument(exclude=...)`'s) that leaves `tag` out, itself or with
+    the tag it is recorded with; None if none does."""
+    owners = [tag] + [regex.sub(owner, tag) for regex, owner in _TAKEN_ALONG if regex.match(tag)]
+    return next((pattern for pattern in patterns if any(tag_pattern(pattern).fullmatch(o) for o in owners)), None)
+
+
 # A `record_step` of an integer tensor (expert ids of each decode step) is stored as float32 like
 # every step (exact below 2**24); its manifest `source_dtype` names the integer dtype, and readers
 # give it back as int32 ids.

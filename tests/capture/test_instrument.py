@@ -382,13 +382,16 @@ def test_explicit_taps_inputs_and_remove(dump_dir):
 def test_exclude_leaves_out_tags_and_what_depends_on_them(dump_dir):
     """`exclude` patterns (`{i}`: every layer) leave tags out of the hooks, the taps and the dump,
     with their steps: `layer{i}_mlp` alone; `layer1` with `layer1_step_<n>`; `layer{i}_router`
-    with the picks and step routing of every layer. What is kept is captured as without `exclude`."""
+    with the picks and step routing of every layer. What is kept is captured as without `exclude`.
+    The manifest names the patterns, and compared against a dump with every tag, the keys left out
+    are one note naming them (either side), not a problem per key."""
     model = ex.build_model("qwen3_moe")
     inputs = ex.Inputs(model.config.vocab_size, steps=2, batch=1)
+    patterns = ["layer{i}_mlp", "layer1", "layer{i}_router"]
 
-    def run(**kwargs):
+    def run(name, **kwargs):
         compiledump.reset()
-        compiledump.configure(dir=str(dump_dir))
+        compiledump.configure(dir=str(dump_dir / name))
         handle = compiledump.instrument(model, **kwargs)
         cache = ex.DynamicCache(config=model.config)
         with torch.no_grad():
@@ -396,11 +399,11 @@ def test_exclude_leaves_out_tags_and_what_depends_on_them(dump_dir):
             for n in range(2):
                 model(input_ids=inputs.step(n)[:1], **ex.cache_kwargs(model, cache))
         handle.remove()
-        arrays, manifest = _load(compiledump.flush())
-        return handle, arrays, manifest
+        path = compiledump.flush()
+        return handle, path, *_load(path)
 
-    _, full, _ = run()
-    handle, kept, _ = run(exclude=["layer{i}_mlp", "layer1", "layer{i}_router"])
+    _, full_path, full, full_manifest = run("full")
+    handle, kept_path, kept, manifest = run("kept", exclude=patterns)
     gone = {key for key in full if key.endswith("_mlp") or key == "layer1" or key.startswith("layer1_step_")
             or "_router" in key or "_topk" in key}
     assert {"layer0_mlp", "layer1", "layer1_step_1", "layer0_router", "layer1_step_topk_1"} <= gone
@@ -409,6 +412,18 @@ def test_exclude_leaves_out_tags_and_what_depends_on_them(dump_dir):
         np.testing.assert_array_equal(kept[key], full[key], err_msg=key)
     assert not any(tag.endswith(("_mlp", "_router", "_topk")) for tag in handle.taps)
     assert "layer1" not in handle.taps and "layer1_step" not in handle.taps and "layer0_step" in handle.taps
+    assert manifest["exclude"] == patterns and "exclude" not in full_manifest
+
+    compared = {key for key in full if not (key.startswith("layer") and key.endswith("_step_0"))}  # (never are)
+    for ref, run_, side in ((full_path, kept_path, "REF"), (kept_path, full_path, "RUN")):
+        report = compiledump.compare.compare(ref, run_)
+        (pair,) = report.pairs
+        assert not pair.problems and report.exit_status == 0, pair.problems
+        (note,) = [note for note in pair.notes if "instrument(exclude=" in note]
+        other = "RUN" if side == "REF" else "REF"
+        assert note.startswith(f"{side} has {len(gone & compared)} keys whose tags {other}'s instrument(exclude="
+                               f"('layer{{i}}_mlp', 'layer1', 'layer{{i}}_router')) left out: not compared"), note
+        assert {record.key for record in pair.keys} == compared - gone
 
 
 def test_exclude_patterns_must_match_a_tag(dump_dir):

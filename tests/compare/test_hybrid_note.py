@@ -46,9 +46,9 @@ def _routing(directory: Path) -> dict:
 
 def test_the_manifest_names_each_layer_s_mixer_and_routing_and_a_recovered_dump_keeps_them(dump_dir):
     """Captured here rather than with dump_prefill, whose reset would remove the crash-proof files
-    that recover reads."""
+    that recover reads. So are instrument's exclude patterns."""
     model, ids = _qwen3_next(0), torch.randint(3, 211, (1, 7), generator=torch.Generator().manual_seed(1))
-    handle = compiledump.instrument(model)
+    handle = compiledump.instrument(model, exclude=["layer{i}_mlp"])
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model(input_ids=ids, use_cache=False)
@@ -59,8 +59,12 @@ def test_the_manifest_names_each_layer_s_mixer_and_routing_and_a_recovered_dump_
     # Qwen3-Next's MoE layers are routed (its router tapped), nothing else selects per token.
     routing = {"routed": [0, 1, 2, 3], "complete": True}
     assert _routing(dump_dir) == routing
+    (manifest,) = dump_dir.glob("*.json")
+    assert json.loads(manifest.read_text())["exclude"] == ["layer{i}_mlp"]
+    manifest.unlink()  # recover writes it again from the journal
     results, errors = recover_directory(dump_dir, force=True, keep=True)
     assert errors == [] and results[0].npz == path and _mixers(dump_dir) == want and _routing(dump_dir) == routing
+    assert json.loads(manifest.read_text())["exclude"] == ["layer{i}_mlp"]
 
 
 def test_an_attention_model_has_no_caution(dump_dir):
