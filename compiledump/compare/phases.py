@@ -155,64 +155,6 @@ def hybrid_note(manifests: list, layer: int | None, klass: str | None) -> str | 
 _FILTERS = {"moe_layers": "COMPILEDUMP_MOE_LAYERS"}
 
 
-def moe_layers_of(manifest: dict | None) -> int | None:
-    """The COMPILEDUMP_MOE_LAYERS a side captured with (its manifest's config), or None."""
-    config = (manifest or {}).get("config")
-    return config.get("moe_layers") if isinstance(config, dict) else None
-
-
-def one_sided_note(side: str, keys: list[str], ref_manifest: dict | None, run_manifest: dict | None) -> str:
-    """One line for the keys `side` has whose tags the other side's host filter dropped, the two
-    sides' COMPILEDUMP_MOE_LAYERS differing: not compared, and both settings."""
-    other = "RUN" if side == "REF" else "REF"
-    return (f"{side} has {len(keys)} keys whose tags {other}'s COMPILEDUMP_MOE_LAYERS (REF "
-            f"{moe_layers_of(ref_manifest)}, RUN {moe_layers_of(run_manifest)}) filtered: not compared; set the "
-            f"same COMPILEDUMP_MOE_LAYERS on both sides to compare them ({preview(keys, 4)})")
-
-
-def exclude_patterns(manifest: dict | None) -> list[str]:
-    """The `instrument(exclude=...)` patterns a side was captured with (its manifest's), or none."""
-    patterns = (manifest or {}).get("exclude")
-    return [p for p in patterns if isinstance(p, str)] if isinstance(patterns, list) else []
-
-
-def excluded_note(side: str, keys: list[str], patterns: dict[str, list[str]]) -> str:
-    """One line for the keys only `side` has because the other side's instrument(exclude=...)
-    (`patterns`: each side's) left their tags out: not compared, and the patterns."""
-    other = "RUN" if side == "REF" else "REF"
-    return (f"{side} has {len(keys)} keys whose tags {other}'s instrument(exclude={tuple(patterns[other])!r}) left "
-            f"out: not compared ({preview(keys, 4)})")
-
-
-# Routing tags: a layer's expert ids (prompt and steps) and the router logits beside each step's
-_ROUTING_SUFFIXES = ("_step_topk", "_step_router", "_topk")
-
-
-def held_tags(dump: Dump) -> set[str]:
-    """The tags of the keys `dump` holds."""
-    return {info.tag for key, info in dump.infos.items() if key in dump.members}
-
-
-def gate_without_ids(tag: str, lacking: Dump, lacking_tags: set[str]) -> bool:
-    """Whether `tag` is routing that the `lacking` side never recorded (`lacking_tags`: its
-    `held_tags`) while it holds the layer's router logits: its gate returned logits alone (an
-    engine's: vLLM, SGLang)."""
-    suffix = next((suffix for suffix in _ROUTING_SUFFIXES if tag.endswith(suffix)), None)
-    return suffix is not None and tag not in lacking_tags and f"{tag[: -len(suffix)]}_router" in lacking.members
-
-
-def one_sided_ids_note(side: str, keys: list[str]) -> str:
-    """One line for the routing only `side` recorded (expert ids, a step's router logits), the other
-    side having none of their tags (its routers returned logits alone): not compared, and what that
-    leaves untold."""
-    other = "RUN" if side == "REF" else "REF"
-    return (f"{other} recorded no expert ids where {side} did ({len(keys)} keys: {preview(keys, 4)}): not "
-            f"compared, so a routing flip there cannot be told from a bug. A router that returns its logits "
-            f"alone records no ids, nor each step's routing (a gate returning (logits, None), as vLLM's and "
-            f"SGLang's do, whose fused MoE picks the experts): record {other}'s picks with "
-            "compiledump.record_ids('layer<i>_topk', topk_ids)")
-
-
 def not_captured_note(facts: dict[str, dict | None]) -> str | None:
     """One line over both sides: tags filtered, tags never kept, dropped calls, with counts."""
     parts = []

@@ -23,7 +23,7 @@ import numpy as np
 from ..format.keys import KeyInfo, router_key_for
 from ..format.reader import Dump, Member, Replica, preview
 from ..format.routers import TOKEN, UNKNOWN, RouterInfo
-from .phases import gate_without_ids, held_tags
+from .one_sided import gate_without_ids, held_tags
 from .routing import routing_epsilon
 from .selection import choice_scores, judgeable, select, selection_gap
 

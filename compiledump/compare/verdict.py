@@ -13,29 +13,23 @@ from ..format import spec
 from ..format.keys import chosen, order_key_infos
 from ..format.reader import Dump, DumpError, rank_sort_key
 from .flips import excuse_flips
-from .inputs import FED_TAG, after_fed_difference, first_fed_difference, one_sided_fed_note, step_zero_in_prompt
+from .inputs import after_fed_difference, first_fed_difference, step_zero_in_prompt
 from .measure import KeyMeasurer, float_class, logits_tags
 from .metrics import Workspace
 from .one_row import one_row_note
+from .one_sided import OneSidedKeys
 from .overwrites import shifted_steps, written_again
 from .options import CompareOptions
 from .picked import unseen_step_flips, with_picked_ids
 from .pairing import find_pairs
 from .phases import (
-    exclude_patterns,
-    excluded_note,
     first_nonfinite,
-    gate_without_ids,
-    held_tags,
     hybrid_note,
     layer_steps_note,
     mixed_phase_detail,
     mixed_phase_keys,
-    moe_layers_of,
     not_captured,
     not_captured_note,
-    one_sided_ids_note,
-    one_sided_note,
     prompt_length,
     recovered_note,
     routing_recorded,
@@ -117,22 +111,7 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     # Every routing decision recorded on both sides: until some ids differ, no route has flipped.
     no_flip = routing_recorded(ref, run)
     captured = {"REF": not_captured(ref), "RUN": not_captured(run)}
-    # Keys one side has whose tag the other side's host filter dropped, COMPILEDUMP_MOE_LAYERS set
-    # differently: one note names the setting, instead of a problem per key. (With the same setting,
-    # as after --map renamed tags the filter did not match, they stay problems.)
-    settings = (moe_layers_of(ref.manifest), moe_layers_of(run.manifest))
-    settings_differ = None not in settings and settings[0] != settings[1]
-    # (Settings that differ come from two manifests, so both sides' facts are there.)
-    filtered_by = {side: set(fact["filtered"]) if settings_differ else set() for side, fact in captured.items()}
-    one_sided: dict[str, list[str]] = {"REF": [], "RUN": []}
-    fed_alone: dict[str, list[str]] = {"REF": [], "RUN": []}  # fed tokens one side recorded: one note
-    # Routing (expert ids, a step's router logits) of tags one side never recorded (an engine's
-    # gate gives its logits alone, its fused MoE picking the experts): one note
-    ids_alone: dict[str, list[str]] = {"REF": [], "RUN": []}
-    tags = {"REF": held_tags(ref), "RUN": held_tags(run)}
-    # Tags a side's instrument(exclude=...) left out: one note, not a problem per key
-    excluded = {"REF": exclude_patterns(ref.manifest), "RUN": exclude_patterns(run.manifest)}
-    left_out: dict[str, list[str]] = {"REF": [], "RUN": []}
+    one_sided = OneSidedKeys(ref, run, captured)  # keys one side holds: a note per reason, or a problem
     for info in ordered:
         key = info.key
         if spec.prompt_stream_step(key):  # the prompt's `layer<N>` holds it (format/spec.py)
@@ -142,22 +121,8 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
             # unreadable array): its problem says why; it counts as not compared.
             records.append(measurer.not_compared(info))
             continue
-        if key not in run.members or key not in ref.members:  # one side holds it: the other is `lacking`
-            lacking, holder, dump = ("RUN", "REF", run) if key not in run.members else ("REF", "RUN", ref)
-            if key in dump.bad_members or key in dump.excluded:
-                continue
-            if spec.excluded_by(info.tag, excluded[lacking]):
-                left_out[holder].append(key)
-            elif info.tag in filtered_by[lacking]:
-                one_sided[holder].append(key)
-            elif info.tag == FED_TAG:
-                fed_alone[holder].append(key)
-            elif gate_without_ids(info.tag, dump, tags[lacking]):
-                ids_alone[holder].append(key)
-            elif lacking == "RUN":
-                problems.append(Problem("missing_in_run", rank, "present in REF only", key))
-            else:
-                problems.append(Problem("extra_in_run", rank, "present in RUN only", key))
+        if key not in run.members or key not in ref.members:
+            problems.extend(problem for problem in (one_sided.sort(info, rank),) if problem is not None)
             continue
         # From the step where greedy decoding fed the sides different tokens on, their values
         # cannot be compared (inputs.py).
@@ -179,11 +144,7 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     note = not_captured_note(captured)
     if note is not None:
         notes.append(note)
-    notes.extend(one_sided_note(side, keys, ref.manifest, run.manifest) for side, keys in one_sided.items() if keys)
-    notes.extend(excluded_note(side, keys, excluded) for side, keys in left_out.items() if keys)
-    # (a side whose steps are shifted holds more fed tokens: not a side that records none)
-    notes.extend(one_sided_fed_note(side, keys) for side, keys in fed_alone.items() if keys and not shifted)
-    notes.extend(one_sided_ids_note(side, keys) for side, keys in ids_alone.items() if keys)
+    notes.extend(one_sided.notes(bool(shifted)))
     notes.extend(note for note in (recovered_note("REF", ref), recovered_note("RUN", run)) if note)
     if any(r.phase == "decode" and r.floats is not None and r.limits is not None
            and r.limits.rel_source.endswith(" decode") for r in records):

@@ -1,0 +1,124 @@
+"""Keys that one side holds and the other lacks, sorted by why.
+
+A difference in how the two sides were captured explains most of them, and each such reason is one
+note per side instead of a problem per key: the other side's `instrument(exclude=...)` left the tags
+out (its manifest's `exclude`), its COMPILEDUMP_MOE_LAYERS filtered them (both manifests' config),
+only one side records the tokens it fed (`input_token`), or the other side's router returned its
+logits alone and recorded no expert ids (an engine's gate). Any other key of one side is a problem:
+`missing_in_run` or `extra_in_run` (docs/compare.md).
+"""
+
+from __future__ import annotations
+
+from ..format import spec
+from ..format.keys import KeyInfo
+from ..format.reader import Dump, preview
+from .inputs import FED_TAG, one_sided_fed_note
+from .report import Problem
+
+
+class OneSidedKeys:
+    """Sorts the keys held by one side of a pair (`sort`), then writes their notes (`notes`).
+    `captured`: each side's `phases.not_captured` fact."""
+
+    def __init__(self, ref: Dump, run: Dump, captured: dict[str, dict | None]):
+        self.dumps = {"REF": ref, "RUN": run}
+        # Tags the other side's host filter dropped count as filtered only where the two sides'
+        # COMPILEDUMP_MOE_LAYERS differ (then both manifests are there); with the same setting, as
+        # after --map renamed tags the filter did not match, their keys stay problems.
+        settings = (moe_layers_of(ref.manifest), moe_layers_of(run.manifest))
+        differ = None not in settings and settings[0] != settings[1]
+        self.filtered = {side: set(fact["filtered"]) if differ else set() for side, fact in captured.items()}
+        self.tags = {side: held_tags(dump) for side, dump in self.dumps.items()}
+        self.excluded = {side: exclude_patterns(dump.manifest) for side, dump in self.dumps.items()}
+        # {reason: {holding side: keys}}, in the order of the notes
+        self.explained = {reason: {"REF": [], "RUN": []} for reason in ("filtered", "excluded", "fed", "ids")}
+
+    def sort(self, info: KeyInfo, rank: str) -> Problem | None:
+        """File `info`'s key (one side holds it) under the reason the other side lacks it; its
+        problem if none explains it (None as well for a key the lacking side holds unusably: that
+        member's own problem says why)."""
+        lacking, holder = ("RUN", "REF") if info.key not in self.dumps["RUN"].members else ("REF", "RUN")
+        dump = self.dumps[lacking]
+        if info.key in dump.bad_members or info.key in dump.excluded:
+            return None
+        reason = ("excluded" if spec.excluded_by(info.tag, self.excluded[lacking])
+                  else "filtered" if info.tag in self.filtered[lacking]
+                  else "fed" if info.tag == FED_TAG
+                  else "ids" if gate_without_ids(info.tag, dump, self.tags[lacking]) else None)
+        if reason is not None:
+            self.explained[reason][holder].append(info.key)
+            return None
+        if lacking == "RUN":
+            return Problem("missing_in_run", rank, "present in REF only", info.key)
+        return Problem("extra_in_run", rank, "present in RUN only", info.key)
+
+    def notes(self, shifted: bool) -> list[str]:
+        """One line per reason and side. (A side whose steps are `shifted` holds more fed tokens,
+        not a side that records none: no note for those.)"""
+        manifests = (self.dumps["REF"].manifest, self.dumps["RUN"].manifest)
+        write = {"filtered": lambda side, keys: one_sided_note(side, keys, *manifests),
+                 "excluded": lambda side, keys: excluded_note(side, keys, self.excluded),
+                 "fed": lambda side, keys: None if shifted else one_sided_fed_note(side, keys),
+                 "ids": one_sided_ids_note}
+        lines = (write[reason](side, keys) for reason, sides in self.explained.items()
+                 for side, keys in sides.items() if keys)
+        return [line for line in lines if line is not None]
+
+
+def moe_layers_of(manifest: dict | None) -> int | None:
+    """The COMPILEDUMP_MOE_LAYERS a side captured with (its manifest's config), or None."""
+    config = (manifest or {}).get("config")
+    return config.get("moe_layers") if isinstance(config, dict) else None
+
+
+def one_sided_note(side: str, keys: list[str], ref_manifest: dict | None, run_manifest: dict | None) -> str:
+    """One line for the keys `side` has whose tags the other side's host filter dropped, the two
+    sides' COMPILEDUMP_MOE_LAYERS differing: not compared, and both settings."""
+    other = "RUN" if side == "REF" else "REF"
+    return (f"{side} has {len(keys)} keys whose tags {other}'s COMPILEDUMP_MOE_LAYERS (REF "
+            f"{moe_layers_of(ref_manifest)}, RUN {moe_layers_of(run_manifest)}) filtered: not compared; set the "
+            f"same COMPILEDUMP_MOE_LAYERS on both sides to compare them ({preview(keys, 4)})")
+
+
+def exclude_patterns(manifest: dict | None) -> list[str]:
+    """The `instrument(exclude=...)` patterns a side was captured with (its manifest's), or none."""
+    patterns = (manifest or {}).get("exclude")
+    return [p for p in patterns if isinstance(p, str)] if isinstance(patterns, list) else []
+
+
+def excluded_note(side: str, keys: list[str], patterns: dict[str, list[str]]) -> str:
+    """One line for the keys only `side` has because the other side's instrument(exclude=...)
+    (`patterns`: each side's) left their tags out: not compared, and the patterns."""
+    other = "RUN" if side == "REF" else "REF"
+    return (f"{side} has {len(keys)} keys whose tags {other}'s instrument(exclude={tuple(patterns[other])!r}) left "
+            f"out: not compared ({preview(keys, 4)})")
+
+
+# Routing tags: a layer's expert ids (prompt and steps) and the router logits beside each step's
+_ROUTING_SUFFIXES = ("_step_topk", "_step_router", "_topk")
+
+
+def held_tags(dump: Dump) -> set[str]:
+    """The tags of the keys `dump` holds."""
+    return {info.tag for key, info in dump.infos.items() if key in dump.members}
+
+
+def gate_without_ids(tag: str, lacking: Dump, lacking_tags: set[str]) -> bool:
+    """Whether `tag` is routing that the `lacking` side never recorded (`lacking_tags`: its
+    `held_tags`) while it holds the layer's router logits: its gate returned logits alone (an
+    engine's: vLLM, SGLang)."""
+    suffix = next((suffix for suffix in _ROUTING_SUFFIXES if tag.endswith(suffix)), None)
+    return suffix is not None and tag not in lacking_tags and f"{tag[: -len(suffix)]}_router" in lacking.members
+
+
+def one_sided_ids_note(side: str, keys: list[str]) -> str:
+    """One line for the routing only `side` recorded (expert ids, a step's router logits), the other
+    side having none of their tags (its routers returned logits alone): not compared, and what that
+    leaves untold."""
+    other = "RUN" if side == "REF" else "REF"
+    return (f"{other} recorded no expert ids where {side} did ({len(keys)} keys: {preview(keys, 4)}): not "
+            f"compared, so a routing flip there cannot be told from a bug. A router that returns its logits "
+            f"alone records no ids, nor each step's routing (a gate returning (logits, None), as vLLM's and "
+            f"SGLang's do, whose fused MoE picks the experts): record {other}'s picks with "
+            "compiledump.record_ids('layer<i>_topk', topk_ids)")
