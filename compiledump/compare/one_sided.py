@@ -3,7 +3,7 @@
 A difference in how the two sides were captured explains most of them, and each such reason is one
 note per side instead of a problem per key: the other side's `instrument(exclude=...)` left the tags
 out (its manifest's `exclude`), its COMPILEDUMP_MOE_LAYERS filtered them (both manifests' config),
-only one side records the tokens it fed (`input_token`), or the other side's router returned its
+a layer state's step is past its COMPILEDUMP_LAYER_STEPS (its manifest's config), only one side records the tokens it fed (`input_token`), or the other side's router returned its
 logits alone and recorded no expert ids (an engine's gate). Any other key of one side is a problem:
 `missing_in_run` or `extra_in_run` (docs/compare.md).
 """
@@ -31,8 +31,10 @@ class OneSidedKeys:
         self.filtered = {side: set(fact["filtered"]) if differ else set() for side, fact in captured.items()}
         self.tags = {side: held_tags(dump) for side, dump in self.dumps.items()}
         self.excluded = {side: exclude_patterns(dump.manifest) for side, dump in self.dumps.items()}
+        self.layer_steps = {side: layer_steps_of(dump.manifest) for side, dump in self.dumps.items()}
         # {reason: {holding side: keys}}, in the order of the notes
-        self.explained = {reason: {"REF": [], "RUN": []} for reason in ("filtered", "excluded", "fed", "ids")}
+        self.explained = {reason: {"REF": [], "RUN": []}
+                          for reason in ("filtered", "layer_steps", "excluded", "fed", "ids")}
 
     def sort(self, info: KeyInfo, rank: str) -> Problem | None:
         """File `info`'s key (one side holds it) under the reason the other side lacks it; its
@@ -42,8 +44,10 @@ class OneSidedKeys:
         dump = self.dumps[lacking]
         if info.key in dump.bad_members or info.key in dump.excluded:
             return None
+        cap = self.layer_steps[lacking]
         reason = ("excluded" if spec.excluded_by(info.tag, self.excluded[lacking])
                   else "filtered" if info.tag in self.filtered[lacking]
+                  else "layer_steps" if spec.stream_step_tag(info.tag) and cap is not None and info.step >= cap
                   else "fed" if info.tag == FED_TAG
                   else "ids" if gate_without_ids(info.tag, dump, self.tags[lacking]) else None)
         if reason is not None:
@@ -58,6 +62,7 @@ class OneSidedKeys:
         not a side that records none: no note for those.)"""
         manifests = (self.dumps["REF"].manifest, self.dumps["RUN"].manifest)
         write = {"filtered": lambda side, keys: one_sided_note(side, keys, *manifests),
+                 "layer_steps": lambda side, keys: past_layer_steps_note(side, keys, self.layer_steps),
                  "excluded": lambda side, keys: excluded_note(side, keys, self.excluded),
                  "fed": lambda side, keys: None if shifted else one_sided_fed_note(side, keys),
                  "ids": one_sided_ids_note}
@@ -70,6 +75,21 @@ def moe_layers_of(manifest: dict | None) -> int | None:
     """The COMPILEDUMP_MOE_LAYERS a side captured with (its manifest's config), or None."""
     config = (manifest or {}).get("config")
     return config.get("moe_layers") if isinstance(config, dict) else None
+
+
+def layer_steps_of(manifest: dict | None) -> int | None:
+    """The COMPILEDUMP_LAYER_STEPS a side captured with (its manifest's config), or None."""
+    cap = ((manifest or {}).get("config") or {}).get("layer_steps")
+    return cap if isinstance(cap, int) and not isinstance(cap, bool) and cap >= 0 else None
+
+
+def past_layer_steps_note(side: str, keys: list[str], caps: dict[str, int | None]) -> str:
+    """One line for the layer states `side` has at steps past the other side's
+    COMPILEDUMP_LAYER_STEPS (`caps`: each side's): not compared, and both settings."""
+    other = "RUN" if side == "REF" else "REF"
+    return (f"{side} has {len(keys)} layer-state keys at steps past {other}'s COMPILEDUMP_LAYER_STEPS (REF "
+            f"{caps['REF']}, RUN {caps['RUN']}): not compared; set the same COMPILEDUMP_LAYER_STEPS on both sides to "
+            f"compare them ({preview(keys, 4)})")
 
 
 def one_sided_note(side: str, keys: list[str], ref_manifest: dict | None, run_manifest: dict | None) -> str:

@@ -17,6 +17,7 @@ from collections import Counter
 from ..format.keys import KeyInfo, order_key_infos
 from ..format.reader import Dump, preview
 from ..format.spec import NOT_RECURRENT_MIXERS
+from .one_sided import layer_steps_of
 
 RECORD_KINDS = ("record", "record_once")
 
@@ -217,8 +218,7 @@ def layer_steps_note(manifests: list, step: int | None, key: str) -> str | None:
     """Why a decode step's first divergence is named at a step key without a layer: the layers'
     states (`layer<N>_step_<n>`) were kept for the first COMPILEDUMP_LAYER_STEPS forwards only, and
     `step` is past them (on either side)."""
-    caps = [((manifest or {}).get("config") or {}).get("layer_steps") for manifest in manifests]
-    cap = min((c for c in caps if isinstance(c, int) and not isinstance(c, bool) and c > 0), default=None)
+    cap = min((c for c in map(layer_steps_of, manifests) if c), default=None)  # (0: none kept)
     if step is None or cap is None or step < cap or key.startswith("layer"):
         return None
     return (f"each layer's state at a decode step is kept for the first {cap} forwards (COMPILEDUMP_LAYER_STEPS="

@@ -21,6 +21,7 @@ import compiledump
 from compiledump import config as cd_config
 from compiledump.capture.recover import recover_directory
 from compiledump.cli import main
+from compiledump.compare import compare
 from compiledump.compare.options import CompareOptions, DECODE_NO_FLIP
 
 REPO = Path(__file__).resolve().parents[2]
@@ -113,6 +114,18 @@ def test_layer_steps_keeps_the_first_forwards_and_counts_the_rest_as_a_filter(tm
     assert not any("layer_steps" in message and "dropped" in message for message in warned), warned  # a filter
     assert any(message.startswith("compiledump: captures skipped by filters (") and "layer_steps: 12" in message
                for message in warned), warned
+    # Compared with a run that kept every step: the steps past 2 are one note, not a problem each.
+    _run(model, tmp_path / "all")
+    for ref, run, side in (("all", "two", "REF"), ("two", "all", "RUN")):
+        report = compare(tmp_path / ref, tmp_path / run)
+        (pair,) = report.pairs
+        assert report.exit_status == 0 and pair.problems == [], pair.problems
+        (note,) = [note for note in pair.notes if "COMPILEDUMP_LAYER_STEPS (" in note]
+        default = cd_config.Config().layer_steps  # (more than the 5 forwards)
+        caps = f"REF {default}, RUN 2" if ref == "all" else f"REF 2, RUN {default}"
+        assert note.startswith(f"{side} has 12 layer-state keys at steps past {'RUN' if side == 'REF' else 'REF'}'s "
+                               f"COMPILEDUMP_LAYER_STEPS ({caps}): not compared"), note
+        assert {f"layer{i}_step_{n}" for i in range(4) for n in (2, 3, 4)}.isdisjoint(r.key for r in pair.keys)
     # 0, or instrument(..., step_states=False): none recorded
     _run(model, tmp_path / "none", layer_steps=0)
     _run(model, tmp_path / "off", step_states=False)
