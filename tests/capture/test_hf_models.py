@@ -12,10 +12,8 @@ and issue 13 (verdicts with default thresholds).
 
 import copy
 import dataclasses
-import importlib.util
 import logging
 import warnings
-from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -28,11 +26,8 @@ from compiledump import cli
 from compiledump import config as cd_config
 from compiledump.compare import CompareOptions, compare
 from helpers import readme_samples
+from helpers.hf_example import ex
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("hf_example", REPO / "examples" / "hf_reference_vs_compiled.py")
-ex = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ex)
 
 STEPS = 3
 LAYERS = 3  # bugs go into layer 1: its internals pass the default MoE filter (layers 0 and 1), layer 2 follows

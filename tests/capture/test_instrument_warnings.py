@@ -4,9 +4,7 @@ decoder layers with no module whose input is the residual stream after attention
 norms in a ModuleList, Cohere2-MoE's parallel attention and MLP). Hugging Face models are built
 from config with random weights (nothing downloaded)."""
 
-import importlib.util
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,11 +14,8 @@ import transformers
 import compiledump
 from compiledump.capture.hf_layout import residual_after_attention
 from helpers.hf_models import longcat_flash
+from helpers.hf_example import ex
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("hf_example", REPO / "examples" / "hf_reference_vs_compiled.py")
-ex = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ex)
 _TINY = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
              head_dim=16, intermediate_size=48, max_position_embeddings=64)
 
@@ -145,7 +140,6 @@ def test_a_router_that_returns_no_logits_is_warned_and_left_out_of_the_taps(dump
     arrays = _arrays(compiledump.flush())
     assert not [key for key in arrays if "router" in key or "topk" in key]
     np.testing.assert_allclose(arrays["layer1"], expected[0, -1].numpy(), rtol=1e-6, atol=1e-6)
-
 
 
 def _cohere2_moe():

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 import json
 import re
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,11 +25,8 @@ from transformers import DynamicCache
 import compiledump
 from compiledump import config as cd_config
 from compiledump.cli import main
+from helpers.hf_example import ex
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("hf_example", REPO / "examples" / "hf_reference_vs_compiled.py")
-ex = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ex)
 
 PROMPT, STEPS = 7, 4
 

@@ -68,12 +68,8 @@ def test_the_manifest_names_each_layer_s_mixer_and_routing_and_a_recovered_dump_
 
 
 def test_an_attention_model_has_no_caution(dump_dir):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(
-        "hf_example", Path(__file__).resolve().parents[2] / "examples" / "hf_reference_vs_compiled.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    dump_prefill(example.build_model("qwen3_moe"), dump_dir, torch.randint(3, 200, (1, 7)), "all")
+    from helpers.hf_example import ex
+    dump_prefill(ex.build_model("qwen3_moe"), dump_dir, torch.randint(3, 200, (1, 7)), "all")
     mixers = _mixers(dump_dir)
     assert set(mixers.values()) == {"attention"} and hybrid_note([{"mixers": mixers}], 3, "bf16") is None
 

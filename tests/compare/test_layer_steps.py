@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 import json
 import warnings
 from pathlib import Path
@@ -23,11 +22,8 @@ from compiledump.capture.recover import recover_directory
 from compiledump.cli import main
 from compiledump.compare import compare
 from compiledump.compare.options import CompareOptions, DECODE_NO_FLIP
+from helpers.hf_example import ex
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("hf_example", REPO / "examples" / "hf_reference_vs_compiled.py")
-ex = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ex)
 
 PROMPT = 7
 TOKENS = [11, 40, 3, 77]  # teacher-forced decode tokens

@@ -5,13 +5,41 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 
 import compiledump
 from compiledump import config as cd_config
+
+
+def load_dump(path) -> tuple[dict, dict]:
+    """The arrays of the dump at `path` (an .npz) and its manifest."""
+    manifest = json.loads(Path(path).with_suffix(".json").read_text())
+    with np.load(path) as data:
+        return {key: data[key] for key in data.files}, manifest
+
+
+def forward_hidden(model: torch.nn.Module, ids: torch.Tensor):
+    """`model`'s output for `ids` (no KV cache given), with every layer's hidden states."""
+    with torch.no_grad():
+        return model(input_ids=ids, output_hidden_states=True)
+
+
+def router_output(model: torch.nn.Module, layer: int, ids: torch.Tensor):
+    """What layer `layer`'s router returns for `ids`, read by a hook of its own (its block is `mlp`
+    or `feed_forward`, its router `gate` or `router`)."""
+    block = getattr(model.model.layers[layer], "mlp", None) or model.model.layers[layer].feed_forward
+    router = getattr(block, "router", None) or block.gate
+    got = []
+    hook = router.register_forward_hook(lambda _m, _a, out: got.append(out))
+    with torch.no_grad():
+        model(input_ids=ids)
+    hook.remove()
+    return got[0]
 
 
 def dump_prefill(model: torch.nn.Module, directory: Path, ids: torch.Tensor, rows: str = "one",
