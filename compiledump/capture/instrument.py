@@ -225,6 +225,7 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
         raise TypeError(f"compiledump.instrument: exclude takes a sequence of tag patterns, got the string {exclude!r} "
                         f"(write exclude=({exclude!r},))")
     handle = Instrumented(inner, batch_row, step_routing, router_rows, step_states, exclude)
+    mixers.declare_exclude([])  # another model's patterns: gone, whether or not this call succeeds
     modules = dict(inner.named_modules())
     layers_path, layers = layout.find_layers(modules)
     if defaults:

@@ -1,11 +1,14 @@
 """Keys that one side holds and the other lacks, sorted by why.
 
 A difference in how the two sides were captured explains most of them, and each such reason is one
-note per side instead of a problem per key: the other side's `instrument(exclude=...)` left the tags
-out (its manifest's `exclude`), its COMPILEDUMP_MOE_LAYERS filtered them (both manifests' config),
-a layer state's step is past its COMPILEDUMP_LAYER_STEPS (its manifest's config), only one side records the tokens it fed (`input_token`), or the other side's router returned its
-logits alone and recorded no expert ids (an engine's gate). Any other key of one side is a problem:
-`missing_in_run` or `extra_in_run` (docs/compare.md).
+note per side instead of a problem per key. Checked in this order, the first that applies wins:
+the other side's `instrument(exclude=...)` left the tag out (its manifest's `exclude`, in the
+other side's tag names: after `--map`, RUN's patterns are not renamed); its COMPILEDUMP_MOE_LAYERS
+filtered the tag (the two settings differing); a layer state's step is past its
+COMPILEDUMP_LAYER_STEPS (its manifest counts them dropped as `layer_steps`, or the setting is 0);
+only one side records the tokens it fed (`input_token`); the other side's router returned its
+logits alone and recorded no expert ids (an engine's gate). Any other key of one side is a
+problem: `missing_in_run` or `extra_in_run` (docs/compare.md).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from ..format import spec
 from ..format.keys import KeyInfo
 from ..format.reader import Dump, preview
 from .inputs import FED_TAG, one_sided_fed_note
+from .phases import layer_steps_of, moe_layers_of
 from .report import Problem
 
 
@@ -30,9 +34,9 @@ class OneSidedKeys:
         differ = None not in settings and settings[0] != settings[1]
         self.filtered = {side: set(fact["filtered"]) if differ else set() for side, fact in captured.items()}
         self.tags = {side: held_tags(dump) for side, dump in self.dumps.items()}
-        self.excluded = {side: exclude_patterns(dump.manifest) for side, dump in self.dumps.items()}
+        self.exclude_patterns = {side: exclude_patterns(dump.manifest) for side, dump in self.dumps.items()}
         self.layer_steps = {side: layer_steps_of(dump.manifest) for side, dump in self.dumps.items()}
-        # {reason: {holding side: keys}}, in the order of the notes
+        # {reason: {holding side: keys}}: the notes' order (the checks' order is sort's)
         self.explained = {reason: {"REF": [], "RUN": []}
                           for reason in ("filtered", "layer_steps", "excluded", "fed", "ids")}
 
@@ -44,10 +48,9 @@ class OneSidedKeys:
         dump = self.dumps[lacking]
         if info.key in dump.bad_members or info.key in dump.excluded:
             return None
-        cap = self.layer_steps[lacking]
-        reason = ("excluded" if spec.excluded_by(info.tag, self.excluded[lacking])
+        reason = ("excluded" if spec.excluded_by(info.tag, self.exclude_patterns[lacking])
                   else "filtered" if info.tag in self.filtered[lacking]
-                  else "layer_steps" if spec.stream_step_tag(info.tag) and cap is not None and info.step >= cap
+                  else "layer_steps" if self._past_layer_steps(info, dump.manifest, self.layer_steps[lacking])
                   else "fed" if info.tag == FED_TAG
                   else "ids" if gate_without_ids(info.tag, dump, self.tags[lacking]) else None)
         if reason is not None:
@@ -57,30 +60,29 @@ class OneSidedKeys:
             return Problem("missing_in_run", rank, "present in REF only", info.key)
         return Problem("extra_in_run", rank, "present in RUN only", info.key)
 
+    @staticmethod
+    def _past_layer_steps(info: KeyInfo, manifest: dict | None, cap: int | None) -> bool:
+        """Whether `info` is a layer state's step that the side with `manifest` did not keep for
+        its COMPILEDUMP_LAYER_STEPS `cap`: none kept (0), or the step past the cap and such steps
+        counted dropped (a side that ran fewer forwards is not told to change its setting)."""
+        if info.kind != "step" or info.step is None or not spec.stream_step_tag(info.tag) or cap is None:
+            return False
+        entry = ((manifest or {}).get("tags") or {}).get(f"{info.tag}_<n>")
+        drops = entry.get("drops") if isinstance(entry, dict) else None
+        return cap == 0 or (info.step >= cap and isinstance(drops, dict) and bool(drops.get("layer_steps")))
+
     def notes(self, shifted: bool) -> list[str]:
         """One line per reason and side. (A side whose steps are `shifted` holds more fed tokens,
         not a side that records none: no note for those.)"""
         manifests = (self.dumps["REF"].manifest, self.dumps["RUN"].manifest)
-        write = {"filtered": lambda side, keys: one_sided_note(side, keys, *manifests),
+        write = {"filtered": lambda side, keys: moe_filter_note(side, keys, *manifests),
                  "layer_steps": lambda side, keys: past_layer_steps_note(side, keys, self.layer_steps),
-                 "excluded": lambda side, keys: excluded_note(side, keys, self.excluded),
+                 "excluded": lambda side, keys: excluded_note(side, keys, self.exclude_patterns),
                  "fed": lambda side, keys: None if shifted else one_sided_fed_note(side, keys),
                  "ids": one_sided_ids_note}
         lines = (write[reason](side, keys) for reason, sides in self.explained.items()
                  for side, keys in sides.items() if keys)
         return [line for line in lines if line is not None]
-
-
-def moe_layers_of(manifest: dict | None) -> int | None:
-    """The COMPILEDUMP_MOE_LAYERS a side captured with (its manifest's config), or None."""
-    config = (manifest or {}).get("config")
-    return config.get("moe_layers") if isinstance(config, dict) else None
-
-
-def layer_steps_of(manifest: dict | None) -> int | None:
-    """The COMPILEDUMP_LAYER_STEPS a side captured with (its manifest's config), or None."""
-    cap = ((manifest or {}).get("config") or {}).get("layer_steps")
-    return cap if isinstance(cap, int) and not isinstance(cap, bool) and cap >= 0 else None
 
 
 def past_layer_steps_note(side: str, keys: list[str], caps: dict[str, int | None]) -> str:
@@ -92,7 +94,7 @@ def past_layer_steps_note(side: str, keys: list[str], caps: dict[str, int | None
             f"compare them ({preview(keys, 4)})")
 
 
-def one_sided_note(side: str, keys: list[str], ref_manifest: dict | None, run_manifest: dict | None) -> str:
+def moe_filter_note(side: str, keys: list[str], ref_manifest: dict | None, run_manifest: dict | None) -> str:
     """One line for the keys `side` has whose tags the other side's host filter dropped, the two
     sides' COMPILEDUMP_MOE_LAYERS differing: not compared, and both settings."""
     other = "RUN" if side == "REF" else "REF"

@@ -17,7 +17,6 @@ from collections import Counter
 from ..format.keys import KeyInfo, order_key_infos
 from ..format.reader import Dump, preview
 from ..format.spec import NOT_RECURRENT_MIXERS
-from .one_sided import layer_steps_of
 
 RECORD_KINDS = ("record", "record_once")
 
@@ -154,6 +153,19 @@ def hybrid_note(manifests: list, layer: int | None, klass: str | None) -> str | 
 
 
 _FILTERS = {"moe_layers": "COMPILEDUMP_MOE_LAYERS"}
+
+
+def moe_layers_of(manifest: dict | None) -> int | None:
+    """The COMPILEDUMP_MOE_LAYERS a side captured with (its manifest's config), or None."""
+    config = (manifest or {}).get("config")
+    return config.get("moe_layers") if isinstance(config, dict) else None
+
+
+def layer_steps_of(manifest: dict | None) -> int | None:
+    """The COMPILEDUMP_LAYER_STEPS a side captured with (its manifest's config), or None."""
+    config = (manifest or {}).get("config")
+    cap = config.get("layer_steps") if isinstance(config, dict) else None
+    return cap if isinstance(cap, int) and not isinstance(cap, bool) and cap >= 0 else None
 
 
 def not_captured_note(facts: dict[str, dict | None]) -> str | None:

@@ -124,9 +124,10 @@ def layer_of(tag: str) -> int | None:
 # `instrument(exclude=...)` leaves default tags out by pattern, `{i}` standing for any layer index
 # (the manifest's "exclude" lists the patterns). A tag left out takes along the tags recorded by
 # the same hook: a layer `layer<N>` its step state `layer<N>_step`, a router `<name>_router` its
-# picks `<name>_topk` and its steps `<name>_step_router`, `<name>_step_topk`.
+# picks `<name>_topk` and its steps `<name>_step_router`, `<name>_step_topk` (instrument's routers:
+# a layer's MoE `layer<N>`, its attention heads' `layer<N>_attn`, its indexer's `layer<N>_index`).
 _TAKEN_ALONG = ((re.compile(r"^(layer\d+)_step$"), r"\1"),
-                (re.compile(r"^(.+?)_(?:step_topk|step_router|topk)$"), r"\1_router"))
+                (re.compile(r"^(layer\d+(?:_attn|_index)?)_(?:step_topk|step_router|topk)$"), r"\1_router"))
 
 
 def tag_pattern(pattern: str) -> re.Pattern:

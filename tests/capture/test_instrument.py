@@ -258,6 +258,12 @@ def test_exclude_patterns_must_match_a_tag(dump_dir):
     ids = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(5))
     _forward(model, ids)
     assert compiledump.flush() is None  # the refused calls left no hook behind
+    # Another model's patterns do not reach a later manifest through a refused call.
+    compiledump.instrument(ex.build_model("llama"), exclude=("layer{i}_mlp",)).remove()
+    with pytest.raises(ValueError):
+        compiledump.instrument(model, exclude=("layer9",))
+    compiledump.record_step("by_hand", torch.randn(8))
+    assert "exclude" not in _load(compiledump.flush())[1]
 
 
 def test_bad_arguments_are_clear_errors(dump_dir):

@@ -54,6 +54,24 @@ def test_layer_of(tag, layer):
     assert spec.layer_of(tag) == layer
 
 
+PATTERNS = ["layer{i}_mlp", "layer1", "layer{i}_router", "layer{i}_index_router", "a.b", "x{i}"]
+
+
+@pytest.mark.parametrize("tag, pattern", [
+    ("layer0_mlp", "layer{i}_mlp"), ("layer12_mlp", "layer{i}_mlp"), ("layer_mlp", None), ("layer1_mlp_x", None),
+    ("layer1", "layer1"), ("layer1_step", "layer1"), ("layer11", None), ("layer11_step", None), ("layer1_attn", None),
+    ("layer3_router", "layer{i}_router"), ("layer3_topk", "layer{i}_router"), ("layer3_step_router", "layer{i}_router"),
+    ("layer3_step_topk", "layer{i}_router"), ("layer3_attn_topk", None), ("layer3_index_step_topk", "layer{i}_index_router"),
+    ("layer3_index_topk", "layer{i}_index_router"), ("layer3_index_router", "layer{i}_index_router"),
+    ("foo_topk", None), ("a.b", "a.b"), ("axb", None), ("x7", "x{i}"), ("x", None), ("logits", None),
+])
+def test_excluded_by_names_the_pattern_that_leaves_a_tag_out(tag, pattern):
+    """A pattern leaves out its tags and what their hooks record along (a layer's step state, a
+    router's picks and steps); `{i}` is any layer index, everything else literal."""
+    assert spec.excluded_by(tag, PATTERNS) == pattern
+    assert spec.excluded_by(tag, []) is None
+
+
 def test_dump_names():
     for rank in ("0", "13", "x"):
         match = spec.DUMP_NAME.match(spec.dump_stem(rank, 4242) + ".npz")

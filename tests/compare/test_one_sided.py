@@ -1,0 +1,81 @@
+"""Keys only one side holds (compiledump/compare/one_sided.py): a difference in how the sides were
+captured (the other side's `instrument(exclude=...)`, its COMPILEDUMP_LAYER_STEPS) is one note per
+reason, naming it; anything else is a problem per key. Dumps are built with numpy here, each side's
+manifest saying what its capture settings were, as the runtime writes them (docs/format.md)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from compiledump.compare import compare
+from helpers import dumpfactory as factory
+from helpers.dumpfactory import Capture
+
+DIM = 37
+
+
+def _captures(rng, steps: int, mlp: bool, extra: bool) -> list[Capture]:
+    """Layer 0's output, MoE output (`mlp`) and state at decode steps 1..`steps`; the logits of
+    steps 0..4; with `extra`, a hand-written record named like a layer state and a plain tag."""
+    vector = lambda: (rng.standard_normal(DIM) + 0.5).astype(np.float32)  # noqa: E731
+    captures = [Capture("layer0", vector(), "record", "layer0")]
+    if mlp:
+        captures.append(Capture("layer0_mlp", vector(), "record", "layer0_mlp"))
+    if extra:
+        captures += [Capture("layer3_step", vector(), "record", "layer3_step"), Capture("foo", vector(), "record", "foo")]
+    captures += [Capture(f"layer0_step_{n}", vector(), "step", "layer0_step", n) for n in range(1, steps + 1)]
+    captures += [Capture(f"logits_{n}", vector(), "step", "logits", n) for n in range(5)]
+    return captures
+
+
+def _write(directory, captures, layer_steps: int, exclude=None, dropped: int = 0):
+    manifest = factory.manifest_for(captures, source_dtype="float32")
+    manifest["config"]["layer_steps"] = layer_steps
+    if exclude is not None:
+        manifest["exclude"] = exclude
+    if dropped:
+        manifest["tags"]["layer0_step_<n>"]["drops"] = {"layer_steps": dropped}
+    return factory.write_compiledump(directory, captures, manifest=manifest)
+
+
+@pytest.mark.parametrize("exclude, dropped, excluded_keys, past_keys, problems", [
+    # RUN left layer<i>_mlp out and kept 2 layer states (steps 3-4 counted dropped)
+    (["layer{i}_mlp"], 2, ["layer0_mlp"], ["layer0_step_3", "layer0_step_4"], ["layer3_step", "foo"]),
+    # ... and layer 0 too: its states go with it (the first reason that applies wins)
+    (["layer{i}_mlp", "layer0"], 2, ["layer0_mlp", "layer0_step_3", "layer0_step_4"], [], ["layer3_step", "foo"]),
+    # No exclude; RUN ran 2 decode steps only (nothing dropped): its missing states are problems
+    (None, 0, [], [], ["layer0_mlp", "layer3_step", "foo", "layer0_step_3", "layer0_step_4"]),
+])
+def test_one_note_per_reason_and_a_problem_for_the_rest(tmp_path, exclude, dropped, excluded_keys, past_keys,
+                                                         problems):
+    rng = np.random.default_rng(3)
+    ref_captures = _captures(rng, steps=4, mlp=True, extra=True)
+    by_key = {c.key: c for c in ref_captures}
+    run_captures = [by_key[c.key] for c in _captures(rng, steps=2, mlp=False, extra=False)]  # same values
+    ref = _write(tmp_path / "ref", ref_captures, layer_steps=16)
+    run = _write(tmp_path / "run", run_captures, layer_steps=2 if dropped else 16, exclude=exclude, dropped=dropped)
+    for swapped in (False, True):
+        report = compare(run, ref) if swapped else compare(ref, run)
+        (pair,) = report.pairs
+        holder, other = ("RUN", "REF") if swapped else ("REF", "RUN")
+        kind = "extra_in_run" if swapped else "missing_in_run"
+        assert sorted((p.kind, p.key) for p in pair.problems) == sorted((kind, key) for key in problems)
+        excluded = [n for n in pair.notes if "instrument(exclude=" in n]
+        past = [n for n in pair.notes if "COMPILEDUMP_LAYER_STEPS (" in n]
+        if excluded_keys:
+            assert excluded == [f"{holder} has {len(excluded_keys)} keys whose tags {other}'s instrument(exclude="
+                                f"{tuple(exclude)!r}) left out: not compared ({', '.join(excluded_keys)})"]
+        else:
+            assert excluded == []
+        if past_keys:
+            caps = "REF 2, RUN 16" if swapped else "REF 16, RUN 2"
+            assert past == [f"{holder} has 2 layer-state keys at steps past {other}'s COMPILEDUMP_LAYER_STEPS "
+                            f"({caps}): not compared; set the same COMPILEDUMP_LAYER_STEPS on both sides to compare "
+                            f"them ({', '.join(past_keys)})"]
+        else:
+            assert past == []
+        # What both hold is compared, equal.
+        compared = {record.key for record in pair.keys}
+        assert compared == {"layer0", "layer0_step_1", "layer0_step_2", *(f"logits_{n}" for n in range(5))}
+        assert report.first_divergence is None
