@@ -13,6 +13,7 @@ from ..format.keys import order_key_infos
 from ..format.reader import DumpError, DumpFile, ShardInfo, collect_dumps, preview, rank_sort_key
 from ..format.routers import router_from_json
 from .metrics import CHUNK_ELEMENTS
+from .one_sided import exclude_patterns
 from .text import fmt_value, nonfinite_text
 
 
@@ -76,6 +77,7 @@ def inspect_dump(dump: DumpFile) -> dict:
         routers = manifest.get("routers") if isinstance(manifest.get("routers"), dict) else {}
         summary["routers"] = {tag: (info.describe() if info is not None else "malformed: not used")
                               for tag, info in ((tag, router_from_json(entry)) for tag, entry in routers.items())}
+        summary["exclude"] = exclude_patterns(manifest)  # instrument(exclude=...): tags never hooked
         if "first_nonfinite" in manifest:  # absent from dumps older than the non-finite counters
             summary["first_nonfinite"] = manifest["first_nonfinite"]
         summary["nonfinite_tags"] = {tag: entry["nonfinite"] for tag, entry in (manifest.get("tags") or {}).items()
@@ -118,6 +120,8 @@ def format_inspection(summary: dict) -> list[str]:
         lines.append("drops: " + (", ".join(f"{reason}={count}" for reason, count in drops.items()) or "none"))
         for tag, tag_drops in (summary.get("tag_drops") or {}).items():
             lines.append(f"  {tag}: " + ", ".join(f"{reason}={count}" for reason, count in tag_drops.items()))
+        if summary.get("exclude"):
+            lines.append("instrument(exclude=...): " + ", ".join(summary["exclude"]) + " (those tags were never hooked)")
         filtered = summary.get("filtered_tags") or {}
         if filtered:
             lines.append("filtered tags: " + ", ".join(f"{tag} ({why})" for tag, why in filtered.items()))

@@ -27,6 +27,7 @@ def test_inspect_lists_keys_in_order_with_statistics(tmp_path, capsys):
                                     filtered_tags={"layer7_topk": "moe_layers"})
     manifest["tags"]["layer0"]["drops"] = {"token_gate": 38}
     manifest["capture_path"] = "native"
+    manifest["exclude"] = ["layer{i}_mlp", "layer1"]
     path = factory.write_compiledump(tmp_path, captures, shuffle_with=rng, manifest=manifest)
     code, out, err = run_cli(capsys, "inspect", path, "--json", tmp_path / "i.json")
     assert code == 0 and not err
@@ -44,6 +45,8 @@ def test_inspect_lists_keys_in_order_with_statistics(tmp_path, capsys):
     assert any(line.startswith("drops: token_gate=38, suspended=1") for line in out)
     assert any(line.strip() == "layer0: token_gate=38" for line in out)
     assert any("filtered tags: layer7_topk (moe_layers)" in line for line in out)
+    assert listing["exclude"] == ["layer{i}_mlp", "layer1"]
+    assert "instrument(exclude=...): layer{i}_mlp, layer1 (those tags were never hooked)" in out
     assert any(line.startswith("config:") and "max_steps=256" in line for line in out)
     assert out[-1] == "31 keys: 14 record, 6 ids, 1 record_once, 10 step; decode steps 0..4"
 
