@@ -3,7 +3,7 @@ and nothing else, then compared.
 
     python examples/hf_reference_vs_compiled.py [OUT] [--model qwen3_moe|mixtral|llama|deepseek_v3|deepseek_v3_grouped] [--batch 4]
         [--steps 6] [--dtype float32|bfloat16|float16] [--rows one|all]
-        [--inject-bug LAYER [--bug norm|experts|expert]]
+        [--inject-bug LAYER [--bug norm|experts|expert]] [--exclude TAG_PATTERN ...]
 
 The model is built from a small config with random weights (nothing is downloaded), the same
 weights on both sides:
@@ -16,8 +16,10 @@ Both decode the same teacher-forced tokens, so a bug changes values, not inputs.
 breaks one layer of the engine side only: `norm` scales its post-attention norm weight by
 `--scale` (default 1.01), `experts` every expert's down projection (the MLP's for a dense
 model), `expert` one expert's, chosen among those the prompt uses but its last token does not
-(so only `--rows all` can see it before the layer output). Prints the comparison and exits with
-its status (0 no divergence, 1 divergence, 3 not comparable).
+(so only `--rows all` can see it before the layer output). `--exclude` leaves tags out of the
+engine's `instrument` (`--exclude 'layer{i}_mlp'`: the taps whose capture can move a compiled bf16
+MoE model's rounding, docs/compiling.md). Prints the comparison and exits with its status (0 no
+divergence, 1 divergence, 3 not comparable).
 """
 
 from __future__ import annotations
@@ -143,13 +145,13 @@ class Engine:
     """
 
     def __init__(self, model: torch.nn.Module, inputs: Inputs, dtype: torch.dtype = torch.float32,
-                 rows: str = "one", dump_dir: Path | None = None):
+                 rows: str = "one", dump_dir: Path | None = None, exclude: tuple[str, ...] = ()):
         self.model, self.inputs, self.rows = model.to(dtype), inputs, rows
         torch._dynamo.reset()
         # Where each flush writes before `run` moves the dump out: removed with the engine.
         self._scratch = tempfile.TemporaryDirectory(prefix="compiledump-engine-") if dump_dir is None else None
         _start(dump_dir or Path(self._scratch.name), rows)
-        self.handle = compiledump.instrument(self.model)  # before compiling: dynamo traces the hooks
+        self.handle = compiledump.instrument(self.model, exclude=exclude)  # before compiling: dynamo traces the hooks
         self.forward = torch.compile(self.model.forward, fullgraph=True)
         self.graphs = self.breaks = 0
 
@@ -217,13 +219,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inject-bug", type=int, metavar="LAYER", help="break this layer of the engine side")
     parser.add_argument("--bug", choices=BUGS, default="norm")
     parser.add_argument("--scale", type=float, default=1.01, help="the injected bug's scale (default 1.01)")
+    parser.add_argument("--exclude", action="append", default=[], metavar="TAG_PATTERN",
+                        help="leave this tag out of the engine's instrument(), {i} for every layer (repeatable)")
     args = parser.parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="compiledump-hf-"))
     model = build_model(args.model)
     inputs = Inputs(model.config.vocab_size, args.steps, args.batch)
     started = time.perf_counter()
     reference = run_reference(model, inputs, out / "reference", args.rows)
-    engine = Engine(copy.deepcopy(model), inputs, getattr(torch, args.dtype), args.rows)
+    engine = Engine(copy.deepcopy(model), inputs, getattr(torch, args.dtype), args.rows, exclude=tuple(args.exclude))
     if args.inject_bug is not None:
         expert = pick_expert(model, inputs, args.inject_bug) if args.bug == "expert" else None
         inject(engine.model, args.bug, args.inject_bug, args.scale, expert)

@@ -4,6 +4,7 @@ import importlib.util
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -44,3 +45,11 @@ def test_vllm_style_engine(tmp_path, capsys):
     assert capsys.readouterr().out.splitlines()[-1].startswith("no divergence: ")
     assert module.main([str(tmp_path / "bug"), "--bug", "renormalize", "--seed", "3"]) == 1
     assert capsys.readouterr().out.splitlines()[-1].startswith("first divergence: layer0_mlp (layer 0)")
+
+
+def test_hf_example_passes_exclude_to_the_engine_s_instrument(tmp_path, dump_dir):
+    """`--exclude` reaches the engine's `instrument()`: a pattern that matches no tag is refused
+    there, naming the tags, before anything compiles."""
+    module = _load("hf_reference_vs_compiled")
+    with pytest.raises(ValueError, match=r"'layer\{i\}_nope' match no tag attached \(tags: .*layer\{i\}_mlp"):
+        module.main([str(tmp_path), "--model", "llama", "--steps", "1", "--exclude", "layer{i}_nope"])
