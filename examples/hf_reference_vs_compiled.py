@@ -18,7 +18,8 @@ breaks one layer of the engine side only: `norm` scales its post-attention norm 
 model), `expert` one expert's, chosen among those the prompt uses but its last token does not
 (so only `--rows all` can see it before the layer output). `--exclude` leaves tags out of the
 engine's `instrument` (`--exclude 'layer{i}_mlp'`: the taps whose capture can move a compiled bf16
-MoE model's rounding, docs/compiling.md). Prints the comparison and exits with its status (0 no
+MoE model's rounding; without them a bug inside the MoE block can go unseen: docs/compiling.md).
+Prints the comparison and exits with its status (0 no
 divergence, 1 divergence, 3 not comparable).
 """
 
