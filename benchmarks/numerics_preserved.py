@@ -33,13 +33,14 @@ from harness import REPO, machine
 
 sys.path.insert(0, str(REPO / "examples"))
 
+# Each tap set as instrument()'s arguments.
 TAP_SETS = {
-    "defaults": None,
-    "layer": {"layer{i}": "model.layers.{i}"},
-    "attn": {"layer{i}_attn": "model.layers.{i}.post_attention_layernorm:input"},
-    "mlp": {"layer{i}_mlp": "model.layers.{i}.mlp"},
-    "router": {"layer{i}_router": "model.layers.{i}.mlp.gate"},
-    "no-mlp": "exclude",
+    "defaults": {},
+    "layer": {"taps": {"layer{i}": "model.layers.{i}"}, "defaults": False},
+    "attn": {"taps": {"layer{i}_attn": "model.layers.{i}.post_attention_layernorm:input"}, "defaults": False},
+    "mlp": {"taps": {"layer{i}_mlp": "model.layers.{i}.mlp"}, "defaults": False},
+    "router": {"taps": {"layer{i}_router": "model.layers.{i}.mlp.gate"}, "defaults": False},
+    "no-mlp": {"exclude": ("layer{i}_mlp",)},
 }
 
 
@@ -57,17 +58,12 @@ def forwards(model: torch.nn.Module, ids: torch.Tensor, steps: int = 2) -> list[
     return outputs
 
 
-def instrumented(model: torch.nn.Module, ids: torch.Tensor, taps: dict | None) -> list[torch.Tensor]:
+def instrumented(model: torch.nn.Module, ids: torch.Tensor, tap_set: dict) -> list[torch.Tensor]:
     import compiledump
 
     compiledump.reset()
     compiledump.configure(dir=tempfile.mkdtemp(prefix="compiledump-numerics-"))
-    if taps is None:
-        handle = compiledump.instrument(model)
-    elif taps == "exclude":
-        handle = compiledump.instrument(model, exclude=("layer{i}_mlp",))
-    else:
-        handle = compiledump.instrument(model, taps, defaults=False)
+    handle = compiledump.instrument(model, **tap_set)
     with compiledump.profiling():
         outputs = forwards(model, ids)
     with warnings.catch_warnings():
