@@ -104,7 +104,7 @@ def collect(slots, overflow_tags, arena: np.ndarray, ctrl: np.ndarray, prompt_to
                 key = spec.step_key(slot.tag, n) if is_step else slot.tag
                 keys[key] = {**meta, "step": n} if is_step else meta
                 arrays[key] = steps[n]
-        name = f"{slot.tag}_<n>" if slot.kind == L.KIND_STEP else slot.tag
+        name = spec.tag_entry_name(slot.tag, slot.kind == L.KIND_STEP)
         tags[name] = {
             "tag": slot.tag,
             "kind": L.KIND_NAMES[slot.kind],

@@ -67,7 +67,7 @@ class OneSidedKeys:
         counted dropped (a side that ran fewer forwards is not told to change its setting)."""
         if info.kind != "step" or info.step is None or not spec.stream_step_tag(info.tag) or cap is None:
             return False
-        entry = ((manifest or {}).get("tags") or {}).get(f"{info.tag}_<n>")
+        entry = ((manifest or {}).get("tags") or {}).get(spec.tag_entry_name(info.tag, step=True))
         drops = entry.get("drops") if isinstance(entry, dict) else None
         return cap == 0 or (info.step >= cap and isinstance(drops, dict) and bool(drops.get("layer_steps")))
 

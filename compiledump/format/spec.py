@@ -71,6 +71,15 @@ def step_key(tag: str, step: int) -> str:
     return f"{tag}_{step}"
 
 
+# The manifest's `tags` holds one entry per tag, a `record_step` tag's named `<tag>_<n>`.
+STEP_TAG_SUFFIX = "_<n>"
+
+
+def tag_entry_name(tag: str, step: bool) -> str:
+    """The name of `tag`'s entry in the manifest's `tags` (`step`: a `record_step` tag)."""
+    return tag + STEP_TAG_SUFFIX if step else tag
+
+
 def split_step_key(key: str) -> tuple[str, int] | None:
     """(tag, step) if `key` has the shape of a step key `<tag>_<n>`, else None."""
     match = _STEP_KEY.match(key)

@@ -25,6 +25,7 @@ def test_cpp_drop_reasons_and_kinds_match_python():
     kinds = dict(re.findall(r'case (KIND_\w+): return "(\w+)";', dump))
     assert {getattr(L, kind): name for kind, name in kinds.items()} == L.KIND_NAMES
     assert '"step_capacity"' in dump
+    assert f'slot->kind == KIND_STEP ? slot->tag + "{spec.STEP_TAG_SUFFIX}" : slot->tag' in dump  # tag_entry_name
 
 
 def test_device_names_are_the_format_names():
