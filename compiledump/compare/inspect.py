@@ -13,7 +13,7 @@ from ..format.keys import order_key_infos
 from ..format.reader import DumpError, DumpFile, ShardInfo, collect_dumps, preview, rank_sort_key
 from ..format.routers import router_from_json
 from .metrics import CHUNK_ELEMENTS
-from .one_sided import exclude_patterns
+from .phases import exclude_patterns
 from .text import fmt_value, nonfinite_text
 
 

@@ -17,7 +17,7 @@ from ..format import spec
 from ..format.keys import KeyInfo
 from ..format.reader import Dump, preview
 from .inputs import FED_TAG, one_sided_fed_note
-from .phases import layer_steps_of, moe_layers_of
+from .phases import exclude_patterns, layer_steps_of, moe_layers_of
 from .report import Problem
 
 
@@ -101,12 +101,6 @@ def moe_filter_note(side: str, keys: list[str], ref_manifest: dict | None, run_m
     return (f"{side} has {len(keys)} keys whose tags {other}'s COMPILEDUMP_MOE_LAYERS (REF "
             f"{moe_layers_of(ref_manifest)}, RUN {moe_layers_of(run_manifest)}) filtered: not compared; set the "
             f"same COMPILEDUMP_MOE_LAYERS on both sides to compare them ({preview(keys, 4)})")
-
-
-def exclude_patterns(manifest: dict | None) -> list[str]:
-    """The `instrument(exclude=...)` patterns a side was captured with (its manifest's), or none."""
-    patterns = (manifest or {}).get("exclude")
-    return [p for p in patterns if isinstance(p, str)] if isinstance(patterns, list) else []
 
 
 def excluded_note(side: str, keys: list[str], patterns: dict[str, list[str]]) -> str:

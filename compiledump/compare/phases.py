@@ -168,6 +168,12 @@ def layer_steps_of(manifest: dict | None) -> int | None:
     return cap if isinstance(cap, int) and not isinstance(cap, bool) and cap >= 0 else None
 
 
+def exclude_patterns(manifest: dict | None) -> list[str]:
+    """The `instrument(exclude=...)` patterns a side was captured with (its manifest's), or none."""
+    patterns = (manifest or {}).get("exclude")
+    return [p for p in patterns if isinstance(p, str)] if isinstance(patterns, list) else []
+
+
 def not_captured_note(facts: dict[str, dict | None]) -> str | None:
     """One line over both sides: tags filtered, tags never kept, dropped calls, with counts."""
     parts = []
