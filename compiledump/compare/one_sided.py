@@ -113,10 +113,6 @@ def excluded_note(side: str, keys: list[str], patterns: dict[str, list[str]]) ->
             "keys past their thresholds")
 
 
-# Routing tags: a layer's expert ids (prompt and steps) and the router logits beside each step's
-_ROUTING_SUFFIXES = ("_step_topk", "_step_router", "_topk")
-
-
 def held_tags(dump: Dump) -> set[str]:
     """The tags of the keys `dump` holds."""
     return {info.tag for key, info in dump.infos.items() if key in dump.members}
@@ -126,7 +122,7 @@ def gate_without_ids(tag: str, lacking: Dump, lacking_tags: set[str]) -> bool:
     """Whether `tag` is routing that the `lacking` side never recorded (`lacking_tags`: its
     `held_tags`) while it holds the layer's router logits: its gate returned logits alone (an
     engine's: vLLM, SGLang)."""
-    suffix = next((suffix for suffix in _ROUTING_SUFFIXES if tag.endswith(suffix)), None)
+    suffix = next((suffix for suffix in spec.ROUTING_SUFFIXES if tag.endswith(suffix)), None)
     return suffix is not None and tag not in lacking_tags and f"{tag[: -len(suffix)]}_router" in lacking.members
 
 

@@ -135,8 +135,8 @@ def layer_of(tag: str) -> int | None:
 # the same hook: a layer `layer<N>` its step state `layer<N>_step`, a router `<name>_router` its
 # picks `<name>_topk` and its steps `<name>_step_router`, `<name>_step_topk` (instrument's routers:
 # a layer's MoE `layer<N>`, its attention heads' `layer<N>_attn`, its indexer's `layer<N>_index`).
-_TAKEN_ALONG = ((re.compile(r"^(layer\d+)_step$"), r"\1"),
-                (re.compile(r"^(layer\d+(?:_attn|_index)?)_(?:step_topk|step_router|topk)$"), r"\1_router"))
+ROUTING_SUFFIXES = ("_step_topk", "_step_router", "_topk")  # a router's tags beside `<name>_router`
+_INSTRUMENT_ROUTING = re.compile(rf"^(layer\d+(?:_attn|_index)?)(?:{'|'.join(ROUTING_SUFFIXES)})$")
 
 
 def tag_pattern(pattern: str) -> re.Pattern:
@@ -147,7 +147,11 @@ def tag_pattern(pattern: str) -> re.Pattern:
 def excluded_by(tag: str, patterns) -> str | None:
     """The first of `patterns` (`instrument(exclude=...)`'s) that leaves `tag` out, itself or with
     the tag it is recorded with; None if none does."""
-    owners = [tag] + [regex.sub(owner, tag) for regex, owner in _TAKEN_ALONG if regex.match(tag)]
+    owners = [tag]
+    if stream_step_tag(tag):
+        owners.append(tag[: -len("_step")])
+    if (routing := _INSTRUMENT_ROUTING.match(tag)) is not None:
+        owners.append(f"{routing.group(1)}_router")
     return next((pattern for pattern in patterns if any(tag_pattern(pattern).fullmatch(o) for o in owners)), None)
 
 
