@@ -24,6 +24,9 @@ import torch  # noqa: E402
 
 import compiledump  # noqa: E402
 from compiledump import config as cd_config  # noqa: E402
+from helpers import triton_interpreter  # noqa: E402
+
+triton_interpreter.install()  # one patch of triton.language per interpreted launch (see there)
 
 
 def _interpreter_usable() -> str | None:

@@ -1,0 +1,64 @@
+"""A faster Triton interpreter for the suite: each launch patches triton.language once, not again
+on every nested @triton.jit call.
+
+Triton's interpreter (3.6 and 3.9 alike) patches triton.language for the whole grid when a launch
+starts (`GridExecutor.__call__` -> `_patch_lang`, restored when the grid is done), and then again
+at every call of a nested @triton.jit function (`InterpretedFunction.__call__` -> `_patch_lang`,
+never restored). What `_patch_lang` patches are the language modules themselves (`triton.language`
+and `triton.language.core`, whichever the function's module imports), shared by every module. So
+a nested call whose module imports no language module the launched kernel's module did not
+(compiledump/ops/triton_steps.py's helpers, called from triton_kernel.py's kernel) finds them
+patched already, and its patch walks them with `inspect.getmembers` to re-wrap nothing: about a
+third of every interpreted kernel case. Here such a call skips it; any other patches as before.
+
+Only speed changes: every interpreted test compares the kernel with the reference kernel bit for
+bit, so a patch that changed what the interpreter computes would fail them. Where Triton's
+internals differ from what this expects, nothing is installed and the interpreter runs as
+shipped (tests/ops/test_triton_interpreter_speedup.py then fails, to say the speed-up is gone).
+"""
+
+import threading
+
+_launch = threading.local()  # the language modules the running launch patched (None: no launch)
+
+
+def _languages(fn) -> set:
+    """The language modules `_patch_lang(fn)` patches: those `fn`'s module imports."""
+    import triton.language as tl
+
+    return {id(value) for value in fn.__globals__.values() if value is tl or value is tl.core}
+
+
+def install() -> bool:
+    """Wrap the interpreter's `_patch_lang` and `GridExecutor.__call__`; True where installed."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    if getattr(interpreter._patch_lang, "skips_nested", False):
+        return True
+    if not all(hasattr(interpreter, name) for name in ("_patch_lang", "_LangPatchScope", "GridExecutor")):
+        return False
+    patch_lang, grid_call = interpreter._patch_lang, interpreter.GridExecutor.__call__
+
+    def _patch_lang(fn):
+        patched = getattr(_launch, "languages", None)
+        if patched and _languages(fn) <= patched:
+            return interpreter._LangPatchScope()  # nothing to restore: the launch's patch stands
+        scope = patch_lang(fn)
+        if patched is not None:  # the launch's own patch (or a nested one that added a module)
+            patched |= _languages(fn)
+        return scope
+
+    def __call__(self, *args, **kwargs):
+        outer = getattr(_launch, "languages", None)
+        _launch.languages = set()
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            _launch.languages = outer
+
+    _patch_lang.skips_nested = True
+    interpreter._patch_lang = _patch_lang
+    interpreter.GridExecutor.__call__ = __call__
+    return True
