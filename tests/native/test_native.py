@@ -19,6 +19,10 @@ def native_library(request):
         yield native._loaded
         return
     library = request.getfixturevalue("native_build") / native.LIBRARY_NAME
+    # Python's kernels first, then the library's over them, in the order a run with the library
+    # has them (test_kernel_owner); whether an earlier test file of this worker had imported
+    # capture/dispatch.py decided it before, so this file alone failed in the pure lane.
+    importlib.import_module("compiledump.capture.dispatch")
     assert native.load(library)
     yield str(library)
     # The rest of the suite runs the Python capture path again. The kernels stay registered; the
