@@ -9,7 +9,8 @@ and `triton.language.core`, whichever the function's module imports), shared by 
 a nested call whose module imports no language module the launched kernel's module did not
 (compiledump/ops/triton_steps.py's helpers, called from triton_kernel.py's kernel) finds them
 patched already, and its patch walks them with `inspect.getmembers` to re-wrap nothing: about a
-third of every interpreted kernel case. Here such a call skips it; any other patches as before.
+third of every interpreted kernel case. Here such a call skips it; any other patches as before
+(a module with a language module the kernel's lacks: once per launch).
 
 Only speed changes: every interpreted test compares the kernel with the reference kernel bit for
 bit, so a patch that changed what the interpreter computes would fail them. Where Triton's
@@ -19,7 +20,11 @@ shipped (tests/ops/test_triton_interpreter_speedup.py then fails, to say the spe
 
 import threading
 
-_launch = threading.local()  # the language modules the running launch patched (None: no launch)
+# The running launch of this thread: its kernel (`fn`) and the language modules patched for it
+# (`languages`, None until the kernel's own patch). The patch itself is process-wide, as Triton's
+# is; Triton's interpreter runs one launch at a time (its builder is a global), so per-thread
+# bookkeeping only keeps a launch in another thread from reading this one's.
+_launch = threading.local()
 
 
 def _languages(fn) -> set:
@@ -42,21 +47,24 @@ def install() -> bool:
     patch_lang, grid_call = interpreter._patch_lang, interpreter.GridExecutor.__call__
 
     def _patch_lang(fn):
-        patched = getattr(_launch, "languages", None)
-        if patched and _languages(fn) <= patched:
+        launched, patched = getattr(_launch, "fn", None), getattr(_launch, "languages", None)
+        languages = _languages(fn)
+        if patched is not None and languages and languages <= patched:
             return interpreter._LangPatchScope()  # nothing to restore: the launch's patch stands
-        scope = patch_lang(fn)
-        if patched is not None:  # the launch's own patch (or a nested one that added a module)
-            patched |= _languages(fn)
+        scope = patch_lang(fn)  # (no language module at all: Triton's own assertion says so)
+        if fn is launched and patched is None:
+            _launch.languages = languages  # the kernel's own patch, restored when the grid is done
+        elif patched is not None:
+            patched |= languages  # a nested module with a language module the kernel's lacks
         return scope
 
     def __call__(self, *args, **kwargs):
-        outer = getattr(_launch, "languages", None)
-        _launch.languages = set()
+        outer = getattr(_launch, "fn", None), getattr(_launch, "languages", None)
+        _launch.fn, _launch.languages = self.fn, None
         try:
             return grid_call(self, *args, **kwargs)
         finally:
-            _launch.languages = outer
+            _launch.fn, _launch.languages = outer
 
     _patch_lang.skips_nested = True
     interpreter._patch_lang = _patch_lang

@@ -1,5 +1,6 @@
 """tests/helpers/triton_interpreter.py: an interpreted launch patches triton.language once, however
-many nested @triton.jit calls its programs make, and computes what it computed before."""
+many nested @triton.jit calls its programs make; a nested module with another language module
+(triton.language.core) gets its own patch, once; and the kernels compute what they did."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import triton.language as tl
 from triton.runtime import interpreter
 
 from helpers import triton_interpreter
+from helpers.triton_core_only import absolute
 
 
 @triton.jit
@@ -16,19 +18,15 @@ def _scaled(x, k):
 
 
 @triton.jit
-def _kernel(src, dst, n, CALLS: tl.constexpr, BLOCK: tl.constexpr):
+def _kernel(src, dst, n, CALLS: tl.constexpr, CORE: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(src + offs, mask=mask)
     for _ in tl.static_range(CALLS):
-        x = _scaled(x, 0.5)
+        x = _scaled(x, -0.5)
+        if CORE:
+            x = absolute(x)
     tl.store(dst + offs, x, mask=mask)
-
-
-def _launch(x, calls):
-    out = torch.empty_like(x)
-    _kernel[(triton.cdiv(x.numel(), 16),)](x, out, x.numel(), CALLS=calls, BLOCK=16)
-    return out
 
 
 def test_installed_where_the_suite_runs():
@@ -37,18 +35,25 @@ def test_installed_where_the_suite_runs():
     assert triton_interpreter.install() and interpreter._patch_lang.skips_nested
 
 
-@pytest.mark.parametrize("calls", [1, 7])
-def test_one_language_patch_per_launch(calls, monkeypatch):
+@pytest.mark.parametrize("core", [False, True], ids=["same_languages", "core_only_helper"])
+def test_patches_per_launch_do_not_grow_with_nested_calls(core, monkeypatch):
     patched = []
     real = interpreter._patch_builtin
     monkeypatch.setattr(interpreter, "_patch_builtin", lambda *a: (patched.append(a[0]), real(*a))[1])
-    x = torch.randn(37, generator=torch.Generator().manual_seed(calls))  # 3 programs, the last one partial
-    want = x.clone()
-    for _ in range(calls):
-        want = want * 0.5 + 1.0
-    torch.testing.assert_close(_launch(x, calls), want, rtol=0, atol=0)
-    per_patch = len(patched)
-    patched.clear()
-    _launch(x, 1)
-    assert len(patched) == per_patch  # the same for 1 and 7 nested calls x 3 programs
-    assert hasattr(tl, "load") and not getattr(tl.load, "__name__", "") == "<lambda>"  # restored after the launch
+    x = torch.randn(37, generator=torch.Generator().manual_seed(5))  # 3 programs, the last one partial
+    counts = {}
+    # The first launch of a module's functions adds the interpreter's globals to that module
+    # (Triton's rewriter), which can change what later patches walk: one launch first.
+    for calls in (1, 1, 7):
+        want = x.clone()
+        for _ in range(calls):
+            want = want * -0.5 + 1.0
+            want = want.abs() if core else want
+        out = torch.empty_like(x)
+        patched.clear()
+        _kernel[(triton.cdiv(x.numel(), 16),)](x, out, x.numel(), CALLS=calls, CORE=core, BLOCK=16)
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        counts[calls] = len(patched)
+    assert counts[1] == counts[7], counts  # 3 programs x 1 or 7 nested calls: the same patches
+    if core:  # triton.language.core patched for the helper once per launch, not at every call
+        assert sum(module is tl.core for module in patched) == 1, patched
