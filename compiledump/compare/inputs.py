@@ -64,17 +64,6 @@ def step_zero_in_prompt(ref: Dump, run: Dump) -> bool:
     return any("mixers" in (dump.manifest or {}) or f"{FED_TAG}_0" in dump.members for dump in (ref, run))
 
 
-def one_sided_fed_note(side: str, keys: list[str]) -> str:
-    """One line for the fed tokens only `side` recorded (an engine whose flat `[tokens]` input ids
-    `instrument` does not record, or one instrumented by hand): not a problem per step, but where
-    greedy decoding fed the sides different tokens cannot be told."""
-    other = "RUN" if side == "REF" else "REF"
-    return (f"only {side} recorded the tokens its steps fed ({len(keys)} {FED_TAG}_<n> keys): whether the "
-            f"sides fed the same tokens cannot be told; feed {other} the tokens {side} fed (teacher forcing), "
-            f"or record them on {other} too (compiledump.record_step('{FED_TAG}', ids) with the id of each "
-            "step's logits row)")
-
-
 def after_fed_difference(info: KeyInfo, fed: FedTokens | None) -> bool:
     """Whether ``info`` is a step key at or after the step where the fed tokens differ."""
     return fed is not None and info.kind == "step" and info.step is not None and info.step >= fed.step

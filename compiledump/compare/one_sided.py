@@ -16,7 +16,7 @@ from __future__ import annotations
 from ..format import spec
 from ..format.keys import KeyInfo
 from ..format.reader import Dump, preview
-from .inputs import FED_TAG, one_sided_fed_note
+from .inputs import FED_TAG
 from .phases import exclude_patterns, layer_steps_of, moe_layers_of
 from .report import Problem
 
@@ -85,10 +85,26 @@ class OneSidedKeys:
         return [line for line in lines if line is not None]
 
 
+def other_side(side: str) -> str:
+    """The other side of a pair: "RUN" for "REF", "REF" for "RUN"."""
+    return "RUN" if side == "REF" else "REF"
+
+
+def one_sided_fed_note(side: str, keys: list[str]) -> str:
+    """One line for the fed tokens only `side` recorded (an engine whose flat `[tokens]` input ids
+    `instrument` does not record, or one instrumented by hand): not a problem per step, but where
+    greedy decoding fed the sides different tokens cannot be told."""
+    other = other_side(side)
+    return (f"only {side} recorded the tokens its steps fed ({len(keys)} {FED_TAG}_<n> keys): whether the "
+            f"sides fed the same tokens cannot be told; feed {other} the tokens {side} fed (teacher forcing), "
+            f"or record them on {other} too (compiledump.record_step('{FED_TAG}', ids) with the id of each "
+            "step's logits row)")
+
+
 def past_layer_steps_note(side: str, keys: list[str], caps: dict[str, int | None]) -> str:
     """One line for the layer states `side` has at steps past the other side's
     COMPILEDUMP_LAYER_STEPS (`caps`: each side's): not compared, and both settings."""
-    other = "RUN" if side == "REF" else "REF"
+    other = other_side(side)
     return (f"{side} has {len(keys)} layer-state keys at steps past {other}'s COMPILEDUMP_LAYER_STEPS (REF "
             f"{caps['REF']}, RUN {caps['RUN']}): not compared; set the same COMPILEDUMP_LAYER_STEPS on both sides to "
             f"compare them ({preview(keys, 4)})")
@@ -97,7 +113,7 @@ def past_layer_steps_note(side: str, keys: list[str], caps: dict[str, int | None
 def moe_filter_note(side: str, keys: list[str], ref_manifest: dict | None, run_manifest: dict | None) -> str:
     """One line for the keys `side` has whose tags the other side's host filter dropped, the two
     sides' COMPILEDUMP_MOE_LAYERS differing: not compared, and both settings."""
-    other = "RUN" if side == "REF" else "REF"
+    other = other_side(side)
     return (f"{side} has {len(keys)} keys whose tags {other}'s COMPILEDUMP_MOE_LAYERS (REF "
             f"{moe_layers_of(ref_manifest)}, RUN {moe_layers_of(run_manifest)}) filtered: not compared; set the "
             f"same COMPILEDUMP_MOE_LAYERS on both sides to compare them ({preview(keys, 4)})")
@@ -107,7 +123,7 @@ def excluded_note(side: str, keys: list[str], patterns: dict[str, list[str]]) ->
     """One line for the keys only `side` has because the other side's instrument(exclude=...)
     (`patterns`: each side's) left their tags out: not compared, the patterns, and what that hides
     (a bug inside a left-out MoE block of a few percent, in bf16: docs/compiling.md)."""
-    other = "RUN" if side == "REF" else "REF"
+    other = other_side(side)
     return (f"{side} has {len(keys)} keys whose tags {other}'s instrument(exclude={tuple(patterns[other])!r}) left "
             f"out: not compared ({preview(keys, 4)}); a bug inside those modules is seen only where it moves later "
             "keys past their thresholds")
@@ -130,7 +146,7 @@ def one_sided_ids_note(side: str, keys: list[str]) -> str:
     """One line for the routing only `side` recorded (expert ids, a step's router logits), the other
     side having none of their tags (its routers returned logits alone): not compared, and what that
     leaves untold."""
-    other = "RUN" if side == "REF" else "REF"
+    other = other_side(side)
     return (f"{other} recorded no expert ids where {side} did ({len(keys)} keys: {preview(keys, 4)}): not "
             f"compared, so a routing flip there cannot be told from a bug. A router that returns its logits "
             f"alone records no ids, nor each step's routing (a gate returning (logits, None), as vLLM's and "

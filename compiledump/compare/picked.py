@@ -23,7 +23,7 @@ import numpy as np
 from ..format.keys import KeyInfo, router_key_for
 from ..format.reader import Dump, Member, Replica, preview
 from ..format.routers import TOKEN, UNKNOWN, RouterInfo
-from .one_sided import gate_without_ids, held_tags
+from .one_sided import gate_without_ids, held_tags, other_side
 from .routing import routing_epsilon
 from .selection import choice_scores, judgeable, select, selection_gap
 
@@ -163,7 +163,7 @@ def unseen_step_flips(ref: Dump, run: Dump, near_tie: float | None, near_tie_ulp
                 continue
             gap, epsilon = _flip_gap(rule, row), routing_epsilon(row, near_tie, near_tie_ulps)
             if gap <= epsilon:
-                other = "RUN" if side == "REF" else "REF"
+                other = other_side(side)
                 unseen[info.step] = (f"{other} recorded no routing at this step, where {side}'s {key} is a near tie "
                                      f"(router logit gap {gap:.3g} <= epsilon {epsilon:.3g}): a routing flip "
                                      f"{other} made there unseen could explain it; record {other}'s expert ids of each "
