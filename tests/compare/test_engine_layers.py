@@ -22,6 +22,7 @@ pytest.importorskip("transformers")
 from compiledump.cli import main  # noqa: E402
 from compiledump.compare import picked  # noqa: E402
 from compiledump.format.reader import DumpFile  # noqa: E402
+from helpers.hf_example import ex  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -34,7 +35,6 @@ def _load(name: str):
 
 
 engines = _load("vllm_style_engine")
-ex = _load("hf_reference_vs_compiled")
 _dump, pair = engines.dump, engines.run_pair
 
 

@@ -4,7 +4,6 @@ batch of 4, 6 decode steps), honest and then with x1.05 on layer 1's experts in 
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
 from pathlib import Path
 
@@ -12,8 +11,7 @@ import torch
 
 import compiledump
 from compiledump.compare import compare
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_reference_vs_compiled.py"
+from helpers.hf_example import ex as example
 
 
 def honest_and_broken(build, tmp_path: Path):
@@ -21,9 +19,6 @@ def honest_and_broken(build, tmp_path: Path):
     models ``build()`` makes with the same weights; compiledump and dynamo are reset afterwards."""
     from torch._dynamo.utils import counters
 
-    spec = importlib.util.spec_from_file_location("hf_example", EXAMPLE)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
     inputs = example.Inputs(211, steps=6, batch=4)
     reference = example.run_reference(build(), inputs, tmp_path / "ref", rows="all")
     engine = example.Engine(build(), inputs, dtype=torch.bfloat16, rows="all")
