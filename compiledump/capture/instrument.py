@@ -213,7 +213,9 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
     arena per MoE layer kept; `router_rows="one"` keeps the last row, None follows
     COMPILEDUMP_ROWS like the other taps. Hidden states
     `[batch, seq, hidden]` keep batch row `batch_row` (default 0, the first request of a padded
-    batch): every position is a token row, and the token gate compares `seq` with the prompt.
+    batch): every position is a token row, and the token gate compares `seq` with the prompt;
+    the row of the 2-D `attention_mask` the base model gets is recorded as `prompt_mask`, so that
+    the comparator compares a padded row (`generate` on a batch) on its real positions.
 
     Call it before `torch.compile`; on a compiled model it clears dynamo's caches (a warning
     says so) so that the hooks take effect.
@@ -327,6 +329,16 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
             if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point():
                 api.record_step("input_token", input_ids[handle.batch_row, -1:])
         handle._add(modules[embed_path], "input_token", embed_path, "input", capture=fed)
+    if (base_path := layers_path.rpartition(".")[0]) in modules:  # "" is the model itself
+        def prompt_mask(mask) -> None:
+            # The request row of a padded batch's 2-D attention mask (generate pads on the left):
+            # the comparator compares the prompt's real positions only (compare/padding.py).
+            if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not mask.is_floating_point():
+                api.record_ids(spec.PROMPT_MASK_TAG, mask[handle.batch_row].to(torch.int32))
+        handle._add(modules[base_path], spec.PROMPT_MASK_TAG, base_path, "input", capture=prompt_mask,
+                    read=lambda _args, kwargs: kwargs.get("attention_mask"))
+        if spec.PROMPT_MASK_TAG in handle.taps:
+            handle.taps[spec.PROMPT_MASK_TAG] = f"{base_path}:attention_mask"
     if (head_path := layout.logits_path(modules)) is not None:
         def logits(output) -> None:
             output = getattr(output, "next_token_logits", output)  # SGLang's LogitsProcessorOutput

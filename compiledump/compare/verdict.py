@@ -20,6 +20,7 @@ from .one_row import one_row_note
 from .one_sided import OneSidedKeys
 from .overwrites import shifted_steps, written_again
 from .options import CompareOptions
+from .padding import without_padding
 from .picked import unseen_step_flips, with_picked_ids
 from .pairing import find_pairs
 from .phases import (
@@ -79,6 +80,9 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     problems: list[Problem] = []
     notes = [f"REF: {note}" for note in ref.notes] + [f"RUN: {note}" for note in run.notes]
     renamed = run.renamed() if isinstance(run, RenamedDump) else {}
+    # A request row its attention mask pads: its prompt's real positions (padding.py)
+    ref, run, padded = without_padding(ref, run)
+    notes.extend(padded)
     # Expert ids an engine's gate did not give, from its router logits (picked.py)
     ref, run, picked = with_picked_ids(ref, run)
     notes.extend(picked)

@@ -124,6 +124,12 @@ def prompt_stream_step(key: str) -> bool:
     return stream_step_key(key) and key.endswith("_0")
 
 
+# `instrument` records the request row of the 2-D attention mask a Hugging Face model is given
+# (a batch `generate` padded) as the ids `prompt_mask` of the prompt's call: the comparator keeps
+# the prompt's real positions (compare/padding.py) and does not compare the mask itself.
+PROMPT_MASK_TAG = "prompt_mask"
+
+
 def layer_of(tag: str) -> int | None:
     """Layer number of a tag `layer<N>` or `layer<N>_<x>`, else None."""
     match = _LAYER_TAG.match(tag)

@@ -34,7 +34,8 @@ def test_default_taps_capture_what_the_model_computes(dump_dir, name):
                      ("", "_attn", "_mlp") + (("_router", "_topk") if moe else ())}
     step_tags = {f"layer{i}_step_{what}" for i in range(4) for what in ("router", "topk")} if moe else set()
     step_tags |= {f"layer{i}_step" for i in range(4)}  # each layer's state at the logits' token
-    assert set(handle.taps) == expected_tags | step_tags | {"final_norm", "logits", "input_token"}
+    assert set(handle.taps) == expected_tags | step_tags | {"final_norm", "logits", "input_token", "prompt_mask"}
+    assert handle.taps["prompt_mask"] == "model:attention_mask"  # _forward passes none: nothing recorded
     assert set(arrays) == expected_tags | {f"{tag}_0" for tag in step_tags} | {"final_norm", "logits_0", "input_token_0"}
     # The token the forward fed at the position whose logits logits_0 holds (the prompt's last).
     assert handle.taps["input_token"] == "model.embed_tokens:input"

@@ -90,7 +90,7 @@ PROBLEMS = {
     "shard_incomplete": KEY_PROBLEM | {"side"}, "shard_mismatch": KEY_PROBLEM | {"side"},
     "missing_on_rank": KEY_PROBLEM | {"side"}, "unpaired_rank": FILE_PROBLEM, "duplicate_rank": FILE_PROBLEM,
     "mixed_phases": KEY_PROBLEM | {"side"}, "map_collision": KEY_PROBLEM | {"side"},
-    "ids_not_judged": KEY_PROBLEM,
+    "ids_not_judged": KEY_PROBLEM, "padded_row": KEY_PROBLEM | {"side"},
 }
 DIVERGENCE = {"key", "layer", "step", "phase", "rank", "position", "last_good", "last_good_step", "metric", "value",
               "threshold"}
@@ -236,6 +236,11 @@ def reports(tmp_path: Path) -> list[dict]:
     mixed = factory.manifest_for(decoded, key_fields=factory.call_fields(decoded, 4, prompt, prompt),
                                  prompt_tokens=prompt, filtered_tags={"layer9_topk": "moe_layers"})
     run(phased, factory.write_compiledump(tmp_path / "l/run", decoded, manifest=mixed))
+    # A request row padded on the right (instrument's prompt_mask): one-row keys hold padding.
+    padded = [factory.replace(c, array=np.concatenate([c.array, c.array[:1]])) if c.kind == "ids" else c for c in ref]
+    padded.append(factory.Capture("prompt_mask", np.array([1, 1, 1, 0], np.int32), "ids", "prompt_mask"))
+    right = factory.manifest_for(padded, key_fields=factory.call_fields(padded, 4, 4, 4), prompt_tokens=4)
+    run(phased, factory.write_compiledump(tmp_path / "l/padded", padded, manifest=right))
     # All-rows keys (one row off) and a key scaled by 1.05 (norm_diff crosses first).
     rows_ref = ref + [factory.Capture(f"layer{n}_rows", rng.standard_normal((4, 31)).astype(np.float32), "record",
                                       f"layer{n}_rows") for n in (0, 1)]
