@@ -330,13 +330,17 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
                 api.record_step("input_token", input_ids[handle.batch_row, -1:])
         handle._add(modules[embed_path], "input_token", embed_path, "input", capture=fed)
     if (base_path := layers_path.rpartition(".")[0]) in modules:  # "" is the model itself
-        def prompt_mask(mask) -> None:
+        def prompt_mask(mask_and_tokens) -> None:
             # The request row of a padded batch's 2-D attention mask (generate pads on the left):
-            # the comparator compares the prompt's real positions only (compare/padding.py).
-            if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not mask.is_floating_point():
+            # the comparator compares the prompt's real positions only (compare/padding.py). Only
+            # a mask of the call's own positions, [batch, seq]: one that also covers cached
+            # context is wider than the call, and the token gate must not learn its width.
+            mask, tokens = mask_and_tokens
+            if isinstance(mask, torch.Tensor) and isinstance(tokens, torch.Tensor) and mask.dim() == 2 \
+                    and tokens.dim() >= 2 and mask.shape == tokens.shape[:2] and not mask.is_floating_point():
                 api.record_ids(spec.PROMPT_MASK_TAG, mask[handle.batch_row].to(torch.int32))
         handle._add(modules[base_path], spec.PROMPT_MASK_TAG, base_path, "input", capture=prompt_mask,
-                    read=lambda _args, kwargs: kwargs.get("attention_mask"))
+                    read=_mask_and_tokens)
         if spec.PROMPT_MASK_TAG in handle.taps:
             handle.taps[spec.PROMPT_MASK_TAG] = f"{base_path}:attention_mask"
     if (head_path := layout.logits_path(modules)) is not None:
@@ -349,6 +353,14 @@ def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict)
             # the row set_gather_rows(step=...) names.
             api.record_step("logits", output[handle.batch_row, -1] if output.dim() == 3 else output)
         handle._add(modules[head_path], "logits", head_path, "output", capture=logits)
+
+
+def _mask_and_tokens(args, kwargs) -> tuple:
+    """A base model's `attention_mask` and the ids (or embeddings) of its call's positions."""
+    tokens = kwargs.get("input_ids")
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds", args[0] if args else None)
+    return kwargs.get("attention_mask"), tokens
 
 
 def _warn_untapped(layers_path: str, layers, unrouted: list, no_attn: list[str]) -> None:

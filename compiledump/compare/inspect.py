@@ -13,6 +13,7 @@ from ..format.keys import order_key_infos
 from ..format.reader import DumpError, DumpFile, ShardInfo, collect_dumps, preview, rank_sort_key
 from ..format.routers import router_from_json
 from .metrics import CHUNK_ELEMENTS
+from .padding import unpadded
 from .phases import exclude_patterns
 from .text import fmt_value, nonfinite_text
 
@@ -67,7 +68,7 @@ def inspect_dump(dump: DumpFile) -> dict:
         keys.append(entry)
     manifest = dump.manifest
     summary: dict[str, Any] = {"file": str(dump.path), "manifest": manifest is not None, "keys": keys,
-                               "notes": list(dump.notes),
+                               "notes": list(unpadded(dump).notes),  # with how a padded request row is read
                                "unreadable": [{"key": key, "detail": why} for key, why in dump.bad_members.items()]}
     if manifest is not None:
         for name in ("format_version", "compiledump_version", "torch_version", "rank", "pid", "world_size",

@@ -9,7 +9,10 @@ prefill keys (every row, ids) keep those rows, every prefill key of the prompt's
 many tokens, and the manifest's `prompt_tokens` too, so the rest of the comparator sees the
 prompt run alone. A row padded on the right ends in padding, the position one-row keys and
 step 0 hold: those keys are not compared (a problem each, naming the fix). The mask itself is
-never compared: one side may have had none (a model called without `attention_mask`).
+never compared: one side may have had none (a model called without `attention_mask`). A
+sparse-attention indexer's scores and picks have the padding among their keys (its positions in
+the cache), at every step: those are not compared either. The side is unpadded where it is read,
+before `--map` renames its keys; its note is one of the side's own.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from dataclasses import replace
 import numpy as np
 
 from ..format import spec
+from ..format.keys import chosen
 from ..format.reader import Dump, KeyProblem, Replica
+from .phases import tokens_text
 
 
 class _SlicedReplica(Replica):
@@ -41,10 +46,13 @@ class UnpaddedDump(Dump):
         self.inner = inner
         self.path, self.label = inner.path, inner.label
         self.merged_ranks = inner.merged_ranks
-        self.notes, self.problems = list(inner.notes), list(inner.problems)
-        self.bad_members, self.excluded = inner.bad_members, set(inner.excluded)
-        self.members = {key: member for key, member in inner.members.items() if key != spec.PROMPT_MASK_TAG}
-        self.infos = {key: info for key, info in inner.infos.items() if key != spec.PROMPT_MASK_TAG}
+        mask_key = spec.PROMPT_MASK_TAG  # held by instrument's side: consumed here, never compared
+        self.notes = list(inner.notes)
+        self.problems = [problem for problem in inner.problems if problem.key != mask_key]
+        self.bad_members = {key: why for key, why in inner.bad_members.items() if key != mask_key}
+        self.excluded = inner.excluded - {mask_key}
+        self.members = {key: member for key, member in inner.members.items() if key != mask_key}
+        self.infos = {key: info for key, info in inner.infos.items() if key != mask_key}
         self.manifest = inner.manifest
         self._sliced: dict[str, tuple[int, int]] = {}  # per-token keys: their real rows
         self.span = _span(mask, inner)  # (first real position, end, prompt positions), or None
@@ -53,7 +61,15 @@ class UnpaddedDump(Dump):
         first, end, positions = self.span
         for key, info in inner.infos.items():
             member = self.members.get(key)
-            if member is None or info.kind == "step" or info.tokens != positions or info.written_phase == "decode":
+            if member is None:
+                continue
+            if chosen(info.tag) == "keys":  # an indexer's: the padding is among its keys
+                self._refuse(key, "a sparse-attention indexer's scores or picks, the padding among its keys",
+                             first, positions - end)
+                continue
+            if info.kind == "step" or info.tokens != positions or info.written_phase == "decode":
+                if end != positions and info.kind == "step" and info.step == 0 and not spec.prompt_stream_step(key):
+                    self._refuse(key, "step 0 holds the prompt's last position, which is padding", first, positions - end)
                 continue
             per_token = (info.all_rows or info.kind == "ids") and member.shape and member.shape[0] == positions
             if per_token and any(_token_sharded(copy) for copy in inner.replicas(key)):
@@ -63,20 +79,19 @@ class UnpaddedDump(Dump):
                 self._sliced[key] = (first, end)
                 self.members[key] = replace(member, shape=(end - first, *member.shape[1:]))
             elif end != positions:
-                self._refuse(key, "holds the prompt's last position", positions - end)
-        if end != positions:
-            for key, info in inner.infos.items():
-                if info.kind == "step" and info.step == 0 and key in self.members:
-                    self._refuse(key, "step 0 holds the prompt's last position", positions - end)
+                self._refuse(key, "holds the prompt's last position, which is padding", first, positions - end)
         if isinstance(self.manifest, dict) and self.manifest.get("prompt_tokens") == positions:
-            self.manifest = {**self.manifest, "prompt_tokens": end - first}
+            # the real tokens, as the other side's prompt alone has them; the gate's own width stays
+            # known for the fixes that name COMPILEDUMP_TOKENS (phases.gate_length)
+            self.manifest = {**self.manifest, "prompt_tokens": end - first, "gate_tokens": positions}
+        self.notes.append(_note(first, end, positions))
 
-    def _refuse(self, key: str, what: str, padding: int) -> None:
+    def _refuse(self, key: str, what: str, left: int, right: int) -> None:
         del self.members[key]
         self.excluded.add(key)
-        self.problems.append(KeyProblem("padded_row", key, f"{what}, padding ({padding} zeros end its attention_mask): "
-                                                           "not compared; fix: pad the batch on the left "
-                                                           "(padding_side='left')"))
+        fix = "pad the batch on the left (padding_side='left')" if right else "compare a run of the prompt alone"
+        self.problems.append(KeyProblem("padded_row", key, f"{what}: its request row is padded ({_padding(left, right)} in "
+                                                           f"attention_mask); not compared, fix: {fix}"))
 
     def replicas(self, key: str) -> list[Replica]:
         copies = self.inner.replicas(key)
@@ -91,8 +106,8 @@ class UnpaddedDump(Dump):
 
 def _span(mask: np.ndarray | None, dump: Dump) -> tuple[int, int, int] | None:
     """(first real position, end, positions) of a mask that pads the prompt's row; None for no
-    mask, a mask of another call than the prompt's (the token gate off), no real position, gaps
-    (not a padded row) or nothing padded."""
+    mask, a mask of another call than the prompt's (its phase decode, or its length not the
+    manifest's prompt length), no real position, gaps (not a padded row) or nothing padded."""
     if mask is None:
         return None
     info = dump.infos.get(spec.PROMPT_MASK_TAG)
@@ -114,29 +129,34 @@ def _mask(dump: Dump) -> np.ndarray | None:
     """The request row's attention mask the dump holds (`prompt_mask`), or None."""
     if spec.PROMPT_MASK_TAG not in dump.members:
         return None
-    array = np.asarray(dump.replicas(spec.PROMPT_MASK_TAG)[0].whole())
+    try:
+        array = np.asarray(dump.replicas(spec.PROMPT_MASK_TAG)[0].whole())
+    except (OSError, ValueError):  # unreadable data: the side is compared as recorded
+        return None
     return array.reshape(-1) if array.ndim <= 1 else None
 
 
-def without_padding(ref: Dump, run: Dump) -> tuple[Dump, Dump, list[str]]:
-    """`ref` and `run` without their prompt masks, each seen on its prompt's real positions where
-    its mask pads the request row; a note per side that was."""
-    sides, notes = [], []
-    for side, dump in (("REF", ref), ("RUN", run)):
-        if spec.PROMPT_MASK_TAG not in dump.members:
-            sides.append(dump)
-            continue
-        unpadded = UnpaddedDump(dump, _mask(dump))
-        if unpadded.span is not None:
-            first, end, positions = unpadded.span
-            masked = f"{positions - end + first} of its prompt's {positions} positions masked by attention_mask"
-            if end == positions:
-                notes.append(f"{side}'s request row is left-padded ({masked}, as generate pads a batch): its prefill "
-                             f"keys are compared as a prompt of its {end - first} real tokens")
-            else:
-                notes.append(f"{side}'s request row is padded on the right ({first} on the left and {positions - end} "
-                             f"on the right: {masked}): its keys of every prompt row are compared on its "
-                             f"{end - first} real tokens; its last position, which one-row keys and step 0 hold, "
-                             "is padding (problems)")
-        sides.append(unpadded)
-    return sides[0], sides[1], notes
+def unpadded(dump: Dump) -> Dump:
+    """`dump` without its prompt mask, seen on its prompt's real positions where the mask pads the
+    request row (module docstring); `dump` itself when it holds no mask."""
+    return UnpaddedDump(dump, _mask(dump)) if spec.PROMPT_MASK_TAG in dump.members else dump
+
+
+def _padding(left: int, right: int) -> str:
+    """``3 on the left``, ``1 on the left and 2 on the right``."""
+    return " and ".join(f"{count} on the {side}" for count, side in ((left, "left"), (right, "right")) if count)
+
+
+def _note(first: int, end: int, positions: int) -> str:
+    """The side's note: how its request row is padded and what is compared."""
+    padded = positions - (end - first)
+    if end == positions:
+        how = f"left-padded ({padded} of its prompt's {positions} positions masked by attention_mask, as generate " \
+              "pads a batch)"
+    else:
+        how = f"padded ({_padding(first, positions - end)} of its prompt's {positions} positions masked by " \
+              "attention_mask)"
+    return (f"its request row is {how}: its prompt keys are compared on its "
+            f"{tokens_text(end - first).replace('token', 'real token')}"
+            + ("; its last position, which one-row keys and step 0 hold, is padding (problems)"
+               if end != positions else ""))

@@ -57,6 +57,13 @@ def prompt_length(*dumps: Dump) -> int | None:
     return None
 
 
+def gate_length(dump: Dump) -> int | None:
+    """The prompt length a side's token gate used where it differs from its prompt's tokens: the
+    width of a padded request row (compare/padding.py), which ``COMPILEDUMP_TOKENS`` must be; else None."""
+    value = (dump.manifest or {}).get("gate_tokens")
+    return value if isinstance(value, int) else None
+
+
 def fix_hint(prompt: int | None, prompts: tuple[int | None, int | None] = (None, None)) -> str:
     """How to make such values comparable: with the two sides' prompt lengths (`prompts`, REF and
     RUN) known and different, the runs had different prompts, which no setting makes comparable;

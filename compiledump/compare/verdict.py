@@ -20,11 +20,12 @@ from .one_row import one_row_note
 from .one_sided import OneSidedKeys
 from .overwrites import shifted_steps, written_again
 from .options import CompareOptions
-from .padding import without_padding
+from .padding import unpadded
 from .picked import unseen_step_flips, with_picked_ids
 from .pairing import find_pairs
 from .phases import (
     first_nonfinite,
+    gate_length,
     hybrid_note,
     layer_steps_note,
     mixed_phase_detail,
@@ -60,8 +61,11 @@ def compare(ref_path: str | Path, run_path: str | Path, options: CompareOptions 
     empty: list[str] = []
     for pair in pairs:
         try:
-            run = RenamedDump(pair.run, options.maps) if options.maps else pair.run
-            results.append(compare_pair(pair.ref, run, options, pair.rank))
+            # A request row its attention mask pads: each side on its prompt's real positions
+            # (padding.py), before --map renames RUN's keys.
+            ref, run = unpadded(pair.ref), unpadded(pair.run)
+            run = RenamedDump(run, options.maps) if options.maps else run
+            results.append(compare_pair(ref, run, options, pair.rank))
         except NoCommonKeys as exc:
             # One rank without common keys is a problem to list; all of them is unusable input.
             empty.append(str(exc))
@@ -80,9 +84,6 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     problems: list[Problem] = []
     notes = [f"REF: {note}" for note in ref.notes] + [f"RUN: {note}" for note in run.notes]
     renamed = run.renamed() if isinstance(run, RenamedDump) else {}
-    # A request row its attention mask pads: its prompt's real positions (padding.py)
-    ref, run, padded = without_padding(ref, run)
-    notes.extend(padded)
     # Expert ids an engine's gate did not give, from its router logits (picked.py)
     ref, run, picked = with_picked_ids(ref, run)
     notes.extend(picked)
@@ -144,7 +145,8 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     for side, dump in (("REF", ref), ("RUN", run)):
         mixed = mixed_phase_keys(dump)
         if mixed[0]:
-            problems.append(Problem("mixed_phases", rank, mixed_phase_detail(side, *mixed, prompt), side=side))
+            problems.append(Problem("mixed_phases", rank, mixed_phase_detail(side, *mixed, gate_length(dump) or prompt),
+                                    side=side))
     note = not_captured_note(captured)
     if note is not None:
         notes.append(note)

@@ -54,6 +54,7 @@ def _side(directory, hidden, router, ids, steps, mask=None, dtype=torch.float32)
     compiledump.record("layer0_router", router.to(dtype), rows="all")
     compiledump.record_ids("layer0_topk", ids)
     for row in steps:
+        compiledump.record_step("layer0_step", row[None, :DIM].to(dtype))  # step 0: never compared
         compiledump.record_step("logits", row[None].to(dtype))
     return compiledump.flush()
 
@@ -80,7 +81,7 @@ def test_left_padded_run_compares_on_its_real_positions(tmp_path, capsys, dtype)
     run = _padded_side(tmp_path / "run", values, 3, 0, dtype)
     code, lines, report = compare_json(capsys, ref, run)
     assert code == 0, lines
-    assert any("RUN's request row is left-padded (3 of its prompt's 10 positions" in line for line in lines), lines
+    assert any("RUN: its request row is left-padded (3 of its prompt's 10 positions" in line for line in lines), lines
     statuses = _statuses(report)
     assert statuses["layer0_router"] == statuses["layer0_topk"] == statuses["layer0"] == "ok"
     assert "prompt_mask" not in statuses and not report["problems"]
@@ -124,12 +125,13 @@ def test_right_padding_refuses_the_last_position_and_names_the_fix(tmp_path, cap
     code, lines, report = compare_json(capsys, ref, _padded_side(tmp_path / "run", values, 1, 2))
     assert code == 3, lines
     problems = {problem["key"]: problem for problem in report["problems"]}
-    assert set(problems) == {"layer0", "logits_0"}, problems
+    assert set(problems) == {"layer0", "logits_0"}, problems  # not layer0_step_0, which is never compared
     assert all(problem["kind"] == "padded_row" and "padding_side='left'" in problem["detail"]
                for problem in problems.values())
     statuses = _statuses(report)
     assert statuses["layer0_router"] == statuses["layer0_topk"] == statuses["logits_1"] == "ok", statuses
-    assert any("padded on the right (1 on the left and 2 on the right" in line for line in lines), lines
+    assert statuses["layer0_step_1"] == "ok"
+    assert any("padded (1 on the left and 2 on the right of its prompt's 10 positions" in line for line in lines), lines
 
 
 def test_a_mask_with_gaps_changes_nothing(tmp_path, capsys):
@@ -164,3 +166,40 @@ def test_a_mask_of_another_call_than_the_prompts_is_not_applied(tmp_path, capsys
     assert code == 0 and not report["problems"], lines
     assert not any("padded" in line for line in lines), lines
     assert "prompt_mask" not in _statuses(report)
+
+
+def test_map_renames_after_the_padding_is_gone(tmp_path, capsys):
+    """--map renames RUN's keys after its padding is taken out: a pattern that also matches the
+    mask's key does not turn the unpadding off."""
+    values = _values()
+    ref = _side(tmp_path / "ref", *values)
+    code, lines, _ = compare_json(capsys, ref, _padded_side(tmp_path / "run", values, 3, 0), "--map", "^prompt_=engine_")
+    assert code == 0, lines
+    assert any("left-padded" in line for line in lines), lines
+
+
+def test_with_the_gate_off_the_fix_names_the_padded_width(tmp_path, capsys):
+    """COMPILEDUMP_TOKENS=0 on the padded side: its records keep the last (decode) call, its ids
+    the prompt's; the mixed-phase fix names the width its gate must keep, the padded 10, not 7."""
+    hidden, router, ids, steps = _values()
+    ref = _side(tmp_path / "ref", hidden, router, ids, steps)
+    compiledump.reset()
+    compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(tmp_path / "run"), tokens=0)))
+    compiledump.record_ids("prompt_mask", _mask(3, 0))
+    compiledump.record_ids("layer0_topk", _padded(ids, 3, 0, 3))
+    compiledump.record("layer0", _padded(hidden, 3, 0, 1))
+    compiledump.record("layer0", hidden[-1:])  # a decode step's call: the last write wins
+    code, lines, report = compare_json(capsys, ref, compiledump.flush())
+    (problem,) = [problem for problem in report["problems"] if problem["kind"] == "mixed_phases"]
+    assert "COMPILEDUMP_TOKENS=10 (the prompt length)" in problem["detail"], problem
+    assert _statuses(report)["layer0_topk"] == "ok"
+
+
+def test_inspect_says_how_a_padded_row_is_read(tmp_path, capsys):
+    from helpers.cli import run_cli
+
+    run = _padded_side(tmp_path / "run", _values(), 3, 0)
+    code, out, _ = run_cli(capsys, "inspect", run)
+    assert code == 0
+    assert "note: its request row is left-padded (3 of its prompt's 10 positions masked by attention_mask, as " \
+           "generate pads a batch): its prompt keys are compared on its 7 real tokens" in out, out
