@@ -7,8 +7,10 @@ other side's tag names: after `--map`, RUN's patterns are not renamed); its COMP
 filtered the tag (the two settings differing); a layer state's step is past its
 COMPILEDUMP_LAYER_STEPS (its manifest counts them dropped as `layer_steps`, or the setting is 0);
 only one side records the tokens it fed (`input_token`); the other side's router returned its
-logits alone and recorded no expert ids (an engine's gate). Any other key of one side is a
-problem: `missing_in_run` or `extra_in_run` (docs/compare.md).
+logits alone and recorded no expert ids (an engine's gate); the steps are shifted (a warm-up
+before the request, or the prompt in chunks: overwrites.py), and the side that ran more forwards
+holds more steps. Any other key of one side is a problem: `missing_in_run` or `extra_in_run`
+(docs/compare.md).
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from .report import Problem
 
 class OneSidedKeys:
     """Sorts the keys held by one side of a pair (`sort`), then writes their notes (`notes`).
-    `captured`: each side's `phases.not_captured` fact."""
+    `captured`: each side's `phases.not_captured` fact; `shifted`: the steps are misaligned
+    (overwrites.py's reason, or None)."""
 
-    def __init__(self, ref: Dump, run: Dump, captured: dict[str, dict | None]):
+    def __init__(self, ref: Dump, run: Dump, captured: dict[str, dict | None], shifted: str | None = None):
         self.dumps = {"REF": ref, "RUN": run}
+        self.shifted = shifted
         # Tags the other side's host filter dropped count as filtered only where the two sides'
         # COMPILEDUMP_MOE_LAYERS differ (then both manifests are there); with the same setting, as
         # after --map renamed tags the filter did not match, their keys stay problems.
@@ -38,7 +42,7 @@ class OneSidedKeys:
         self.layer_steps = {side: layer_steps_of(dump.manifest) for side, dump in self.dumps.items()}
         # {reason: {holding side: keys}}: the notes' order (the checks' order is sort's)
         self.explained = {reason: {"REF": [], "RUN": []}
-                          for reason in ("filtered", "layer_steps", "excluded", "fed", "ids")}
+                          for reason in ("filtered", "layer_steps", "excluded", "fed", "ids", "shifted")}
 
     def sort(self, info: KeyInfo, rank: str) -> Problem | None:
         """File `info`'s key (one side holds it) under the reason the other side lacks it; its
@@ -52,7 +56,8 @@ class OneSidedKeys:
                   else "filtered" if info.tag in self.filtered[lacking]
                   else "layer_steps" if self._past_layer_steps(info, dump.manifest, self.layer_steps[lacking])
                   else "fed" if info.tag == FED_TAG
-                  else "ids" if gate_without_ids(info.tag, dump, self.tags[lacking]) else None)
+                  else "ids" if gate_without_ids(info.tag, dump, self.tags[lacking])
+                  else "shifted" if self.shifted and info.kind == "step" else None)
         if reason is not None:
             self.explained[reason][holder].append(info.key)
             return None
@@ -71,15 +76,17 @@ class OneSidedKeys:
         drops = entry.get("drops") if isinstance(entry, dict) else None
         return cap == 0 or (info.step >= cap and isinstance(drops, dict) and bool(drops.get("layer_steps")))
 
-    def notes(self, shifted: bool) -> list[str]:
-        """One line per reason and side. (A side whose steps are `shifted` holds more fed tokens,
+    def notes(self) -> list[str]:
+        """One line per reason and side. (A side whose steps are shifted holds more fed tokens,
         not a side that records none: no note for those.)"""
         manifests = (self.dumps["REF"].manifest, self.dumps["RUN"].manifest)
         write = {"filtered": lambda side, keys: moe_filter_note(side, keys, *manifests),
                  "layer_steps": lambda side, keys: past_layer_steps_note(side, keys, self.layer_steps),
                  "excluded": lambda side, keys: excluded_note(side, keys, self.exclude_patterns),
-                 "fed": lambda side, keys: None if shifted else one_sided_fed_note(side, keys),
-                 "ids": one_sided_ids_note}
+                 "fed": lambda side, keys: None if self.shifted else one_sided_fed_note(side, keys),
+                 "ids": one_sided_ids_note,
+                 "shifted": lambda side, keys: (f"{side} holds {len(keys)} step keys more, of the forwards it ran "
+                                                f"more (its steps are shifted, not comparable): {preview(keys, 4)}")}
         lines = (write[reason](side, keys) for reason, sides in self.explained.items()
                  for side, keys in sides.items() if keys)
         return [line for line in lines if line is not None]

@@ -8,6 +8,14 @@ and comparing them with the reference's prompt would report a divergence that is
 hide one). The manifest counts the writes that passed every gate (`tags[tag].passed`): where the
 two sides' counts differ and one of them is above one, a side wrote the tag again after the
 prompt, so the key is not comparable (exit 3), with one line that names the fix.
+
+The steps of such a side are misaligned with the other's when its extra forwards came before the
+compared request (a warm-up), and so are a side's that ran the prompt itself in several forwards
+(chunked prefill, as vLLM and SGLang do for a prompt longer than their chunk): its token gate
+learned the first chunk's length, so its prompt keys hold the first chunk, and each chunk's
+forward is a step of its logits. Both are told by the fed tokens (or the logits) of the side with
+more steps matching the other's from a later step on; every step key is then not comparable, and
+for chunks the prompt keys too, each case with its own line and fix.
 """
 
 from __future__ import annotations
@@ -17,14 +25,18 @@ import numpy as np
 from ..format import spec
 from ..format.reader import Dump
 from .inputs import FED_TAG, fed_token
+from .phases import prompt_length, tokens_text
 
 # The manifest kinds whose last write wins (record, all-rows record, record_ids).
 _LAST_WRITE_KINDS = ("record", "ids")
 # How every reason of this module starts (text.py groups the keys by them).
 WRITTEN_AGAIN = "written again after the prompt"
 SHIFTED = "steps shifted"
+CHUNKED = "prompt in chunks"
 FIX = ("choose a prompt length that no decode batch size equals, run warm-ups and other requests inside "
        "compiledump.profiling(), or call compiledump.clear() right before the compared request")
+CHUNKED_FIX = ("run the compared prompt in one forward (vLLM: max_num_batched_tokens at least the prompt length; "
+               "SGLang: --chunked-prefill-size -1)")
 
 
 def written_again(ref: Dump, run: Dump, old_names: dict[str, str]) -> tuple[dict[str, str], str | None]:
@@ -60,10 +72,41 @@ def shifted_steps(ref: Dump, run: Dump, wrote_more: str | None) -> str | None:
     if wrote_more is None:
         return None
     more, fewer = (run, ref) if wrote_more == "RUN" else (ref, run)
-    counts = [_steps(dump, "logits") for dump in (more, fewer)]
-    extra = counts[0] - counts[1]
+    extra = _steps(more, "logits") - _steps(fewer, "logits")
+    evidence = _shift(more, fewer, extra)
+    if evidence is None:
+        return None
+    return (f"{SHIFTED}: {wrote_more} ran {extra} forward(s) of the prompt's length before the compared request (a warm-up "
+            f"outside profiling()), so its step n is the other side's step n - {extra} ({evidence})")
+
+
+def chunked_prefill(ref: Dump, run: Dump) -> str | None:
+    """Why the prompt keys and every step key are not comparable when one side ran the prompt in
+    several forwards (module docstring): its prompt (the length its gate learned) is shorter than
+    the other side's, and its steps from k on are the other side's from 0, k being how many more
+    steps it holds. None otherwise."""
+    prompts = {"REF": prompt_length(ref), "RUN": prompt_length(run)}
+    if None in prompts.values() or prompts["REF"] == prompts["RUN"]:
+        return None
+    side = "RUN" if prompts["RUN"] < prompts["REF"] else "REF"
+    more, fewer = (run, ref) if side == "RUN" else (ref, run)
+    extra = _steps(more, "logits") - _steps(fewer, "logits")
+    evidence = _shift(more, fewer, extra)
+    if evidence is None:
+        return None
+    return (f"{CHUNKED}: {side} ran the prompt in {extra + 1} forwards (chunked prefill): its prompt keys hold its first "
+            f"forward's {tokens_text(min(prompts.values()))} of the other side's {max(prompts.values())}, and its step n "
+            f"is the other side's step n - {extra} ({evidence})")
+
+
+def _shift(more: Dump, fewer: Dump, extra: int) -> str | None:
+    """How `more`'s steps are seen to start `extra` steps before `fewer`'s (its step n is the other
+    side's step n - extra), or None when they line up or it cannot be told: the fed tokens where
+    both sides recorded them (`input_token`), else which of its logits steps matches the other
+    side's `logits_0` far better."""
     if extra < 1:
         return None
+    counts = [_steps(dump, "logits") for dump in (more, fewer)]
     fed = [[fed_token(dump, spec.step_key(FED_TAG, n)) for n in range(min(_steps(dump, FED_TAG), counts[0]))]
            for dump in (more, fewer)]
     if [len(tokens) for tokens in fed] == counts and None not in fed[0] + fed[1]:
@@ -79,26 +122,23 @@ def shifted_steps(ref: Dump, run: Dump, wrote_more: str | None) -> str | None:
         errors = [float(np.linalg.norm(x - first[0])) / scale for x in first[1:]]
         aligned, shifted = errors[0] <= 10 * errors[1], errors[1] * 10 < errors[0]
         evidence = "its logits_{k} matches the other side's logits_0"
-    if aligned or not shifted:
-        return None
-    return (f"{SHIFTED}: {wrote_more} ran {extra} forward(s) of the prompt's length before the compared request (a warm-up "
-            f"outside profiling()), so its step n is the other side's step n - {extra} ("
-            + evidence.format(k=extra) + ")")
+    return None if aligned or not shifted else evidence.format(k=extra)
 
 
 def written_again_lines(records: list) -> list[str]:
     """One line for the keys `written_again` refused, one for the steps `shifted_steps` refused,
-    each with the fix."""
+    one for the keys `chunked_prefill` refused, each with the fix."""
     lines = []
-    for marker, what in ((WRITTEN_AGAIN, "prompt keys were written again after the prompt"),
-                         (SHIFTED, "step keys are shifted")):
+    for marker, what, fix in ((WRITTEN_AGAIN, "prompt keys were written again after the prompt", FIX),
+                              (SHIFTED, "step keys are shifted", FIX),
+                              (CHUNKED, "keys hold another split of the prompt", CHUNKED_FIX)):
         refused = [record for record in records if (record.reason or "").startswith(marker)]
         if not refused:
             continue
         keys = ", ".join(record.key for record in refused[:6]) + (f", ... ({len(refused) - 6} more)"
                                                                   if len(refused) > 6 else "")
         why = refused[0].reason.removeprefix(f"{marker}: ")
-        lines.append(f"not comparable: {len(refused)} {what} ({keys}): {why}. Not compared; fix: {FIX}")
+        lines.append(f"not comparable: {len(refused)} {what} ({keys}): {why}. Not compared; fix: {fix}")
     return lines
 
 

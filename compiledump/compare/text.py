@@ -8,7 +8,7 @@ from typing import Any
 from ..format.keys import chosen
 from .facts import threshold_uses
 from .options import pair_class
-from .overwrites import SHIFTED, WRITTEN_AGAIN, written_again_lines
+from .overwrites import CHUNKED, SHIFTED, WRITTEN_AGAIN, written_again_lines
 from .phases import fix_hint, tokens_text
 from .key_record import KeyRecord, MergeInfo
 from .report import Divergence, PairResult, Report
@@ -333,7 +333,7 @@ def unseen_flip_lines(pair: PairResult) -> list[str]:
     by_step: dict[int, list] = {}
     for record in pair.not_comparable:
         if record.kind == "step" and (fed is None or record.reason != fed.reason()) \
-                and not (record.reason or "").startswith(SHIFTED):
+                and not (record.reason or "").startswith((SHIFTED, CHUNKED)):
             by_step.setdefault(record.step, []).append(record)
     return [f"not comparable: decode step {step} ({', '.join(r.key for r in refused)}): {refused[0].reason}"
             for step, refused in sorted(by_step.items())]
@@ -342,7 +342,7 @@ def unseen_flip_lines(pair: PairResult) -> list[str]:
 def not_comparable_line(pair: PairResult) -> str | None:
     """One line for the keys whose two values come from different phases or token counts."""
     refused = [record for record in pair.not_comparable
-               if record.kind != "step" and not (record.reason or "").startswith(WRITTEN_AGAIN)]
+               if record.kind != "step" and not (record.reason or "").startswith((WRITTEN_AGAIN, CHUNKED))]
     if not refused:
         return None
     calls: dict[tuple, int] = {}

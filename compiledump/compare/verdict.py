@@ -18,7 +18,7 @@ from .measure import KeyMeasurer, float_class, logits_tags
 from .metrics import Workspace
 from .one_row import one_row_note
 from .one_sided import OneSidedKeys
-from .overwrites import shifted_steps, written_again
+from .overwrites import chunked_prefill, shifted_steps, written_again
 from .options import CompareOptions
 from .padding import unpadded
 from .picked import unseen_step_flips, with_picked_ids
@@ -32,6 +32,7 @@ from .phases import (
     mixed_phase_keys,
     not_captured,
     not_captured_note,
+    not_comparable_reason,
     prompt_length,
     recovered_note,
     routing_recorded,
@@ -111,12 +112,13 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
                            workspace, float_class(ref, run, sorted(common)))
     records: list[KeyRecord] = []
     again, wrote_more = written_again(ref, run, renamed)  # prompt values a later forward replaced (overwrites.py)
-    shifted = shifted_steps(ref, run, wrote_more)  # ... or a warm-up before the request: steps misaligned
+    chunked = chunked_prefill(ref, run)  # a side ran the prompt in several forwards: prompt and steps misaligned
+    shifted = chunked or shifted_steps(ref, run, wrote_more)  # ... or a warm-up before the request
     fed = None if shifted else first_fed_difference(ref, run, ordered)
     # Every routing decision recorded on both sides: until some ids differ, no route has flipped.
     no_flip = routing_recorded(ref, run)
     captured = {"REF": not_captured(ref), "RUN": not_captured(run)}
-    one_sided = OneSidedKeys(ref, run, captured)  # keys one side holds: a note per reason, or a problem
+    one_sided = OneSidedKeys(ref, run, captured, shifted)  # keys one side holds: a note per reason, or a problem
     for info in ordered:
         key = info.key
         if spec.prompt_stream_step(key):  # the prompt's `layer<N>` holds it (format/spec.py)
@@ -134,6 +136,9 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
         refused = fed.reason() if after_fed_difference(info, fed) else again.get(key)
         if shifted and info.kind == "step":
             refused = shifted
+        elif chunked and (key in again or not_comparable_reason(info.kind, ref.infos.get(key, info),
+                                                                run.infos.get(key, info))):
+            refused = chunked  # its prompt keys hold the first chunk
         records.append(measurer.record(info, problems, refused, no_flip))
         if records[-1].divergent and info.step in unseen and records[-1].floats is not None \
                 and records[-1].limits.klass != "fp32":  # (fp32 routing does not flip honestly)
@@ -150,7 +155,7 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     note = not_captured_note(captured)
     if note is not None:
         notes.append(note)
-    notes.extend(one_sided.notes(bool(shifted)))
+    notes.extend(one_sided.notes())
     notes.extend(note for note in (recovered_note("REF", ref), recovered_note("RUN", run)) if note)
     if any(r.phase == "decode" and r.floats is not None and r.limits is not None
            and r.limits.rel_source.endswith(" decode") for r in records):
