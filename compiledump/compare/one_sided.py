@@ -8,9 +8,9 @@ filtered the tag (the two settings differing); a layer state's step is past its
 COMPILEDUMP_LAYER_STEPS (its manifest counts them dropped as `layer_steps`, or the setting is 0);
 only one side records the tokens it fed (`input_token`); the other side's router returned its
 logits alone and recorded no expert ids (an engine's gate); the steps are shifted (a warm-up
-before the request, or the prompt in chunks: overwrites.py), and the side that ran more forwards
-holds more steps. Any other key of one side is a problem: `missing_in_run` or `extra_in_run`
-(docs/compare.md).
+before the request, or the prompt in chunks: overwrites.py), and a side holds steps of a tag past
+the other side's last. Any other key of one side is a problem:
+`missing_in_run` or `extra_in_run` (docs/compare.md).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from .report import Problem
 
 class OneSidedKeys:
     """Sorts the keys held by one side of a pair (`sort`), then writes their notes (`notes`).
-    `captured`: each side's `phases.not_captured` fact; `shifted`: the steps are misaligned
-    (overwrites.py's reason, or None)."""
+    `captured`: each side's `phases.not_captured` fact; `shifted`: the two sides' steps are
+    misaligned, every step key not comparable (overwrites.py)."""
 
-    def __init__(self, ref: Dump, run: Dump, captured: dict[str, dict | None], shifted: str | None = None):
+    def __init__(self, ref: Dump, run: Dump, captured: dict[str, dict | None], shifted: bool = False):
         self.dumps = {"REF": ref, "RUN": run}
         self.shifted = shifted
         # Tags the other side's host filter dropped count as filtered only where the two sides'
@@ -55,15 +55,21 @@ class OneSidedKeys:
         reason = ("excluded" if spec.excluded_by(info.tag, self.exclude_patterns[lacking])
                   else "filtered" if info.tag in self.filtered[lacking]
                   else "layer_steps" if self._past_layer_steps(info, dump.manifest, self.layer_steps[lacking])
+                  else "shifted" if self.shifted and self._past_last_step(info, dump)
                   else "fed" if info.tag == FED_TAG
-                  else "ids" if gate_without_ids(info.tag, dump, self.tags[lacking])
-                  else "shifted" if self.shifted and info.kind == "step" else None)
+                  else "ids" if gate_without_ids(info.tag, dump, self.tags[lacking]) else None)
         if reason is not None:
             self.explained[reason][holder].append(info.key)
             return None
         if lacking == "RUN":
             return Problem("missing_in_run", rank, "present in REF only", info.key)
         return Problem("extra_in_run", rank, "present in RUN only", info.key)
+
+    @staticmethod
+    def _past_last_step(info: KeyInfo, lacking: Dump) -> bool:
+        """Whether `info` is a step of a tag the lacking side holds too, past its last step of it."""
+        steps = [other.step for other in lacking.infos.values() if other.tag == info.tag and other.kind == "step"]
+        return info.kind == "step" and bool(steps) and info.step > max(steps)
 
     @staticmethod
     def _past_layer_steps(info: KeyInfo, manifest: dict | None, cap: int | None) -> bool:
@@ -85,8 +91,9 @@ class OneSidedKeys:
                  "excluded": lambda side, keys: excluded_note(side, keys, self.exclude_patterns),
                  "fed": lambda side, keys: None if self.shifted else one_sided_fed_note(side, keys),
                  "ids": one_sided_ids_note,
-                 "shifted": lambda side, keys: (f"{side} holds {len(keys)} step keys more, of the forwards it ran "
-                                                f"more (its steps are shifted, not comparable): {preview(keys, 4)}")}
+                 "shifted": lambda side, keys: (f"{side} holds {len(keys)} step keys past the other side's last step "
+                                                f"of their tags (the steps are shifted, not comparable): "
+                                                f"{preview(keys, 4)}")}
         lines = (write[reason](side, keys) for reason, sides in self.explained.items()
                  for side, keys in sides.items() if keys)
         return [line for line in lines if line is not None]

@@ -35,8 +35,9 @@ SHIFTED = "steps shifted"
 CHUNKED = "prompt in chunks"
 FIX = ("choose a prompt length that no decode batch size equals, run warm-ups and other requests inside "
        "compiledump.profiling(), or call compiledump.clear() right before the compared request")
-CHUNKED_FIX = ("run the compared prompt in one forward (vLLM: max_num_batched_tokens at least the prompt length; "
-               "SGLang: --chunked-prefill-size -1)")
+CHUNKED_FIX = ("run the compared prompt in one forward (vLLM: --max-num-batched-tokens at least the prompt length; "
+               "SGLang: --chunked-prefill-size -1), or a warm-up inside compiledump.profiling()")
+_MAX_SHIFT = 16  # the most forwards before the compared request's last prompt forward that are looked for
 
 
 def written_again(ref: Dump, run: Dump, old_names: dict[str, str]) -> tuple[dict[str, str], str | None]:
@@ -64,65 +65,64 @@ def written_again(ref: Dump, run: Dump, old_names: dict[str, str]) -> tuple[dict
 def shifted_steps(ref: Dump, run: Dump, wrote_more: str | None) -> str | None:
     """Why every step key is not comparable when the side that wrote the prompt's records more
     often (`wrote_more`, from `written_again`) ran its extra forwards *before* the compared request
-    (a warm-up outside profiling()):
-    its steps start with theirs, so its step n is the other side's step n - k. Told by the fed
-    tokens where both sides recorded them (`input_token`), else by which of its logits steps matches
-    the other side's `logits_0` far better. None when the steps line up (the extra forwards came
-    after the request) or it cannot be told."""
+    (a warm-up outside profiling()): its steps start with theirs, so its step n is the other
+    side's step n - k (`_shift`). None when the steps line up (the extra forwards came after the
+    request) or it cannot be told."""
     if wrote_more is None:
         return None
-    more, fewer = (run, ref) if wrote_more == "RUN" else (ref, run)
-    extra = _steps(more, "logits") - _steps(fewer, "logits")
-    evidence = _shift(more, fewer, extra)
-    if evidence is None:
+    found = _shift(run, ref) if wrote_more == "RUN" else _shift(ref, run)
+    if found is None:
         return None
-    return (f"{SHIFTED}: {wrote_more} ran {extra} forward(s) of the prompt's length before the compared request (a warm-up "
-            f"outside profiling()), so its step n is the other side's step n - {extra} ({evidence})")
+    k, evidence = found
+    return (f"{SHIFTED}: {wrote_more} ran {k} forward(s) of the prompt's length before the compared request (a warm-up "
+            f"outside profiling()), so its step n is the other side's step n - {k} ({evidence})")
 
 
 def chunked_prefill(ref: Dump, run: Dump) -> str | None:
-    """Why the prompt keys and every step key are not comparable when one side ran the prompt in
-    several forwards (module docstring): its prompt (the length its gate learned) is shorter than
-    the other side's, and its steps from k on are the other side's from 0, k being how many more
-    steps it holds. None otherwise."""
+    """Why the prompt keys and every step key are not comparable when one side's prompt keys hold
+    a shorter call than the other side's prompt and its steps start k earlier (`_shift`): it ran
+    the prompt in k + 1 forwards (chunked prefill, module docstring), or a shorter request before
+    the compared one outside profiling(); the two read the same in a dump, so the line names both
+    and their fixes. None otherwise."""
     prompts = {"REF": prompt_length(ref), "RUN": prompt_length(run)}
     if None in prompts.values() or prompts["REF"] == prompts["RUN"]:
         return None
     side = "RUN" if prompts["RUN"] < prompts["REF"] else "REF"
-    more, fewer = (run, ref) if side == "RUN" else (ref, run)
-    extra = _steps(more, "logits") - _steps(fewer, "logits")
-    evidence = _shift(more, fewer, extra)
-    if evidence is None:
+    found = _shift(run, ref) if side == "RUN" else _shift(ref, run)
+    if found is None:
         return None
-    return (f"{CHUNKED}: {side} ran the prompt in {extra + 1} forwards (chunked prefill): its prompt keys hold its first "
-            f"forward's {tokens_text(min(prompts.values()))} of the other side's {max(prompts.values())}, and its step n "
-            f"is the other side's step n - {extra} ({evidence})")
+    k, evidence = found
+    return (f"{CHUNKED}: {side}'s prompt keys hold a call of {tokens_text(prompts[side])}, not the other side's prompt of "
+            f"{max(prompts.values())}, and its step n is the other side's step n - {k} ({evidence}): it ran the prompt in "
+            f"{k + 1} forwards (chunked prefill), or a shorter request before the compared one outside profiling()")
 
 
-def _shift(more: Dump, fewer: Dump, extra: int) -> str | None:
-    """How `more`'s steps are seen to start `extra` steps before `fewer`'s (its step n is the other
-    side's step n - extra), or None when they line up or it cannot be told: the fed tokens where
-    both sides recorded them (`input_token`), else which of its logits steps matches the other
-    side's `logits_0` far better."""
-    if extra < 1:
-        return None
-    counts = [_steps(dump, "logits") for dump in (more, fewer)]
-    fed = [[fed_token(dump, spec.step_key(FED_TAG, n)) for n in range(min(_steps(dump, FED_TAG), counts[0]))]
-           for dump in (more, fewer)]
-    if [len(tokens) for tokens in fed] == counts and None not in fed[0] + fed[1]:
-        aligned = all(a == b for a, b in zip(fed[0], fed[1]))
-        shifted = all(a == b for a, b in zip(fed[0][extra:], fed[1]))
-        evidence = "its fed tokens from step {k} on are the other side's from step 0"
-    else:
-        first = [_array(fewer, spec.step_key("logits", 0)), _array(more, spec.step_key("logits", 0)),
-                 _array(more, spec.step_key("logits", extra))]
-        if any(x is None or x.shape != first[0].shape for x in first):
+def _shift(more: Dump, fewer: Dump) -> tuple[int, str] | None:
+    """(k, evidence) when `more`'s step k (1 <= k <= _MAX_SHIFT) is `fewer`'s step 0, the prompt's
+    last token: its fed token at step k is the other side's at step 0 where both recorded them
+    (`input_token`; later steps may differ after an argmax flip, and the sides may decode
+    different counts), else its logits_k matches the other side's logits_0 ten times better than
+    its own logits_0 does. None when step 0 lines up or it cannot be told."""
+    fed = [fed_token(more, spec.step_key(FED_TAG, n)) for n in range(min(_steps(more, FED_TAG), _MAX_SHIFT + 1))]
+    first = fed_token(fewer, spec.step_key(FED_TAG, 0))
+    if fed and first is not None and None not in fed:
+        if fed[0] == first:
             return None
-        scale = float(np.linalg.norm(first[0])) or 1.0
-        errors = [float(np.linalg.norm(x - first[0])) / scale for x in first[1:]]
-        aligned, shifted = errors[0] <= 10 * errors[1], errors[1] * 10 < errors[0]
-        evidence = "its logits_{k} matches the other side's logits_0"
-    return None if aligned or not shifted else evidence.format(k=extra)
+        k = next((n for n in range(1, len(fed)) if fed[n] == first), None)
+        return None if k is None else (k, f"its fed token at step {k} is the other side's at step 0")
+    target = _array(fewer, spec.step_key("logits", 0))
+    if target is None:
+        return None
+    scale = float(np.linalg.norm(target)) or 1.0
+    errors = []
+    for n in range(min(_steps(more, "logits"), _MAX_SHIFT + 1)):
+        x = _array(more, spec.step_key("logits", n))
+        errors.append(float(np.linalg.norm(x - target)) / scale if x is not None and x.shape == target.shape
+                      else np.inf)
+    if len(errors) < 2 or not np.isfinite(errors[0]):
+        return None
+    k = 1 + int(np.argmin(errors[1:]))
+    return (k, f"its logits_{k} matches the other side's logits_0") if errors[k] * 10 < errors[0] else None
 
 
 def written_again_lines(records: list) -> list[str]:
@@ -131,7 +131,7 @@ def written_again_lines(records: list) -> list[str]:
     lines = []
     for marker, what, fix in ((WRITTEN_AGAIN, "prompt keys were written again after the prompt", FIX),
                               (SHIFTED, "step keys are shifted", FIX),
-                              (CHUNKED, "keys hold another split of the prompt", CHUNKED_FIX)):
+                              (CHUNKED, "keys follow a shorter first forward", CHUNKED_FIX)):
         refused = [record for record in records if (record.reason or "").startswith(marker)]
         if not refused:
             continue

@@ -118,7 +118,8 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     # Every routing decision recorded on both sides: until some ids differ, no route has flipped.
     no_flip = routing_recorded(ref, run)
     captured = {"REF": not_captured(ref), "RUN": not_captured(run)}
-    one_sided = OneSidedKeys(ref, run, captured, shifted)  # keys one side holds: a note per reason, or a problem
+    # keys one side holds: a note per reason, or a problem
+    one_sided = OneSidedKeys(ref, run, captured, bool(shifted))
     for info in ordered:
         key = info.key
         if spec.prompt_stream_step(key):  # the prompt's `layer<N>` holds it (format/spec.py)

@@ -31,12 +31,17 @@ def model():
     return ex.build_model("qwen3_moe")
 
 
-def _run(model, directory, prompt, decode, chunks) -> str:
+def _run(model, directory, prompt, decode, chunks, before=None, fed=True) -> str:
+    """One side: `before` (a shorter request run first, outside profiling()), then `prompt` in
+    forwards of `chunks` tokens, then a forward per `decode` token. `fed=False`: no input_token
+    keys (an engine whose flat ids instrument does not record)."""
     compiledump.reset()
     compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory))))
-    handle = compiledump.instrument(model)
-    cache = DynamicCache(config=model.config)
+    handle = compiledump.instrument(model, exclude=() if fed else ("input_token",))
     with torch.no_grad():
+        if before is not None:
+            model(input_ids=before, use_cache=False)
+        cache = DynamicCache(config=model.config)
         start = 0
         for size in chunks:
             model(input_ids=prompt[:, start:start + size], **ex.cache_kwargs(model, cache))
@@ -49,9 +54,14 @@ def _run(model, directory, prompt, decode, chunks) -> str:
         return compiledump.flush()
 
 
-def _tokens(length: int, seed: int = 4):
+def _tokens(length: int, seed: int = 4, steps: int = STEPS):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, 500, (1, length), generator=g), torch.randint(1, 500, (STEPS,), generator=g)
+    return torch.randint(1, 500, (1, length), generator=g), torch.randint(1, 500, (steps,), generator=g)
+
+
+def _line(lines: list[str]) -> str:
+    (line,) = [line for line in lines if line.startswith("not comparable:")]
+    return line
 
 
 @pytest.mark.parametrize("chunks", [(4, 3), (3, 4), (2, 2, 3), (4, 4)])
@@ -61,25 +71,72 @@ def test_a_chunked_prompt_is_named_with_its_fix(tmp_path, capsys, model, chunks)
     run = _run(model, tmp_path / "run", prompt, decode, chunks)
     code, lines, report = compare_json(capsys, ref, run)
     assert code == 3, lines
-    (line,) = [line for line in lines if line.startswith("not comparable:")]
-    assert f"RUN ran the prompt in {len(chunks)} forwards (chunked prefill): its prompt keys hold its first " \
-           f"forward's {chunks[0]} tokens of the other side's {sum(chunks)}, and its step n is the other side's " \
-           f"step n - {len(chunks) - 1}" in line, line
-    assert "max_num_batched_tokens at least the prompt length" in line and "--chunked-prefill-size -1" in line
+    line = _line(lines)
+    k = len(chunks) - 1
+    assert f"RUN's prompt keys hold a call of {chunks[0]} tokens, not the other side's prompt of {sum(chunks)}, and " \
+           f"its step n is the other side's step n - {k} (its fed token at step {k} is the other side's at step 0): " \
+           f"it ran the prompt in {k + 1} forwards (chunked prefill), or a shorter request before" in line, line
+    assert "--max-num-batched-tokens at least the prompt length" in line and "--chunked-prefill-size -1" in line
     assert not report["problems"], report["problems"]  # RUN's extra steps: one note
-    assert any(line.startswith(f"note: RUN holds {9 * (len(chunks) - 1)} step keys more") for line in lines), lines
+    assert any(line.startswith(f"note: RUN holds {10 * k} step keys past the other side's last step") for line in lines)
     assert report["pairs"][0]["fed_tokens_differ"] is None
-    statuses = {record["status"] for record in report["keys"]}
-    assert statuses == {"not_comparable"}, statuses
+    assert {record["status"] for record in report["keys"]} == {"not_comparable"}
 
 
-def test_another_prompt_is_not_taken_for_chunks(tmp_path, capsys, model):
-    """A shorter, different prompt with as many steps: still 'compare runs of the same prompt'."""
+@pytest.mark.parametrize("case", ["more_decode_steps", "fewer_decode_steps", "greedy_flip", "ref_chunked", "no_fed_tokens"])
+def test_chunks_are_found_whatever_follows_them(tmp_path, capsys, model, case):
+    """Decode counts that differ, a fed token that differs after the prompt (greedy decoding after
+    a flip), the chunked side being REF, and an engine whose fed tokens are not recorded (its
+    logits tell): the shift is still found."""
+    prompt, decode = _tokens(7, steps=5)
+    ref_decode, run_decode = decode[:3], decode
+    if case == "fewer_decode_steps":
+        ref_decode, run_decode = decode, decode[:2]
+    if case == "greedy_flip":
+        ref_decode, run_decode = decode[:3], torch.cat([decode[:1], decode[3:5]])
+    chunked, whole = (4, 3), [7]
+    fed = case != "no_fed_tokens"
+    ref = _run(model, tmp_path / "ref", prompt, ref_decode, chunked if case == "ref_chunked" else whole, fed=fed)
+    run = _run(model, tmp_path / "run", prompt, run_decode, whole if case == "ref_chunked" else chunked, fed=fed)
+    code, lines, _ = compare_json(capsys, ref, run)
+    assert code == 3, lines
+    side = "REF" if case == "ref_chunked" else "RUN"
+    evidence = "its logits_1 matches the other side's logits_0" if not fed else "its fed token at step 1"
+    assert f"{side}'s prompt keys hold a call of 4 tokens" in _line(lines) and evidence in _line(lines), lines
+
+
+def test_a_shorter_request_before_reads_the_same_and_is_named_with_both_fixes(tmp_path, capsys, model):
     prompt, decode = _tokens(7)
     other, _ = _tokens(4, seed=5)
     ref = _run(model, tmp_path / "ref", prompt, decode, [7])
-    run = _run(model, tmp_path / "run", other, decode, [4])
+    run = _run(model, tmp_path / "run", prompt, decode, [7], before=other)
     code, lines, _ = compare_json(capsys, ref, run)
-    assert code in (1, 3), lines
-    assert not any("chunked prefill" in line for line in lines), lines
-    assert any("fix: compare runs of the same prompt (REF's has 7 tokens, RUN's 4 tokens)" in line for line in lines), lines
+    assert code == 3, lines
+    line = _line(lines)
+    assert "or a shorter request before the compared one outside profiling()" in line
+    assert "or a warm-up inside compiledump.profiling()" in line
+
+
+def test_a_step_tag_the_other_side_lacks_stays_a_problem(tmp_path, capsys, model):
+    """Only the steps of tags both sides hold, past the other side's last, are explained by the
+    shift: a step tag renamed by --map on RUN only is still a problem each."""
+    prompt, decode = _tokens(7)
+    ref = _run(model, tmp_path / "ref", prompt, decode, [7])
+    run = _run(model, tmp_path / "run", prompt, decode, (4, 3))
+    code, lines, report = compare_json(capsys, ref, run, "--map", "^layer3_step$=layer9_step")
+    kinds = {(problem["kind"], problem["key"]) for problem in report["problems"]}
+    assert ("extra_in_run", "layer9_step_1") in kinds and ("missing_in_run", "layer3_step_1") in kinds, kinds
+
+
+def test_another_prompt_is_not_taken_for_chunks(tmp_path, capsys, model):
+    """A shorter, different prompt, with as many steps or more: still 'compare runs of the same prompt'."""
+    prompt, decode = _tokens(7)
+    other, more = _tokens(4, seed=5, steps=STEPS + 2)
+    ref = _run(model, tmp_path / "ref", prompt, decode, [7])
+    for name, steps in (("same", more[:STEPS]), ("more", more)):
+        run = _run(model, tmp_path / name, other, steps, [4])
+        code, lines, _ = compare_json(capsys, ref, run)
+        assert code in (1, 3), lines
+        assert not any("chunked prefill" in line for line in lines), lines
+        assert any("fix: compare runs of the same prompt (REF's has 7 tokens, RUN's 4 tokens)" in line
+                   for line in lines), lines

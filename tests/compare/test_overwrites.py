@@ -134,9 +134,10 @@ def test_a_warm_up_before_the_request_shifts_its_steps_and_says_so(tmp_path, cap
     statuses = {r["key"]: r["status"] for r in report["keys"]}
     assert statuses["logits_0"] == statuses["logits_4"] == "not_comparable"
     line = next(line for line in lines if line.startswith("not comparable: ") and "step keys are shifted" in line)
-    evidence = "fed tokens" if engine_kind == "hf" else "logits_1 matches the other side's logits_0"
+    evidence = "its fed token at step 1 is the other side's at step 0" if engine_kind == "hf" \
+        else "logits_1 matches the other side's logits_0"
     assert "RUN ran 1 forward(s) of the prompt's length before the compared request" in line and evidence in line
     assert not any("teacher forcing" in line for line in lines)
     # its extra step keys (the warm-up's): one note, not a problem each
     assert not [p for p in report["problems"] if p["kind"] == "extra_in_run"], report["problems"]
-    assert any(line.startswith("note: RUN holds ") and "step keys more" in line for line in lines), lines
+    assert any(line.startswith("note: RUN holds ") and "past the other side's last step" in line for line in lines), lines
