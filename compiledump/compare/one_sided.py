@@ -19,6 +19,7 @@ from ..format import spec
 from ..format.keys import KeyInfo
 from ..format.reader import Dump, preview
 from .inputs import FED_TAG
+from .overwrites import step_count
 from .phases import exclude_patterns, layer_steps_of, moe_layers_of
 from .report import Problem
 
@@ -67,9 +68,9 @@ class OneSidedKeys:
 
     @staticmethod
     def _past_last_step(info: KeyInfo, lacking: Dump) -> bool:
-        """Whether `info` is a step of a tag the lacking side holds too, past its last step of it."""
-        steps = [other.step for other in lacking.infos.values() if other.tag == info.tag and other.kind == "step"]
-        return info.kind == "step" and bool(steps) and info.step > max(steps)
+        """Whether `info` is a step of a tag the lacking side holds too, past its last step of it
+        (steps are appended from 0, so the last is the count's)."""
+        return info.kind == "step" and 0 < step_count(lacking, info.tag) <= info.step
 
     @staticmethod
     def _past_layer_steps(info: KeyInfo, manifest: dict | None, cap: int | None) -> bool:

@@ -103,7 +103,7 @@ def _shift(more: Dump, fewer: Dump) -> tuple[int, str] | None:
     (`input_token`; later steps may differ after an argmax flip, and the sides may decode
     different counts), else its logits_k matches the other side's logits_0 ten times better than
     its own logits_0 does. None when step 0 lines up or it cannot be told."""
-    fed = [fed_token(more, spec.step_key(FED_TAG, n)) for n in range(min(_steps(more, FED_TAG), _MAX_SHIFT + 1))]
+    fed = [fed_token(more, spec.step_key(FED_TAG, n)) for n in range(min(step_count(more, FED_TAG), _MAX_SHIFT + 1))]
     first = fed_token(fewer, spec.step_key(FED_TAG, 0))
     if fed and first is not None and None not in fed:
         if fed[0] == first:
@@ -115,7 +115,7 @@ def _shift(more: Dump, fewer: Dump) -> tuple[int, str] | None:
         return None
     scale = float(np.linalg.norm(target)) or 1.0
     errors = []
-    for n in range(min(_steps(more, "logits"), _MAX_SHIFT + 1)):
+    for n in range(min(step_count(more, "logits"), _MAX_SHIFT + 1)):
         x = _array(more, spec.step_key("logits", n))
         errors.append(float(np.linalg.norm(x - target)) / scale if x is not None and x.shape == target.shape
                       else np.inf)
@@ -142,7 +142,7 @@ def written_again_lines(records: list) -> list[str]:
     return lines
 
 
-def _steps(dump: Dump, tag: str) -> int:
+def step_count(dump: Dump, tag: str) -> int:
     """How many consecutive steps `<tag>_0, _1, ...` the dump holds."""
     n = 0
     while spec.step_key(tag, n) in dump.members:

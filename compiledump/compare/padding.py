@@ -126,9 +126,7 @@ def _token_sharded(copy: Replica) -> bool:
 
 
 def _mask(dump: Dump) -> np.ndarray | None:
-    """The request row's attention mask the dump holds (`prompt_mask`), or None."""
-    if spec.PROMPT_MASK_TAG not in dump.members:
-        return None
+    """The request row's attention mask a dump that holds `prompt_mask` recorded, or None."""
     try:
         array = np.asarray(dump.replicas(spec.PROMPT_MASK_TAG)[0].whole())
     except (OSError, ValueError):  # unreadable data: the side is compared as recorded
