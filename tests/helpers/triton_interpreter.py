@@ -12,12 +12,17 @@ patched already, and its patch walks them with `inspect.getmembers` to re-wrap n
 third of every interpreted kernel case. Here such a call skips it; any other patches as before
 (a module with a language module the kernel's lacks: once per launch).
 
+It also stops the interpreter from computing 32-bit overflow checks that it never asserts (see
+`set_overflow_checks`); the tests whose sizes could pass 2^31 turn them on, asserted.
+
 Only speed changes: every interpreted test compares the kernel with the reference kernel bit for
 bit, so a patch that changed what the interpreter computes would fail them. Where Triton's
 internals differ from what this expects, nothing is installed and the interpreter runs as
 shipped (tests/ops/test_triton_interpreter_speedup.py then fails, to say the speed-up is gone).
 """
 
+import contextlib
+import dataclasses
 import threading
 
 # The running launch of this thread: its kernel (`fn`) and the language modules patched for it
@@ -69,4 +74,35 @@ def install() -> bool:
     _patch_lang.skips_nested = True
     interpreter._patch_lang = _patch_lang
     interpreter.GridExecutor.__call__ = __call__
+    set_overflow_checks(False)
     return True
+
+
+def set_overflow_checks(on: bool) -> bool:
+    """Turn the interpreter's 32-bit overflow checks on or off; returns whether they were on.
+
+    Triton checks every 32-bit integer add, sub and mul for overflow (recomputed in 64 bits and
+    compared) where `sanitize_overflow` is set, and its interpreter sets it; but the check ends in a
+    device_assert, which does nothing unless `debug` is set too, and the interpreter leaves that off.
+    As shipped, the interpreter pays for every check (about a third of an interpreted kernel case)
+    and asserts none. Off, nothing else changes (the 32-bit value is what is computed either way);
+    on, both are set, so an overflow fails on the assertion naming the operation: the tests whose
+    sizes could pass 2^31 (tests/ops/test_offsets64.py, the NaN/Inf count's cap) run that way."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return on  # no Triton: nothing is interpreted
+    builder = interpreter.interpreter_builder
+    was = builder.options.sanitize_overflow and builder.options.debug
+    builder.options = dataclasses.replace(builder.options, sanitize_overflow=on, debug=on)
+    return was
+
+
+@contextlib.contextmanager
+def overflow_checks():
+    """The interpreter's 32-bit overflow checks on inside the block (see `set_overflow_checks`)."""
+    was = set_overflow_checks(True)
+    try:
+        yield
+    finally:
+        set_overflow_checks(was)

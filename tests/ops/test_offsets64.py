@@ -45,16 +45,21 @@ BASE = L.slot_base(1)
 @pytest.fixture(params=["reference", "native", "triton"])
 def kernel(request):
     if request.param == "reference":
-        return capture_reference
+        yield capture_reference
+        return
     if request.param == "native":
         if not native.native_available():
             pytest.skip("the native library is not loaded")
-        return register.capture_native
+        yield register.capture_native
+        return
     pytest.importorskip("triton")
+    from helpers.triton_interpreter import overflow_checks
+
     # Warm up the interpreter (imports, variant bookkeeping) before the resident set is measured.
     x = torch.ones(2, 4, 8, dtype=torch.bfloat16)
     register.capture_triton(x, torch.zeros(64), _ctrl(record_row=0), L.KIND_RECORD, BASE, 0, 1, 0)
-    return register.capture_triton
+    with overflow_checks():  # the suite runs without them; here a 32-bit product past 2^31 also asserts
+        yield register.capture_triton
 
 
 def _rss_mb() -> int:

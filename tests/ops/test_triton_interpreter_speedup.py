@@ -1,6 +1,8 @@
 """tests/helpers/triton_interpreter.py: an interpreted launch patches triton.language once, however
 many nested @triton.jit calls its programs make; a nested module with another language module
-(triton.language.core) gets its own patch, once; and the kernels compute what they did."""
+(triton.language.core) gets its own patch, once; and the kernels compute what they did. The
+interpreter's 32-bit overflow checks are off in the suite and on, asserted, inside
+`overflow_checks()`."""
 
 import pytest
 import torch
@@ -57,3 +59,22 @@ def test_patches_per_launch_do_not_grow_with_nested_calls(core, monkeypatch):
     assert counts[1] == counts[7], counts  # 3 programs x 1 or 7 nested calls: the same patches
     if core:  # triton.language.core patched for the helper once per launch, not at every call
         assert sum(module is tl.core for module in patched) == 1, patched
+
+
+@triton.jit
+def _times(src, dst, k):
+    tl.store(dst, tl.load(src) * k)
+
+
+def test_overflow_checks_only_inside_the_block_and_the_values_are_the_same():
+    x = torch.tensor([1 << 20], dtype=torch.int32)
+    out = torch.zeros_like(x)
+    _times[(1,)](x, out, 1 << 12)  # 2^32 in 32 bits: it wraps, as a GPU build without debug does
+    assert out.item() == 0
+    with triton_interpreter.overflow_checks():
+        with pytest.raises(Exception, match="overflow detected for operation mul"):
+            _times[(1,)](x, out, 1 << 12)
+        _times[(1,)](x, out, 3)
+        assert out.item() == 3 << 20
+    _times[(1,)](x, out, 1 << 12)
+    assert out.item() == 0 and not interpreter.interpreter_builder.options.sanitize_overflow
