@@ -21,6 +21,7 @@ from .one_sided import OneSidedKeys
 from .overwrites import chunked_prefill, shifted_steps, written_again
 from .options import CompareOptions
 from .padding import unpadded
+from .prefix_cache import cached_prefix
 from .picked import unseen_step_flips, with_picked_ids
 from .pairing import find_pairs
 from .phases import (
@@ -83,8 +84,10 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     one mapped array and one float64 chunk.
     """
     problems: list[Problem] = []
-    notes = [f"REF: {note}" for note in ref.notes] + [f"RUN: {note}" for note in run.notes]
     renamed = run.renamed() if isinstance(run, RenamedDump) else {}
+    # A side whose prompt keys hold the prompt's tail (a prefix cache): the other on those positions
+    ref, run = cached_prefix(ref, run)
+    notes = [f"REF: {note}" for note in ref.notes] + [f"RUN: {note}" for note in run.notes]
     # Expert ids an engine's gate did not give, from its router logits (picked.py)
     ref, run, picked = with_picked_ids(ref, run)
     notes.extend(picked)
