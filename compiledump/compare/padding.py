@@ -38,35 +38,32 @@ class _SlicedReplica(Replica):
         return [array[self._first:self._end] for array in self._inner.arrays()]
 
 
-class PromptRowsView(Dump):
-    """A side whose prompt keys are seen on some of its prompt's positions: per-token keys sliced,
-    token counts and the manifest's `prompt_tokens` adjusted (`keep_rows`). Without
-    `keep_rows`, the side as it is, less `hidden` keys."""
+class UnpaddedDump(Dump):
+    """A side seen without its prompt mask and, where the mask pads the request row, without the
+    padding (module docstring)."""
 
-    def __init__(self, inner: Dump, hidden: frozenset = frozenset()) -> None:
+    def __init__(self, inner: Dump, mask: np.ndarray | None) -> None:
         self.inner = inner
         self.path, self.label = inner.path, inner.label
         self.merged_ranks = inner.merged_ranks
+        mask_key = spec.PROMPT_MASK_TAG  # held by instrument's side: consumed here, never compared
         self.notes = list(inner.notes)
-        self.problems = [problem for problem in inner.problems if problem.key not in hidden]
-        self.bad_members = {key: why for key, why in inner.bad_members.items() if key not in hidden}
-        self.excluded = inner.excluded - hidden
-        self.members = {key: member for key, member in inner.members.items() if key not in hidden}
-        self.infos = {key: info for key, info in inner.infos.items() if key not in hidden}
+        self.problems = [problem for problem in inner.problems if problem.key != mask_key]
+        self.bad_members = {key: why for key, why in inner.bad_members.items() if key != mask_key}
+        self.excluded = inner.excluded - {mask_key}
+        self.members = {key: member for key, member in inner.members.items() if key != mask_key}
+        self.infos = {key: info for key, info in inner.infos.items() if key != mask_key}
         self.manifest = inner.manifest
-        self._sliced: dict[str, tuple[int, int]] = {}  # per-token keys: the rows kept
-
-    def keep_rows(self, first: int, end: int, positions: int, padded: bool) -> None:
-        """See the prompt's keys on positions `first:end` of its `positions`. `padded`: the others
-        are padding (padding.py), so a sparse-attention indexer's keys, which hold the padding
-        among their keys, and, with padding on the right, one-row keys and step 0, which hold the
-        last position, are refused; else they are positions another forward computed (a prefix
-        cache: prefix_cache.py), and an indexer's rows are sliced like any per-token key's."""
-        for key, info in self.inner.infos.items():
+        self._sliced: dict[str, tuple[int, int]] = {}  # per-token keys: their real rows
+        self.span = _span(mask, inner)  # (first real position, end, prompt positions), or None
+        if self.span is None:
+            return
+        first, end, positions = self.span
+        for key, info in inner.infos.items():
             member = self.members.get(key)
             if member is None:
                 continue
-            if padded and chosen(info.tag) == "keys":  # an indexer's: the padding is among its keys
+            if chosen(info.tag) == "keys":  # an indexer's: the padding is among its keys
                 self._refuse(key, "a sparse-attention indexer's scores or picks, the padding among its keys",
                              first, positions - end)
                 continue
@@ -75,7 +72,7 @@ class PromptRowsView(Dump):
                     self._refuse(key, "step 0 holds the prompt's last position, which is padding", first, positions - end)
                 continue
             per_token = (info.all_rows or info.kind == "ids") and member.shape and member.shape[0] == positions
-            if per_token and any(_token_sharded(copy) for copy in self.inner.replicas(key)):
+            if per_token and any(_token_sharded(copy) for copy in inner.replicas(key)):
                 continue  # its ranks' parts split the positions: left as recorded (not comparable)
             self.infos[key] = replace(info, tokens=end - first)
             if per_token:
@@ -84,9 +81,10 @@ class PromptRowsView(Dump):
             elif end != positions:
                 self._refuse(key, "holds the prompt's last position, which is padding", first, positions - end)
         if isinstance(self.manifest, dict) and self.manifest.get("prompt_tokens") == positions:
-            # the positions kept, as the other side's prompt has them; the gate's own width stays
+            # the real tokens, as the other side's prompt alone has them; the gate's own width stays
             # known for the fixes that name COMPILEDUMP_TOKENS (phases.gate_length)
             self.manifest = {**self.manifest, "prompt_tokens": end - first, "gate_tokens": positions}
+        self.notes.append(_note(first, end, positions))
 
     def _refuse(self, key: str, what: str, left: int, right: int) -> None:
         del self.members[key]
@@ -104,20 +102,6 @@ class PromptRowsView(Dump):
 
     def router(self, key: str):
         return self.inner.router(key)
-
-
-class UnpaddedDump(PromptRowsView):
-    """A side seen without its prompt mask and, where the mask pads the request row, without the
-    padding (module docstring)."""
-
-    def __init__(self, inner: Dump, mask: np.ndarray | None) -> None:
-        # the mask, held by instrument's side, is consumed here, never compared
-        super().__init__(inner, hidden=frozenset({spec.PROMPT_MASK_TAG}))
-        self.span = _span(mask, inner)  # (first real position, end, prompt positions), or None
-        if self.span is not None:
-            first, end, positions = self.span
-            self.keep_rows(first, end, positions, padded=True)
-            self.notes.append(_note(first, end, positions))
 
 
 def _span(mask: np.ndarray | None, dump: Dump) -> tuple[int, int, int] | None:

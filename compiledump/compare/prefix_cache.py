@@ -1,19 +1,20 @@
-"""A prompt partly served from a prefix cache: one side's prompt keys hold only its last tokens.
+"""A prompt that may have been partly served from a prefix cache: a note, not a comparison.
 
 vLLM (automatic prefix caching, on by default) and SGLang (the radix cache) keep the KV cache of
 the prompts they ran; a request whose prompt begins with one that ran before (a warm-up of the
-same prompt, inside `profiling()` or not, or an earlier request) runs only the rest: its prefill
-forward holds the prompt's last n positions, attending to the cached ones, and the token gate
-learns n. Those n positions compute what the same positions of the whole prompt do, so the
-other side's prompt keys are seen on its last n positions (padding.py's `PromptRowsView`: keys of
-every prompt row sliced, token counts adjusted) and compared; one note says so, with how to turn
-the cache off to compare every position.
+same prompt inside `profiling()`, or an earlier request) runs only the rest: its prefill forward
+holds the prompt's last n positions and its token gate learns n, so its prompt keys hold a
+shorter call than the other side's whole prompt and are not comparable (different token counts),
+with "fix: compare runs of the same prompt", which the user may have done.
 
-Told apart from the other ways a side's prompt keys can hold a shorter call: chunked prefill (its
-first forward is the prompt's first chunk, its step 0 one of the prompt's earlier tokens:
-overwrites.py) and a different prompt (nothing lines up), by step 0: both sides' prefill ended on
-the same token, the one each fed at step 0 (``input_token_0``, which `instrument` records). A side
-without it is left as recorded (not comparable, different token counts).
+What a dump holds cannot tell that apart from another prompt that ends on the same token (chat
+templates end most prompts alike): both sides' prefill ends on the token each fed at step 0, and
+nothing records where a call's positions start. Comparing the other side's last n positions on
+that guess would turn a different prompt into a divergence at layer 0, so the comparator only
+says what the pair is consistent with and how to make it comparable: one note, where the prompt
+calls differ in length and end on the same token at step 0 and, where both sides decoded a step
+1, fed the same token there too (a first chunk of a chunked prefill ending on the prompt's last
+token would feed that token again at step 1, overwrites.py).
 """
 
 from __future__ import annotations
@@ -21,38 +22,32 @@ from __future__ import annotations
 from ..format import spec
 from ..format.reader import Dump
 from .inputs import FED_TAG, fed_token
-from .padding import PromptRowsView
 from .phases import prompt_length, tokens_text
 
 TURN_OFF = "vLLM --no-enable-prefix-caching, SGLang --disable-radix-cache"
 
 
-def cached_prefix(ref: Dump, run: Dump) -> tuple[Dump, Dump]:
-    """`(ref, run)`, the side with the longer prompt seen on the other side's last positions when
-    the other's prompt call was the same prompt's tail (module docstring); else as they are."""
+def prefix_cache_note(ref: Dump, run: Dump) -> str | None:
+    """The note for a pair whose prompt calls differ in length but line up at step 0 (module
+    docstring), prefixed with the shorter side's label; else None."""
     prompts = {"REF": prompt_length(ref), "RUN": prompt_length(run)}
     if None in prompts.values() or prompts["REF"] == prompts["RUN"]:
-        return ref, run
-    cached = "RUN" if prompts["RUN"] < prompts["REF"] else "REF"
+        return None
+    shorter = "RUN" if prompts["RUN"] < prompts["REF"] else "REF"
     whole, tail = max(prompts.values()), min(prompts.values())
-    longer, shorter = (ref, run) if cached == "RUN" else (run, ref)
-    step0 = spec.step_key(FED_TAG, 0)
-    token = fed_token(shorter, step0)
-    if token is None or token != fed_token(longer, step0):
-        return ref, run
-    view = PromptRowsView(longer)
-    view.keep_rows(whole - tail, whole, whole, padded=False)
-    # One token left to run is what each decode step of a batch of one runs too: the gate keeps
-    # those steps' writes as well (overwrites.py then refuses the prompt keys, "written again").
-    one = ("; one token is also what each decode step of a batch of one runs, so later steps may overwrite those "
-           "keys" if tail == 1 else "")
-    view.notes.append(
-        f"its prompt keys are compared on the last {tokens_text(tail)} of its prompt of {whole}: {cached}'s prompt "
-        f"keys hold a call of {tokens_text(tail)} ending where this side's does (both fed token {token} at step 0), "
-        f"its first {whole - tail} positions served from a prefix cache (vLLM's automatic prefix caching or "
-        f"SGLang's radix cache, after a warm-up or an earlier request with the same prompt){one}; to compare every "
-        f"position, run {cached} without it ({TURN_OFF})")
-    return (view, run) if cached == "RUN" else (ref, view)
+    tokens = []
+    for n in (0, 1):
+        key = spec.step_key(FED_TAG, n)
+        tokens.append((fed_token(ref, key), fed_token(run, key)))
+    (ref0, run0), (ref1, run1) = tokens
+    if ref0 is None or ref0 != run0 or (ref1 is not None and run1 is not None and ref1 != run1):
+        return None
+    other = "REF" if shorter == "RUN" else "RUN"
+    return (f"{shorter}: its prompt keys hold a call of {tokens_text(tail)} that ends on the token {other}'s prompt "
+            f"of {whole} ends on (both fed token {ref0} at step 0): either another prompt, or the same one with its "
+            f"first {whole - tail} positions served from a prefix cache (vLLM's automatic prefix caching or SGLang's "
+            f"radix cache, after a warm-up or an earlier request with the same prompt); to compare its prompt keys, "
+            f"run {shorter} with the cache off ({TURN_OFF})")
 
 
-__all__ = ["cached_prefix"]
+__all__ = ["prefix_cache_note"]

@@ -21,7 +21,7 @@ from .one_sided import OneSidedKeys
 from .overwrites import chunked_prefill, shifted_steps, written_again
 from .options import CompareOptions
 from .padding import unpadded
-from .prefix_cache import cached_prefix
+from .prefix_cache import prefix_cache_note
 from .picked import unseen_step_flips, with_picked_ids
 from .pairing import find_pairs
 from .phases import (
@@ -84,10 +84,10 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     one mapped array and one float64 chunk.
     """
     problems: list[Problem] = []
-    renamed = run.renamed() if isinstance(run, RenamedDump) else {}
-    # A side whose prompt keys hold the prompt's tail (a prefix cache): the other on those positions
-    ref, run = cached_prefix(ref, run)
     notes = [f"REF: {note}" for note in ref.notes] + [f"RUN: {note}" for note in run.notes]
+    # prompt calls of different lengths that end alike: another prompt, or a prefix cache's tail
+    notes.extend(note for note in (prefix_cache_note(ref, run),) if note)
+    renamed = run.renamed() if isinstance(run, RenamedDump) else {}
     # Expert ids an engine's gate did not give, from its router logits (picked.py)
     ref, run, picked = with_picked_ids(ref, run)
     notes.extend(picked)
