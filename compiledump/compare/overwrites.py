@@ -101,11 +101,18 @@ def _shift(more: Dump, fewer: Dump) -> tuple[int, str] | None:
     """(k, evidence) when `more`'s step k (1 <= k <= _MAX_SHIFT) is `fewer`'s step 0, the prompt's
     last token: its fed token at step k is the other side's at step 0 where both recorded them
     (`input_token`; later steps may differ after an argmax flip, and the sides may decode
-    different counts), else its logits_k matches the other side's logits_0 ten times better than
+    different counts; steps k and k + 1 feeding the other side's steps 0 and 1 decide first), else its logits_k matches the other side's logits_0 ten times better than
     its own logits_0 does. None when step 0 lines up or it cannot be told."""
-    fed = [fed_token(more, spec.step_key(FED_TAG, n)) for n in range(min(step_count(more, FED_TAG), _MAX_SHIFT + 1))]
-    first = fed_token(fewer, spec.step_key(FED_TAG, 0))
+    fed = [fed_token(more, spec.step_key(FED_TAG, n)) for n in range(min(step_count(more, FED_TAG), _MAX_SHIFT + 2))]
+    first, second = (fed_token(fewer, spec.step_key(FED_TAG, n)) for n in (0, 1))
     if fed and first is not None and None not in fed:
+        # Two fed tokens in a row lining up decide it where they can (a first chunk that ends on
+        # the prompt's last token feeds it again at step 1, where the other side feeds its first
+        # decoded token); else the first: the sides' first decoded tokens may differ (a flip).
+        pairs = [n for n in range(min(len(fed) - 1, _MAX_SHIFT + 1)) if (fed[n], fed[n + 1]) == (first, second)]
+        if second is not None and pairs:
+            return None if pairs[0] == 0 else (pairs[0], f"its fed token at step {pairs[0]} is the other side's at step 0")
+        fed = fed[:_MAX_SHIFT + 1]
         if fed[0] == first:
             return None
         k = next((n for n in range(1, len(fed)) if fed[n] == first), None)

@@ -105,6 +105,19 @@ def test_chunks_are_found_whatever_follows_them(tmp_path, capsys, model, case):
     assert f"{side}'s prompt keys hold a call of 4 tokens" in _line(lines) and evidence in _line(lines), lines
 
 
+def test_a_first_chunk_ending_on_the_prompt_s_last_token_is_still_a_chunk(tmp_path, capsys, model):
+    """Both sides then feed the same token at step 0; the chunked side feeds it again at step 1,
+    where the other feeds its first decoded token: two fed tokens in a row tell the shift."""
+    prompt, decode = _tokens(20)
+    prompt[0, 11] = prompt[0, -1]
+    ref = _run(model, tmp_path / "ref", prompt, decode, [20])
+    run = _run(model, tmp_path / "run", prompt, decode, (12, 8))
+    code, lines, report = compare_json(capsys, ref, run)
+    assert code == 3 and report["first_divergence"] is None, lines
+    assert "RUN's prompt keys hold a call of 12 tokens, not the other side's prompt of 20, and its step n is the " \
+           "other side's step n - 1 (its fed token at step 1 is the other side's at step 0)" in _line(lines)
+
+
 def test_a_shorter_request_before_reads_the_same_and_is_named_with_both_fixes(tmp_path, capsys, model):
     prompt, decode = _tokens(7)
     other, _ = _tokens(4, seed=5)
