@@ -99,37 +99,56 @@ def chunked_prefill(ref: Dump, run: Dump) -> str | None:
 
 def _shift(more: Dump, fewer: Dump) -> tuple[int, str] | None:
     """(k, evidence) when `more`'s step k (1 <= k <= _MAX_SHIFT) is `fewer`'s step 0, the prompt's
-    last token: its fed token at step k is the other side's at step 0 where both recorded them
-    (`input_token`; later steps may differ after an argmax flip, and the sides may decode
-    different counts; steps k and k + 1 feeding the other side's steps 0 and 1 decide first), else its logits_k matches the other side's logits_0 ten times better than
-    its own logits_0 does. None when step 0 lines up or it cannot be told."""
-    fed = [fed_token(more, spec.step_key(FED_TAG, n)) for n in range(min(step_count(more, FED_TAG), _MAX_SHIFT + 2))]
-    first, second = (fed_token(fewer, spec.step_key(FED_TAG, n)) for n in (0, 1))
-    if fed and first is not None and None not in fed:
-        # Two fed tokens in a row lining up decide it where they can (a first chunk that ends on
-        # the prompt's last token feeds it again at step 1, where the other side feeds its first
-        # decoded token); else the first: the sides' first decoded tokens may differ (a flip).
-        pairs = [n for n in range(min(len(fed) - 1, _MAX_SHIFT + 1)) if (fed[n], fed[n + 1]) == (first, second)]
-        if second is not None and pairs:
-            return None if pairs[0] == 0 else (pairs[0], f"its fed token at step {pairs[0]} is the other side's at step 0")
-        fed = fed[:_MAX_SHIFT + 1]
-        if fed[0] == first:
+    last token; None when step 0 lines up or it cannot be told.
+
+    The candidates are the steps whose fed token (`input_token`, where both sides recorded it) is
+    `fewer`'s at step 0 (later steps may differ after an argmax flip, and the sides may decode
+    different counts); without fed tokens, every step. Logits decide among them where both sides
+    hold them: `more`'s logits_k closest to `fewer`'s logits_0, and, where step 0 is a candidate
+    too, ten times closer than its own logits_0 (a first chunk can end on the prompt's last token,
+    and an aligned pair can feed that token again after a flip: the fed tokens alone cannot tell).
+    Without logits, fed tokens alone: the first candidate when step 0 is none, else the one from
+    which the most fed tokens in a row agree with `fewer`'s, if more than from step 0."""
+    first = fed_token(fewer, spec.step_key(FED_TAG, 0))
+    fed = [fed_token(more, spec.step_key(FED_TAG, n)) for n in range(min(step_count(more, FED_TAG), _MAX_SHIFT + 1))]
+    known = first is not None and bool(fed) and None not in fed
+    candidates = [n for n, token in enumerate(fed) if token == first] if known else list(range(_MAX_SHIFT + 1))
+    if not candidates:
+        return None
+    errors = _logits_errors(more, fewer)
+    ranked = [n for n in candidates if n < len(errors) and np.isfinite(errors[n])]
+    if ranked and (0 not in candidates or (len(errors) > 1 and np.isfinite(errors[0]))):
+        k = min(ranked, key=lambda n: errors[n])
+        if k == 0 or (0 in candidates and not errors[k] * 10 < errors[0]):
             return None
-        k = next((n for n in range(1, len(fed)) if fed[n] == first), None)
-        return None if k is None else (k, f"its fed token at step {k} is the other side's at step 0")
+        if known:
+            return k, f"its fed token at step {k} is the other side's at step 0" + (
+                f" and its logits_{k} matches the other side's logits_0" if 0 in candidates else "")
+        return k, f"its logits_{k} matches the other side's logits_0"
+    if not known:
+        return None
+    if candidates[0] != 0:
+        return candidates[0], f"its fed token at step {candidates[0]} is the other side's at step 0"
+    ahead = [fed_token(fewer, spec.step_key(FED_TAG, n)) for n in range(min(step_count(fewer, FED_TAG), len(fed)))]
+    runs = {n: next((j for j in range(len(ahead)) if n + j >= len(fed) or fed[n + j] != ahead[j]), len(ahead))
+            for n in candidates}
+    k = max(candidates, key=lambda n: (runs[n], -n))
+    return None if k == 0 or runs[k] <= runs[0] else (k, f"its fed tokens from step {k} are the other side's from step 0")
+
+
+def _logits_errors(more: Dump, fewer: Dump) -> list[float]:
+    """For each step n of `more` up to _MAX_SHIFT, how far its logits_n is from `fewer`'s logits_0
+    (relative L2; inf where it is missing or of another shape); [] without `fewer`'s logits_0."""
     target = _array(fewer, spec.step_key("logits", 0))
     if target is None:
-        return None
+        return []
     scale = float(np.linalg.norm(target)) or 1.0
     errors = []
     for n in range(min(step_count(more, "logits"), _MAX_SHIFT + 1)):
         x = _array(more, spec.step_key("logits", n))
         errors.append(float(np.linalg.norm(x - target)) / scale if x is not None and x.shape == target.shape
                       else np.inf)
-    if len(errors) < 2 or not np.isfinite(errors[0]):
-        return None
-    k = 1 + int(np.argmin(errors[1:]))
-    return (k, f"its logits_{k} matches the other side's logits_0") if errors[k] * 10 < errors[0] else None
+    return errors
 
 
 def written_again_lines(records: list) -> list[str]:

@@ -13,8 +13,8 @@ nothing records where a call's positions start. Comparing the other side's last 
 that guess would turn a different prompt into a divergence at layer 0, so the comparator only
 says what the pair is consistent with and how to make it comparable: one note, where the prompt
 calls differ in length and end on the same token at step 0 and, where both sides decoded a step
-1, fed the same token there too (a first chunk of a chunked prefill ending on the prompt's last
-token would feed that token again at step 1, overwrites.py).
+1, fed the same token there too, and the pair is not a chunked prefill (verdict.py asks
+overwrites.py first: a first chunk can end on the prompt's last token too).
 """
 
 from __future__ import annotations

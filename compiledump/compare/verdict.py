@@ -85,8 +85,6 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     """
     problems: list[Problem] = []
     notes = [f"REF: {note}" for note in ref.notes] + [f"RUN: {note}" for note in run.notes]
-    # prompt calls of different lengths that end alike: another prompt, or a prefix cache's tail
-    notes.extend(note for note in (prefix_cache_note(ref, run),) if note)
     renamed = run.renamed() if isinstance(run, RenamedDump) else {}
     # Expert ids an engine's gate did not give, from its router logits (picked.py)
     ref, run, picked = with_picked_ids(ref, run)
@@ -117,6 +115,8 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     again, wrote_more = written_again(ref, run, renamed)  # prompt values a later forward replaced (overwrites.py)
     chunked = chunked_prefill(ref, run)  # a side ran the prompt in several forwards: prompt and steps misaligned
     shifted = chunked or shifted_steps(ref, run, wrote_more)  # ... or a warm-up before the request
+    if not chunked:  # prompt calls of different lengths that end alike: another prompt, or a prefix cache's tail
+        notes.extend(note for note in (prefix_cache_note(ref, run),) if note)
     fed = None if shifted else first_fed_difference(ref, run, ordered)
     # Every routing decision recorded on both sides: until some ids differ, no route has flipped.
     no_flip = routing_recorded(ref, run)

@@ -115,7 +115,40 @@ def test_a_first_chunk_ending_on_the_prompt_s_last_token_is_still_a_chunk(tmp_pa
     code, lines, report = compare_json(capsys, ref, run)
     assert code == 3 and report["first_divergence"] is None, lines
     assert "RUN's prompt keys hold a call of 12 tokens, not the other side's prompt of 20, and its step n is the " \
-           "other side's step n - 1 (its fed token at step 1 is the other side's at step 0)" in _line(lines)
+           "other side's step n - 1 (its fed token at step 1 is the other side's at step 0 and its logits_1 matches " \
+           "the other side's logits_0)" in _line(lines)
+
+
+@pytest.mark.parametrize("decode_steps", [0, 2])
+def test_a_chunk_ending_alike_is_found_by_its_logits_whatever_the_decode_tokens(tmp_path, capsys, model, decode_steps):
+    """No decode step at all (only the prefill compared), or a first decoded token that is the
+    prompt's last token again: the fed tokens cannot tell step 0 from step 1, the logits can."""
+    prompt, decode = _tokens(20)
+    prompt[0, 11] = prompt[0, -1]
+    decode = decode[:decode_steps]
+    if decode_steps:
+        decode[0] = prompt[0, -1]
+    ref = _run(model, tmp_path / "ref", prompt, decode, [20])
+    run = _run(model, tmp_path / "run", prompt, decode, (12, 8))
+    code, lines, report = compare_json(capsys, ref, run)
+    assert code == 3 and report["first_divergence"] is None, lines
+    assert "its step n is the other side's step n - 1 (its fed token at step 1 is the other side's at step 0 and its " \
+           "logits_1 matches the other side's logits_0)" in _line(lines)
+    assert not any("prefix cache" in line for line in lines), lines
+
+
+def test_an_aligned_pair_that_feeds_the_prompt_s_last_token_again_after_a_flip_is_not_shifted(tmp_path, capsys,
+                                                                                             model):
+    """The same prompt on both sides; RUN feeds another token at step 1 (a flip), then the prompt's
+    last token and REF's step-1 token: its steps 2 and 3 read like REF's 0 and 1, but its logits_0
+    is REF's. Not a shift: the sides fed different tokens from step 1."""
+    prompt, decode = _tokens(7)
+    other = torch.tensor([int(decode[0]) % 499 + 1, int(prompt[0, -1]), int(decode[0])])
+    ref = _run(model, tmp_path / "ref", prompt, decode[:1], [7])
+    run = _run(model, tmp_path / "run", prompt, other, [7])
+    code, lines, report = compare_json(capsys, ref, run)
+    assert not any("forwards (chunked prefill)" in line or "step keys are shifted" in line for line in lines), lines
+    assert report["pairs"][0]["fed_tokens_differ"]["step"] == 1, report["pairs"][0]["fed_tokens_differ"]
 
 
 def test_a_shorter_request_before_reads_the_same_and_is_named_with_both_fixes(tmp_path, capsys, model):
