@@ -103,37 +103,36 @@ def _shift(more: Dump, fewer: Dump) -> tuple[int, str] | None:
 
     The candidates are the steps whose fed token (`input_token`, where both sides recorded it) is
     `fewer`'s at step 0 (later steps may differ after an argmax flip, and the sides may decode
-    different counts); without fed tokens, every step. Logits decide among them where both sides
-    hold them: `more`'s logits_k closest to `fewer`'s logits_0, and, where step 0 is a candidate
-    too, ten times closer than its own logits_0 (a first chunk can end on the prompt's last token,
-    and an aligned pair can feed that token again after a flip: the fed tokens alone cannot tell).
-    Without logits, fed tokens alone: the first candidate when step 0 is none, else the one from
-    which the most fed tokens in a row agree with `fewer`'s, if more than from step 0."""
+    different counts); without fed tokens, every step, and the logits alone decide: `more`'s
+    logits_k closest to `fewer`'s logits_0 and ten times closer than its own logits_0. With fed
+    tokens, where several steps feed that token (a chunk can end on the prompt's last token, and
+    an aligned pair can feed it again after a flip), the logits decide the same way where every
+    candidate has them; else, or where no candidate is ten times closer, the candidate from which
+    the most fed tokens in a row agree with `fewer`'s (step 0 when it ties)."""
     first = fed_token(fewer, spec.step_key(FED_TAG, 0))
     fed = [fed_token(more, spec.step_key(FED_TAG, n)) for n in range(min(step_count(more, FED_TAG), _MAX_SHIFT + 1))]
-    known = first is not None and bool(fed) and None not in fed
-    candidates = [n for n, token in enumerate(fed) if token == first] if known else list(range(_MAX_SHIFT + 1))
-    if not candidates:
-        return None
     errors = _logits_errors(more, fewer)
-    ranked = [n for n in candidates if n < len(errors) and np.isfinite(errors[n])]
-    if ranked and (0 not in candidates or (len(errors) > 1 and np.isfinite(errors[0]))):
-        k = min(ranked, key=lambda n: errors[n])
-        if k == 0 or (0 in candidates and not errors[k] * 10 < errors[0]):
+    if first is None or not fed or None in fed:  # no fed tokens: the logits alone
+        if len(errors) < 2 or not np.isfinite(errors[0]):
             return None
-        if known:
-            return k, f"its fed token at step {k} is the other side's at step 0" + (
-                f" and its logits_{k} matches the other side's logits_0" if 0 in candidates else "")
-        return k, f"its logits_{k} matches the other side's logits_0"
-    if not known:
-        return None
-    if candidates[0] != 0:
-        return candidates[0], f"its fed token at step {candidates[0]} is the other side's at step 0"
+        k = 1 + int(np.argmin(errors[1:]))
+        return (k, f"its logits_{k} matches the other side's logits_0") if errors[k] * 10 < errors[0] else None
+    candidates = [n for n, token in enumerate(fed) if token == first]
+    if len(candidates) <= 1:
+        return (candidates[0], f"its fed token at step {candidates[0]} is the other side's at step 0") \
+            if candidates and candidates[0] else None
+    if len(errors) > candidates[-1] and all(np.isfinite(errors[n]) for n in candidates):
+        k = min(candidates, key=lambda n: errors[n])
+        if k == 0:
+            return None
+        if candidates[0] != 0 or errors[k] * 10 < errors[0]:
+            return k, f"its fed token at step {k} is the other side's at step 0 and its logits_{k} matches the other " \
+                      "side's logits_0"
     ahead = [fed_token(fewer, spec.step_key(FED_TAG, n)) for n in range(min(step_count(fewer, FED_TAG), len(fed)))]
     runs = {n: next((j for j in range(len(ahead)) if n + j >= len(fed) or fed[n + j] != ahead[j]), len(ahead))
             for n in candidates}
     k = max(candidates, key=lambda n: (runs[n], -n))
-    return None if k == 0 or runs[k] <= runs[0] else (k, f"its fed tokens from step {k} are the other side's from step 0")
+    return None if k == 0 else (k, f"its fed tokens from step {k} are the other side's from step 0")
 
 
 def _logits_errors(more: Dump, fewer: Dump) -> list[float]:

@@ -12,9 +12,8 @@ templates end most prompts alike): both sides' prefill ends on the token each fe
 nothing records where a call's positions start. Comparing the other side's last n positions on
 that guess would turn a different prompt into a divergence at layer 0, so the comparator only
 says what the pair is consistent with and how to make it comparable: one note, where the prompt
-calls differ in length and end on the same token at step 0 and, where both sides decoded a step
-1, fed the same token there too, and the pair is not a chunked prefill (verdict.py asks
-overwrites.py first: a first chunk can end on the prompt's last token too).
+calls differ in length and end on the same token at step 0, and the pair is not a chunked
+prefill (verdict.py asks overwrites.py first: a first chunk can end on the prompt's last token too).
 """
 
 from __future__ import annotations
@@ -35,12 +34,9 @@ def prefix_cache_note(ref: Dump, run: Dump) -> str | None:
         return None
     shorter = "RUN" if prompts["RUN"] < prompts["REF"] else "REF"
     whole, tail = max(prompts.values()), min(prompts.values())
-    tokens = []
-    for n in (0, 1):
-        key = spec.step_key(FED_TAG, n)
-        tokens.append((fed_token(ref, key), fed_token(run, key)))
-    (ref0, run0), (ref1, run1) = tokens
-    if ref0 is None or ref0 != run0 or (ref1 is not None and run1 is not None and ref1 != run1):
+    key = spec.step_key(FED_TAG, 0)
+    ref0, run0 = fed_token(ref, key), fed_token(run, key)
+    if ref0 is None or ref0 != run0:
         return None
     other = "REF" if shorter == "RUN" else "RUN"
     return (f"{shorter}: its prompt keys hold a call of {tokens_text(tail)} that ends on the token {other}'s prompt "

@@ -31,13 +31,14 @@ def model():
     return ex.build_model("qwen3_moe")
 
 
-def _run(model, directory, prompt, decode, chunks, before=None, fed=True) -> str:
+def _run(model, directory, prompt, decode, chunks, before=None, fed=True, logits=True) -> str:
     """One side: `before` (a shorter request run first, outside profiling()), then `prompt` in
     forwards of `chunks` tokens, then a forward per `decode` token. `fed=False`: no input_token
-    keys (an engine whose flat ids instrument does not record)."""
+    keys (an engine whose flat ids instrument does not record); `logits=False`: no logits keys."""
     compiledump.reset()
     compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory))))
-    handle = compiledump.instrument(model, exclude=() if fed else ("input_token",))
+    exclude = (() if fed else ("input_token",)) + (() if logits else ("logits",))
+    handle = compiledump.instrument(model, exclude=exclude)
     with torch.no_grad():
         if before is not None:
             model(input_ids=before, use_cache=False)
@@ -107,7 +108,7 @@ def test_chunks_are_found_whatever_follows_them(tmp_path, capsys, model, case):
 
 def test_a_first_chunk_ending_on_the_prompt_s_last_token_is_still_a_chunk(tmp_path, capsys, model):
     """Both sides then feed the same token at step 0; the chunked side feeds it again at step 1,
-    where the other feeds its first decoded token: two fed tokens in a row tell the shift."""
+    where the other feeds its first decoded token: its logits_1 is the other side's logits_0."""
     prompt, decode = _tokens(20)
     prompt[0, 11] = prompt[0, -1]
     ref = _run(model, tmp_path / "ref", prompt, decode, [20])
@@ -137,18 +138,20 @@ def test_a_chunk_ending_alike_is_found_by_its_logits_whatever_the_decode_tokens(
     assert not any("prefix cache" in line for line in lines), lines
 
 
-def test_an_aligned_pair_that_feeds_the_prompt_s_last_token_again_after_a_flip_is_not_shifted(tmp_path, capsys,
-                                                                                             model):
-    """The same prompt on both sides; RUN feeds another token at step 1 (a flip), then the prompt's
-    last token and REF's step-1 token: its steps 2 and 3 read like REF's 0 and 1, but its logits_0
-    is REF's. Not a shift: the sides fed different tokens from step 1."""
-    prompt, decode = _tokens(7)
-    other = torch.tensor([int(decode[0]) % 499 + 1, int(prompt[0, -1]), int(decode[0])])
-    ref = _run(model, tmp_path / "ref", prompt, decode[:1], [7])
-    run = _run(model, tmp_path / "run", prompt, other, [7])
+@pytest.mark.parametrize("logits", [True, False])
+def test_a_middle_chunk_ending_alike_is_found_with_or_without_logits(tmp_path, capsys, model, logits):
+    """Three chunks, the second ending on the prompt's last token: steps 1 and 2 both feed it; the
+    logits (step 2's is the other side's step 0's), or without them the fed tokens in a row from
+    step 2 (the prompt's last token, then the first decoded one), tell the shift of 2."""
+    prompt, decode = _tokens(20)
+    prompt[0, 11] = prompt[0, -1]
+    ref = _run(model, tmp_path / "ref", prompt, decode, [20], logits=logits)
+    run = _run(model, tmp_path / "run", prompt, decode, (5, 7, 8), logits=logits)
     code, lines, report = compare_json(capsys, ref, run)
-    assert not any("forwards (chunked prefill)" in line or "step keys are shifted" in line for line in lines), lines
-    assert report["pairs"][0]["fed_tokens_differ"]["step"] == 1, report["pairs"][0]["fed_tokens_differ"]
+    assert code == 3 and report["first_divergence"] is None, lines
+    evidence = ("its fed token at step 2 is the other side's at step 0 and its logits_2 matches the other side's "
+                "logits_0" if logits else "its fed tokens from step 2 are the other side's from step 0")
+    assert f"its step n is the other side's step n - 2 ({evidence}): it ran the prompt in 3 forwards" in _line(lines)
 
 
 def test_a_shorter_request_before_reads_the_same_and_is_named_with_both_fixes(tmp_path, capsys, model):

@@ -140,6 +140,21 @@ def test_another_prompt_that_ends_alike_is_not_compared_either(tmp_path, capsys,
                                if report_key["key"] in ("layer0_attn", "layer0_router", "layer1")} == {"not_comparable"}
 
 
+def test_a_cached_tail_that_feeds_the_prompt_s_last_token_again_after_a_flip_is_not_a_chunk(tmp_path, capsys,
+                                                                                          model):
+    """RUN's prompt call is the cached prompt's tail; at step 1 it feeds another token (a flip), then
+    the prompt's last token and REF's step-1 token: its steps 2 and 3 read like REF's 0 and 1, but
+    its logits_0 is REF's, so it is not a chunked prompt (the note, and fed tokens differing from step 1)."""
+    prompt, decode = _tokens(20)
+    ref = _run(model, tmp_path / "ref", prompt, decode[:1])
+    flipped = torch.tensor([int(decode[0]) % 499 + 1, int(prompt[0, -1]), int(decode[0])])
+    run = _run(model, tmp_path / "run", prompt, flipped, 16)
+    code, lines, report = compare_json(capsys, ref, run)
+    assert not any("chunked prefill" in line for line in lines), lines
+    _note(lines, "RUN")
+    assert report["pairs"][0]["fed_tokens_differ"]["step"] == 1, report["pairs"][0]["fed_tokens_differ"]
+
+
 @pytest.mark.parametrize("case", ["another_prompt", "no_fed_tokens", "chunked_ending_alike"])
 def test_no_note_where_step_0_or_1_does_not_line_up(tmp_path, capsys, model, case):
     """A shorter prompt ending on another token, a side without the fed tokens that tell where its
