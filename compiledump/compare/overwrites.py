@@ -25,7 +25,7 @@ import numpy as np
 from ..format import spec
 from ..format.reader import Dump
 from .inputs import FED_TAG, fed_token
-from .phases import prompt_length, tokens_text
+from .phases import shorter_prompt, tokens_text
 
 # The manifest kinds whose last write wins (record, all-rows record, record_ids).
 _LAST_WRITE_KINDS = ("record", "ids")
@@ -84,16 +84,16 @@ def chunked_prefill(ref: Dump, run: Dump) -> str | None:
     the prompt in k + 1 forwards (chunked prefill, module docstring), or a shorter request before
     the compared one outside profiling(); the two read the same in a dump, so the line names both
     and their fixes. None otherwise."""
-    prompts = {"REF": prompt_length(ref), "RUN": prompt_length(run)}
-    if None in prompts.values() or prompts["REF"] == prompts["RUN"]:
+    prompts = shorter_prompt(ref, run)
+    if prompts is None:
         return None
-    side = "RUN" if prompts["RUN"] < prompts["REF"] else "REF"
+    side, whole, tail = prompts
     found = _shift(run, ref) if side == "RUN" else _shift(ref, run)
     if found is None:
         return None
     k, evidence = found
-    return (f"{CHUNKED}: {side}'s prompt keys hold a call of {tokens_text(prompts[side])}, not the other side's prompt of "
-            f"{max(prompts.values())}, and its step n is the other side's step n - {k} ({evidence}): it ran the prompt in "
+    return (f"{CHUNKED}: {side}'s prompt keys hold a call of {tokens_text(tail)}, not the other side's prompt of "
+            f"{whole}, and its step n is the other side's step n - {k} ({evidence}): it ran the prompt in "
             f"{k + 1} forwards (chunked prefill), or a shorter request before the compared one outside profiling()")
 
 
@@ -111,8 +111,8 @@ def _shift(more: Dump, fewer: Dump) -> tuple[int, str] | None:
     the most fed tokens in a row agree with `fewer`'s (step 0 when it ties)."""
     first = fed_token(fewer, spec.step_key(FED_TAG, 0))
     fed = [fed_token(more, spec.step_key(FED_TAG, n)) for n in range(min(step_count(more, FED_TAG), _MAX_SHIFT + 1))]
-    errors = _logits_errors(more, fewer)
     if first is None or not fed or None in fed:  # no fed tokens: the logits alone
+        errors = _logits_errors(more, fewer)
         if len(errors) < 2 or not np.isfinite(errors[0]):
             return None
         k = 1 + int(np.argmin(errors[1:]))
@@ -121,6 +121,7 @@ def _shift(more: Dump, fewer: Dump) -> tuple[int, str] | None:
     if len(candidates) <= 1:
         return (candidates[0], f"its fed token at step {candidates[0]} is the other side's at step 0") \
             if candidates and candidates[0] else None
+    errors = _logits_errors(more, fewer)  # read only where several steps feed the token (each up to a vocab wide)
     if len(errors) > candidates[-1] and all(np.isfinite(errors[n]) for n in candidates):
         k = min(candidates, key=lambda n: errors[n])
         if k == 0:
@@ -128,7 +129,8 @@ def _shift(more: Dump, fewer: Dump) -> tuple[int, str] | None:
         if candidates[0] != 0 or errors[k] * 10 < errors[0]:
             return k, f"its fed token at step {k} is the other side's at step 0 and its logits_{k} matches the other " \
                       "side's logits_0"
-    ahead = [fed_token(fewer, spec.step_key(FED_TAG, n)) for n in range(min(step_count(fewer, FED_TAG), len(fed)))]
+    count = min(step_count(fewer, FED_TAG), len(fed))  # `first` is its step 0
+    ahead = [first] + [fed_token(fewer, spec.step_key(FED_TAG, n)) for n in range(1, count)]
     runs = {n: next((j for j in range(len(ahead)) if n + j >= len(fed) or fed[n + j] != ahead[j]), len(ahead))
             for n in candidates}
     k = max(candidates, key=lambda n: (runs[n], -n))

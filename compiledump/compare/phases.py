@@ -57,6 +57,15 @@ def prompt_length(*dumps: Dump) -> int | None:
     return None
 
 
+def shorter_prompt(ref: Dump, run: Dump) -> tuple[str, int, int] | None:
+    """("REF" or "RUN", the longer prompt length, the shorter) where both sides' prompt lengths
+    (`prompt_length`) are known and differ: the side whose prompt call is shorter first; else None."""
+    lengths = prompt_length(ref), prompt_length(run)
+    if None in lengths or lengths[0] == lengths[1]:
+        return None
+    return ("RUN" if lengths[1] < lengths[0] else "REF"), max(lengths), min(lengths)
+
+
 def gate_length(dump: Dump) -> int | None:
     """The prompt length a side's token gate used where it differs from its prompt's tokens: the
     width of a padded request row (compare/padding.py), which ``COMPILEDUMP_TOKENS`` must be; else None."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 from ..format import spec
 from ..format.reader import Dump
 from .inputs import FED_TAG, fed_token
-from .phases import prompt_length, tokens_text
+from .phases import shorter_prompt, tokens_text
 
 TURN_OFF = "vLLM --no-enable-prefix-caching, SGLang --disable-radix-cache"
 
@@ -29,11 +29,10 @@ TURN_OFF = "vLLM --no-enable-prefix-caching, SGLang --disable-radix-cache"
 def prefix_cache_note(ref: Dump, run: Dump) -> str | None:
     """The note for a pair whose prompt calls differ in length but line up at step 0 (module
     docstring), prefixed with the shorter side's label; else None."""
-    prompts = {"REF": prompt_length(ref), "RUN": prompt_length(run)}
-    if None in prompts.values() or prompts["REF"] == prompts["RUN"]:
+    prompts = shorter_prompt(ref, run)
+    if prompts is None:
         return None
-    shorter = "RUN" if prompts["RUN"] < prompts["REF"] else "REF"
-    whole, tail = max(prompts.values()), min(prompts.values())
+    shorter, whole, tail = prompts
     key = spec.step_key(FED_TAG, 0)
     ref0, run0 = fed_token(ref, key), fed_token(run, key)
     if ref0 is None or ref0 != run0:
