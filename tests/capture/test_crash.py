@@ -32,7 +32,7 @@ CHILD = Path(__file__).parents[1] / "helpers" / "crash_child.py"
 # Gate off: every decode step overwrites every record, so kills land inside record writes too.
 ENV = {"COMPILEDUMP_TOKENS": "0", "COMPILEDUMP_ARENA_MB": "3", "COMPILEDUMP_SIGNALS": "1",
        "COMPILEDUMP_MAX_STEPS": "2048"}
-STEPS = 512  # about 1 ms each, compiled
+STEPS = 2048  # about 0.5 ms each, compiled
 KILLS = 100
 
 
