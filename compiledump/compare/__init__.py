@@ -2,7 +2,7 @@
 
 numpy and the standard library only, so it runs on a machine without torch or a GPU. The parts:
 reading files (``compiledump.format.reader``, ``.keys``), pairing the two sides (:mod:`.pairing`, merging
-sharded ranks in :mod:`.shards`, renaming RUN keys with ``--map`` in :mod:`.rename`), thresholds per
+sharded ranks in :mod:`.shards`, renaming RUN keys with ``--map`` in :mod:`.rename`; :mod:`.view` is the base of such views of a side), thresholds per
 precision class (:mod:`.options`), which values can be compared at all and what was not captured
 (:mod:`.phases`; prompt values a later forward replaced, :mod:`.overwrites`; decode steps fed
 different tokens, :mod:`.inputs`; a request row its attention mask pads, :mod:`.padding`; prompt calls that may be a prefix cache's tail, :mod:`.prefix_cache`; what one-row mode cannot see, :mod:`.one_row`; ids an engine's
@@ -10,7 +10,7 @@ gates did not give, :mod:`.picked`; keys one side holds,
 :mod:`.one_sided`), per-key metrics (:mod:`.metrics`, :mod:`.measure`), whether
 differing expert ids are a near tie (:mod:`.routing`, with :mod:`.selection`, :mod:`.softmax_bias` and :mod:`.cut`) and
 what a flip reaches (:mod:`.flips`), the findings (:mod:`.verdict`), the typed records and their
-JSON (:mod:`.key_record`, :mod:`.report`, with :mod:`.facts`), terminal text (:mod:`.text`),
+JSON (:mod:`.key_record`, :mod:`.report`, with :mod:`.facts`), terminal text (:mod:`.table`, :mod:`.text`),
 ``--plot`` (:mod:`.plot`) and ``compiledump inspect`` (:mod:`.inspect`).
 """
 
@@ -25,7 +25,8 @@ from .key_record import KeyRecord, MergeInfo, RankPart
 from .report import (ArgmaxFlip, DecodeMargins, Divergence, PairResult, Problem, Report, json_safe, report_json_text,
                      write_json_report)
 from .shards import MergedDump
-from .text import describe_divergence, final_line, format_report, format_table
+from .table import format_table
+from .text import describe_divergence, final_line, format_report
 from .verdict import NoCommonKeys, compare, compare_pair
 
 __all__ = [

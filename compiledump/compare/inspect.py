@@ -15,7 +15,8 @@ from ..format.routers import router_from_json
 from .metrics import CHUNK_ELEMENTS
 from .padding import unpadded
 from .phases import exclude_patterns
-from .text import fmt_value, nonfinite_text
+from .table import fmt_value
+from .text import nonfinite_text
 
 
 def array_stats(array: np.ndarray, chunk: int = CHUNK_ELEMENTS) -> dict:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .key_record import KeyRecord
 from .report import Divergence
-from .text import rows_text
+from .table import rows_text
 
 ROWS_FIX = "record every row (COMPILEDUMP_ROWS=all) to name where it begins"
 

@@ -25,6 +25,7 @@ from ..format import spec
 from ..format.keys import chosen
 from ..format.reader import Dump, KeyProblem, Replica
 from .phases import tokens_text
+from .view import DumpView
 
 
 class _SlicedReplica(Replica):
@@ -38,22 +39,17 @@ class _SlicedReplica(Replica):
         return [array[self._first:self._end] for array in self._inner.arrays()]
 
 
-class UnpaddedDump(Dump):
+class UnpaddedDump(DumpView):
     """A side seen without its prompt mask and, where the mask pads the request row, without the
     padding (module docstring)."""
 
     def __init__(self, inner: Dump, mask: np.ndarray | None) -> None:
-        self.inner = inner
-        self.path, self.label = inner.path, inner.label
-        self.merged_ranks = inner.merged_ranks
+        super().__init__(inner)
         mask_key = spec.PROMPT_MASK_TAG  # held by instrument's side: consumed here, never compared
-        self.notes = list(inner.notes)
         self.problems = [problem for problem in inner.problems if problem.key != mask_key]
-        self.bad_members = {key: why for key, why in inner.bad_members.items() if key != mask_key}
-        self.excluded = inner.excluded - {mask_key}
-        self.members = {key: member for key, member in inner.members.items() if key != mask_key}
-        self.infos = {key: info for key, info in inner.infos.items() if key != mask_key}
-        self.manifest = inner.manifest
+        for held in (self.bad_members, self.members, self.infos):
+            held.pop(mask_key, None)
+        self.excluded.discard(mask_key)
         self._sliced: dict[str, tuple[int, int]] = {}  # per-token keys: their real rows
         self.span = _span(mask, inner)  # (first real position, end, prompt positions), or None
         if self.span is None:
@@ -99,9 +95,6 @@ class UnpaddedDump(Dump):
             return copies
         first, end = self._sliced[key]
         return [_SlicedReplica(copy, first, end) for copy in copies]
-
-    def router(self, key: str):
-        return self.inner.router(key)
 
 
 def _span(mask: np.ndarray | None, dump: Dump) -> tuple[int, int, int] | None:

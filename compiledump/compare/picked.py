@@ -26,6 +26,7 @@ from ..format.routers import TOKEN, UNKNOWN, RouterInfo
 from .one_sided import gate_without_ids, held_tags, other_side
 from .routing import routing_epsilon
 from .selection import choice_scores, judgeable, select, selection_gap
+from .view import DumpView
 
 
 class _DerivedReplica(Replica):
@@ -39,26 +40,19 @@ class _DerivedReplica(Replica):
         return [self._array]
 
 
-class PickedIdsDump(Dump):
+class PickedIdsDump(DumpView):
     """A side seen with the ids it did not record added (`derived`: their keys)."""
 
     def __init__(self, inner: Dump, arrays: dict[str, np.ndarray], infos: dict[str, KeyInfo]) -> None:
-        self.inner = inner
-        self.path, self.label = inner.path, inner.label
-        self.manifest, self.merged_ranks = inner.manifest, inner.merged_ranks
-        self.notes, self.problems = list(inner.notes), list(inner.problems)
-        self.bad_members, self.excluded = inner.bad_members, inner.excluded
+        super().__init__(inner)
         self._arrays = arrays
         self.derived = set(arrays)
-        self.members = {**inner.members, **{key: Member(key, np.dtype(np.int32), array.shape, False, "", None)
-                                            for key, array in arrays.items()}}
-        self.infos = {**inner.infos, **infos}
+        self.members.update({key: Member(key, np.dtype(np.int32), array.shape, False, "", None)
+                             for key, array in arrays.items()})
+        self.infos.update(infos)
 
     def replicas(self, key: str) -> list[Replica]:
         return [_DerivedReplica(key, self._arrays[key])] if key in self._arrays else self.inner.replicas(key)
-
-    def router(self, key: str):
-        return self.inner.router(key)
 
 
 def with_picked_ids(ref: Dump, run: Dump) -> tuple[Dump, Dump, list[str]]:

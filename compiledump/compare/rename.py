@@ -9,6 +9,7 @@ from dataclasses import replace
 from ..format import spec
 from ..format.keys import KeyInfo
 from ..format.reader import Dump, KeyProblem, Member, Replica
+from .view import DumpView
 
 
 def split_map(text: str) -> tuple[str, str]:
@@ -43,16 +44,12 @@ def rename(name: str, maps: list[tuple[str, str]]) -> str:
     return name
 
 
-class RenamedDump(Dump):
+class RenamedDump(DumpView):
     """A RUN side seen through ``--map``: the same arrays under new key names. Record, ids and
     once keys are renamed by name; a step key ``<tag>_<n>`` by its tag, keeping ``_<n>``."""
 
     def __init__(self, inner: Dump, maps: list[tuple[str, str]]) -> None:
-        self.inner = inner
-        self.path, self.label = inner.path, inner.label
-        self.manifest, self.merged_ranks = inner.manifest, inner.merged_ranks
-        self.notes = list(inner.notes)
-        self.problems = list(inner.problems)
+        super().__init__(inner)
         self._old: dict[str, str] = {}
         self.members: dict[str, Member] = {}
         self.infos: dict[str, KeyInfo] = {}
