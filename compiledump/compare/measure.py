@@ -1,6 +1,6 @@
 """Measuring one key of a REF/RUN pair into a :class:`KeyRecord`: the checks that decide whether
-it can be compared, its metrics, and whether it diverges. For a side merged from several
-ranks, also each rank's share, so the worst rank can be named."""
+it can be compared, its metrics, and whether it diverges. A side merged from several ranks is
+measured by :mod:`.merged_ranks` (each rank's share too, so the worst rank can be named)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from ..format.reader import Dump, Member
 from ..format.routers import RouterInfo
 from .cut import add_cut_rows
 from .facts import SideFacts
-from .key_record import KeyRecord, MergeInfo, RankPart
+from .key_record import KeyRecord
+from .merged_ranks import measure_merged
 from .metrics import RowMetrics, Workspace, compare_float_arrays, compare_id_arrays, compare_rows
 from .options import DECODE_NO_FLIP, PRECISION_ORDER, CompareOptions, Thresholds, judged_class, pair_class
 from .phases import not_comparable_reason
@@ -153,7 +154,7 @@ class KeyMeasurer:
                     result = replace(result, status="shown", divergent=False, metric=None, value=None)
                 return result
             # A merged side's ids are judged strictly (any mismatch diverges): no routing analysis.
-            return self._measure_merged(record, info)
+            return measure_merged(self.measure, self.ref, self.run, record, info)
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
             problems.append(Problem("unreadable", self.rank, f"could not read the arrays: {exc}", key))
             record.status = "skipped"
@@ -311,53 +312,6 @@ class KeyMeasurer:
         status = "mismatch" if routing.divergent else routing.verdict
         return replace(record, routing=routing, status=status, divergent=routing.divergent)
 
-    def _measure_merged(self, record: KeyRecord, info: KeyInfo) -> KeyRecord:
-        """One side merged from several ranks: every replica of the merged side against the
-        single side (the record keeps the worst), and, for concatenated shards, each rank's
-        shard against the matching slice of the single side, so the worst rank can be named.
-        Partial sums cannot be attributed to one rank: their ``worst_rank`` is None."""
-        merged_is_ref = self.ref.merged_ranks is not None
-        merged, single = (self.ref, self.run) if merged_is_ref else (self.run, self.ref)
-        key = info.key
-        (single_copy,) = single.replicas(key)
-        other = np.asarray(single_copy.whole())
-
-        def oriented(mine: np.ndarray, theirs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            return (mine, theirs) if merged_is_ref else (theirs, mine)
-
-        replicas = merged.replicas(key)
-        trials: list[tuple[KeyRecord, list[RankPart]]] = []
-        for replica in replicas:
-            arrays = replica.arrays()
-            whole = replica.combine(arrays)
-            flat_other = other.reshape(whole.shape)
-            trial = self.measure(record, *oriented(whole, flat_other), info)
-            parts: list[RankPart] = []
-            if replica.shard is None:
-                parts.append(_part(replica.ranks[0], trial))
-            elif replica.shard.how == "concat":
-                start = 0
-                for rank, array in zip(replica.ranks, arrays):
-                    stop = start + array.shape[replica.shard.dim]
-                    piece = np.take(flat_other, np.arange(start, stop), axis=replica.shard.dim)
-                    result = self.measure(record, *oriented(array, piece), info, margins=False)
-                    parts.append(_part(rank, result, (start, stop)))
-                    start = stop
-            else:
-                parts.extend(RankPart(rank, partial_sum=True) for rank in replica.ranks)
-            trials.append((trial, parts))
-            del arrays, whole
-        worst, _ = max(trials, key=lambda item: _badness(item[0]))
-        every = [part for _, parts in trials for part in parts]
-        rated = [part for part in every if not part.partial_sum]
-        shard = replicas[0].shard
-        merge = MergeInfo(shard.describe() if shard is not None else "each rank", merged.merged_ranks, every,
-                          [part.rank for part in rated if part.divergent])
-        if worst.divergent and rated:
-            worst_part = max(rated, key=_badness)
-            merge.worst_rank, merge.worst_rank_value = worst_part.rank, worst_part.value
-        return replace(worst, merge=merge)
-
 
 def judge_rows(record: KeyRecord, rows: RowMetrics, limits: Thresholds, skip=frozenset()) -> KeyRecord:
     """An all-rows key diverges when any token row (but those in ``skip``) crosses a threshold;
@@ -385,18 +339,6 @@ def _all_rows_side(ref_shape: tuple[int, ...], ref_info: KeyInfo, run_shape: tup
 
 def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(n for n in shape if n != 1)
-
-
-def _part(rank: str, result: KeyRecord, span: tuple[int, int] | None = None) -> RankPart:
-    return RankPart(rank, result.divergent, span, result.floats, result.ids)
-
-
-def _badness(item: KeyRecord | RankPart) -> tuple:
-    """Orders results from best to worst (for picking the worst replica or rank)."""
-    if item.ids is not None:
-        return (item.divergent, item.ids.mismatched_elements, 0.0)
-    floats = item.floats
-    return (item.divergent, floats.nonfinite_mismatch if floats else 0, floats.rel_diff if floats else 0.0)
 
 
 def keys_both_have(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
