@@ -13,8 +13,9 @@ from .version import __version__
 # Public name -> the module that defines it (imported when the name is first used).
 _LAZY = {
     **{name: "capture.api" for name in (
-        "clear", "configure", "dump_stem", "enabled", "flush", "get_config", "init", "prepare_kernels", "profiling",
-        "record", "record_ids", "record_step", "reset", "set_gather_rows", "set_rows")},
+        "clear", "configure", "dump_stem", "flush", "get_config", "init", "prepare_kernels", "record", "record_ids",
+        "record_step", "reset")},
+    **{name: "capture.registers" for name in ("enabled", "profiling", "set_gather_rows", "set_rows")},
     **{name: "capture.parallel" for name in ("declare_shard", "get_parallel", "set_parallel")},
     "declare_router": "capture.routers",
     "instrument": "capture.instrument",

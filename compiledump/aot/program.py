@@ -9,7 +9,7 @@ import warnings
 import torch
 
 from .. import config as _config
-from ..capture import api
+from ..capture import api, registers
 from ..capture.arena import Runtime
 from ..capture.state import STATE
 from ..ops import native
@@ -93,7 +93,7 @@ def export(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *, d
     is sized by it (the only token count such a capture keeps), so it may be dynamic. Raises
     ValueError for any other dynamic dimension in a stored payload.
     """
-    if not api.enabled():
+    if not registers.enabled():
         raise RuntimeError("compiledump.aot.export: capture is not configured: set COMPILEDUMP_DIR or call "
                            "compiledump.configure(dir=...) before exporting (and not inside profiling())")
     if device is None:

@@ -1,6 +1,7 @@
 """The capture side: what a model calls, and everything the process keeps until the flush.
 
-    api.py         the public calls (configure, init, record*, profiling, set_rows, ...)
+    api.py         the public calls (configure, init, record*, flush, ...)
+    registers.py   profiling, set_rows, set_gather_rows: the run-time registers the kernels read
     instrument.py  instrument(model): forward hooks that call api.py on a model's modules
     hf_layout.py   where a Hugging Face decoder keeps its layers, norms, MLP blocks and routers
     residual.py    where a layer keeps the residual stream (vLLM/SGLang: two parts, added by the next norm)
