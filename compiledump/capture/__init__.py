@@ -3,6 +3,7 @@
     api.py         the public calls (configure, init, record*, flush, ...)
     registers.py   profiling, set_rows, set_gather_rows: the run-time registers the kernels read
     instrument.py  instrument(model): forward hooks that call api.py on a model's modules
+    default_taps.py the taps instrument attaches to a decoder-only LM by default
     hf_layout.py   where a Hugging Face decoder keeps its layers, norms, MLP blocks and routers
     residual.py    where a layer keeps the residual stream (vLLM/SGLang: two parts, added by the next norm)
     router_taps.py the hooks on a model's routers: what a router returns, what instrument records of it

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from ..format import spec
-from . import api, hf_layout as layout, indexers, mixers, residual, router_taps, routers
+from . import api, default_taps, hf_layout as layout, mixers, residual
 from .state import STATE, warn_once
 
 _PATH_SIDE = re.compile(r"^(?P<path>[^:]*)(?::(?P<side>input|output))?$")
@@ -235,7 +235,7 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
             raise ValueError("compiledump.instrument: no decoder layers found (a ModuleList named 'layers' "
                              f"whose modules each have one of {', '.join(layout.MIXERS)}); pass defaults=False and "
                              "taps={...}")
-        _default_taps(handle, layers_path, layers, modules)
+        default_taps.add_default_taps(handle, layers_path, layers, modules)
         if others := layout.other_token_stacks(modules, layers_path):
             warnings.warn(f"compiledump.instrument: tapped the layers at {layers_path}; {', '.join(others)} also "
                           "hold layers beside a token embedding (an encoder and a decoder?), which get no default "
@@ -269,122 +269,6 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
 def _tag_patterns(taps) -> list[str]:
     """The attached tags with each layer index written `{i}`: what `exclude` takes."""
     return sorted({re.sub(r"^layer\d+", "layer{i}", tag) for tag in taps})
-
-
-def _default_taps(handle: Instrumented, layers_path: str, layers, modules: dict) -> None:
-    unrouted = []  # MoE blocks whose router has none of the ROUTERS names
-    no_attn = []  # layers where no module's input is the residual stream after attention
-    handle._first_layer = f"{layers_path}.0"
-    for i, layer in enumerate(layers):
-        prefix = f"{layers_path}.{i}"
-        handle._track_shape(prefix, layer)
-        block_name = layout.child(layer, layout.MLP_BLOCKS)
-        if block_name is None and layout.holds_experts(getattr(layer, "mixer", None)):
-            block_name = "mixer"  # Nemotron-H: one block per layer, an MoE one in its MoE layers
-        mixer_name = layout.child(layer, layout.MIXERS)
-        mixer = getattr(layer, mixer_name) if mixer_name else None
-        heads = getattr(mixer, "experts", None)
-        if isinstance(heads, torch.nn.Module) and layout.child(heads, ("router",)) is not None:
-            # JetMoE's mixture of attention heads: its router picks each token's heads, so its
-            # flips are judged as the MLP's are (layer<i>_attn_router, layer<i>_attn_topk).
-            router_taps.tap_router(handle, f"layer{i}_attn", f"{prefix}.{mixer_name}.experts", heads, "router")
-        if (indexer_name := layout.indexer_of(mixer) if mixer is not None else None) is not None \
-                and not handle.excludes(f"layer{i}_index_router"):
-            # A sparse-attention indexer picks each token's keys: judged as the MLP's experts are
-            indexer = mixer.get_submodule(indexer_name)
-            indexers.tap_indexer(handle, f"layer{i}_index", f"{prefix}.{mixer_name}.{indexer_name}", indexer,
-                                 router_taps.router_capture(handle, f"layer{i}_index", mixer, indexer))
-            routers.withdraw(f"layer{i}_index_router")  # the plain top-k of its scores
-        split = residual.defers_residual(layer)  # vLLM, SGLang: the stream in two parts (residual.py)
-        attn_input = layout.residual_after_attention(layer, block_name)
-        if attn_input is not None:
-            handle._add(getattr(layer, attn_input), f"layer{i}_attn", f"{prefix}.{attn_input}", "input",
-                        read=residual.norm_stream if split else None)
-        else:
-            no_attn.append(prefix)
-        if block_name is not None:
-            block = getattr(layer, block_name)
-            router_name = layout.child(block, layout.ROUTERS)
-            if router_name is not None:
-                router_taps.tap_router(handle, f"layer{i}", f"{prefix}.{block_name}", block, router_name)
-            elif layout.routes_tokens(block):
-                unrouted.append((f"{prefix}.{block_name}", block))
-            handle._add(block, f"layer{i}_mlp", f"{prefix}.{block_name}", "output")
-        if layout.holds_experts(layer) and (router_name := layout.child(layer, layout.ROUTERS)) is not None:
-            router_taps.tap_router(handle, f"layer{i}", prefix, layer, router_name)  # Gemma 4: router and experts beside a dense mlp
-        handle._add(layer, f"layer{i}", prefix, "output", read=residual.layer_stream if split else None,
-                    capture=handle._stream_capture(f"layer{i}"))
-        if handle.step_states and STATE.config.layer_steps and f"layer{i}" in handle.taps:
-            handle.taps[f"layer{i}_step"] = prefix
-    _warn_untapped(layers_path, layers, unrouted, no_attn)
-    mixers.declare_mixers(mixers.kinds_of(layers, [layout.child(layer, layout.MIXERS) for layer in layers]),
-                          mixers.routing_fact(handle.taps, bool(unrouted), handle.step_routing))
-    if (norm_path := layout.final_norm_path(layers_path, modules)) is not None:
-        handle._add(modules[norm_path], "final_norm", norm_path, "output")
-    if (embed_path := layout.token_embedding_path(layers_path, modules)) is not None:
-        def fed(input_ids) -> None:
-            # The token each forward feeds at the position whose logits `logits_<n>` hold: the
-            # comparator sees where greedy decoding fed the two sides different tokens (after an
-            # argmax flip), from which on their steps cannot be compared.
-            if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point():
-                api.record_step("input_token", input_ids[handle.batch_row, -1:])
-        handle._add(modules[embed_path], "input_token", embed_path, "input", capture=fed)
-    if (base_path := layers_path.rpartition(".")[0]) in modules:  # "" is the model itself
-        def prompt_mask(mask_and_tokens) -> None:
-            # The request row of a padded batch's 2-D attention mask (generate pads on the left):
-            # the comparator compares the prompt's real positions only (compare/padding.py). Only
-            # a mask of the call's own positions, [batch, seq]: one that also covers cached
-            # context is wider than the call, and the token gate must not learn its width.
-            mask, tokens = mask_and_tokens
-            if isinstance(mask, torch.Tensor) and isinstance(tokens, torch.Tensor) and mask.dim() == 2 \
-                    and tokens.dim() >= 2 and mask.shape == tokens.shape[:2] and not mask.is_floating_point():
-                api.record_ids(spec.PROMPT_MASK_TAG, mask[handle.batch_row].to(torch.int32))
-        handle._add(modules[base_path], spec.PROMPT_MASK_TAG, base_path, "input", capture=prompt_mask,
-                    read=_mask_and_tokens)
-        if spec.PROMPT_MASK_TAG in handle.taps:
-            handle.taps[spec.PROMPT_MASK_TAG] = f"{base_path}:attention_mask"
-    if (head_path := layout.logits_path(modules)) is not None:
-        def logits(output) -> None:
-            output = getattr(output, "next_token_logits", output)  # SGLang's LogitsProcessorOutput
-            if not isinstance(output, torch.Tensor):  # vLLM's on a pipeline stage without logits
-                return
-            handle.fired = True
-            # [batch, seq, vocab]: the request's last position; flat [tokens, vocab] (vLLM-style):
-            # the row set_gather_rows(step=...) names.
-            api.record_step("logits", output[handle.batch_row, -1] if output.dim() == 3 else output)
-        handle._add(modules[head_path], "logits", head_path, "output", capture=logits)
-
-
-def _mask_and_tokens(args, kwargs) -> tuple:
-    """A base model's `attention_mask` and the ids (or embeddings) of its call's positions."""
-    tokens = kwargs.get("input_ids")
-    if tokens is None:
-        tokens = kwargs.get("inputs_embeds", args[0] if args else None)
-    return kwargs.get("attention_mask"), tokens
-
-
-def _warn_untapped(layers_path: str, layers, unrouted: list, no_attn: list[str]) -> None:
-    """One warning per default tag that some layers could not get, naming them and the fix."""
-    def named(paths: list[str]) -> str:
-        return ", ".join(paths[:3]) + (", ..." if len(paths) > 3 else "")
-
-    if unrouted:
-        # Without ids, a routing flip would show only as a divergent MLP output, with no root cause.
-        candidates = sorted({name for _, block in unrouted for name in layout.router_like_children(block)})
-        hint = f" (a router under another name: {', '.join(candidates)}?)" if candidates else ""
-        warnings.warn(f"compiledump.instrument: {len(unrouted)} MoE block(s) ({named([p for p, _ in unrouted])}) "
-                      f"route tokens to experts but have no router submodule named {' or '.join(layout.ROUTERS)}"
-                      f"{hint}: no layer<i>_router/_topk tags, so a routing flip shows only as a divergent "
-                      f"layer<i>_mlp. Add them with taps={{'layer{{i}}_router': '{layers_path}.{{i}}.<block>.<router>'}} "
-                      "(integer outputs are recorded as ids).", RuntimeWarning, stacklevel=4)
-    if no_attn:
-        kind = type(layers[0]).__name__
-        warnings.warn(f"compiledump.instrument: {len(no_attn)} decoder layer(s) ({named(no_attn)}, {kind}) have no "
-                      "module whose input is the residual stream after attention (its norms under other names, attention "
-                      "and MLP in parallel, or the norm kept in a ModuleList): no layer<i>_attn tags, so a divergence "
-                      "in attention shows first at layer<i>_mlp or layer<i>. Add one with "
-                      f"taps={{'layer{{i}}_attn': '{layers_path}.{{i}}.<module>:input'}} where such a module exists.",
-                      RuntimeWarning, stacklevel=4)
 
 
 def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:
