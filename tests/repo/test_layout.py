@@ -16,7 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "compiledump"
-MAX_LINES = 500
+MAX_LINES = 400  # "no module over ~400 lines" (the house rules); every module fits since 7f24eaf
 # Modules that must run where torch is not installed: the on-disk format and the comparator.
 TORCH_FREE = ("compiledump.format", "compiledump.compare")
 
