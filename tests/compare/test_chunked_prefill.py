@@ -11,15 +11,10 @@ from config (random weights, eager), teacher-forced decode steps on both sides.
 
 from __future__ import annotations
 
-import dataclasses
-import warnings
-
 import pytest
 import torch
-from transformers import DynamicCache
 
-import compiledump
-from compiledump import config as cd_config
+from helpers.chunked_runs import run_in_chunks
 from helpers.cli import compare_json
 from helpers.hf_example import ex
 
@@ -32,27 +27,10 @@ def model():
 
 
 def _run(model, directory, prompt, decode, chunks, before=None, fed=True, logits=True) -> str:
-    """One side: `before` (a shorter request run first, outside profiling()), then `prompt` in
-    forwards of `chunks` tokens, then a forward per `decode` token. `fed=False`: no input_token
-    keys (an engine whose flat ids instrument does not record); `logits=False`: no logits keys."""
-    compiledump.reset()
-    compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory))))
+    """One side (helpers.chunked_runs). `fed=False`: no input_token keys (an engine whose flat ids
+    instrument does not record); `logits=False`: no logits keys."""
     exclude = (() if fed else ("input_token",)) + (() if logits else ("logits",))
-    handle = compiledump.instrument(model, exclude=exclude)
-    with torch.no_grad():
-        if before is not None:
-            model(input_ids=before, use_cache=False)
-        cache = DynamicCache(config=model.config)
-        start = 0
-        for size in chunks:
-            model(input_ids=prompt[:, start:start + size], **ex.cache_kwargs(model, cache))
-            start += size
-        for token in decode:
-            model(input_ids=token.view(1, 1), **ex.cache_kwargs(model, cache))
-    handle.remove()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return compiledump.flush()
+    return run_in_chunks(model, directory, prompt, decode, chunks, before, exclude)
 
 
 def _tokens(length: int, seed: int = 4, steps: int = STEPS):

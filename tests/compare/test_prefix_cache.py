@@ -21,6 +21,7 @@ from transformers import DynamicCache, StaticCache
 
 import compiledump
 from compiledump import config as cd_config
+from helpers.chunked_runs import run_in_chunks
 from helpers.cli import compare_json
 from helpers.hf_example import ex
 
@@ -171,24 +172,9 @@ def test_no_note_where_step_0_or_1_does_not_line_up(tmp_path, capsys, model, cas
     else:
         prompt[0, 11] = prompt[0, -1]
         ref = _run(model, tmp_path / "ref2", prompt, decode)
-        run = _chunked(model, tmp_path / "run", prompt, decode, 12)
+        run = run_in_chunks(model, tmp_path / "run", prompt, decode, (12, prompt.shape[1] - 12))
     code, lines, _ = compare_json(capsys, ref, run)
     assert code in (1, 3), lines
     assert not any("prefix cache" in line for line in lines), lines
     if case == "chunked_ending_alike":  # told as what it is (tests/compare/test_chunked_prefill.py)
         assert code == 3 and any("it ran the prompt in 2 forwards (chunked prefill)" in line for line in lines)
-
-
-def _chunked(model, directory, prompt, decode, first) -> str:
-    """The prompt in two forwards (`first` tokens, then the rest), then the decode steps."""
-    compiledump.reset()
-    compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory))))
-    handle = compiledump.instrument(model)
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        for ids in (prompt[:, :first], prompt[:, first:], *(token.view(1, 1) for token in decode)):
-            model(input_ids=ids, **ex.cache_kwargs(model, cache))
-    handle.remove()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return compiledump.flush()

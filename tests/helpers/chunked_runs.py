@@ -1,0 +1,39 @@
+"""One side of a chunked-prefill comparison: a Hugging Face model's prompt run in several forwards
+(as vLLM and SGLang run a prompt longer than their chunk), then teacher-forced decode steps, dumped
+with `compiledump.instrument`. Shared by tests/compare/test_chunked_prefill.py and
+test_prefix_cache.py (a chunked pair must not read as a prefix cache's tail)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+from transformers import DynamicCache
+
+import compiledump
+from compiledump import config as cd_config
+from helpers.hf_example import ex
+
+
+def run_in_chunks(model, directory, prompt, decode, chunks, before=None, exclude=()) -> str:
+    """`before` (a shorter request run first, outside profiling()), then `prompt` in forwards of
+    `chunks` tokens, then a forward per `decode` token; `exclude` as `instrument` takes it. Returns
+    the dump's path."""
+    compiledump.reset()
+    compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory))))
+    handle = compiledump.instrument(model, exclude=exclude)
+    with torch.no_grad():
+        if before is not None:
+            model(input_ids=before, use_cache=False)
+        cache = DynamicCache(config=model.config)
+        start = 0
+        for size in chunks:
+            model(input_ids=prompt[:, start:start + size], **ex.cache_kwargs(model, cache))
+            start += size
+        for token in decode:
+            model(input_ids=token.view(1, 1), **ex.cache_kwargs(model, cache))
+    handle.remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the token gate's drops are deliberate
+        return compiledump.flush()
