@@ -56,7 +56,8 @@ def pytest_configure(config):
 # collected late (tests/repo, tests/ops) ran alone at the end while the other worker idled.
 _HEAVY_FIRST = ("capture/test_hf_models.py", "capture/test_hf_indexers.py", "capture/test_crash.py",
                 "repo/test_gpu_scripts.py", "compare/test_sparsemixer.py", "demo/test_demo.py", "ops/test_ops.py",
-                "ops/test_variants.py", "compare/test_model_verdicts.py", "export/test_aot.py")
+                "ops/test_variants.py", "ops/test_triton_layout_classes.py", "compare/test_model_verdicts.py",
+                "export/test_aot.py")
 
 
 def pytest_collection_modifyitems(items):

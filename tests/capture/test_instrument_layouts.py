@@ -3,7 +3,8 @@ built from config, random weights, nothing downloaded, eagerly): other layer str
 hyper-connection residuals, a vision-language model's language model, a causal LM nested in another
 module, `{i}` taps over blocks not named `layers`, routers beside a dense MLP, a layer run twice.
 Each dumped value is checked against what the model computes (its own outputs, or hooks on its
-modules: an independent path). Options, steps, rows and errors: tests/capture/test_instrument.py."""
+modules: an independent path). Steps and rows: tests/capture/test_instrument.py; options and
+errors: tests/capture/test_instrument_options.py."""
 
 import warnings
 

@@ -4,7 +4,8 @@
 (the function Triton runs on each launch to choose the compiled kernel), and returns what the JIT
 returns on a GPU, the compiled kernel of that specialization (`CompiledStandIn`), which
 ops/triton_kernel.py then launches directly. Used by tests/ops/test_variants.py (which launches a
-CUDA graph capture may make) and tests/repo/test_gpu_scripts.py (gpu_check's launch check).
+CUDA graph capture may make), tests/ops/test_triton_layout_classes.py (every layout class
+launched directly) and tests/repo/test_gpu_scripts.py (gpu_check's launch check).
 """
 
 from __future__ import annotations

@@ -160,6 +160,13 @@ def test_module_size(name):
     assert lines <= MAX_LINES, f"{MODULES[name]} has {lines} lines: split it by concern"
 
 
+def test_test_module_size():
+    """The tests' modules too: a test file past the limit holds more than one concern."""
+    over = [f"{path.relative_to(REPO)}: {n} lines" for path in sorted((REPO / "tests").rglob("*.py"))
+            if (n := len(path.read_text().splitlines())) > MAX_LINES]
+    assert over == [], "split by what they test: " + ", ".join(over)
+
+
 def _private_uses(name: str) -> list[str]:
     """`from compiledump.x import _private` and `module_alias._private` of package modules."""
     tree = ast.parse(MODULES[name].read_text())

@@ -1,0 +1,127 @@
+"""All-rows keys (``rows: "all"``): judged per token row, against a one-row key, and the row metrics against numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from compiledump import compare as cmp
+from compiledump.compare.metrics import compare_rows
+from helpers import dumpfactory as factory
+from helpers.cli import compare_json
+from helpers.dumpfactory import scaled, write_pair
+from helpers.reference_metrics import norm_diff, rel_diff, row_metrics
+
+
+@pytest.fixture
+def captures():
+    return factory.model_captures(np.random.default_rng(1300))
+
+
+def test_all_rows_keys_are_judged_per_token_row(tmp_path, capsys, captures):
+    rng = np.random.default_rng(10)
+    rows = (rng.standard_normal((7, 48)) * 2 + 0.3).astype(np.float32)
+    ref = captures[:4] + [factory.Capture("layer1_h", rows, "record", "layer1_h")] + captures[4:]
+    run = factory.perturb(ref, rng, noise=1e-7)
+    run = scaled(scaled(run, "layer1_h", 1.06, row=2), "layer1_h", 0.95, row=5)
+    fields = {"layer1_h": {"rows": "all", "tokens": 7, "phase": "prefill"}}
+    ref_path, run_path = write_pair(tmp_path, ref, run, "bfloat16", "bfloat16", key_fields=fields)
+    x, y = rows, run[4].array
+    # Over the whole key, the two rows are diluted below both bf16 thresholds: only rows tell.
+    assert rel_diff(x, y) < 1e-3 and norm_diff(x, y) < 2e-2
+    code, out, report = compare_json(capsys, ref_path, run_path)
+    first = report["first_divergence"]
+    assert code == 1 and first["key"] == "layer1_h" and first["divergent_rows"] == [2, 5] and first["row_count"] == 7
+    assert first["metric"] == "norm_diff"
+    row_rel, row_norm = row_metrics(x, y)
+    assert first["value"] == pytest.approx(max(row_norm), rel=1e-9)
+    assert "layer1_h (layer 1): norm_diff" in out[-1]
+    assert out[-1].split("; last good")[0].endswith("at tokens 2, 5 of 7")
+    record = {r["key"]: r for r in report["keys"]}["layer1_h"]
+    assert record["row_rel_diff"] == pytest.approx(row_rel, rel=1e-9)
+    assert record["row_norm_diff"] == pytest.approx(row_norm, rel=1e-9)
+    # Without rows == "all" the same key is one vector and passes.
+    plain = factory.write_compiledump(tmp_path / "plain", run, manifest=factory.manifest_for(run))
+    assert cmp.compare(factory.write_compiledump(tmp_path / "plainref", ref), plain).exit_status == 0
+
+
+@pytest.mark.parametrize("all_rows_side", ["ref", "run"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_one_row_against_all_rows_is_compared_at_the_last_row(tmp_path, capsys, captures, all_rows_side, dtype):
+    """A one-row key holds the prompt's last row: against an all-rows key of the same tag (a
+    dump of instrument's router_rows="all" against an older one) it is compared with that row,
+    and said so, instead of skipped as a shape mismatch. Earlier rows cannot matter."""
+    rng = np.random.default_rng(12)
+    rows = (rng.standard_normal((9, 13)) * 1.5 + 0.2).astype(dtype).astype(np.float32)
+    others = factory.perturb(captures, rng, noise=1e-7)
+    wide = rows.copy()
+    wide[3] *= 1.5  # far off in an earlier row: not what the one-row side holds
+    for scale, divergent in ((1.0 + 1e-5, False), (1.05, True)):
+        last = (rows[-1] * scale).astype(np.float32)
+        one, every = factory.Capture("layer1_h", last, "record", "layer1_h"), \
+            factory.Capture("layer1_h", wide, "record", "layer1_h")
+        mine = {"ref": every, "run": one}
+        ref, run = captures[:4] + [mine["ref"] if all_rows_side == "ref" else mine["run"]] + captures[4:], \
+            others[:4] + [mine["run"] if all_rows_side == "ref" else mine["ref"]] + others[4:]
+        ref_fields = {"layer1_h": {"tokens": 9, "phase": "prefill", **({"rows": "all"} if all_rows_side == "ref" else {})}}
+        run_fields = {"layer1_h": {"tokens": 9, "phase": "prefill", **({"rows": "all"} if all_rows_side == "run" else {})}}
+        ref_path, run_path = write_pair(tmp_path / f"{scale}", ref, run,
+                                        ref_manifest=factory.manifest_for(ref, key_fields=ref_fields),
+                                        run_manifest=factory.manifest_for(run, key_fields=run_fields))
+        code, _, report = compare_json(capsys, ref_path, run_path)
+        record = {r["key"]: r for r in report["keys"]}["layer1_h"]
+        x, y = (wide[-1], last) if all_rows_side == "ref" else (last, wide[-1])
+        assert record["rel_diff"] == pytest.approx(rel_diff(x, y), rel=1e-9)
+        assert record["norm_diff"] == pytest.approx(norm_diff(x, y), rel=1e-9)
+        assert "row_rel_diff" not in record and record["divergent"] is divergent and code == (1 if divergent else 0)
+        (problem,) = [p for p in report["problems"] if p["key"] == "layer1_h"]
+        shapes = "[9, 13] vs [13]" if all_rows_side == "ref" else "[13] vs [9, 13]"
+        assert problem["kind"] == "shape_mismatch" and problem["detail"] == (
+            f"{shapes}: one row against all rows, compared at the last row (the row a one-row record keeps)")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, "bfloat16"])
+def test_compare_rows_matches_numpy_in_small_chunks(dtype):
+    rng = np.random.default_rng(11)
+    # Rows of very different norms, a non-contiguous view, values of the dtype (bf16 by rounding).
+    x = (rng.standard_normal((9, 26)) * rng.uniform(0.05, 3.0, (9, 1)))[:, ::2]
+    y = x * rng.uniform(0.9, 1.1, (9, 1)) + rng.standard_normal((9, 13)) * 0.01
+    if dtype == "bfloat16":
+        x, y = (torch.from_numpy(np.ascontiguousarray(v)).to(torch.bfloat16).float().numpy() for v in (x, y))
+    else:
+        x, y = x.astype(dtype), y.astype(dtype)
+    expected_rel, expected_norm = row_metrics(x, y)
+    for chunk in (1, 13, 40, 1 << 20):
+        rows = compare_rows(x, y, chunk=chunk)
+        assert rows.rel_diff == pytest.approx(expected_rel, rel=1e-9)
+        assert rows.norm_diff == pytest.approx(expected_norm, rel=1e-9)
+    # Rows at or above the median norm are judged by their own norm, as a one-row key is.
+    median = np.median(np.linalg.norm(x.astype(np.float64), axis=1))
+    for i in np.flatnonzero(np.linalg.norm(x.astype(np.float64), axis=1) >= median):
+        assert rows.rel_diff[i] == pytest.approx(rel_diff(x[i], y[i]), rel=1e-9)
+        assert rows.norm_diff[i] == pytest.approx(norm_diff(x[i], y[i]), rel=1e-9)
+
+
+def test_a_row_small_by_cancellation_is_judged_at_the_keys_scale(tmp_path, capsys, captures):
+    """Eight router logits of one token can nearly cancel: the same absolute rounding error is
+    then a large error relative to that row. Rows are judged relative to the larger of their own
+    norm and the median row norm, so that row passes while a 5 % error of a typical row does not."""
+    rng = np.random.default_rng(13)
+    rows = rng.standard_normal((11, 8)).astype(np.float32)
+    rows[4] *= 0.05  # small by cancellation
+    noise = rng.standard_normal((11, 8)).astype(np.float32) * 0.01  # the same absolute error in every row
+    fields = {"layer1_router": {"rows": "all", "tokens": 11, "phase": "prefill"}}
+    for bad_row, expected in ((None, []), (7, [7])):
+        run_rows = rows + noise
+        if bad_row is not None:
+            run_rows[bad_row] = rows[bad_row] * 1.05
+        ref = captures[:4] + [factory.Capture("layer1_router", rows, "record", "layer1_router")] + captures[4:]
+        run = captures[:4] + [factory.Capture("layer1_router", run_rows, "record", "layer1_router")] + captures[4:]
+        # Judged against its own norm alone, row 4 would be far over both bf16 thresholds.
+        assert rel_diff(rows[4], run_rows[4]) > 1e-2 and norm_diff(rows[4], run_rows[4]) > 3e-2
+        ref_path, run_path = write_pair(tmp_path / str(bad_row), ref, run, "bfloat16", "bfloat16", key_fields=fields)
+        code, _, report = compare_json(capsys, ref_path, run_path)
+        record = {r["key"]: r for r in report["keys"]}["layer1_router"]
+        assert record["divergent_rows"] == expected and code == (1 if expected else 0)
+        assert record["row_rel_diff"] == pytest.approx(row_metrics(rows, run_rows)[0], rel=1e-9)
