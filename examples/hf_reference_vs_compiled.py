@@ -3,7 +3,7 @@ and nothing else, then compared.
 
     python examples/hf_reference_vs_compiled.py [OUT] [--model qwen3_moe|mixtral|llama|deepseek_v3|deepseek_v3_grouped] [--batch 4]
         [--steps 6] [--dtype float32|bfloat16|float16] [--rows one|all]
-        [--inject-bug LAYER [--bug norm|experts|expert]] [--exclude TAG_PATTERN ...]
+        [--inject-bug LAYER [--bug norm|experts|expert]] [--exclude TAG_PATTERN]...
 
 The model is built from a small config with random weights (nothing is downloaded), the same
 weights on both sides:

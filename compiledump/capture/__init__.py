@@ -1,7 +1,7 @@
 """The capture side: what a model calls, and everything the process keeps until the flush.
 
     api.py         the public calls (configure, init, record*, flush, ...)
-    registers.py   profiling, set_rows, set_gather_rows: the run-time registers the kernels read
+    registers.py   profiling, set_rows, set_gather_rows, enabled: the run-time registers the kernels read
     instrument.py  instrument(model): forward hooks that call api.py on a model's modules
     default_taps.py the taps instrument attaches to a decoder-only LM by default
     hf_layout.py   where a Hugging Face decoder keeps its layers, norms, MLP blocks and routers

@@ -48,8 +48,8 @@ def configure(**settings) -> _config.Config:
     """Change settings (the same names as `Config`'s fields); return the new config.
 
     `configure(dir="dumps")` enables capture from Python instead of `COMPILEDUMP_DIR`. Capacity
-    settings (`max_steps`, `arena_mb`, `max_tags`) size the device allocations and cannot change
-    once the arena exists. Compiled functions that captured under the old settings recompile.
+    settings (`max_steps`, `arena_mb`, `max_tags`) size the device allocations, and `persist`
+    decides where they live: none of them can change once the arena exists. Compiled functions that captured under the old settings recompile.
     """
     unknown = set(settings) - {f.name for f in dataclasses.fields(_config.Config)}
     if unknown:
@@ -185,7 +185,7 @@ def record(tag: str, tensor: torch.Tensor, once: bool = False, *, rows: str | No
     accumulation) unless `layout="batch_seq_dim"` says it is `[batch, seq, hidden]` (flattened to
     `[batch * seq, hidden]` tokens); a 3-D tensor that does not look like hc_mult is warned about
     once per tag (`layout="tokens_hc_dim"` confirms the reading). A 2-D tensor is `[tokens, dim]`;
-    any other rank is stored whole, flattened. `rows` (default `COMPILEDUMP_ROWS`, "one"): the
+    any other rank is stored whole, flattened. `rows` (default `COMPILEDUMP_ROWS`, "one"; "one" with `once`): the
     last row, or the one `set_gather_rows(record=...)` names; "all": every row, stored as
     `[tokens, dim]`. Without `once` the last write wins and the token gate (COMPILEDUMP_TOKENS,
     default auto: the prompt length) skips other token counts (counted); with `once=True` the

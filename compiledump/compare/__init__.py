@@ -2,7 +2,7 @@
 
 numpy and the standard library only, so it runs on a machine without torch or a GPU. The parts:
 reading files (``compiledump.format.reader``, ``.keys``), pairing the two sides (:mod:`.pairing`, merging
-sharded ranks in :mod:`.shards`, renaming RUN keys with ``--map`` in :mod:`.rename`; :mod:`.view` is the base of such views of a side), thresholds per
+sharded ranks in :mod:`.shards`, renaming RUN keys with ``--map`` in :mod:`.rename`; :mod:`.view` is the base of the views of one side: renamed, unpadded, with derived ids), thresholds per
 precision class (:mod:`.options`), which values can be compared at all and what was not captured
 (:mod:`.phases`; prompt values a later forward replaced, :mod:`.overwrites`; decode steps fed
 different tokens, :mod:`.inputs`; a request row its attention mask pads, :mod:`.padding`; prompt calls that may be a prefix cache's tail, :mod:`.prefix_cache`; what one-row mode cannot see, :mod:`.one_row`; ids an engine's
