@@ -156,19 +156,16 @@ def test_a_cached_tail_that_feeds_the_prompt_s_last_token_again_after_a_flip_is_
     assert report["pairs"][0]["fed_tokens_differ"]["step"] == 1, report["pairs"][0]["fed_tokens_differ"]
 
 
-@pytest.mark.parametrize("case", ["another_prompt", "no_fed_tokens", "chunked_ending_alike"])
+@pytest.mark.parametrize("case", ["another_prompt", "chunked_ending_alike"])
 def test_no_note_where_step_0_or_1_does_not_line_up(tmp_path, capsys, model, case):
-    """A shorter prompt ending on another token, a side without the fed tokens that tell where its
-    prompt call ended, and a prompt in two chunks whose first ends on the prompt's last token (its
-    step 1 feeds that token again): no note."""
+    """A shorter prompt ending on another token, and a prompt in two chunks whose first ends on the
+    prompt's last token (its step 1 feeds that token again): no note."""
     prompt, decode = _tokens(20)
     ref = _run(model, tmp_path / "ref", prompt, decode)
     if case == "another_prompt":
         other, _ = _tokens(4, seed=5)
         assert other[0, -1] != prompt[0, -1]
         run = _run(model, tmp_path / "run", other, decode)
-    elif case == "no_fed_tokens":
-        run = _run(model, tmp_path / "run", prompt, decode, 16, fed=False)
     else:
         prompt[0, 11] = prompt[0, -1]
         ref = _run(model, tmp_path / "ref2", prompt, decode)
@@ -178,3 +175,84 @@ def test_no_note_where_step_0_or_1_does_not_line_up(tmp_path, capsys, model, cas
     assert not any("prefix cache" in line for line in lines), lines
     if case == "chunked_ending_alike":  # told as what it is (tests/compare/test_chunked_prefill.py)
         assert code == 3 and any("it ran the prompt in 2 forwards (chunked prefill)" in line for line in lines)
+
+
+def _readings(lines: list[str]) -> str:
+    (note,) = [line for line in lines if line.startswith("note: the prompt calls differ in length")]
+    return note
+
+
+CACHE_OFF = "vLLM --no-enable-prefix-caching, SGLang --disable-radix-cache"
+
+
+@pytest.mark.parametrize("side", ["RUN", "REF"])
+def test_without_fed_tokens_the_note_names_what_the_same_prompt_would_mean(tmp_path, capsys, model, side):
+    """A side with no fed tokens (an engine's flat ids, which `instrument` does not read): nothing
+    tells another prompt from the same one, so the note says what the shorter call would be if
+    the prompts were the same (a prefix cache's tail: 20 is no CUDA-graph size, so no padding)."""
+    prompt, decode = _tokens(20)
+    whole = _run(model, tmp_path / "whole", prompt, decode)
+    cached = _run(model, tmp_path / "cached", prompt, decode, 16, fed=False)
+    ref, run = (whole, cached) if side == "RUN" else (cached, whole)
+    code, lines, report = compare_json(capsys, ref, run)
+    assert code == 3 and report["first_divergence"] is None, lines
+    lengths = "REF's 20 tokens, RUN's 4" if side == "RUN" else "REF's 4 tokens, RUN's 20"
+    assert _readings(lines) == (
+        f"note: the prompt calls differ in length ({lengths}) and no fed tokens tell whether the two sides ran the "
+        f"same prompt (no input_token_0 on {side}: `instrument` records it of [batch, seq] ids, not of an engine's "
+        f"flat ids); if they did, {side}'s call of 4 tokens is the tail of it a prefix cache left (its first 16 "
+        f"positions served from vLLM's automatic prefix caching or SGLang's radix cache: run {side} with the cache "
+        f"off, {CACHE_OFF})")
+    assert not any(line.startswith(f"note: {side}: its prompt keys") for line in lines), lines
+
+
+def _padded_prefill(model, directory, prompt, decode, rows) -> str:
+    """An engine side as vLLM runs a short prompt under CUDA graphs: its prefill forward padded at
+    the end to `rows` tokens (the padding's positions write no KV: here the real prompt fills the
+    cache inside profiling()), flat-id style (no fed tokens), its logits read at the real last
+    token (vLLM's logits indices) and recorded by hand; no step routing (vLLM's gates return their
+    logits alone; its flat rows would give the prefill's first token, not its last)."""
+    compiledump.reset()
+    compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory))))
+    handle = compiledump.instrument(model, exclude=("input_token", "logits"), step_routing=False)
+    cache = DynamicCache(config=model.config)
+    padded = torch.cat([prompt, torch.zeros((1, rows - prompt.shape[1]), dtype=prompt.dtype)], dim=1)
+    with torch.no_grad():
+        with compiledump.profiling():
+            model(input_ids=prompt, **ex.cache_kwargs(model, cache))
+        out = model(input_ids=padded, use_cache=False)
+        compiledump.record_step("logits", out.logits[0, prompt.shape[1] - 1])
+        for token in decode:
+            out = model(input_ids=token.view(1, 1), **ex.cache_kwargs(model, cache))
+            compiledump.record_step("logits", out.logits[0, -1])
+    handle.remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return compiledump.flush()
+
+
+@pytest.mark.parametrize("length, rows, padded", [(7, 8, True), (13, 16, True), (3, 4, True), (20, 24, True),
+                                                  (5, 7, False), (16, 40, False)])
+def test_a_prefill_padded_to_a_cuda_graph_size_is_one_reading(tmp_path, capsys, model, length, rows, padded):
+    """The engine's prefill padded to a CUDA-graph size (`rows`): where `rows` is one of vLLM's
+    default capture sizes a few tokens above the prompt, the note names that reading first, with a
+    prompt of that size as the fix; elsewhere only the prefix-cache reading (of the other side). The
+    decode steps compare (the same context on both sides) and nothing diverges."""
+    prompt, decode = _tokens(length)
+    ref = _run(model, tmp_path / "ref", prompt, decode)
+    run = _padded_prefill(model, tmp_path / "run", prompt, decode, rows)
+    code, lines, report = compare_json(capsys, ref, run)
+    assert code == 3 and report["first_divergence"] is None, lines
+    note = _readings(lines)
+    tokens = f"{rows} tokens"
+    reading = (f"RUN's call of {tokens} is its prefill padded to a CUDA-graph size (vLLM runs a prefill of up to its "
+               f"largest capture size padded to the next one: compare a prompt whose length is a capture size, such "
+               f"as {rows}, which it runs unpadded)")
+    assert (reading in note) == padded, note
+    assert note.endswith(f"REF's call of {length} tokens is the tail of it a prefix cache left (its first "
+                         f"{rows - length} positions served from vLLM's automatic prefix caching or SGLang's radix "
+                         f"cache: run REF with the cache off, {CACHE_OFF})"), note
+    assert "(no input_token_0 on RUN:" in note
+    statuses = {record["key"]: record["status"] for record in report["keys"]}
+    assert statuses["logits_0"] == statuses["logits_3"] == statuses["layer2_step_3"] == "ok", statuses
+    assert statuses["layer0_attn"] == statuses["layer3"] == "not_comparable", statuses
