@@ -160,10 +160,11 @@ def test_module_size(name):
     assert lines <= MAX_LINES, f"{MODULES[name]} has {lines} lines: split it by concern"
 
 
-def test_test_module_size():
-    """The tests' modules too: a test file past the limit holds more than one concern."""
-    over = [f"{path.relative_to(REPO)}: {n} lines" for path in sorted((REPO / "tests").rglob("*.py"))
-            if (n := len(path.read_text().splitlines())) > MAX_LINES]
+def test_other_module_size():
+    """The tests', benchmarks', scripts' and examples' modules too: past the limit, a file holds more
+    than one concern."""
+    over = [f"{path.relative_to(REPO)}: {n} lines" for folder in ("tests", "benchmarks", "scripts", "examples")
+            for path in sorted((REPO / folder).rglob("*.py")) if (n := len(path.read_text().splitlines())) > MAX_LINES]
     assert over == [], "split by what they test: " + ", ".join(over)
 
 
