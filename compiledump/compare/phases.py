@@ -75,11 +75,13 @@ def gate_length(dump: Dump) -> int | None:
 
 def fix_hint(prompt: int | None, prompts: tuple[int | None, int | None] = (None, None)) -> str:
     """How to make such values comparable: with the two sides' prompt lengths (`prompts`, REF and
-    RUN) known and different, the runs had different prompts, which no setting makes comparable;
-    else the token gate kept another call on one side."""
+    RUN) known and different, the runs had different prompts or prefilled one differently (in
+    chunks, partly from a prefix cache, padded: prefix_cache.py's note says which fits), which no
+    setting makes comparable; else the token gate kept another call on one side."""
     ref, run = prompts
     if ref and run and ref != run:
-        return f"compare runs of the same prompt (REF's has {tokens_text(ref)}, RUN's {tokens_text(run)})"
+        return (f"compare runs of the same prompt, each prefilled whole in one unpadded forward (REF's has "
+                f"{tokens_text(ref)}, RUN's {tokens_text(run)})")
     value = f"{prompt} (the prompt length)" if prompt else "<prompt length>"
     return f"set COMPILEDUMP_TOKENS={value} or leave COMPILEDUMP_TOKENS at its default auto (not 0) on both sides"
 

@@ -18,21 +18,34 @@ prefill (verdict.py asks overwrites.py first: a first chunk can end on the promp
 
 An engine's flat token ids record no fed tokens (`instrument` reads `[batch, seq]` ids only), so
 for such a pair nothing tells another prompt from the same one. Its note names what could make
-the lengths differ where the prompts were the same: the shorter call a prefix cache's tail, or,
-where the longer call has a CUDA-graph size a few tokens above the shorter one, a prefill the engine
-padded to it (vLLM runs a batch of up to its largest capture size, prefill included, padded to the
-next capture size: 1, 2, 4, then multiples of 8 by default; the padding rows come last, so a
-record's last row and the token gate's length are the padding's).
+the lengths differ where the prompts were the same: the shorter call a prefix cache's tail; the
+first of several forwards (chunked prefill), where its logits cannot tell; and, where the longer
+side has no fed tokens and its call is the CUDA-graph size an engine pads the shorter length to
+by default, a padded prefill (vLLM runs a batch of up to its largest capture size, prefill
+included, padded at the end to the next capture size; SGLang's piecewise CUDA graphs pad a prefill
+to its next token bucket: the token gate learns the padded length and a record's last row is a
+padding row). vLLM's prefix cache holds whole blocks (16 tokens by default, a multiple of 16 on
+every backend), so it is named only where the cached count is a multiple of 16.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 from ..format import spec
 from ..format.reader import Dump
 from .inputs import FED_TAG, fed_token
-from .phases import shorter_prompt, tokens_text
+from .phases import exclude_patterns, shorter_prompt, tokens_text
 
 TURN_OFF = "vLLM --no-enable-prefix-caching, SGLang --disable-radix-cache"
+# The default CUDA-graph sizes a batch of tokens is padded to: vLLM's capture sizes (up to its
+# default largest, 512) and SGLang's piecewise token buckets (`--piecewise-cuda-graph-tokens`).
+PADDED_SIZES = {
+    "vLLM": [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16)],
+    "SGLang": [*range(4, 33, 4), *range(48, 257, 16), *range(288, 513, 32), *range(576, 1025, 64),
+               *range(1280, 4097, 256), *range(4608, 8193, 512)],
+}
+VLLM_BLOCK = 16  # vLLM's prefix cache holds whole KV blocks of this many tokens (or a multiple)
 
 
 def prefix_cache_note(ref: Dump, run: Dump) -> str | None:
@@ -44,35 +57,70 @@ def prefix_cache_note(ref: Dump, run: Dump) -> str | None:
         return None
     shorter, whole, tail = prompts
     key = spec.step_key(FED_TAG, 0)
-    if missing := [side for side, dump in (("REF", ref), ("RUN", run)) if key not in dump.members]:
-        return _unrecorded_note(shorter, whole, tail, " and ".join(missing))
-    ref0, run0 = fed_token(ref, key), fed_token(run, key)
-    if ref0 is None or ref0 != run0:
+    dumps = {"REF": ref, "RUN": run}
+    fed = {side: fed_token(dump, key) if key in dump.members else None for side, dump in dumps.items()}
+    if None in fed.values():
+        missing = {side: _why_missing(side, dumps[side], key) for side, token in fed.items() if token is None}
+        return _unrecorded_note(shorter, whole, tail, missing, dumps[shorter])
+    if fed["REF"] != fed["RUN"]:
         return None
     other = "REF" if shorter == "RUN" else "RUN"
     return (f"{shorter}: its prompt keys hold a call of {tokens_text(tail)} that ends on the token {other}'s prompt "
-            f"of {whole} ends on (both fed token {ref0} at step 0): either another prompt, or the same one with its "
-            f"first {whole - tail} positions served from a prefix cache (vLLM's automatic prefix caching or SGLang's "
-            f"radix cache, after a warm-up or an earlier request with the same prompt); to compare its prompt keys, "
-            f"run {shorter} with the cache off ({TURN_OFF})")
+            f"of {whole} ends on (both fed token {fed['REF']} at step 0): either another prompt, or the same one with "
+            f"{_first_positions(whole - tail)} served from a prefix cache after a warm-up or an earlier request with "
+            f"the same prompt ({_caches(whole - tail)}); to compare its prompt keys, run {shorter} with the cache off "
+            f"({TURN_OFF})")
 
 
-def _unrecorded_note(shorter: str, whole: int, tail: int, missing: str) -> str:
-    """The note where a side (`missing`: which) recorded no fed tokens: the readings of the same
-    prompt (module docstring)."""
+def _why_missing(side: str, dump: Dump, key: str) -> str:
+    """Why `side` holds no readable fed token at step 0."""
+    patterns = exclude_patterns(dump.manifest)
+    if (pattern := spec.excluded_by(FED_TAG, patterns)) is not None:
+        return f"{side}'s instrument(exclude=...) left it out ({pattern!r})"
+    if key in dump.members or key in dump.bad_members:
+        return f"{side}'s is unreadable"
+    return f"{side} recorded none: `instrument` records it of [batch, seq] ids, not of an engine's flat ids"
+
+
+def _unrecorded_note(shorter: str, whole: int, tail: int, missing: dict[str, str], short_dump: Dump) -> str:
+    """The note where a side recorded no fed token at step 0 (`missing`: side -> why): the
+    readings of the same prompt (module docstring)."""
     longer = "REF" if shorter == "RUN" else "RUN"
     readings = []
-    if (whole % 8 == 0 or whole in (2, 4)) and whole - tail < 16:  # vLLM's default capture sizes, and their gaps
-        readings.append(f"{longer}'s call of {tokens_text(whole)} is its prefill padded to a CUDA-graph size (vLLM "
-                        f"runs a prefill of up to its largest capture size padded to the next one: compare a prompt "
-                        f"whose length is a capture size, such as {whole}, which it runs unpadded)")
-    readings.append(f"{shorter}'s call of {tokens_text(tail)} is the tail of it a prefix cache left (its first "
-                    f"{whole - tail} positions served from vLLM's automatic prefix caching or SGLang's radix cache: "
-                    f"run {shorter} with the cache off, {TURN_OFF})")
+    engines = [name for name, sizes in PADDED_SIZES.items() if _next_size(sizes, tail) == whole]
+    if longer in missing and engines:
+        pad = "pad" if len(engines) > 1 else "pads"
+        readings.append(f"{longer}'s call of {tokens_text(whole)} is its prefill padded to a CUDA-graph size "
+                        f"({' and '.join(engines)} {pad} a prefill of {tail} tokens to {whole} by default: rerun both "
+                        f"sides with a prompt of {whole} tokens, and COMPILEDUMP_TOKENS={whole} where it is set)")
+    if spec.step_key("logits", 0) not in short_dump.members:  # the chunked check had no logits to go by
+        readings.append(f"{shorter}'s call of {tokens_text(tail)} is the first of several forwards of it (chunked "
+                        f"prefill, or a shorter request before it outside profiling()): record the logits on both "
+                        "sides so that the comparator can tell")
+    readings.append(f"{shorter}'s call of {tokens_text(tail)} is the part of it a prefix cache left to run "
+                    f"({_first_positions(whole - tail)} served from {_caches(whole - tail)}): run {shorter} with the "
+                    f"cache off, {TURN_OFF}")
     lengths = f"REF's {whole if shorter == 'RUN' else tail} tokens, RUN's {tail if shorter == 'RUN' else whole}"
     return (f"the prompt calls differ in length ({lengths}) and no fed tokens tell whether the two sides ran the "
-            f"same prompt (no {FED_TAG}_0 on {missing}: `instrument` records it of [batch, seq] ids, not of an "
-            f"engine's flat ids); if they did, " + ", or ".join(readings))
+            f"same prompt ({FED_TAG}_0: {'; '.join(missing.values())}); if they did, "
+            + ("either " if len(readings) > 1 else "") + ", or ".join(readings))
+
+
+def _next_size(sizes: list[int], tokens: int) -> int | None:
+    """The size a batch of `tokens` is padded to, or None above the largest."""
+    index = bisect_left(sizes, tokens)
+    return sizes[index] if index < len(sizes) else None
+
+
+def _first_positions(count: int) -> str:
+    return "its first position" if count == 1 else f"its first {count} positions"
+
+
+def _caches(cached: int) -> str:
+    """The prefix caches that can have served `cached` positions."""
+    if cached % VLLM_BLOCK == 0:
+        return "vLLM's automatic prefix caching or SGLang's radix cache"
+    return f"SGLang's radix cache; vLLM's caches whole blocks of {VLLM_BLOCK} tokens"
 
 
 __all__ = ["prefix_cache_note"]

@@ -17,6 +17,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache, StaticCache
 
 import compiledump
@@ -33,14 +34,16 @@ def model():
     return ex.build_model("qwen3_moe")
 
 
-def _run(model, directory, prompt, decode, cached=0, dtype=torch.float32, others=None, fed=True) -> str:
+def _run(model, directory, prompt, decode, cached=0, dtype=torch.float32, others=None, fed="ids") -> str:
     """One side: the prompt's first `cached` positions inside profiling() (what a prefix cache holds
     from an earlier request), then the rest, then a forward per `decode` token. `others`: more rows
-    of a padded batch (a StaticCache, as an engine has); `fed=False`: no input_token keys."""
+    of a padded batch (a StaticCache, as an engine has). No input_token keys with `fed="excluded"`
+    (instrument's exclude) or `fed="embeds"` (the model called with its embeddings, which
+    instrument records no fed token of, as it records none of an engine's flat ids)."""
     compiledump.reset()
     compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory))))
     model = copy.deepcopy(model).to(dtype)
-    handle = compiledump.instrument(model, exclude=() if fed else ("input_token",))
+    handle = compiledump.instrument(model, exclude=("input_token",) if fed == "excluded" else ())
     length = prompt.shape[1]
     if others is None:
         cache, rows = DynamicCache(config=model.config), lambda ids, start, end: ids
@@ -51,7 +54,10 @@ def _run(model, directory, prompt, decode, cached=0, dtype=torch.float32, others
     def forward(ids, start):
         end = start + ids.shape[1]
         extra = {} if others is None else {"cache_position": torch.arange(start, end)}
-        model(input_ids=rows(ids, start, end), **ex.cache_kwargs(model, cache), **extra)
+        ids = rows(ids, start, end)
+        given = {"inputs_embeds": F.embedding(ids, model.get_input_embeddings().weight)} if fed == "embeds" \
+            else {"input_ids": ids}  # (F.embedding: the embedding module's hook does not fire)
+        model(**given, **ex.cache_kwargs(model, cache), **extra)
 
     with torch.no_grad():
         if cached:
@@ -86,12 +92,16 @@ def test_a_prompt_served_partly_from_a_prefix_cache_is_noted_with_how_to_compare
     assert code == 3, lines  # the prompt keys: not comparable, never a divergence
     tail = length - cached
     tokens = "1 token" if tail == 1 else f"{tail} tokens"
+    positions = "its first position" if cached == 1 else f"its first {cached} positions"
+    # vLLM's prefix cache holds whole blocks of 16 tokens: only SGLang's radix cache serves 7, 1 or 15
+    caches = "vLLM's automatic prefix caching or SGLang's radix cache" if cached == 16 else \
+        "SGLang's radix cache; vLLM's caches whole blocks of 16 tokens"
     assert _note(lines, "RUN") == (
         f"note: RUN: its prompt keys hold a call of {tokens} that ends on the token REF's prompt of {length} ends on "
-        f"(both fed token {int(prompt[0, -1])} at step 0): either another prompt, or the same one with its first "
-        f"{cached} positions served from a prefix cache (vLLM's automatic prefix caching or SGLang's radix cache, "
-        f"after a warm-up or an earlier request with the same prompt); to compare its prompt keys, run RUN with the "
-        f"cache off (vLLM --no-enable-prefix-caching, SGLang --disable-radix-cache)")
+        f"(both fed token {int(prompt[0, -1])} at step 0): either another prompt, or the same one with {positions} "
+        f"served from a prefix cache after a warm-up or an earlier request with the same prompt ({caches}); to "
+        f"compare its prompt keys, run RUN with the cache off (vLLM --no-enable-prefix-caching, SGLang "
+        f"--disable-radix-cache)")
     statuses = {record["key"]: record["status"] for record in report["keys"]}
     # every decode step after the prefill compares (the same context on both sides)
     assert statuses["logits_1"] == statuses["layer1_step_1"] == statuses["layer3_step_3"] == "ok", statuses
@@ -185,24 +195,30 @@ def _readings(lines: list[str]) -> str:
 CACHE_OFF = "vLLM --no-enable-prefix-caching, SGLang --disable-radix-cache"
 
 
+WHY = {"excluded": "{side}'s instrument(exclude=...) left it out ('input_token')",
+       "embeds": "{side} recorded none: `instrument` records it of [batch, seq] ids, not of an engine's flat ids"}
+
+
+@pytest.mark.parametrize("fed", ["excluded", "embeds"])
 @pytest.mark.parametrize("side", ["RUN", "REF"])
-def test_without_fed_tokens_the_note_names_what_the_same_prompt_would_mean(tmp_path, capsys, model, side):
-    """A side with no fed tokens (an engine's flat ids, which `instrument` does not read): nothing
-    tells another prompt from the same one, so the note says what the shorter call would be if
-    the prompts were the same (a prefix cache's tail: 20 is no CUDA-graph size, so no padding)."""
+def test_without_fed_tokens_the_note_names_what_the_same_prompt_would_mean(tmp_path, capsys, model, side, fed):
+    """A side with no fed tokens (left out by `exclude`, or a model called with its embeddings, as
+    an engine's flat ids record none): nothing tells another prompt from the same one, so the note
+    says what the shorter call would be if the prompts were the same (a prefix cache's tail; 20 is
+    no CUDA-graph size a prefill of 4 is padded to, and the logits are there to tell a chunk), and
+    why the fed token is missing."""
     prompt, decode = _tokens(20)
     whole = _run(model, tmp_path / "whole", prompt, decode)
-    cached = _run(model, tmp_path / "cached", prompt, decode, 16, fed=False)
+    cached = _run(model, tmp_path / "cached", prompt, decode, 16, fed=fed)
     ref, run = (whole, cached) if side == "RUN" else (cached, whole)
     code, lines, report = compare_json(capsys, ref, run)
     assert code == 3 and report["first_divergence"] is None, lines
     lengths = "REF's 20 tokens, RUN's 4" if side == "RUN" else "REF's 4 tokens, RUN's 20"
     assert _readings(lines) == (
         f"note: the prompt calls differ in length ({lengths}) and no fed tokens tell whether the two sides ran the "
-        f"same prompt (no input_token_0 on {side}: `instrument` records it of [batch, seq] ids, not of an engine's "
-        f"flat ids); if they did, {side}'s call of 4 tokens is the tail of it a prefix cache left (its first 16 "
-        f"positions served from vLLM's automatic prefix caching or SGLang's radix cache: run {side} with the cache "
-        f"off, {CACHE_OFF})")
+        f"same prompt (input_token_0: {WHY[fed].format(side=side)}); if they did, {side}'s call of 4 tokens is "
+        f"the part of it a prefix cache left to run (its first 16 positions served from vLLM's automatic prefix "
+        f"caching or SGLang's radix cache): run {side} with the cache off, {CACHE_OFF}")
     assert not any(line.startswith(f"note: {side}: its prompt keys") for line in lines), lines
 
 
@@ -231,28 +247,62 @@ def _padded_prefill(model, directory, prompt, decode, rows) -> str:
         return compiledump.flush()
 
 
-@pytest.mark.parametrize("length, rows, padded", [(7, 8, True), (13, 16, True), (3, 4, True), (20, 24, True),
-                                                  (5, 7, False), (16, 40, False)])
-def test_a_prefill_padded_to_a_cuda_graph_size_is_one_reading(tmp_path, capsys, model, length, rows, padded):
-    """The engine's prefill padded to a CUDA-graph size (`rows`): where `rows` is one of vLLM's
-    default capture sizes a few tokens above the prompt, the note names that reading first, with a
-    prompt of that size as the fix; elsewhere only the prefix-cache reading (of the other side). The
-    decode steps compare (the same context on both sides) and nothing diverges."""
+@pytest.mark.parametrize("length, rows, engines", [
+    (7, 8, "vLLM and SGLang"), (13, 16, "vLLM and SGLang"), (3, 4, "vLLM and SGLang"),
+    (10, 12, "SGLang"), (9, 16, "vLLM"), (20, 24, "vLLM"),  # vLLM pads 10 to 16, SGLang 9 to 12 and 20 not at all
+    (8, 16, None), (3, 8, None), (9, 24, None), (5, 7, None), (16, 40, None)])  # no default pads these
+@pytest.mark.parametrize("padded_side", ["RUN", "REF"])
+def test_a_prefill_padded_to_a_cuda_graph_size_is_one_reading(tmp_path, capsys, model, length, rows, engines,
+                                                             padded_side):
+    """The engine's prefill padded at the end to `rows`: where `rows` is the size vLLM's capture
+    sizes or SGLang's token buckets pad `length` to by default, the note names that reading first,
+    with a prompt of that size as the fix; elsewhere only the prefix-cache reading (of the other
+    side). The decode steps compare (the same context on both sides) and nothing diverges."""
     prompt, decode = _tokens(length)
-    ref = _run(model, tmp_path / "ref", prompt, decode)
-    run = _padded_prefill(model, tmp_path / "run", prompt, decode, rows)
+    whole = _run(model, tmp_path / "whole", prompt, decode)
+    padded = _padded_prefill(model, tmp_path / "padded", prompt, decode, rows)
+    ref, run = (whole, padded) if padded_side == "RUN" else (padded, whole)
+    other = "REF" if padded_side == "RUN" else "RUN"
     code, lines, report = compare_json(capsys, ref, run)
     assert code == 3 and report["first_divergence"] is None, lines
     note = _readings(lines)
-    tokens = f"{rows} tokens"
-    reading = (f"RUN's call of {tokens} is its prefill padded to a CUDA-graph size (vLLM runs a prefill of up to its "
-               f"largest capture size padded to the next one: compare a prompt whose length is a capture size, such "
-               f"as {rows}, which it runs unpadded)")
-    assert (reading in note) == padded, note
-    assert note.endswith(f"REF's call of {length} tokens is the tail of it a prefix cache left (its first "
-                         f"{rows - length} positions served from vLLM's automatic prefix caching or SGLang's radix "
-                         f"cache: run REF with the cache off, {CACHE_OFF})"), note
-    assert "(no input_token_0 on RUN:" in note
+    pad = "pad" if engines and " and " in engines else "pads"
+    reading = (f"{padded_side}'s call of {rows} tokens is its prefill padded to a CUDA-graph size ({engines} {pad} a "
+               f"prefill of {length} tokens to {rows} by default: rerun both sides with a prompt of {rows} tokens, "
+               f"and COMPILEDUMP_TOKENS={rows} where it is set)")
+    assert (reading in note) == (engines is not None), note
+    cached = rows - length
+    positions = "its first position" if cached == 1 else f"its first {cached} positions"
+    caches = "vLLM's automatic prefix caching or SGLang's radix cache" if cached % 16 == 0 else \
+        "SGLang's radix cache; vLLM's caches whole blocks of 16 tokens"
+    assert note.endswith(f"{other}'s call of {length} tokens is the part of it a prefix cache left to run ({positions} "
+                         f"served from {caches}): run {other} with the cache off, {CACHE_OFF}"), note
+    assert f"(input_token_0: {padded_side}'s instrument(exclude=...) left it out ('input_token'))" in note
+    assert "chunked" not in note  # both sides have logits to tell a chunk by
     statuses = {record["key"]: record["status"] for record in report["keys"]}
     assert statuses["logits_0"] == statuses["logits_3"] == statuses["layer2_step_3"] == "ok", statuses
     assert statuses["layer0_attn"] == statuses["layer3"] == "not_comparable", statuses
+
+
+def test_the_padded_reading_is_not_given_to_a_side_with_fed_tokens(tmp_path, capsys, model):
+    """The longer call is a capture size above the shorter, but its side recorded fed tokens ([batch,
+    seq] ids: no engine padded them): only the prefix-cache reading, of the side without them."""
+    prompt, decode = _tokens(8)
+    ref = _run(model, tmp_path / "ref", prompt, decode)
+    run = _run(model, tmp_path / "run", prompt[:, 1:], decode, fed="embeds")
+    code, lines, _ = compare_json(capsys, ref, run)
+    note = _readings(lines)
+    assert "padded" not in note and "if they did, RUN's call of 7 tokens is the part of it a prefix cache" in note, note
+
+
+def test_a_chunked_prompt_without_fed_tokens_or_logits_is_one_reading(tmp_path, capsys, model):
+    """Neither fed tokens nor logits: the chunked check has nothing to go by, so the first chunk is
+    also read as the first of several forwards, with how to let the comparator tell."""
+    prompt, decode = _tokens(20)
+    ref = _run(model, tmp_path / "ref", prompt, decode)
+    run = run_in_chunks(model, tmp_path / "run", prompt, decode, (12, 8), exclude=("input_token", "logits"))
+    _, lines, _ = compare_json(capsys, ref, run)
+    note = _readings(lines)
+    assert ("either RUN's call of 12 tokens is the first of several forwards of it (chunked prefill, or a shorter "
+            "request before it outside profiling()): record the logits on both sides so that the comparator can "
+            "tell, or RUN's call of 12 tokens is the part of it a prefix cache left to run") in note, note
