@@ -113,7 +113,7 @@ def _shift(more: Dump, fewer: Dump) -> tuple[int, str] | None:
     fed = [fed_token(more, spec.step_key(FED_TAG, n)) for n in range(min(step_count(more, FED_TAG), _MAX_SHIFT + 1))]
     if first is None or not fed or None in fed:  # no fed tokens: the logits alone
         errors = _logits_errors(more, fewer)
-        if len(errors) < 2 or not np.isfinite(errors[0]):
+        if _undecided(errors):
             return None
         k = 1 + int(np.argmin(errors[1:]))
         return (k, f"its logits_{k} matches the other side's logits_0") if errors[k] * 10 < errors[0] else None
@@ -135,6 +135,17 @@ def _shift(more: Dump, fewer: Dump) -> tuple[int, str] | None:
             for n in candidates}
     k = max(candidates, key=lambda n: (runs[n], -n))
     return None if k == 0 else (k, f"its fed tokens from step {k} are the other side's from step 0")
+
+
+def logits_cannot_tell(more: Dump, fewer: Dump) -> bool:
+    """Whether the logits cannot tell a chunked `more` (its call the shorter) from an aligned one:
+    `fewer`'s logits_0, or `more`'s logits_0 and a later step, are missing (`_shift` without fed
+    tokens gives up then)."""
+    return _undecided(_logits_errors(more, fewer))
+
+
+def _undecided(errors: list[float]) -> bool:
+    return len(errors) < 2 or not np.isfinite(errors[0])
 
 
 def _logits_errors(more: Dump, fewer: Dump) -> list[float]:

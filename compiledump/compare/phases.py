@@ -80,8 +80,8 @@ def fix_hint(prompt: int | None, prompts: tuple[int | None, int | None] = (None,
     setting makes comparable; else the token gate kept another call on one side."""
     ref, run = prompts
     if ref and run and ref != run:
-        return (f"compare runs of the same prompt, each prefilled whole in one unpadded forward (REF's has "
-                f"{tokens_text(ref)}, RUN's {tokens_text(run)})")
+        return (f"compare runs of the same prompt, each prefilled whole in one unpadded forward (REF's prompt call "
+                f"has {tokens_text(ref)}, RUN's {tokens_text(run)})")
     value = f"{prompt} (the prompt length)" if prompt else "<prompt length>"
     return f"set COMPILEDUMP_TOKENS={value} or leave COMPILEDUMP_TOKENS at its default auto (not 0) on both sides"
 

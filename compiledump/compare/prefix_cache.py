@@ -24,8 +24,9 @@ side has no fed tokens and its call is the CUDA-graph size an engine pads the sh
 by default, a padded prefill (vLLM runs a batch of up to its largest capture size, prefill
 included, padded at the end to the next capture size; SGLang's piecewise CUDA graphs pad a prefill
 to its next token bucket: the token gate learns the padded length and a record's last row is a
-padding row). vLLM's prefix cache holds whole blocks (16 tokens by default, a multiple of 16 on
-every backend), so it is named only where the cached count is a multiple of 16.
+padding row; with each engine's default limits, which can differ between versions). vLLM's
+prefix cache holds whole blocks (16 tokens by default), so it is named only where the cached
+count is a multiple of 16.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from bisect import bisect_left
 from ..format import spec
 from ..format.reader import Dump
 from .inputs import FED_TAG, fed_token
+from .overwrites import logits_cannot_tell
 from .phases import exclude_patterns, shorter_prompt, tokens_text
 
 TURN_OFF = "vLLM --no-enable-prefix-caching, SGLang --disable-radix-cache"
@@ -60,8 +62,9 @@ def prefix_cache_note(ref: Dump, run: Dump) -> str | None:
     dumps = {"REF": ref, "RUN": run}
     fed = {side: fed_token(dump, key) if key in dump.members else None for side, dump in dumps.items()}
     if None in fed.values():
-        missing = {side: _why_missing(side, dumps[side], key) for side, token in fed.items() if token is None}
-        return _unrecorded_note(shorter, whole, tail, missing, dumps[shorter])
+        missing = {side: _why_missing(dumps[side], key) for side, token in fed.items() if token is None}
+        longer = "REF" if shorter == "RUN" else "RUN"
+        return _unrecorded_note(shorter, whole, tail, missing, logits_cannot_tell(dumps[shorter], dumps[longer]))
     if fed["REF"] != fed["RUN"]:
         return None
     other = "REF" if shorter == "RUN" else "RUN"
@@ -72,19 +75,24 @@ def prefix_cache_note(ref: Dump, run: Dump) -> str | None:
             f"({TURN_OFF})")
 
 
-def _why_missing(side: str, dump: Dump, key: str) -> str:
-    """Why `side` holds no readable fed token at step 0."""
+def _why_missing(dump: Dump, key: str) -> str:
+    """Why a side holds no readable fed token at step 0: a phrase with `{who}` (the sides, "REF and
+    RUN") and `{whose}` ("REF's and RUN's") to fill in, the same for sides with the same reason."""
     patterns = exclude_patterns(dump.manifest)
     if (pattern := spec.excluded_by(FED_TAG, patterns)) is not None:
-        return f"{side}'s instrument(exclude=...) left it out ({pattern!r})"
+        return f"{{whose}} instrument(exclude=...) left it out ({pattern!r})"
+    if key in dump.excluded:
+        return "not comparable on {who} (see problems)"
     if key in dump.members or key in dump.bad_members:
-        return f"{side}'s is unreadable"
-    return f"{side} recorded none: `instrument` records it of [batch, seq] ids, not of an engine's flat ids"
+        return "unreadable on {who}"
+    return ("{who} recorded none (`instrument` records it only of [batch, seq] input ids, not of an engine's flat "
+            "ids or of embeddings)")
 
 
-def _unrecorded_note(shorter: str, whole: int, tail: int, missing: dict[str, str], short_dump: Dump) -> str:
-    """The note where a side recorded no fed token at step 0 (`missing`: side -> why): the
-    readings of the same prompt (module docstring)."""
+def _unrecorded_note(shorter: str, whole: int, tail: int, missing: dict[str, str], chunk_unknown: bool) -> str:
+    """The note where a side recorded no fed token at step 0 (`missing`: side -> why), where the
+    logits cannot tell a chunk or can (`chunk_unknown`): the readings of the same prompt (module
+    docstring)."""
     longer = "REF" if shorter == "RUN" else "RUN"
     readings = []
     engines = [name for name, sizes in PADDED_SIZES.items() if _next_size(sizes, tail) == whole]
@@ -93,17 +101,26 @@ def _unrecorded_note(shorter: str, whole: int, tail: int, missing: dict[str, str
         readings.append(f"{longer}'s call of {tokens_text(whole)} is its prefill padded to a CUDA-graph size "
                         f"({' and '.join(engines)} {pad} a prefill of {tail} tokens to {whole} by default: rerun both "
                         f"sides with a prompt of {whole} tokens, and COMPILEDUMP_TOKENS={whole} where it is set)")
-    if spec.step_key("logits", 0) not in short_dump.members:  # the chunked check had no logits to go by
-        readings.append(f"{shorter}'s call of {tokens_text(tail)} is the first of several forwards of it (chunked "
-                        f"prefill, or a shorter request before it outside profiling()): record the logits on both "
+    if chunk_unknown:  # the chunked check (overwrites.py) had no logits to go by
+        readings.append(f"{shorter}'s call of {tokens_text(tail)} is the first of several forwards (the prompt in "
+                        f"chunks, or a shorter request run before it outside profiling()): record the logits on both "
                         "sides so that the comparator can tell")
     readings.append(f"{shorter}'s call of {tokens_text(tail)} is the part of it a prefix cache left to run "
                     f"({_first_positions(whole - tail)} served from {_caches(whole - tail)}): run {shorter} with the "
                     f"cache off, {TURN_OFF}")
     lengths = f"REF's {whole if shorter == 'RUN' else tail} tokens, RUN's {tail if shorter == 'RUN' else whole}"
     return (f"the prompt calls differ in length ({lengths}) and no fed tokens tell whether the two sides ran the "
-            f"same prompt ({FED_TAG}_0: {'; '.join(missing.values())}); if they did, "
+            f"same prompt ({FED_TAG}_0: {_reasons(missing)}); if they did, "
             + ("either " if len(readings) > 1 else "") + ", or ".join(readings))
+
+
+def _reasons(missing: dict[str, str]) -> str:
+    """`_why_missing`'s phrases filled in, one per reason (sides sharing one named together)."""
+    groups: dict[str, list[str]] = {}
+    for side, why in missing.items():
+        groups.setdefault(why, []).append(side)
+    return "; ".join(why.format(who=" and ".join(sides), whose=" and ".join(f"{s}'s" for s in sides))
+                     for why, sides in groups.items())
 
 
 def _next_size(sizes: list[int], tokens: int) -> int | None:
@@ -120,7 +137,7 @@ def _caches(cached: int) -> str:
     """The prefix caches that can have served `cached` positions."""
     if cached % VLLM_BLOCK == 0:
         return "vLLM's automatic prefix caching or SGLang's radix cache"
-    return f"SGLang's radix cache; vLLM's caches whole blocks of {VLLM_BLOCK} tokens"
+    return f"SGLang's radix cache; vLLM's caches whole blocks, of {VLLM_BLOCK} tokens by default"
 
 
 __all__ = ["prefix_cache_note"]

@@ -165,5 +165,5 @@ def test_another_prompt_is_not_taken_for_chunks(tmp_path, capsys, model):
         code, lines, _ = compare_json(capsys, ref, run)
         assert code in (1, 3), lines
         assert not any("chunked prefill" in line for line in lines), lines
-        assert any("fix: compare runs of the same prompt, each prefilled whole in one unpadded forward (REF's has "
-                   "7 tokens, RUN's 4 tokens)" in line for line in lines), lines
+        assert any("fix: compare runs of the same prompt, each prefilled whole in one unpadded forward (REF's prompt "
+                   "call has 7 tokens, RUN's 4 tokens)" in line for line in lines), lines

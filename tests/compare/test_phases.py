@@ -159,7 +159,7 @@ def test_prompts_of_different_lengths_are_named_not_the_token_gate(tmp_path, cap
     (line,) = [line for line in out if line.startswith("not comparable:")]
     assert "REF prefill of 3 tokens vs RUN prefill of 4 tokens" in line, line
     assert line.endswith("fix: compare runs of the same prompt, each prefilled whole in one unpadded forward (REF's "
-                         "has 3 tokens, RUN's 4 tokens)"), line
+                         "prompt call has 3 tokens, RUN's 4 tokens)"), line
     assert "COMPILEDUMP_TOKENS" not in line
 
 

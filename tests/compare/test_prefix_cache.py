@@ -95,7 +95,7 @@ def test_a_prompt_served_partly_from_a_prefix_cache_is_noted_with_how_to_compare
     positions = "its first position" if cached == 1 else f"its first {cached} positions"
     # vLLM's prefix cache holds whole blocks of 16 tokens: only SGLang's radix cache serves 7, 1 or 15
     caches = "vLLM's automatic prefix caching or SGLang's radix cache" if cached == 16 else \
-        "SGLang's radix cache; vLLM's caches whole blocks of 16 tokens"
+        "SGLang's radix cache; vLLM's caches whole blocks, of 16 tokens by default"
     assert _note(lines, "RUN") == (
         f"note: RUN: its prompt keys hold a call of {tokens} that ends on the token REF's prompt of {length} ends on "
         f"(both fed token {int(prompt[0, -1])} at step 0): either another prompt, or the same one with {positions} "
@@ -196,7 +196,8 @@ CACHE_OFF = "vLLM --no-enable-prefix-caching, SGLang --disable-radix-cache"
 
 
 WHY = {"excluded": "{side}'s instrument(exclude=...) left it out ('input_token')",
-       "embeds": "{side} recorded none: `instrument` records it of [batch, seq] ids, not of an engine's flat ids"}
+       "embeds": "{side} recorded none (`instrument` records it only of [batch, seq] input ids, not of an engine's "
+                 "flat ids or of embeddings)"}
 
 
 @pytest.mark.parametrize("fed", ["excluded", "embeds"])
@@ -274,7 +275,7 @@ def test_a_prefill_padded_to_a_cuda_graph_size_is_one_reading(tmp_path, capsys, 
     cached = rows - length
     positions = "its first position" if cached == 1 else f"its first {cached} positions"
     caches = "vLLM's automatic prefix caching or SGLang's radix cache" if cached % 16 == 0 else \
-        "SGLang's radix cache; vLLM's caches whole blocks of 16 tokens"
+        "SGLang's radix cache; vLLM's caches whole blocks, of 16 tokens by default"
     assert note.endswith(f"{other}'s call of {length} tokens is the part of it a prefix cache left to run ({positions} "
                          f"served from {caches}): run {other} with the cache off, {CACHE_OFF}"), note
     assert f"(input_token_0: {padded_side}'s instrument(exclude=...) left it out ('input_token'))" in note
@@ -295,14 +296,25 @@ def test_the_padded_reading_is_not_given_to_a_side_with_fed_tokens(tmp_path, cap
     assert "padded" not in note and "if they did, RUN's call of 7 tokens is the part of it a prefix cache" in note, note
 
 
-def test_a_chunked_prompt_without_fed_tokens_or_logits_is_one_reading(tmp_path, capsys, model):
-    """Neither fed tokens nor logits: the chunked check has nothing to go by, so the first chunk is
-    also read as the first of several forwards, with how to let the comparator tell."""
+@pytest.mark.parametrize("without_logits", ["chunked", "whole", "neither"])
+def test_a_chunked_prompt_the_logits_cannot_tell_is_one_reading(tmp_path, capsys, model, without_logits):
+    """No fed tokens on either side, and no logits on the chunked side or on the whole one: the
+    chunked check has nothing to go by, so the first chunk is also read as the first of several
+    forwards, with how to let the comparator tell; with the logits on both sides it is told as a
+    chunked prompt and no note is given."""
     prompt, decode = _tokens(20)
-    ref = _run(model, tmp_path / "ref", prompt, decode)
-    run = run_in_chunks(model, tmp_path / "run", prompt, decode, (12, 8), exclude=("input_token", "logits"))
+    exclude = {side: ("input_token", "logits") if without_logits == side else ("input_token",)
+               for side in ("chunked", "whole")}
+    ref = run_in_chunks(model, tmp_path / "ref", prompt, decode, (20,), exclude=exclude["whole"])
+    run = run_in_chunks(model, tmp_path / "run", prompt, decode, (12, 8), exclude=exclude["chunked"])
     _, lines, _ = compare_json(capsys, ref, run)
+    if without_logits == "neither":
+        assert any("it ran the prompt in 2 forwards (chunked prefill)" in line for line in lines), lines
+        assert not any(line.startswith("note: the prompt calls differ") for line in lines), lines
+        return
     note = _readings(lines)
-    assert ("either RUN's call of 12 tokens is the first of several forwards of it (chunked prefill, or a shorter "
-            "request before it outside profiling()): record the logits on both sides so that the comparator can "
+    assert "(input_token_0: REF and RUN's instrument(exclude=...)" not in note
+    assert "(input_token_0: REF's and RUN's instrument(exclude=...) left it out ('input_token'))" in note, note
+    assert ("either RUN's call of 12 tokens is the first of several forwards (the prompt in chunks, or a shorter "
+            "request run before it outside profiling()): record the logits on both sides so that the comparator can "
             "tell, or RUN's call of 12 tokens is the part of it a prefix cache left to run") in note, note
