@@ -12,6 +12,7 @@ from pathlib import Path
 from ..format import spec
 from ..format.keys import chosen, order_key_infos
 from ..format.reader import Dump, DumpError, rank_sort_key
+from .flat_steps import flat_step_zero
 from .flips import excuse_flips
 from .inputs import after_fed_difference, first_fed_difference, step_zero_in_prompt
 from .measure import KeyMeasurer, float_class, logits_tags
@@ -118,6 +119,8 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     if not chunked:  # prompt calls of different lengths that end alike: another prompt, or a prefix cache's tail
         notes.extend(note for note in (prefix_cache_note(ref, run),) if note)
     fed = None if shifted else first_fed_difference(ref, run, ordered)
+    flat_zero, note = flat_step_zero(ref, run)  # a flat engine's step-0 routing is a prompt row (flat_steps.py)
+    notes.extend([note] if note else [])
     # Every routing decision recorded on both sides: until some ids differ, no route has flipped.
     no_flip = routing_recorded(ref, run)
     captured = {"REF": not_captured(ref), "RUN": not_captured(run)}
@@ -125,7 +128,7 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     one_sided = OneSidedKeys(ref, run, captured, bool(shifted))
     for info in ordered:
         key = info.key
-        if spec.prompt_stream_step(key):  # the prompt's `layer<N>` holds it (format/spec.py)
+        if spec.prompt_stream_step(key) or key in flat_zero:  # the prompt's `layer<N>` holds it (format/spec.py)
             continue
         if (key not in run.members or key not in ref.members) and _held(ref, key) and _held(run, key):
             # Both sides hold it, one of them unusably (shards that cannot be merged, an
