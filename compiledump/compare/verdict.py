@@ -119,8 +119,8 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     if not chunked:  # prompt calls of different lengths that end alike: another prompt, or a prefix cache's tail
         notes.extend(note for note in (prefix_cache_note(ref, run),) if note)
     fed = None if shifted else first_fed_difference(ref, run, ordered)
-    flat_zero, note = flat_step_zero(ref, run)  # a flat engine's step-0 routing is a prompt row (flat_steps.py)
-    notes.extend([note] if note else [])
+    flat_zero, flat_notes = flat_step_zero(ref, run, renamed)  # a flat engine's step-0 routing: a prompt row
+    notes.extend(flat_notes)
     # Every routing decision recorded on both sides: until some ids differ, no route has flipped.
     no_flip = routing_recorded(ref, run)
     captured = {"REF": not_captured(ref), "RUN": not_captured(run)}
