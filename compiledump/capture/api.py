@@ -69,7 +69,7 @@ def configure(**settings) -> _config.Config:
             rt.set_register(L.REG_MAX_ROWS, new.max_rows)
     STATE.config = new
     STATE.plans.clear()
-    _register_atexit()
+    register_exit_flush()
     return new
 
 
@@ -164,7 +164,7 @@ def clear() -> None:
             rt.clear()
 
 
-def _register_atexit() -> None:
+def register_exit_flush() -> None:
     """Once capture is active: flush at interpreter exit, and on SIGTERM/SIGINT (signals.py)."""
     if STATE.config.active and not STATE.atexit_registered:
         atexit.register(flush_at_exit)
@@ -319,4 +319,4 @@ def _wants_moe(tag: str, moe_layers: int) -> bool:
 
 
 if STATE.config.active:
-    _register_atexit()
+    register_exit_flush()

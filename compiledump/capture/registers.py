@@ -11,10 +11,10 @@ import torch
 
 from ..ops import layout as L
 from ..ops import schemas
+from . import api
 from .state import STATE
 
 __all__ = ["enabled", "profiling", "set_gather_rows", "set_rows"]
-
 
 
 def enabled() -> bool:
@@ -94,3 +94,9 @@ def set_gather_rows(*, record: int | None = None, step: int | None = None) -> No
         _write_register(L.REG_RECORD_ROW, record)
     if step is not None:
         _write_register(L.REG_STEP_ROW, step)
+
+
+# With a dump directory set, the flush at exit (with its note when nothing was captured) and the
+# signal handlers are registered when the capture API is first used: a runner that only ever calls
+# these registers gets them too.
+api.register_exit_flush()

@@ -1,5 +1,6 @@
 """`instrument()`'s options and misuse, `record()`'s reading of a 3-D tensor, and the note at exit when none ran."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -180,3 +181,15 @@ def test_no_silence_note_after_a_dump_was_written(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert Path(out.stdout.strip()).exists()
     assert "nothing was captured" not in out.stderr, out.stderr[-2000:]
+
+
+def test_silence_is_reported_when_only_the_registers_were_called(tmp_path):
+    """An engine runner that only suspends captures and sets rows (its records never ran, or run in
+    another process), with COMPILEDUMP_DIR set: the exit note still comes, as after any other call
+    (importing the capture calls registers the flush at exit)."""
+    code = "import compiledump\nwith compiledump.profiling():\n    pass\ncompiledump.set_rows(1)\n"
+    env = {**os.environ, "COMPILEDUMP_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "nothing was captured" in out.stderr, out.stderr[-2000:]
