@@ -49,7 +49,8 @@ def configure(**settings) -> _config.Config:
 
     `configure(dir="dumps")` enables capture from Python instead of `COMPILEDUMP_DIR`. Capacity
     settings (`max_steps`, `arena_mb`, `max_tags`) size the device allocations, and `persist`
-    decides where they live: none of them can change once the arena exists. Compiled functions that captured under the old settings recompile.
+    decides where they live: none of them can change once the arena exists. Compiled functions
+    that captured under the old settings recompile.
     """
     unknown = set(settings) - {f.name for f in dataclasses.fields(_config.Config)}
     if unknown:

@@ -26,6 +26,8 @@ import numpy as np
 
 from ..format import spec
 from ..format.reader import Dump, preview
+from .one_sided import other_side
+from .overwrites import whole_array
 
 ROUTER, IDS = "_step_router", "_step_topk"
 
@@ -42,7 +44,7 @@ def flat_step_zero(ref: Dump, run: Dump, renamed: dict[str, str]) -> tuple[set[s
             continue
         rows = {"REF": _rows(ref, key), "RUN": _rows(run, renamed.get(key, key))}
         flat = [side for side, count in rows.items() if count is not None and count > 1]
-        if len(flat) != 1 or rows["REF" if flat[0] == "RUN" else "RUN"] != 0:
+        if len(flat) != 1 or rows[other_side(flat[0])] != 0:
             continue
         side = flat[0]
         dump = ref if side == "REF" else run
@@ -50,10 +52,10 @@ def flat_step_zero(ref: Dump, run: Dump, renamed: dict[str, str]) -> tuple[set[s
         row = _prompt_row(dump, key, prefix + "_router")
         if row != "last":
             skipped[side][prefix] = row
-    keys = {spec.step_key(prefix + suffix, 0) for rows in skipped.values() for prefix in rows
-            for suffix in (ROUTER, IDS)} & common
-    notes = [_note(side, prefixes, ref, run) for side, prefixes in skipped.items() if prefixes]
-    return keys, notes
+    keys = {side: {spec.step_key(prefix + suffix, 0) for prefix in prefixes for suffix in (ROUTER, IDS)} & common
+            for side, prefixes in skipped.items()}
+    notes = [_note(side, prefixes, sorted(keys[side]), common) for side, prefixes in skipped.items() if prefixes]
+    return keys["REF"] | keys["RUN"], notes
 
 
 def _rows(dump: Dump, key: str) -> int | None:
@@ -72,12 +74,8 @@ def _prompt_row(dump: Dump, step_key: str, router_key: str) -> int | str | None:
     "last", another row's index, or None where it cannot be told."""
     if router_key not in dump.members:
         return None
-    try:
-        step = np.asarray(dump.replicas(step_key)[0].whole())
-        prompt = np.asarray(dump.replicas(router_key)[0].whole())
-    except (OSError, ValueError, KeyError):
-        return None
-    if prompt.ndim != 2 or step.shape != prompt.shape[1:]:
+    step, prompt = whole_array(dump, step_key), whole_array(dump, router_key)
+    if step is None or prompt is None or prompt.ndim != 2 or step.shape != prompt.shape[1:]:
         return None
     matches = np.flatnonzero((prompt == step).all(axis=1))
     if not matches.size:
@@ -85,21 +83,19 @@ def _prompt_row(dump: Dump, step_key: str, router_key: str) -> int | str | None:
     return "last" if matches[-1] == prompt.shape[0] - 1 else int(matches[0])
 
 
-def _note(side: str, prefixes: dict[str, int | None], ref: Dump, run: Dump) -> str:
-    other = "REF" if side == "RUN" else "RUN"
-    keys = sorted(spec.step_key(prefix + suffix, 0) for prefix in prefixes for suffix in (ROUTER, IDS)
-                  if spec.step_key(prefix + suffix, 0) in ref.members.keys() & run.members.keys())
+def _note(side: str, prefixes: dict[str, int | None], keys: list[str], common: set[str]) -> str:
+    """`side`'s note: its left-out `keys`, the prompt row they hold (`prefixes`: layer prefix ->
+    row, None where unknown), and the prompt keys both sides hold (`common`)."""
     found = sorted({row for row in prefixes.values() if row is not None})
     known = len(found) == 1 and None not in prefixes.values()
     row = (f"row {found[0]} of the prompt, which its prompt keys show" if known
            else "the row set_gather_rows(step=...) names, row 0 by default (the prompt's first token)")
-    compared = sorted(key for prefix in prefixes for key in (prefix + "_router", prefix + "_topk")
-                      if key in ref.members and key in run.members)
+    compared = sorted(key for prefix in prefixes for key in (prefix + "_router", prefix + "_topk") if key in common)
     instead = (f"the prefill's routing is compared in the prompt keys ({preview(compared, 4)})" if compared
                else "no prompt key of those layers' routing is held by both sides to compare it instead")
     return (f"step 0 of {side}'s routing steps is not compared ({preview(keys, 4)}): its routers ran on flat "
-            f"[tokens, ...] rows, so its step 0 (the prefill) holds {row}, where {other}'s holds the prompt's "
-            f"last position; {instead}")
+            f"[tokens, ...] rows, so its step 0 (the prefill) holds {row}, where {other_side(side)}'s holds the "
+            f"prompt's last position; {instead}")
 
 
 __all__ = ["flat_step_zero"]

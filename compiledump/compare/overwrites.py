@@ -151,13 +151,13 @@ def _undecided(errors: list[float]) -> bool:
 def _logits_errors(more: Dump, fewer: Dump) -> list[float]:
     """For each step n of `more` up to _MAX_SHIFT, how far its logits_n is from `fewer`'s logits_0
     (relative L2; inf where it is missing or of another shape); [] without `fewer`'s logits_0."""
-    target = _array(fewer, spec.step_key("logits", 0))
+    target = whole_array(fewer, spec.step_key("logits", 0))
     if target is None:
         return []
     scale = float(np.linalg.norm(target)) or 1.0
     errors = []
     for n in range(min(step_count(more, "logits"), _MAX_SHIFT + 1)):
-        x = _array(more, spec.step_key("logits", n))
+        x = whole_array(more, spec.step_key("logits", n))
         errors.append(float(np.linalg.norm(x - target)) / scale if x is not None and x.shape == target.shape
                       else np.inf)
     return errors
@@ -188,7 +188,8 @@ def step_count(dump: Dump, tag: str) -> int:
     return n
 
 
-def _array(dump: Dump, key: str) -> np.ndarray | None:
+def whole_array(dump: Dump, key: str) -> np.ndarray | None:
+    """`key`'s first whole copy on `dump`, as float64; None where it cannot be read."""
     try:
         return np.asarray(dump.replicas(key)[0].whole(), dtype=np.float64)
     except (OSError, ValueError, KeyError):

@@ -36,6 +36,7 @@ from bisect import bisect_left
 from ..format import spec
 from ..format.reader import Dump
 from .inputs import FED_TAG, fed_token
+from .one_sided import other_side
 from .overwrites import logits_cannot_tell
 from .phases import exclude_patterns, shorter_prompt, tokens_text
 
@@ -63,12 +64,12 @@ def prefix_cache_note(ref: Dump, run: Dump) -> str | None:
     fed = {side: fed_token(dump, key) if key in dump.members else None for side, dump in dumps.items()}
     if None in fed.values():
         missing = {side: _why_missing(dumps[side], key) for side, token in fed.items() if token is None}
-        longer = "REF" if shorter == "RUN" else "RUN"
-        return _unrecorded_note(shorter, whole, tail, missing, logits_cannot_tell(dumps[shorter], dumps[longer]))
+        chunk_unknown = logits_cannot_tell(dumps[shorter], dumps[other_side(shorter)])
+        return _unrecorded_note(shorter, whole, tail, missing, chunk_unknown)
     if fed["REF"] != fed["RUN"]:
         return None
-    other = "REF" if shorter == "RUN" else "RUN"
-    return (f"{shorter}: its prompt keys hold a call of {tokens_text(tail)} that ends on the token {other}'s prompt "
+    return (f"{shorter}: its prompt keys hold a call of {tokens_text(tail)} that ends on the token "
+            f"{other_side(shorter)}'s prompt "
             f"of {whole} ends on (both fed token {fed['REF']} at step 0): either another prompt, or the same one with "
             f"{_first_positions(whole - tail)} served from a prefix cache after a warm-up or an earlier request with "
             f"the same prompt ({_caches(whole - tail)}); to compare its prompt keys, run {shorter} with the cache off "
@@ -93,7 +94,7 @@ def _unrecorded_note(shorter: str, whole: int, tail: int, missing: dict[str, str
     """The note where a side recorded no fed token at step 0 (`missing`: side -> why), where the
     logits cannot tell a chunk or can (`chunk_unknown`): the readings of the same prompt (module
     docstring)."""
-    longer = "REF" if shorter == "RUN" else "RUN"
+    longer = other_side(shorter)
     readings = []
     engines = [name for name, sizes in PADDED_SIZES.items() if _next_size(sizes, tail) == whole]
     if longer in missing and engines:

@@ -8,8 +8,8 @@ from ..format.reader import Dump, Replica
 
 class DumpView(Dump):
     """`inner` as it is: its key containers copied (shallowly, so a view can add or drop keys
-    without touching `inner`), its manifest and ranks shared, replicas and routers asked of `inner`. Subclasses change what they
-    see differently after ``super().__init__(inner)``."""
+    without touching `inner`), its manifest and ranks shared, replicas and routers asked of
+    `inner`. Subclasses change what they see differently after ``super().__init__(inner)``."""
 
     def __init__(self, inner: Dump) -> None:
         self.inner = inner
