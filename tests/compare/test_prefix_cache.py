@@ -12,8 +12,6 @@ Face model built from config (random weights, eager), teacher-forced decode step
 from __future__ import annotations
 
 import copy
-import dataclasses
-import warnings
 
 import pytest
 import torch
@@ -21,9 +19,9 @@ import torch.nn.functional as F
 from transformers import DynamicCache, StaticCache
 
 import compiledump
-from compiledump import config as cd_config
 from helpers.chunked_runs import run_in_chunks
 from helpers.cli import compare_json
+from helpers.hf_dump import dump_run
 from helpers.hf_example import ex
 
 STEPS = 3
@@ -40,10 +38,7 @@ def _run(model, directory, prompt, decode, cached=0, dtype=torch.float32, others
     of a padded batch (a StaticCache, as an engine has). No input_token keys with `fed="excluded"`
     (instrument's exclude) or `fed="embeds"` (the model called with its embeddings, which
     instrument records no fed token of, as it records none of an engine's flat ids)."""
-    compiledump.reset()
-    compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory))))
     model = copy.deepcopy(model).to(dtype)
-    handle = compiledump.instrument(model, exclude=("input_token",) if fed == "excluded" else ())
     length = prompt.shape[1]
     if others is None:
         cache, rows = DynamicCache(config=model.config), lambda ids, start, end: ids
@@ -59,17 +54,15 @@ def _run(model, directory, prompt, decode, cached=0, dtype=torch.float32, others
             else {"input_ids": ids}  # (F.embedding: the embedding module's hook does not fire)
         model(**given, **ex.cache_kwargs(model, cache), **extra)
 
-    with torch.no_grad():
+    def run():
         if cached:
             with compiledump.profiling():
                 forward(prompt[:, :cached], 0)
         forward(prompt[:, cached:], cached)
         for n, token in enumerate(decode):
             forward(token.view(1, 1), length + n)
-    handle.remove()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return compiledump.flush()
+
+    return dump_run(model, directory, run, exclude=("input_token",) if fed == "excluded" else ())
 
 
 def _tokens(length: int, seed: int = 4):
@@ -229,12 +222,10 @@ def _padded_prefill(model, directory, prompt, decode, rows) -> str:
     cache inside profiling()), flat-id style (no fed tokens), its logits read at the real last
     token (vLLM's logits indices) and recorded by hand; no step routing (vLLM's gates return their
     logits alone; its flat rows would give the prefill's first token, not its last)."""
-    compiledump.reset()
-    compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory))))
-    handle = compiledump.instrument(model, exclude=("input_token", "logits"), step_routing=False)
     cache = DynamicCache(config=model.config)
     padded = torch.cat([prompt, torch.zeros((1, rows - prompt.shape[1]), dtype=prompt.dtype)], dim=1)
-    with torch.no_grad():
+
+    def run():
         with compiledump.profiling():
             model(input_ids=prompt, **ex.cache_kwargs(model, cache))
         out = model(input_ids=padded, use_cache=False)
@@ -242,10 +233,8 @@ def _padded_prefill(model, directory, prompt, decode, rows) -> str:
         for token in decode:
             out = model(input_ids=token.view(1, 1), **ex.cache_kwargs(model, cache))
             compiledump.record_step("logits", out.logits[0, -1])
-    handle.remove()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return compiledump.flush()
+
+    return dump_run(model, directory, run, exclude=("input_token", "logits"), step_routing=False)
 
 
 @pytest.mark.parametrize("length, rows, engines", [

@@ -5,14 +5,9 @@ test_prefix_cache.py (a chunked pair must not read as a prefix cache's tail)."""
 
 from __future__ import annotations
 
-import dataclasses
-import warnings
-
-import torch
 from transformers import DynamicCache
 
-import compiledump
-from compiledump import config as cd_config
+from helpers.hf_dump import dump_run
 from helpers.hf_example import ex
 
 
@@ -20,10 +15,7 @@ def run_in_chunks(model, directory, prompt, decode, chunks, before=None, exclude
     """`before` (a shorter request run first, outside profiling()), then `prompt` in forwards of
     `chunks` tokens, then a forward per `decode` token; `exclude` as `instrument` takes it. Returns
     the dump's path."""
-    compiledump.reset()
-    compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory))))
-    handle = compiledump.instrument(model, exclude=exclude)
-    with torch.no_grad():
+    def run():
         if before is not None:
             model(input_ids=before, use_cache=False)
         cache = DynamicCache(config=model.config)
@@ -33,7 +25,5 @@ def run_in_chunks(model, directory, prompt, decode, chunks, before=None, exclude
             start += size
         for token in decode:
             model(input_ids=token.view(1, 1), **ex.cache_kwargs(model, cache))
-    handle.remove()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # the token gate's drops are deliberate
-        return compiledump.flush()
+
+    return dump_run(model, directory, run, exclude=exclude)

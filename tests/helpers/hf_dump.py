@@ -1,5 +1,6 @@
-"""One prefill of a Hugging Face model dumped with `compiledump.instrument`, as the tests that
-compare real models against their float32 reference need it (nothing else is configured)."""
+"""Hugging Face models dumped with `compiledump.instrument`, as the tests that compare real models
+against their float32 reference need them: one prefill (`dump_prefill`), or any run (`dump_run`);
+nothing else is configured."""
 
 from __future__ import annotations
 
@@ -40,6 +41,20 @@ def router_output(model: torch.nn.Module, layer: int, ids: torch.Tensor):
         model(input_ids=ids)
     hook.remove()
     return got[0]
+
+
+def dump_run(model: torch.nn.Module, directory: Path, run, **options) -> str:
+    """`run()` with `model` instrumented (`options` as `instrument` takes them), every setting at its
+    default and the dump in `directory`; the dump's path."""
+    compiledump.reset()
+    compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory))))
+    handle = compiledump.instrument(model, **options)
+    with torch.no_grad():
+        run()
+    handle.remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the token gate's drops are deliberate
+        return compiledump.flush()
 
 
 def dump_prefill(model: torch.nn.Module, directory: Path, ids: torch.Tensor, rows: str = "one",
