@@ -53,7 +53,7 @@ class OneSidedKeys:
         dump = self.dumps[lacking]
         if info.key in dump.bad_members or info.key in dump.excluded:
             return None
-        reason = ("excluded" if spec.excluded_by(info.tag, self.exclude_patterns[lacking])
+        reason = ("excluded" if dump.left_out_by(info.tag, self.exclude_patterns[lacking])
                   else "filtered" if info.tag in self.filtered[lacking]
                   else "layer_steps" if self._past_layer_steps(info, dump.manifest, self.layer_steps[lacking])
                   else "shifted" if self.shifted and self._past_last_step(info, dump)

@@ -80,7 +80,7 @@ def _why_missing(dump: Dump, key: str) -> str:
     """Why a side holds no readable fed token at step 0: a phrase with `{who}` (the sides, "REF and
     RUN") and `{whose}` ("REF's and RUN's") to fill in, the same for sides with the same reason."""
     patterns = exclude_patterns(dump.manifest)
-    if (pattern := spec.excluded_by(FED_TAG, patterns)) is not None:
+    if (pattern := dump.left_out_by(FED_TAG, patterns)) is not None:
         return f"{{whose}} instrument(exclude=...) left it out ({pattern!r})"
     if key in dump.excluded:
         return "not comparable on {who} (see problems)"

@@ -50,7 +50,9 @@ class RenamedDump(DumpView):
 
     def __init__(self, inner: Dump, maps: list[tuple[str, str]]) -> None:
         super().__init__(inner)
+        self.maps = maps
         self._old: dict[str, str] = {}
+        self._left_out: dict[str, str | None] = {}  # left_out_by's answers, per tag
         self.members: dict[str, Member] = {}
         self.infos: dict[str, KeyInfo] = {}
         for old, info in inner.infos.items():
@@ -85,9 +87,31 @@ class RenamedDump(DumpView):
         """RUN's router declaration, found under the key's old name (its tag's declaration)."""
         return self.inner.router(self._old.get(key, key))
 
+    def left_out_by(self, tag: str, patterns: list[str]) -> str | None:
+        """The first of RUN's `instrument(exclude=...)` patterns that left out a RUN tag the map
+        renames to `tag` (a REF name). The patterns name RUN's tags before the renaming, so such a
+        tag is sought among each pattern's tags (and the tags recorded with them) at the numbers
+        `tag` holds: a map that changes layer numbers is not followed."""
+        if tag not in self._left_out:
+            numbers = set(re.findall(r"\d+", tag))
+            self._left_out[tag] = next((pattern for pattern in patterns for old in _pattern_tags(pattern, numbers)
+                                        if rename(old, self.maps) == tag
+                                        and self.inner.left_out_by(old, [pattern]) is not None), None)
+        return self._left_out[tag]
+
     def renamed(self) -> dict[str, str]:
         """New key -> old key, for the keys whose name changed."""
         return {new: old for new, old in self._old.items() if new != old}
+
+
+def _pattern_tags(pattern: str, numbers: set[str]):
+    """The tags an exclude `pattern` leaves out with `{i}` one of `numbers`: the pattern's own, a
+    layer's step state beside it, and a router's tags beside `<name>_router` (spec.excluded_by)."""
+    for base in {pattern.replace("{i}", number) for number in numbers} if "{i}" in pattern else {pattern}:
+        yield base
+        yield f"{base}_step"
+        if base.endswith("_router"):
+            yield from (base[: -len("_router")] + suffix for suffix in spec.ROUTING_SUFFIXES)
 
 
 __all__ = ["RenamedDump", "rename", "split_map"]

@@ -144,6 +144,11 @@ class Dump:
         info = self.infos.get(key)
         return declared_router((self.manifest or {}).get("routers"), info.tag if info is not None else key)
 
+    def left_out_by(self, tag: str, patterns: list[str]) -> str | None:
+        """The first of ``patterns`` (this side's ``instrument(exclude=...)``) that left ``tag`` out,
+        ``tag`` named as the comparator sees this side (``--map`` renames RUN's); or None."""
+        return spec.excluded_by(tag, patterns)
+
 
 def _read_npy_header(handle) -> tuple[tuple[int, ...], bool, np.dtype]:
     version = np.lib.format.read_magic(handle)

@@ -77,3 +77,24 @@ def test_two_run_keys_mapped_to_one_name_are_a_problem(tmp_path, capsys, capture
     code, _, report = compare_json(capsys, ref_path, run_path, "--map", "_copy$=_moe_out")
     (problem,) = [problem for problem in report["problems"] if problem["kind"] == "map_collision"]
     assert problem["side"] == "RUN" and problem["key"] == "layer2_moe_out"
+
+
+def test_tags_run_left_out_by_its_exclude_patterns_are_read_in_runs_own_names(tmp_path, capsys, captures):
+    """RUN's `instrument(exclude=...)` patterns name RUN's tags before --map renamed them: a REF
+    key whose RUN name a pattern leaves out is excluded (a note), not missing (a problem)."""
+    kept = [c for c in captures if not c.tag.endswith("_moe_out")]
+    assert len(kept) < len(captures)
+    manifest = factory.manifest_for(kept)
+    manifest["exclude"] = ["layer{i}_moe_out"]
+    ref_path, run_path = write_pair(tmp_path, hf_names(captures), kept, run_manifest=manifest)
+    maps = [r"^layer(\d+)_=model.layers.\1.mlp.", r"^layer(\d+)$=model.layers.\1", "^embed$=model.embed_tokens",
+            "^final_norm$=model.norm", "^logits$=lm_head", "^final_hidden$=model.final_hidden"]
+    code, out, report = compare_json(capsys, ref_path, run_path, *[arg for m in maps for arg in ("--map", m)])
+    assert report["problems"] == [] and code == 0
+    assert any("instrument(exclude=('layer{i}_moe_out',))" in line for line in out), out
+    # A pattern that names no RUN tag mapped to the REF key still leaves the key missing.
+    manifest["exclude"] = ["layer{i}_router"]
+    ref_path, run_path = write_pair(tmp_path / "other", hf_names(captures), kept, run_manifest=manifest)
+    code, _, report = compare_json(capsys, ref_path, run_path, *[arg for m in maps for arg in ("--map", m)])
+    missing = {problem["key"] for problem in report["problems"] if problem["kind"] == "missing_in_run"}
+    assert "model.layers.3.mlp.moe_out" in missing
