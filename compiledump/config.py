@@ -35,8 +35,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "tensor: `one` (the last, or the one `set_gather_rows` names) or `all` (every token of the gated "
            "prompt, stored as `[tokens, dim]`); `record(..., rows=...)` overrides it per call", "rows"),
     EnvVar("COMPILEDUMP_MOE_LAYERS", "2", "keep `layer<N>_<x>` tags of `record`, `record_ids` and "
-           "`record_step(..., moe_filtered=True)` only for N below this (a bare `layer<N>` always; `instrument`'s "
-           "`_attn`, `_router`, `_topk`, `_mlp` and step routing)", "moe_layers"),
+           "`record_step(..., moe_filtered=True)` only for N below this (a bare `layer<N>` always; of `instrument`'s "
+           "tags an MoE layer's `_router`, `_topk`, step routing and MoE block `_mlp`, not `_attn` or a dense "
+           "layer's `_mlp`)", "moe_layers"),
     EnvVar("COMPILEDUMP_MAX_ROWS", "1", "`record_step` is skipped (counted as `rows_gate`) while the last "
            "`set_rows` value exceeds this", "max_rows"),
     EnvVar("COMPILEDUMP_MAX_STEPS", "256", "steps kept per `record_step` tag; later ones are counted as "
@@ -109,7 +110,7 @@ class Config:
         length from the first capture outside profiling()), a prompt length, or 0 (off).
     rows: which rows `record` keeps: "one" (the gathered row) or "all" (every prompt token).
     moe_layers: tags `layer<N>_<x>` are kept only for N < moe_layers (record, record_ids, and
-        record_step with moe_filtered; a bare `layer<N>` always).
+        record_step with moe_filtered; a bare `layer<N>` always; instrument's MoE internals only).
     max_rows: `record_step` is skipped while the last `set_rows()` value exceeds it.
     max_steps: steps kept per `record_step` tag.
     layer_steps: steps kept of each layer's step state (`layer<N>_step`, instrument's); 0: none.

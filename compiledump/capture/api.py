@@ -192,13 +192,24 @@ def record(tag: str, tensor: torch.Tensor, once: bool = False, *, rows: str | No
     default auto: the prompt length) skips other token counts (counted); with `once=True` the
     first write wins and the token gate does not apply.
     """
+    _record(tag, tensor, once, rows, layout, moe_filtered=True)
+
+
+def record_unfiltered(tag: str, tensor: torch.Tensor, *, layout: str | None = None) -> None:
+    """`record` outside the MoE layer filter: `instrument`'s taps of a layer's attention and of a
+    dense MLP, kept at every layer (the filter limits MoE layers' internals; on a dense model it
+    left an MLP's bug only the layer's output, diluted by the residual stream, to show)."""
+    _record(tag, tensor, False, None, layout, moe_filtered=False)
+
+
+def _record(tag, tensor, once, rows, layout, moe_filtered: bool) -> None:
     if not STATE.config.active:
         return
     _check_tensor(tensor, "record")
     # COMPILEDUMP_ROWS=all applies to last-write records; an explicit rows="all" with once raises.
     rows = rows or ("one" if once else STATE.config.rows)
     tensor, kind, declared = layouts.record_kind(tag, tensor, once, rows, layout)
-    _capture(tag, tensor, kind, True, declared)
+    _capture(tag, tensor, kind, moe_filtered, declared)
 
 
 def record_step(tag: str, tensor: torch.Tensor, *, moe_filtered: bool = False) -> None:

@@ -45,8 +45,9 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
         split = residual.defers_residual(layer)  # vLLM, SGLang: the stream in two parts (residual.py)
         attn_input = layout.residual_after_attention(layer, block_name)
         if attn_input is not None:
+            # Every layer's, whatever COMPILEDUMP_MOE_LAYERS says: attention is no MoE internal
             handle._add(getattr(layer, attn_input), f"layer{i}_attn", f"{prefix}.{attn_input}", "input",
-                        read=residual.norm_stream if split else None)
+                        read=residual.norm_stream if split else None, moe_filtered=False)
         else:
             no_attn.append(prefix)
         if block_name is not None:
@@ -56,7 +57,10 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
                 router_taps.tap_router(handle, f"layer{i}", f"{prefix}.{block_name}", block, router_name)
             elif layout.routes_tokens(block):
                 unrouted.append((f"{prefix}.{block_name}", block))
-            handle._add(block, f"layer{i}_mlp", f"{prefix}.{block_name}", "output")
+            # A dense MLP's output at every layer; an MoE block's only where its routing is kept
+            # (COMPILEDUMP_MOE_LAYERS): a flip the filter hid would read as the block's divergence.
+            routed = router_name is not None or layout.routes_tokens(block) or layout.holds_experts(layer)
+            handle._add(block, f"layer{i}_mlp", f"{prefix}.{block_name}", "output", moe_filtered=routed)
         if layout.holds_experts(layer) and (router_name := layout.child(layer, layout.ROUTERS)) is not None:
             router_taps.tap_router(handle, f"layer{i}", prefix, layer, router_name)  # Gemma 4: router and experts beside a dense mlp
         handle._add(layer, f"layer{i}", prefix, "output", read=residual.layer_stream if split else None,

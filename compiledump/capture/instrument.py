@@ -97,7 +97,7 @@ class Instrumented:
         `set_gather_rows(step=...)` names)."""
         return rows[-1] if self._shape.batch is not None and rows.dim() == 2 else rows
 
-    def _capture(self, tag: str, value) -> None:
+    def _capture(self, tag: str, value, moe_filtered: bool = True) -> None:
         tensor = value[0] if isinstance(value, (tuple, list)) else value
         if not isinstance(tensor, torch.Tensor):
             return
@@ -106,7 +106,8 @@ class Instrumented:
             rows = self._rows(tensor)
             # Still 3-D after the request's rows were taken: [seq, hc_mult, hidden] (a decode
             # step's [1, hc, hidden] too, which record would otherwise doubt).
-            api.record(tag, rows, layout="tokens_hc_dim" if tensor.dim() == 4 and rows.dim() == 3 else None)
+            layout = "tokens_hc_dim" if tensor.dim() == 4 and rows.dim() == 3 else None
+            (api.record if moe_filtered else api.record_unfiltered)(tag, rows, layout=layout)
         else:
             api.record_ids(tag, self._rows(tensor))
 
@@ -124,11 +125,12 @@ class Instrumented:
         return capture
 
     def _add(self, module: torch.nn.Module, tag: str, path: str, side: str, capture: Callable | None = None,
-             read: Callable | None = None):
-        """Hook `module`'s output, or its first input (side "input"); or what `read` makes of them."""
+             read: Callable | None = None, moe_filtered: bool = True):
+        """Hook `module`'s output, or its first input (side "input"); or what `read` makes of them.
+        `moe_filtered`: whether COMPILEDUMP_MOE_LAYERS applies to `tag` (api.record_unfiltered)."""
         if self.excludes(tag):
             return
-        capture = capture or (lambda value: self._capture(tag, value))
+        capture = capture or (lambda value: self._capture(tag, value, moe_filtered))
         if side == "input":
             read = read or residual.first_input
 
@@ -192,7 +194,8 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
 
     With `defaults`, a decoder-only causal LM gets, per layer i, `layer<i>_attn` (the residual
     stream after attention), `layer<i>_router` and `layer<i>_topk` (MoE layers), `layer<i>_mlp`
-    and `layer<i>`; then `final_norm`, and the logits of the last position as steps (`logits_<n>`:
+    and `layer<i>` (COMPILEDUMP_MOE_LAYERS keeps an MoE layer's router, ids and `_mlp` only below
+    it; `_attn`, a dense layer's `_mlp` and `layer<i>` at every layer); then `final_norm`, and the logits of the last position as steps (`logits_<n>`:
     one per forward, prefill included), with the routing of that position in each MoE layer the
     MoE layer filter keeps (`layer<i>_step_router_<n>`, `layer<i>_step_topk_<n>`: two captures
     per such layer and forward, which `step_routing=False` leaves out; without them the
