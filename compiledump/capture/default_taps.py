@@ -60,7 +60,12 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
             # A dense MLP's output at every layer; an MoE block's only where its routing is kept
             # (COMPILEDUMP_MOE_LAYERS): a flip the filter hid would read as the block's divergence.
             routed = router_name is not None or layout.routes_tokens(block) or layout.holds_experts(layer)
-            handle._add(block, f"layer{i}_mlp", f"{prefix}.{block_name}", "output", moe_filtered=routed)
+            mlp, mlp_path = block, f"{prefix}.{block_name}"
+            if residual.defers_residual(block) and (last := layout.last_projection(block)) is not None:
+                # Bloom's and MPT's MLP adds the residual stream itself: the MLP's own output is
+                # its last projection's (the block's would be the layer's, an MLP bug diluted)
+                mlp, mlp_path = getattr(block, last), f"{mlp_path}.{last}"
+            handle._add(mlp, f"layer{i}_mlp", mlp_path, "output", moe_filtered=routed)
         if layout.holds_experts(layer) and (router_name := layout.child(layer, layout.ROUTERS)) is not None:
             router_taps.tap_router(handle, f"layer{i}", prefix, layer, router_name)  # Gemma 4: router and experts beside a dense mlp
         handle._add(layer, f"layer{i}", prefix, "output", read=residual.layer_stream if split else None,

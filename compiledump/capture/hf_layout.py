@@ -3,7 +3,9 @@
 Default taps follow the names Hugging Face (and vLLM/SGLang) give a decoder-only causal LM:
 `<...>.layers.<i>` with a token mixer (`self_attn`, or `linear_attn`/`mamba`/`mixer` in hybrid
 models), the norm before the MLP, `mlp` (or `block_sparse_moe`/`feed_forward`) and its router
-`gate` (or `router`), then the final `norm` (or `final_layernorm`/`norm_f`) and `lm_head`. This
+`gate` (or `router`), then the final `norm` (or `final_layernorm`/`norm_f`) and `lm_head`; and
+the names of the GPT-2 family (`transformer.h.<i>` with `attn`, `ln_2`, `mlp`, `ln_f`, `wte`: GPT-2,
+GPT-J, GPT-Neo, GPTBigCode, CodeGen, Falcon, Bloom, MPT's `blocks`, GPT-NeoX's `attention`). This
 module only finds modules; instrument.py hooks them.
 """
 
@@ -15,21 +17,30 @@ from .hf_routers import int_attr
 
 # A decoder layer has one of these token mixers (attention, or a hybrid model's linear attention
 # or state-space block).
-MIXERS = ("self_attn", "linear_attn", "mamba", "mixer", "self_attention", "conv")  # JetMoE; LFM2's conv layers
-MLP_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward")
+MIXERS = ("self_attn", "linear_attn", "mamba", "mixer", "self_attention", "conv",  # JetMoE, Falcon, Bloom; LFM2
+          "attn", "attention")  # the GPT-2 family, MPT; GPT-NeoX
+MLP_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward", "ffn", "fc2")  # MPT; OPT's MLP ends in the layer's fc2
+# The decoder layers' list (`layers`; the GPT-2 family's `h`, MPT's `blocks`) and the token embedding
+# beside it (GPT-2's `wte`, GPT-NeoX's `embed_in`, Falcon's and Bloom's `word_embeddings`).
+LAYER_LISTS = ("layers", "h", "blocks")
+TOKEN_EMBEDDINGS = ("embed_tokens", "wte", "embed_in", "word_embeddings")
 ROUTERS = ("gate", "router")  # the MoE block's router: Qwen/Mixtral/DeepSeek, gpt-oss/Granite
 # A sparse-attention indexer inside the attention module (DeepSeek-V3.2, GLM-MoE-DSA, ...): it picks
 # the keys each query attends to, by the top-k of an index score.
 INDEXERS = ("indexer",)
 # Beside `layers`: most models, Jamba/Falcon-H1, Nemotron-H, LFM2 (whose final norm is embedding_norm),
 # Qwen4-Exp (whose hyper-connection streams end in a mixer, not a norm).
-FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "embedding_norm", "hyper_connection_mixer")
+FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "embedding_norm", "hyper_connection_mixer",
+               "ln_f", "final_layer_norm")  # the GPT-2 family; GPT-NeoX, OPT
 # Where the residual stream after attention is a module's input. Pre-norm layers (Llama, Qwen,
 # Mixtral) normalise it in post_attention_layernorm (ffn_norm, pre_ff_layernorm: other names);
 # sandwich-norm layers (Gemma 2/3) use post_attention_layernorm on the attention output before the
 # residual add and pre_feedforward_layernorm after it; post-norm layers (OLMo 2, EXAONE 4: a
-# post_feedforward_layernorm and no norm before the MLP) feed it to the MLP block itself.
-_MLP_NORMS = ("pre_feedforward_layernorm", "pre_ff_layernorm", "ffn_norm", "pre_mlp_layernorm")  # last: AFMoE
+# post_feedforward_layernorm and no norm before the MLP) feed it to the MLP block itself. The GPT-2
+# family's is ln_2 (MPT's norm_2, Apertus' feedforward_layernorm); GPT-J, CodeGen, Phi and Falcon's new layers have none (attention and
+# MLP read the same input).
+_MLP_NORMS = ("pre_feedforward_layernorm", "pre_ff_layernorm", "ffn_norm", "pre_mlp_layernorm",  # AFMoE
+              "ln_2", "norm_2", "feedforward_layernorm")  # the GPT-2 family, MPT, Apertus
 
 
 def child(module: torch.nn.Module, names: tuple[str, ...]) -> str | None:
@@ -61,9 +72,22 @@ def router_like_children(block: torch.nn.Module) -> list[str]:
     return [name for name, _ in block.named_children() if "router" in name or "gating" in name]
 
 
+def last_projection(block: torch.nn.Module) -> str | None:
+    """The name of `block`'s last direct `Linear` child (Bloom's `dense_4h_to_h`, MPT's
+    `down_proj`), or None."""
+    return next((name for name, module in reversed(list(block.named_children()))
+                 if isinstance(module, torch.nn.Linear)), None)
+
+
 def residual_after_attention(layer: torch.nn.Module, block_name: str | None) -> str | None:
     """The name of `layer`'s child whose input is the residual stream after attention (see
     _MLP_NORMS), or None when the layer's structure does not say."""
+    if getattr(layer, "use_parallel_residual", False) is True:
+        return None  # GPT-NeoX: its post_attention_layernorm reads the layer's input, beside attention
+    if isinstance(before := getattr(layer, "do_layer_norm_before", None), bool):
+        # OPT: pre-norm layers normalise the stream before fc1 in the layer's final_layer_norm;
+        # post-norm ones (OPT-350m) normalise the sum after attention in self_attn_layer_norm
+        return child(layer, ("final_layer_norm",) if before else ("self_attn_layer_norm",))
     if (norm := child(layer, _MLP_NORMS)) is not None:
         return norm
     if child(layer, ("post_feedforward_layernorm",)) is not None:
@@ -87,14 +111,15 @@ def other_token_stacks(modules: dict[str, torch.nn.Module], taken: str) -> list[
 
 
 def _layer_lists(modules: dict[str, torch.nn.Module]) -> list[tuple[str, torch.nn.ModuleList]]:
-    """Every non-empty ModuleList named `layers` whose modules each have a token mixer."""
+    """Every non-empty ModuleList named as LAYER_LISTS whose modules each have a token mixer."""
     return [(name, module) for name, module in modules.items()
-            if isinstance(module, torch.nn.ModuleList) and (name == "layers" or name.endswith(".layers"))
+            if isinstance(module, torch.nn.ModuleList) and name.rpartition(".")[2] in LAYER_LISTS
             and len(module) and all(any(hasattr(layer, mixer) for mixer in MIXERS) for layer in module)]
 
 
 def _beside_embeddings(found: list, modules: dict[str, torch.nn.Module]) -> list:
-    return [(name, module) for name, module in found if hasattr(modules[name.rpartition(".")[0]], "embed_tokens")]
+    return [(name, module) for name, module in found
+            if any(hasattr(modules[name.rpartition(".")[0]], embedding) for embedding in TOKEN_EMBEDDINGS)]
 
 
 def _beside(path: str, names, modules: dict) -> str | None:
@@ -119,9 +144,9 @@ def consecutive(path: str, modules: dict) -> range:
 
 
 def token_embedding_path(layers_path: str, modules: dict) -> str | None:
-    """The token embedding beside `layers` (`embed_tokens`, whose input is the token ids a forward
+    """The token embedding beside `layers` (TOKEN_EMBEDDINGS: its input is the token ids a forward
     feeds), or None."""
-    return _beside(layers_path, ("embed_tokens",), modules)
+    return _beside(layers_path, TOKEN_EMBEDDINGS, modules)
 
 
 def logits_path(modules: dict) -> str | None:

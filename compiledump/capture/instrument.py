@@ -235,9 +235,10 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
     layers_path, layers = layout.find_layers(modules)
     if defaults:
         if layers is None:
-            raise ValueError("compiledump.instrument: no decoder layers found (a ModuleList named 'layers' "
-                             f"whose modules each have one of {', '.join(layout.MIXERS)}); pass defaults=False and "
-                             "taps={...}")
+            raise ValueError("compiledump.instrument: no decoder layers found (a ModuleList named "
+                             f"{' or '.join(map(repr, layout.LAYER_LISTS))} whose modules each have one of "
+                             f"{', '.join(layout.MIXERS)}); pass defaults=False and taps={{'layer{{i}}': "
+                             "'<path of the layers>.{i}', ...}")
         default_taps.add_default_taps(handle, layers_path, layers, modules)
         if others := layout.other_token_stacks(modules, layers_path):
             warnings.warn(f"compiledump.instrument: tapped the layers at {layers_path}; {', '.join(others)} also "

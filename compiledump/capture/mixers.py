@@ -31,13 +31,13 @@ from .state import STATE
 # Bailing's BailingHybridDeltaAttention) or `mixer` (Nemotron-H's NemotronHMamba2Mixer). They are
 # looked for after the prefix every mixer class of the model shares (its name: "KimiLinear").
 RECURRENT_WORDS = ("linear", "delta", "lightning", "mamba", "ssm", "retention", "rwkv", "recurrent")
-_BY_CLASS = ("self_attn", "self_attention", "mixer")
+_BY_CLASS = ("self_attn", "self_attention", "mixer", "attn", "attention")
 
 
 def kinds_of(layers, names: list[str | None]) -> dict[int, str]:
     """{layer index: kind} for decoder `layers` whose token mixer is their child `names[i]` (one of
     instrument's MIXERS, or None): a child named for what it is (`linear_attn`, `mamba`, `conv`)
-    is that; `self_attn`, `self_attention` and `mixer` are what their class says."""
+    is that; `self_attn`, `self_attention`, `attn`, `attention` and `mixer` are what their class says."""
     classes = {i: type(getattr(layer, name)).__name__ for i, (layer, name) in enumerate(zip(layers, names))
                if name in _BY_CLASS}
     distinct = sorted(set(classes.values()))
