@@ -241,6 +241,20 @@ def _call(phase: str | None, tokens: int | None) -> str:
     return f"{text} of {tokens_text(tokens)}" if tokens is not None else text
 
 
+def _prompt_only(report: Report) -> str:
+    """Where neither side recorded a decode step though later forwards ran (the token gate skipped
+    their calls: taps or records without `record_step`), "no divergence" covers the prompt alone."""
+    if any(record.kind == "step" for record in report.keys):
+        return ""
+    gated = {side: sum(((pair.not_captured.get(side) or {}).get("drops") or {}).get("token_gate", 0)
+                       for pair in report.pairs) for side in ("REF", "RUN")}
+    if not all(gated.values()):
+        return ""
+    return (f"; the prompt's keys only: no decode step recorded, other forwards' calls skipped by the token gate "
+            f"(REF {gated['REF']}, RUN {gated['RUN']}), so a bug only decode steps see is not judged: record "
+            "each step with record_step (instrument's defaults do)")
+
+
 def final_line(report: Report) -> str:
     """The report's last line: ``first divergence: ...`` or ``no divergence: ...``."""
     first = report.first_divergence
@@ -276,7 +290,7 @@ def final_line(report: Report) -> str:
                     routed += (", one-row keys among them, whose one token an earlier token's flip reaches: "
                                "all-rows mode (COMPILEDUMP_ROWS=all) judges the tokens no flip reaches")
                 routed += ")"
-        return f"no divergence: {compared} keys compared{near}{skipped}{routed}{tie}{extra}"
+        return f"no divergence: {compared} keys compared{near}{skipped}{routed}{tie}{extra}{_prompt_only(report)}"
     rank = f" [rank {first.rank}]" if len(report.pairs) > 1 else ""
     last = f"; last good: {first.last_good}" if first.last_good else ""
     cause = report.root_cause

@@ -207,3 +207,22 @@ def test_keys_the_other_sides_moe_filter_dropped_are_one_note_naming_the_setting
     assert line == (f"note: REF has {len(internals)} keys whose tags RUN's COMPILEDUMP_MOE_LAYERS (REF 5, RUN 1) "
                     f"filtered: not compared; set the same COMPILEDUMP_MOE_LAYERS on both sides to compare them "
                     f"({', '.join(internals[:4])}, ... ({len(internals) - 4} more))"), line
+
+
+@pytest.mark.parametrize("steps", [0, 3])
+def test_no_divergence_over_the_prompt_alone_says_no_decode_step_was_recorded(tmp_path, capsys, steps):
+    """Taps without record_step (defaults=False) record the prompt's call only: later forwards'
+    calls are token-gated. "no divergence" must not read as covering them."""
+    captures = factory.model_captures(np.random.default_rng(41), layers=3, steps=steps)
+    manifests = []
+    for side in ("ref", "run"):
+        manifest = factory.manifest_for(captures)
+        manifest["drops"] = {"token_gate": 12 if side == "ref" else 15}
+        manifests.append(manifest)
+    ref_path, run_path = write_pair(tmp_path, captures, factory.perturb(captures, np.random.default_rng(2), 1e-9),
+                                    ref_manifest=manifests[0], run_manifest=manifests[1])
+    code, out, _ = compare_json(capsys, ref_path, run_path)
+    said = "the prompt's keys only: no decode step recorded, other forwards' calls skipped by the token gate " \
+           "(REF 12, RUN 15)"
+    assert code == 0 and out[-1].startswith("no divergence:")
+    assert (said in out[-1]) == (steps == 0), out[-1]
