@@ -61,7 +61,8 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
             # (COMPILEDUMP_MOE_LAYERS): a flip the filter hid would read as the block's divergence.
             routed = router_name is not None or layout.routes_tokens(block) or layout.holds_experts(layer)
             mlp, mlp_path = block, f"{prefix}.{block_name}"
-            if residual.defers_residual(block) and (last := layout.last_projection(block)) is not None:
+            last = None if routed or not residual.defers_residual(block) else layout.last_projection(block)
+            if last is not None:
                 # Bloom's and MPT's MLP adds the residual stream itself: the MLP's own output is
                 # its last projection's (the block's would be the layer's, an MLP bug diluted)
                 mlp, mlp_path = getattr(block, last), f"{mlp_path}.{last}"

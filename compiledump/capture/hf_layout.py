@@ -21,9 +21,10 @@ MIXERS = ("self_attn", "linear_attn", "mamba", "mixer", "self_attention", "conv"
           "attn", "attention")  # the GPT-2 family, MPT; GPT-NeoX
 MLP_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward", "ffn", "fc2")  # MPT; OPT's MLP ends in the layer's fc2
 # The decoder layers' list (`layers`; the GPT-2 family's `h`, MPT's `blocks`) and the token embedding
-# beside it (GPT-2's `wte`, GPT-NeoX's `embed_in`, Falcon's and Bloom's `word_embeddings`).
+# beside it (GPT-2's `wte`, GPT-NeoX's `embed_in`, Falcon's and Bloom's `word_embeddings`, GPT-1's
+# `tokens_embed`).
 LAYER_LISTS = ("layers", "h", "blocks")
-TOKEN_EMBEDDINGS = ("embed_tokens", "wte", "embed_in", "word_embeddings")
+TOKEN_EMBEDDINGS = ("embed_tokens", "wte", "embed_in", "word_embeddings", "tokens_embed")  # last: GPT-1
 ROUTERS = ("gate", "router")  # the MoE block's router: Qwen/Mixtral/DeepSeek, gpt-oss/Granite
 # A sparse-attention indexer inside the attention module (DeepSeek-V3.2, GLM-MoE-DSA, ...): it picks
 # the keys each query attends to, by the top-k of an index score.
@@ -37,8 +38,8 @@ FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "embedding_norm", "hyper_con
 # sandwich-norm layers (Gemma 2/3) use post_attention_layernorm on the attention output before the
 # residual add and pre_feedforward_layernorm after it; post-norm layers (OLMo 2, EXAONE 4: a
 # post_feedforward_layernorm and no norm before the MLP) feed it to the MLP block itself. The GPT-2
-# family's is ln_2 (MPT's norm_2, Apertus' feedforward_layernorm); GPT-J, CodeGen, Phi and Falcon's new layers have none (attention and
-# MLP read the same input).
+# family's is ln_2 (MPT's norm_2, Apertus' feedforward_layernorm); GPT-J, CodeGen, Phi and Falcon's
+# new layers have none (attention and MLP read the same input).
 _MLP_NORMS = ("pre_feedforward_layernorm", "pre_ff_layernorm", "ffn_norm", "pre_mlp_layernorm",  # AFMoE
               "ln_2", "norm_2", "feedforward_layernorm")  # the GPT-2 family, MPT, Apertus
 
@@ -84,6 +85,9 @@ def residual_after_attention(layer: torch.nn.Module, block_name: str | None) -> 
     _MLP_NORMS), or None when the layer's structure does not say."""
     if getattr(layer, "use_parallel_residual", False) is True:
         return None  # GPT-NeoX: its post_attention_layernorm reads the layer's input, beside attention
+    children = [name for name, _ in layer.named_children()]
+    if {"attn", "ln_1"} <= set(children) and children.index("ln_1") > children.index("attn"):
+        return "ln_1"  # GPT-1's post-norm block: ln_1 normalises the sum after attention, ln_2 after the MLP
     if isinstance(before := getattr(layer, "do_layer_norm_before", None), bool):
         # OPT: pre-norm layers normalise the stream before fc1 in the layer's final_layer_norm;
         # post-norm ones (OPT-350m) normalise the sum after attention in self_attn_layer_norm
@@ -99,8 +103,9 @@ def find_layers(modules: dict[str, torch.nn.Module]):
     """The decoder's `layers` among `modules` (the model's `named_modules()`), as (path, ModuleList),
     or (None, None). A vision-language model also has a vision encoder's `layers` (Llava, Gemma 3,
     Llama 4, Idefics 3), often first in module order: the language model's are the ones beside a
-    token embedding (`embed_tokens`), which vision encoders do not have."""
-    found = _layer_lists(modules)
+    token embedding (`embed_tokens`), which vision encoders do not have. A list named `layers` is
+    preferred to an `h` or `blocks` (a vision encoder's `blocks` of `attn`: Qwen2-VL's)."""
+    found = sorted(_layer_lists(modules), key=lambda item: LAYER_LISTS.index(item[0].rpartition(".")[2]))
     return (_beside_embeddings(found, modules) or found or [(None, None)])[0]
 
 
@@ -151,8 +156,9 @@ def token_embedding_path(layers_path: str, modules: dict) -> str | None:
 
 def logits_path(modules: dict) -> str | None:
     """The module whose output is the logits: the model's own lm_head, else the nearest nested one
-    (Llama 4's multimodal class holds language_model.lm_head); where a `logits_processor` sits
-    beside it (vLLM, SGLang), that one: their lm_head only holds the weight the processor reads
-    (calling it is an error)."""
-    head = "lm_head" if "lm_head" in modules else next((path for path in modules if path.endswith(".lm_head")), None)
+    (Llama 4's multimodal class holds language_model.lm_head), else an `embed_out` (GPT-NeoX
+    Japanese); where a `logits_processor` sits beside it (vLLM, SGLang), that one: their lm_head
+    only holds the weight the processor reads (calling it is an error)."""
+    nested = next((path for path in modules if path.endswith(".lm_head")), "embed_out" if "embed_out" in modules else None)
+    head = "lm_head" if "lm_head" in modules else nested
     return None if head is None else _beside(head, ("logits_processor",), modules) or head

@@ -184,3 +184,30 @@ def test_a_stack_instrument_cannot_find_names_its_list_names_and_the_taps_to_pas
     model.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
     with pytest.raises(ValueError, match=r"named 'layers' or 'h' or 'blocks'.*taps=\{'layer\{i\}'"):
         compiledump.instrument(model)
+
+
+def test_gpt1s_post_norm_block_records_the_stream_after_attention(tmp_path):
+    """GPT-1 names its norms as GPT-2 does, in another place: ln_1 normalises x + attn(x), ln_2 the
+    sum after the MLP. `layer<i>_attn` is x + attn(x), read here from the layer's input and its
+    attention's output."""
+    torch.manual_seed(0)
+    model = T.OpenAIGPTLMHeadModel(T.OpenAIGPTConfig(n_embd=64, n_layer=LAYERS, n_head=4, n_positions=32,
+                                                     vocab_size=VOCAB)).eval()
+
+    def run():  # no KV cache in GPT-1: each step runs the whole sequence
+        ids = prompt()
+        for _ in range(STEPS + 1):
+            ids = torch.cat([ids, model(input_ids=ids).logits[:, -1:].argmax(-1)], dim=1)
+    arrays, _ = load_dump(dump_run(model, tmp_path, run))
+    seen, handles = {}, []
+    for i, block in enumerate(model.transformer.h):
+        handles.append(block.register_forward_pre_hook(lambda _m, args, i=i: seen.__setitem__(("x", i), args[0])))
+        handles.append(block.attn.register_forward_hook(lambda _m, _a, out, i=i: seen.__setitem__(("a", i), out[0])))
+    with torch.no_grad():
+        model(input_ids=prompt(), use_cache=False)
+    for handle in handles:
+        handle.remove()
+    for i in range(LAYERS):
+        expected = (seen["x", i] + seen["a", i])[0, -1].numpy()
+        np.testing.assert_allclose(arrays[f"layer{i}_attn"], expected, rtol=1e-6, atol=1e-6)
+    assert {"input_token_0", "logits_0", "layer2_step_1"} <= arrays.keys()
