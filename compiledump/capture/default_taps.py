@@ -79,13 +79,7 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
     if (norm_path := layout.final_norm_path(layers_path, modules)) is not None:
         handle._add(modules[norm_path], "final_norm", norm_path, "output")
     if (embed_path := layout.token_embedding_path(layers_path, modules)) is not None:
-        def fed(input_ids) -> None:
-            # The token each forward feeds at the position whose logits `logits_<n>` hold: the
-            # comparator sees where greedy decoding fed the two sides different tokens (after an
-            # argmax flip), from which on their steps cannot be compared.
-            if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point():
-                api.record_step("input_token", input_ids[handle.batch_row, -1:])
-        handle._add(modules[embed_path], "input_token", embed_path, "input", capture=fed)
+        handle._add(modules[embed_path], "input_token", embed_path, "input", capture=fed_capture(handle))
     if (base_path := layers_path.rpartition(".")[0]) in modules:  # "" is the model itself
         def prompt_mask(mask_and_tokens) -> None:
             # The request row of a padded batch's 2-D attention mask (generate pads on the left):
@@ -101,15 +95,51 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
         if spec.PROMPT_MASK_TAG in handle.taps:
             handle.taps[spec.PROMPT_MASK_TAG] = f"{base_path}:attention_mask"
     if (head_path := layout.logits_path(modules)) is not None:
-        def logits(output) -> None:
-            output = getattr(output, "next_token_logits", output)  # SGLang's LogitsProcessorOutput
-            if not isinstance(output, torch.Tensor):  # vLLM's on a pipeline stage without logits
-                return
-            handle.fired = True
-            # [batch, seq, vocab]: the request's last position; flat [tokens, vocab] (vLLM-style):
-            # the row set_gather_rows(step=...) names.
-            api.record_step("logits", output[handle.batch_row, -1] if output.dim() == 3 else output)
-        handle._add(modules[head_path], "logits", head_path, "output", capture=logits)
+        handle._add(modules[head_path], "logits", head_path, "output", capture=logits_capture(handle))
+
+
+def fed_capture(handle):
+    """The `input_token` capture of a token embedding's input ids."""
+    def fed(input_ids) -> None:
+        # The token each forward feeds at the position whose logits `logits_<n>` hold: the
+        # comparator sees where greedy decoding fed the two sides different tokens (after an
+        # argmax flip), from which on their steps cannot be compared.
+        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point():
+            api.record_step("input_token", input_ids[handle.batch_row, -1:])
+    return fed
+
+
+def logits_capture(handle):
+    """The `logits` capture of a head's output: each forward's as a step."""
+    def logits(output) -> None:
+        output = getattr(output, "next_token_logits", output)  # SGLang's LogitsProcessorOutput
+        if not isinstance(output, torch.Tensor):  # vLLM's on a pipeline stage without logits
+            return
+        handle.fired = True
+        # [batch, seq, vocab]: the request's last position; flat [tokens, vocab] (vLLM-style):
+        # the row set_gather_rows(step=...) names.
+        api.record_step("logits", output[handle.batch_row, -1] if output.dim() == 3 else output)
+    return logits
+
+
+def named_as_default(handle, tag_pattern: str, tag: str, path: str, module, side: str):
+    """The capture of an explicit tap named as a default tag the defaults did not attach
+    (`taps={"layer{i}": "transformer.blocks.{i}", "logits": "lm_head", "input_token": "...:input"}`):
+    each forward's step recorded as the default tag's is (a decoder layer's state at each step, the
+    logits, the fed token), so that decode steps are judged. None for any other tap."""
+    if tag in handle.taps or handle.excludes(tag):
+        return None
+    if tag_pattern == "layer{i}" and side == "output":
+        handle._first_layer = handle._first_layer or path  # where a forward starts (a looped layer's warning)
+        handle._track_shape(path, module)  # the request's last position, for the step
+        if handle.step_states and STATE.config.layer_steps:
+            handle.taps[f"{tag}_step"] = path
+        return handle._stream_capture(tag)
+    if tag == "logits" and side == "output":
+        return logits_capture(handle)
+    if tag == "input_token" and side == "input":
+        return fed_capture(handle)
+    return None
 
 
 def _mask_and_tokens(args, kwargs) -> tuple:

@@ -209,7 +209,9 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
     block's output is the measured case). `taps` adds more: `{"layer{i}_q":
     "model.layers.{i}.self_attn.q_proj"}` (a `{i}` in both expands over the layers; paths are
     relative to `model`; append `:input` for the module's first input instead of its output).
-    Integer tensors are captured with `record_ids`, others with `record`. `layer<i>_router`
+    Integer tensors are captured with `record_ids`, others with `record` (the prompt's call); a tap
+    named `layer{i}` (a layer's output), `logits` or `input_token` (`:input`) that the defaults did
+    not attach records each forward's step as the default tag does. `layer<i>_router`
     keeps every prompt row (`router_rows="all"`, the default; the ids are recorded whole), so that
     the comparator can judge a routing flip in any row by that row's router logits: with one row,
     a flip in an earlier row is "not judged" (exit 3). It costs tokens x experts x 4 bytes of
@@ -238,7 +240,8 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
             raise ValueError("compiledump.instrument: no decoder layers found (a ModuleList named "
                              f"{' or '.join(map(repr, layout.LAYER_LISTS))} whose modules each have one of "
                              f"{', '.join(layout.MIXERS)}); pass defaults=False and taps={{'layer{{i}}': "
-                             "'<path of the layers>.{i}', ...}")
+                             "'<path of the layers>.{i}', 'logits': '<head>', 'input_token': '<token embedding>:input'}"
+                             " (so named, they record each decode step as the default tags do)")
         default_taps.add_default_taps(handle, layers_path, layers, modules)
         if others := layout.other_token_stacks(modules, layers_path):
             warnings.warn(f"compiledump.instrument: tapped the layers at {layers_path}; {', '.join(others)} also "
@@ -255,7 +258,8 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
             name = path.format(i=i) if i is not None else path
             tag = tag_pattern.format(i=i) if i is not None else tag_pattern
             if name in modules:
-                handle._add(modules[name], tag, name, side)
+                capture = default_taps.named_as_default(handle, tag_pattern, tag, name, modules[name], side)
+                handle._add(modules[name], tag, name, side, capture=capture)
                 found = True
         if not found:
             raise ValueError(f"compiledump.instrument: tap {tag_pattern!r}: no module at {path_pattern!r} "

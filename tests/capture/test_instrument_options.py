@@ -193,3 +193,78 @@ def test_silence_is_reported_when_only_the_registers_were_called(tmp_path):
                          env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "nothing was captured" in out.stderr, out.stderr[-2000:]
+
+
+class _Stack(torch.nn.Module):
+    """A decoder `instrument`'s defaults cannot find: its blocks sit in a list named `stack`."""
+
+    def __init__(self, vocab: int = 50, dim: int = 16, depth: int = 3):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.stack = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(depth))
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, ids):  # [batch, seq]: causal by a running mean, no cache
+        x = self.embed(ids)
+        for block in self.stack:
+            x = x + torch.tanh(block(x.cumsum(1) / torch.arange(1, x.shape[1] + 1).view(1, -1, 1)))
+        return self.head(x)
+
+
+EXPLICIT = {"layer{i}": "stack.{i}", "logits": "head", "input_token": "embed:input"}
+
+
+def _decode(model, steps: int = 3, after_prompt=None):
+    ids = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for n in range(steps + 1):
+            if n == 1 and after_prompt is not None:
+                after_prompt()
+            ids = torch.cat([ids, model(ids)[:, -1:].argmax(-1)], dim=1)
+
+
+def test_explicit_taps_named_as_default_tags_record_each_step_as_the_defaults_do(dump_dir):
+    """Without record_step, taps record the prompt only. Named `layer{i}`, `logits` or `input_token`,
+    they record each forward's step as the default tags do: batch row 0's last position."""
+    torch.manual_seed(0)
+    model = _Stack().eval()
+    seen = {"layer1": [], "logits": [], "ids": []}
+    hooks = [model.stack[1].register_forward_hook(lambda _m, _a, out: seen["layer1"].append(out[0, -1].clone())),
+             model.head.register_forward_hook(lambda _m, _a, out: seen["logits"].append(out[0, -1].clone())),
+             model.embed.register_forward_pre_hook(lambda _m, args: seen["ids"].append(int(args[0][0, -1])))]
+    handle = compiledump.instrument(model, EXPLICIT, defaults=False)
+    _decode(model)
+    arrays, _ = _load(compiledump.flush())
+    for hook in hooks:
+        hook.remove()
+    handle.remove()
+    assert set(handle.taps) == {"layer0", "layer1", "layer2", "layer0_step", "layer1_step", "layer2_step",
+                                "logits", "input_token"}
+    for n in range(4):
+        # stack[1]'s own output, before the residual add the model does around it
+        np.testing.assert_allclose(arrays[f"logits_{n}"], seen["logits"][n].numpy(), rtol=1e-6, atol=1e-6)
+        assert int(arrays[f"input_token_{n}"][0]) == seen["ids"][n]
+        np.testing.assert_allclose(arrays[f"layer1_step_{n}"], seen["layer1"][n].numpy(), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(arrays["layer1"], seen["layer1"][0].numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_a_decode_only_bug_is_named_at_its_step_through_explicit_taps(dump_dir):
+    from compiledump.compare import compare
+
+    torch.manual_seed(0)
+    paths = []
+    for name in ("ref", "run"):
+        model = _Stack().eval()
+        compiledump.reset()
+        compiledump.configure(dir=str(dump_dir / name))
+        handle = compiledump.instrument(model, EXPLICIT, defaults=False)
+
+        def bug(model=model):
+            with torch.no_grad():
+                model.stack[2].weight.mul_(1.01)
+        _decode(model, after_prompt=bug if name == "run" else None)
+        paths.append(compiledump.flush())
+        handle.remove()
+        torch.manual_seed(0)
+    report = compare(*paths)
+    assert report.exit_status == 1 and (report.first_divergence.key, report.first_divergence.step) == ("layer2_step_1", 1)
