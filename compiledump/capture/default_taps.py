@@ -59,7 +59,7 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
                 unrouted.append((f"{prefix}.{block_name}", block))
             # A dense MLP's output at every layer; an MoE block's only where its routing is kept
             # (COMPILEDUMP_MOE_LAYERS): a flip the filter hid would read as the block's divergence.
-            routed = router_name is not None or layout.routes_tokens(block) or layout.holds_experts(layer)
+            routed = router_name is not None or layout.routes_tokens(block)  # (Gemma 4's mlp beside experts: dense)
             mlp, mlp_path = block, f"{prefix}.{block_name}"
             last = None if routed or not residual.defers_residual(block) else layout.last_projection(block)
             if last is not None:

@@ -87,7 +87,9 @@ class Instrumented:
         shape = self._shape
         if tensor.dim() == 3 or (tensor.dim() == 4 and tuple(tensor.shape[:2]) == (shape.batch, shape.seq)):
             return tensor[self.batch_row]
-        if tensor.dim() == 2 and shape.batch is not None:
+        # Only a tensor of batch x seq rows is the layer's tokens flattened: a tap that runs before
+        # the first layer still sees the previous forward's shape
+        if tensor.dim() == 2 and shape.batch is not None and tensor.shape[0] == shape.batch * shape.seq:
             return tensor.reshape(shape.batch, shape.seq, tensor.shape[-1])[self.batch_row]
         return tensor
 

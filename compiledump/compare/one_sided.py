@@ -3,7 +3,8 @@
 A difference in how the two sides were captured explains most of them, and each such reason is one
 note per side instead of a problem per key. Checked in this order, the first that applies wins:
 the other side's `instrument(exclude=...)` left the tag out (its manifest's `exclude`, in the
-other side's tag names: after `--map`, RUN's patterns are not renamed); its COMPILEDUMP_MOE_LAYERS
+other side's tag names: after `--map`, RUN's tags are renamed to match them, `RenamedDump.left_out_by`); its
+COMPILEDUMP_MOE_LAYERS
 filtered the tag (the two settings differing); a layer state's step is past its
 COMPILEDUMP_LAYER_STEPS (its manifest counts them dropped as `layer_steps`, or the setting is 0);
 only one side records the tokens it fed (`input_token`); the other side's router returned its

@@ -246,8 +246,8 @@ def _prompt_only(report: Report) -> str:
     their calls: taps or records without `record_step`), "no divergence" covers the prompt alone."""
     if any(record.kind == "step" for record in report.keys):
         return ""
-    gated = {side: sum(((pair.not_captured.get(side) or {}).get("drops") or {}).get("token_gate", 0)
-                       for pair in report.pairs) for side in ("REF", "RUN")}
+    gated = {side: sum((pair.not_captured.get(side) or {}).get("gated_after_kept", 0) for pair in report.pairs)
+             for side in ("REF", "RUN")}
     if not all(gated.values()):
         return ""
     return (f"; the prompt's keys only: no decode step recorded, other forwards' calls skipped by the token gate "

@@ -297,6 +297,16 @@ def test_gemma4_s_router_beside_its_dense_mlp_and_afmoe_s_pre_mlp_norm(dump_dir)
     np.testing.assert_allclose(arrays["layer1_router"], np.log(probabilities.numpy()), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(arrays["layer1_topk"], top.numpy())
     assert handle.taps["layer1_router"].endswith("layers.1.router") and "layer1_mlp" in arrays  # the dense MLP
+    # Under the default MoE filter the dense MLP stays at every layer; the router beside it does not
+    compiledump.reset()
+    compiledump.configure(dir=str(dump_dir / "filtered"), moe_layers=2)
+    handle = compiledump.instrument(gemma)
+    _forward(gemma, ids)
+    arrays, manifest = _load(compiledump.flush())
+    handle.remove()
+    assert "layer2_mlp" in arrays and "layer2_router" in manifest["filtered_tags"]
+    compiledump.reset()
+    compiledump.configure(dir=str(dump_dir / "afmoe"), moe_layers=4)
 
     torch.manual_seed(0)
     afmoe = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(

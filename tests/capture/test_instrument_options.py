@@ -268,3 +268,14 @@ def test_a_decode_only_bug_is_named_at_its_step_through_explicit_taps(dump_dir):
         torch.manual_seed(0)
     report = compare(*paths)
     assert report.exit_status == 1 and (report.first_divergence.key, report.first_divergence.step) == ("layer2_step_1", 1)
+
+
+def test_a_tap_before_the_first_layer_is_not_reshaped_by_the_last_forwards_shape(dump_dir):
+    """The token ids tapped at the embedding run before the first layer's hook sets this forward's
+    [batch, seq]: a decode step's [2, 1] ids were reshaped as the prompt's [2, 5] (a crash)."""
+    torch.manual_seed(0)
+    model = _Stack().eval()
+    compiledump.instrument(model, {**EXPLICIT, "ids": "embed:input"}, defaults=False)
+    _decode(model)
+    arrays, _ = _load(compiledump.flush())
+    assert arrays["ids"].shape == (2, 5) and {"layer1_step_3", "logits_3"} <= arrays.keys()

@@ -215,9 +215,11 @@ def test_no_divergence_over_the_prompt_alone_says_no_decode_step_was_recorded(tm
     calls are token-gated. "no divergence" must not read as covering them."""
     captures = factory.model_captures(np.random.default_rng(41), layers=3, steps=steps)
     manifests = []
-    for side in ("ref", "run"):
+    for later in (12, 15):
         manifest = factory.manifest_for(captures)
-        manifest["drops"] = {"token_gate": 12 if side == "ref" else 15}
+        manifest["drops"] = {"token_gate": later + 7}
+        manifest["tags"]["layer1"].update(kept=1, drops={"token_gate": later})  # later forwards' calls
+        manifest["tags"]["final_norm"].update(kept=0, drops={"token_gate": 7})  # never the token count
         manifests.append(manifest)
     ref_path, run_path = write_pair(tmp_path, captures, factory.perturb(captures, np.random.default_rng(2), 1e-9),
                                     ref_manifest=manifests[0], run_manifest=manifests[1])
@@ -226,3 +228,15 @@ def test_no_divergence_over_the_prompt_alone_says_no_decode_step_was_recorded(tm
            "(REF 12, RUN 15)"
     assert code == 0 and out[-1].startswith("no divergence:")
     assert (said in out[-1]) == (steps == 0), out[-1]
+
+
+def test_a_tag_the_token_gate_never_kept_is_no_sign_of_later_forwards(tmp_path, capsys):
+    """One forward per side; a tag whose first dim is never the token count is gated within it."""
+    captures = factory.model_captures(np.random.default_rng(41), layers=3, steps=0)
+    manifest = factory.manifest_for(captures)
+    manifest["drops"] = {"token_gate": 1}
+    manifest["tags"]["final_norm"].update(kept=0, drops={"token_gate": 1})
+    ref_path, run_path = write_pair(tmp_path, captures, captures, ref_manifest=manifest, run_manifest=manifest)
+    code, out, report = compare_json(capsys, ref_path, run_path)
+    assert code == 0 and "no decode step recorded" not in out[-1]
+    assert report["pairs"][0]["not_captured"]["REF"]["gated_after_kept"] == 0

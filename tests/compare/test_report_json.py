@@ -118,7 +118,7 @@ CLOSEST = {"key", "rank", "layer", "step", "metric", "value", "threshold", "rati
 THRESHOLD_USE = {"rank", "ref_dtype", "run_dtype", "class", "rel_diff", "norm_diff", "rel_source", "norm_source", "keys"}
 NOT_COMPARABLE = {"key", "rank", "reason", "source_dtype_ref", "source_dtype_run", "tokens_ref", "tokens_run",
                   "phase_ref", "phase_run"}
-NOT_CAPTURED = {"filtered_tags", "filtered", "tags_none_kept", "drops"}
+NOT_CAPTURED = {"filtered_tags", "filtered", "tags_none_kept", "drops", "gated_after_kept"}
 DECODE_MARGINS = {"tags", "steps", "argmax_agree", "compared", "flips", "smallest_ref_margin"}
 ROUTING_FIELDS = {"verdict", "class", "class_from", "router_key", "router_rows", "differing_rows", "near_tie_rows",
                   "far_rows", "not_judged_rows", "after_near_tie_rows", "after_unjudged_rows", "reordered_rows", "not_top_k",
