@@ -3,9 +3,9 @@
 A difference in how the two sides were captured explains most of them, and each such reason is one
 note per side instead of a problem per key. Checked in this order, the first that applies wins:
 the other side's `instrument(exclude=...)` left the tag out (its manifest's `exclude`, in the
-other side's tag names: after `--map`, RUN's tags are renamed to match them, `RenamedDump.left_out_by`); its
-COMPILEDUMP_MOE_LAYERS
-filtered the tag (the two settings differing); a layer state's step is past its
+other side's tag names: after `--map`, RUN's tags are renamed to match them, `RenamedDump.left_out_by`);
+its COMPILEDUMP_MOE_LAYERS filtered the tag (its manifest's `filtered_tags`: the two settings
+differing, or an older compiledump that filtered more); a layer state's step is past its
 COMPILEDUMP_LAYER_STEPS (its manifest counts them dropped as `layer_steps`, or the setting is 0);
 only one side records the tokens it fed (`input_token`); the other side's router returned its
 logits alone and recorded no expert ids (an engine's gate); the steps are shifted (a warm-up
@@ -33,12 +33,11 @@ class OneSidedKeys:
     def __init__(self, ref: Dump, run: Dump, captured: dict[str, dict | None], shifted: bool = False):
         self.dumps = {"REF": ref, "RUN": run}
         self.shifted = shifted
-        # Tags the other side's host filter dropped count as filtered only where the two sides'
-        # COMPILEDUMP_MOE_LAYERS differ (then both manifests are there); with the same setting, as
-        # after --map renamed tags the filter did not match, their keys stay problems.
-        settings = (moe_layers_of(ref.manifest), moe_layers_of(run.manifest))
-        differ = None not in settings and settings[0] != settings[1]
-        self.filtered = {side: set(fact["filtered"]) if differ else set() for side, fact in captured.items()}
+        # The tags each side's host filter dropped (its manifest's `filtered_tags`), named as the
+        # comparator sees that side: the two sides' COMPILEDUMP_MOE_LAYERS differ, or one side was
+        # recorded by a compiledump that filtered more (moe_filter_note says which)
+        self.filtered = {side: {self.dumps[side].seen_as(tag) for tag in fact["filtered"]} if fact else set()
+                         for side, fact in captured.items()}
         self.tags = {side: held_tags(dump) for side, dump in self.dumps.items()}
         self.exclude_patterns = {side: exclude_patterns(dump.manifest) for side, dump in self.dumps.items()}
         self.layer_steps = {side: layer_steps_of(dump.manifest) for side, dump in self.dumps.items()}
@@ -127,11 +126,19 @@ def past_layer_steps_note(side: str, keys: list[str], caps: dict[str, int | None
 
 
 def moe_filter_note(side: str, keys: list[str], ref_manifest: dict | None, run_manifest: dict | None) -> str:
-    """One line for the keys `side` has whose tags the other side's host filter dropped, the two
-    sides' COMPILEDUMP_MOE_LAYERS differing: not compared, and both settings."""
+    """One line for the keys `side` has whose tags the other side's host filter dropped: not
+    compared, and both settings. At the same setting `side` kept them because its filter did not
+    see them so (tags named otherwise before `--map` renamed them, or a compiledump that filters less:
+    before 2026-12-06 a layer's `_attn` and a dense layer's `_mlp` past the setting were filtered)."""
     other = other_side(side)
+    settings = (moe_layers_of(ref_manifest), moe_layers_of(run_manifest))
+    if settings[0] is not None and settings[0] == settings[1]:
+        return (f"{side} has {len(keys)} keys whose tags {other}'s MoE layer filter dropped at the same "
+                f"COMPILEDUMP_MOE_LAYERS ({settings[0]}): {side}'s filter did not drop them (named otherwise before "
+                f"--map, or recorded by a compiledump that filters less: before 2026-12-06 a layer's _attn and a "
+                f"dense layer's _mlp past the setting were filtered): not compared ({preview(keys, 4)})")
     return (f"{side} has {len(keys)} keys whose tags {other}'s COMPILEDUMP_MOE_LAYERS (REF "
-            f"{moe_layers_of(ref_manifest)}, RUN {moe_layers_of(run_manifest)}) filtered: not compared; set the "
+            f"{settings[0]}, RUN {settings[1]}) filtered: not compared; set the "
             f"same COMPILEDUMP_MOE_LAYERS on both sides to compare them ({preview(keys, 4)})")
 
 

@@ -87,6 +87,10 @@ class RenamedDump(DumpView):
         """RUN's router declaration, found under the key's old name (its tag's declaration)."""
         return self.inner.router(self._old.get(key, key))
 
+    def seen_as(self, tag: str) -> str:
+        """RUN's own tag `tag` renamed by the map."""
+        return rename(self.inner.seen_as(tag), self.maps)
+
     def left_out_by(self, tag: str, patterns: list[str]) -> str | None:
         """The first of RUN's `instrument(exclude=...)` patterns that left out a RUN tag the map
         renames to `tag` (a REF name). The patterns name RUN's tags before the renaming, so such a

@@ -26,6 +26,9 @@ class DumpView(Dump):
         """`inner`'s declaration: a router is declared under the name `inner`'s tags have."""
         return self.inner.router(key)
 
+    def seen_as(self, tag: str) -> str:
+        return self.inner.seen_as(tag)
+
     def left_out_by(self, tag: str, patterns: list[str]) -> str | None:
         """`inner`'s answer: a view that keeps `inner`'s names keeps what its patterns left out."""
         return self.inner.left_out_by(tag, patterns)

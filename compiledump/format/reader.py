@@ -144,6 +144,10 @@ class Dump:
         info = self.infos.get(key)
         return declared_router((self.manifest or {}).get("routers"), info.tag if info is not None else key)
 
+    def seen_as(self, tag: str) -> str:
+        """This side's own tag `tag` as the comparator names it (``--map`` renames RUN's)."""
+        return tag
+
     def left_out_by(self, tag: str, patterns: list[str]) -> str | None:
         """The first of ``patterns`` (this side's ``instrument(exclude=...)``) that left ``tag`` out,
         ``tag`` named as the comparator sees this side (``--map`` renames RUN's); or None."""

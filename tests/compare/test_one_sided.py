@@ -80,3 +80,25 @@ def test_one_note_per_reason_and_a_problem_for_the_rest(tmp_path, exclude, dropp
         compared = {record.key for record in pair.keys}
         assert compared == {"layer0", "layer0_step_1", "layer0_step_2", *(f"logits_{n}" for n in range(5))}
         assert report.first_divergence is None
+
+
+@pytest.mark.parametrize("ref_setting", [2, 3])
+def test_tags_an_older_reference_filtered_at_the_same_setting_are_one_note(tmp_path, ref_setting):
+    """A reference recorded before 2026-12-06 filtered a dense layer's `_mlp` past layer 1 (its
+    manifest's `filtered_tags` says so); a run recorded now holds it. Not a problem per key."""
+    rng = np.random.default_rng(7)
+    run = _captures(rng, steps=2, mlp=True, extra=False)
+    run = [*run, *(Capture(f"layer{i}_mlp", c.array.copy(), "record", f"layer{i}_mlp")
+                   for i, c in zip((2, 3), run[:2]))]
+    ref = [c for c in run if c.tag not in ("layer2_mlp", "layer3_mlp")]
+    ref_manifest = factory.manifest_for(ref, source_dtype="float32")
+    ref_manifest["filtered_tags"] = {"layer2_mlp": "moe_layers", "layer3_mlp": "moe_layers"}
+    ref_manifest["config"]["moe_layers"] = ref_setting
+    ref_path = factory.write_compiledump(tmp_path / "ref", ref, manifest=ref_manifest)
+    run_path = factory.write_compiledump(tmp_path / "run", run, manifest=factory.manifest_for(run, source_dtype="float32"))
+    report = compare(ref_path, run_path)
+    assert report.exit_status == 0 and report.problems == []
+    (note,) = [note for note in report.pairs[0].notes if "filter" in note and "RUN has 2 keys" in note]
+    same = ref_setting == 2
+    assert ("RUN's filter did not drop them" in note) == same
+    assert ("(REF 3, RUN 2) filtered" in note) == (not same)
