@@ -12,7 +12,6 @@ import torch
 
 from ..format import spec
 from . import api, hf_layout as layout, indexers, mixers, residual, router_taps, routers
-from .state import STATE
 
 
 def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
@@ -71,8 +70,7 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
             router_taps.tap_router(handle, f"layer{i}", prefix, layer, router_name)  # Gemma 4: router and experts beside a dense mlp
         handle._add(layer, f"layer{i}", prefix, "output", read=residual.layer_stream if split else None,
                     capture=handle._stream_capture(f"layer{i}"))
-        if handle.step_states and STATE.config.layer_steps and f"layer{i}" in handle.taps:
-            handle.taps[f"layer{i}_step"] = prefix
+        handle._list_step(f"layer{i}", prefix)
     _warn_untapped(layers_path, layers, unrouted, no_attn)
     mixers.declare_mixers(mixers.kinds_of(layers, [layout.child(layer, layout.MIXERS) for layer in layers]),
                           mixers.routing_fact(handle.taps, bool(unrouted), handle.step_routing))
@@ -122,24 +120,24 @@ def logits_capture(handle):
     return logits
 
 
-def named_as_default(handle, tag_pattern: str, tag: str, path: str, module, side: str):
-    """The capture of an explicit tap named as a default tag the defaults did not attach
-    (`taps={"layer{i}": "transformer.blocks.{i}", "logits": "lm_head", "input_token": "...:input"}`):
-    each forward's step recorded as the default tag's is (a decoder layer's state at each step, the
-    logits, the fed token), so that decode steps are judged. None for any other tap."""
+def add_named_as_default(handle, tag_pattern: str, tag: str, path: str, module, side: str) -> bool:
+    """Attach an explicit tap named as a default tag the defaults did not attach (`taps={"layer{i}":
+    "transformer.blocks.{i}", "logits": "lm_head", "input_token": "...:input"}`) as that tag is:
+    each forward's step recorded (a decoder layer's state at each step, the logits, the fed token),
+    so that decode steps are judged. False for any other tap, which the caller attaches plainly."""
     if tag in handle.taps or handle.excludes(tag):
-        return None
+        return False
     if tag_pattern == "layer{i}" and side == "output":
         handle._first_layer = handle._first_layer or path  # where a forward starts (a looped layer's warning)
         handle._track_shape(path, module)  # the request's last position, for the step
-        if handle.step_states and STATE.config.layer_steps:
-            handle.taps[f"{tag}_step"] = path
-        return handle._stream_capture(tag)
-    if tag == "logits" and side == "output":
-        return logits_capture(handle)
-    if tag == "input_token" and side == "input":
-        return fed_capture(handle)
-    return None
+        handle._add(module, tag, path, side, capture=handle._stream_capture(tag))
+        handle._list_step(tag, path)
+        return True
+    capture = (logits_capture(handle) if (tag, side) == ("logits", "output")
+               else fed_capture(handle) if (tag, side) == ("input_token", "input") else None)
+    if capture is not None:
+        handle._add(module, tag, path, side, capture=capture)
+    return capture is not None
 
 
 def _mask_and_tokens(args, kwargs) -> tuple:

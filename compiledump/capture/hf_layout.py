@@ -159,6 +159,6 @@ def logits_path(modules: dict) -> str | None:
     (Llama 4's multimodal class holds language_model.lm_head), else an `embed_out` (GPT-NeoX
     Japanese); where a `logits_processor` sits beside it (vLLM, SGLang), that one: their lm_head
     only holds the weight the processor reads (calling it is an error)."""
-    nested = next((path for path in modules if path.endswith(".lm_head")), "embed_out" if "embed_out" in modules else None)
-    head = "lm_head" if "lm_head" in modules else nested
+    head = "lm_head" if "lm_head" in modules else next((path for path in modules if path.endswith(".lm_head")), None)
+    head = head or ("embed_out" if "embed_out" in modules else None)
     return None if head is None else _beside(head, ("logits_processor",), modules) or head

@@ -147,6 +147,12 @@ class Instrumented:
             self._handles.append(module.register_forward_hook(hook))
         self.taps[tag] = f"{path}:input" if side == "input" else path
 
+    def _list_step(self, tag: str, path: str) -> None:
+        """List a decoder layer's `<tag>_step` in `taps` where `tag` is attached and
+        `_stream_capture` keeps its steps."""
+        if self.step_states and STATE.config.layer_steps and tag in self.taps:
+            self.taps[f"{tag}_step"] = path
+
     def _track_shape(self, path: str, layer: torch.nn.Module) -> None:
         hidden_of = residual.hidden_states_reader(layer)  # vLLM's and SGLang's layers take positions first
 
@@ -195,34 +201,34 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
     """Attach capture points to `model`'s modules; returns a handle with `.remove()`.
 
     With `defaults`, a decoder-only causal LM gets, per layer i, `layer<i>_attn` (the residual
-    stream after attention), `layer<i>_router` and `layer<i>_topk` (MoE layers), `layer<i>_mlp`
-    and `layer<i>` (COMPILEDUMP_MOE_LAYERS keeps an MoE layer's router, ids and `_mlp` only below
-    it; `_attn`, a dense layer's `_mlp` and `layer<i>` at every layer); then `final_norm`, and the
-    logits of the last position as steps (`logits_<n>`: one per forward, prefill included), with the routing of that position in each MoE layer the
-    MoE layer filter keeps (`layer<i>_step_router_<n>`, `layer<i>_step_topk_<n>`: two captures
-    per such layer and forward, which `step_routing=False` leaves out; without them the
-    comparator cannot tell a decode step's routing flip from a bug), and each layer's output at that
-    position (`layer<i>_step_<n>`, of the first COMPILEDUMP_LAYER_STEPS forwards; one more capture
-    per layer and forward, which `step_states=False` leaves out), so that a decode-only bug is
-    named at its layer. `exclude` leaves tags out, `{i}` standing for every layer:
-    `exclude=("layer{i}_mlp",)` (a tag takes its steps along: `layer{i}` its `layer<i>_step_<n>`,
-    `layer{i}_router` its picks and step routing); a pattern that matches no tag raises
-    `ValueError`. In compiled bf16 code a capture can move a rounding (docs/compiling.md: the MoE
-    block's output is the measured case). `taps` adds more: `{"layer{i}_q":
-    "model.layers.{i}.self_attn.q_proj"}` (a `{i}` in both expands over the layers; paths are
-    relative to `model`; append `:input` for the module's first input instead of its output).
-    Integer tensors are captured with `record_ids`, others with `record` (the prompt's call); a tap
-    named `layer{i}` (a layer's output), `logits` or `input_token` (`:input`) that the defaults did
-    not attach records each forward's step as the default tag does. `layer<i>_router`
+    stream after attention), `layer<i>_router` and `layer<i>_topk` (MoE layers), `layer<i>_mlp` and
+    `layer<i>` (COMPILEDUMP_MOE_LAYERS keeps an MoE layer's router, ids and `_mlp` only below it;
+    `_attn`, a dense layer's `_mlp` and `layer<i>` at every layer); then `final_norm`, and the
+    logits of the last position as steps (`logits_<n>`: one per forward, prefill included), with the
+    routing of that position in each MoE layer the MoE layer filter keeps
+    (`layer<i>_step_router_<n>`, `layer<i>_step_topk_<n>`: two captures per such layer and forward,
+    which `step_routing=False` leaves out; without them the comparator cannot tell a decode step's
+    routing flip from a bug), and each layer's output at that position (`layer<i>_step_<n>`, of the
+    first COMPILEDUMP_LAYER_STEPS forwards; one more capture per layer and forward, which
+    `step_states=False` leaves out), so that a decode-only bug is named at its layer. `exclude`
+    leaves tags out, `{i}` standing for every layer: `exclude=("layer{i}_mlp",)` (a tag takes its
+    steps along: `layer{i}` its `layer<i>_step_<n>`, `layer{i}_router` its picks and step routing);
+    a pattern that matches no tag raises `ValueError`. In compiled bf16 code a capture can move a
+    rounding (docs/compiling.md: the MoE block's output is the measured case). `taps` adds more:
+    `{"layer{i}_q": "model.layers.{i}.self_attn.q_proj"}` (a `{i}` in both expands over the layers;
+    paths are relative to `model`; append `:input` for the module's first input instead of its
+    output). Integer tensors are captured with `record_ids`, others with `record` (the prompt's
+    call); a tap named `layer{i}` (a layer's output), `logits` or `input_token` (`:input`) that the
+    defaults did not attach records each forward's step as the default tag does. `layer<i>_router`
     keeps every prompt row (`router_rows="all"`, the default; the ids are recorded whole), so that
-    the comparator can judge a routing flip in any row by that row's router logits: with one row,
-    a flip in an earlier row is "not judged" (exit 3). It costs tokens x experts x 4 bytes of
-    arena per MoE layer kept; `router_rows="one"` keeps the last row, None follows
-    COMPILEDUMP_ROWS like the other taps. Hidden states
-    `[batch, seq, hidden]` keep batch row `batch_row` (default 0, the first request of a padded
-    batch): every position is a token row, and the token gate compares `seq` with the prompt;
-    the row of the 2-D `attention_mask` the base model gets is recorded as `prompt_mask`, so that
-    the comparator compares a padded row (`generate` on a batch) on its real positions.
+    the comparator can judge a routing flip in any row by that row's router logits: with one row, a
+    flip in an earlier row is "not judged" (exit 3). It costs tokens x experts x 4 bytes of arena
+    per MoE layer kept; `router_rows="one"` keeps the last row, None follows COMPILEDUMP_ROWS like
+    the other taps. Hidden states `[batch, seq, hidden]` keep batch row `batch_row` (default 0, the
+    first request of a padded batch): every position is a token row, and the token gate compares
+    `seq` with the prompt; the row of the 2-D `attention_mask` the base model gets is recorded as
+    `prompt_mask`, so that the comparator compares a padded row (`generate` on a batch) on its real
+    positions.
 
     Call it before `torch.compile`; on a compiled model it clears dynamo's caches (a warning
     says so) so that the hooks take effect.
@@ -260,8 +266,8 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
             name = path.format(i=i) if i is not None else path
             tag = tag_pattern.format(i=i) if i is not None else tag_pattern
             if name in modules:
-                capture = default_taps.named_as_default(handle, tag_pattern, tag, name, modules[name], side)
-                handle._add(modules[name], tag, name, side, capture=capture)
+                if not default_taps.add_named_as_default(handle, tag_pattern, tag, name, modules[name], side):
+                    handle._add(modules[name], tag, name, side)
                 found = True
         if not found:
             raise ValueError(f"compiledump.instrument: tap {tag_pattern!r}: no module at {path_pattern!r} "

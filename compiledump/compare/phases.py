@@ -130,12 +130,14 @@ def not_captured(dump: Dump) -> dict | None:
     drops = {str(why): count for why, count in drops.items() if isinstance(count, int) and count} \
         if isinstance(drops, dict) else {}
     tags = manifest.get("tags")
-    entries = [(name, entry) for name, entry in (tags.items() if isinstance(tags, dict) else ()) if isinstance(entry, dict)]
-    none_kept = sorted(name for name, entry in entries if entry.get("kept") == 0)
+    entries = {name: entry for name, entry in (tags.items() if isinstance(tags, dict) else ())
+               if isinstance(entry, dict)}
+    none_kept = sorted(name for name, entry in entries.items() if entry.get("kept") == 0)
     # Calls the token gate dropped of tags that kept a call: later forwards (a decode), not a tensor
     # whose first dim is never the token count (a tag that kept nothing)
-    later = sum(count for _, entry in entries if isinstance(entry.get("kept"), int) and entry["kept"] > 0
-                for why, count in (entry.get("drops") or {}).items() if why == "token_gate" and isinstance(count, int))
+    gated = [(entry.get("drops") or {}).get("token_gate") for entry in entries.values()
+             if isinstance(entry.get("kept"), int) and entry["kept"] > 0]
+    later = sum(count for count in gated if isinstance(count, int))
     return {"filtered_tags": dict(Counter(filtered.values())), "filtered": sorted(filtered),
             "tags_none_kept": none_kept, "drops": drops, "gated_after_kept": later}
 

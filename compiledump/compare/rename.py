@@ -52,7 +52,7 @@ class RenamedDump(DumpView):
         super().__init__(inner)
         self.maps = maps
         self._old: dict[str, str] = {}
-        self._left_out: dict[str, str | None] = {}  # left_out_by's answers, per tag
+        self._left_out: dict[tuple, str | None] = {}  # left_out_by's answers, per tag and patterns
         self.members: dict[str, Member] = {}
         self.infos: dict[str, KeyInfo] = {}
         for old, info in inner.infos.items():
@@ -96,12 +96,13 @@ class RenamedDump(DumpView):
         renames to `tag` (a REF name). The patterns name RUN's tags before the renaming, so such a
         tag is sought among each pattern's tags (and the tags recorded with them) at the numbers
         `tag` holds: a map that changes layer numbers is not followed."""
-        if tag not in self._left_out:
+        asked = (tag, tuple(patterns))
+        if asked not in self._left_out:
             numbers = set(re.findall(r"\d+", tag))
-            self._left_out[tag] = next((pattern for pattern in patterns for old in _pattern_tags(pattern, numbers)
-                                        if rename(old, self.maps) == tag
-                                        and self.inner.left_out_by(old, [pattern]) is not None), None)
-        return self._left_out[tag]
+            self._left_out[asked] = next((pattern for pattern in patterns for old in _pattern_tags(pattern, numbers)
+                                          if rename(old, self.maps) == tag
+                                          and self.inner.left_out_by(old, [pattern]) is not None), None)
+        return self._left_out[asked]
 
     def renamed(self) -> dict[str, str]:
         """New key -> old key, for the keys whose name changed."""

@@ -93,11 +93,13 @@ def layer_outputs(model) -> tuple[list[np.ndarray], list[np.ndarray]]:
     into its MLP's in place)."""
     layers = next(m for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList))
     outputs, mlps, handles = [], [], []
+
+    def last(out):
+        return (out[0] if isinstance(out, tuple) else out).reshape(-1, 64)[-1].float().numpy().copy()
     for layer in layers:
         mlp = getattr(layer, "mlp", None) or getattr(layer, "ffn", None) or layer.fc2
         mlp = {"BloomMLP": getattr(mlp, "dense_4h_to_h", None), "MptMLP": getattr(mlp, "down_proj", None)}.get(
             type(mlp).__name__, mlp)
-        last = lambda out: (out[0] if isinstance(out, tuple) else out).reshape(-1, 64)[-1].float().numpy().copy()  # noqa: E731
         handles.append(layer.register_forward_hook(lambda _m, _a, out: outputs.append(last(out))))
         handles.append(mlp.register_forward_hook(lambda _m, _a, out: mlps.append(last(out))))
     with torch.no_grad():

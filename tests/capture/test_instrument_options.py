@@ -267,7 +267,8 @@ def test_a_decode_only_bug_is_named_at_its_step_through_explicit_taps(dump_dir):
         handle.remove()
         torch.manual_seed(0)
     report = compare(*paths)
-    assert report.exit_status == 1 and (report.first_divergence.key, report.first_divergence.step) == ("layer2_step_1", 1)
+    first = report.first_divergence
+    assert report.exit_status == 1 and (first.key, first.step) == ("layer2_step_1", 1)
 
 
 def test_a_tap_before_the_first_layer_is_not_reshaped_by_the_last_forwards_shape(dump_dir):

@@ -143,6 +143,7 @@ def test_map_pairs_two_differently_tagged_dumps_of_one_run(dumps, reference, cap
     # MoE keys, which REF filtered. REF's manifest says so: one note, no problem per key.
     assert report.problems == []
     (note,) = [note for note in report.pairs[0].notes if "MoE layer filter" in note]
-    assert note.startswith("RUN has 4 keys whose tags REF's MoE layer filter dropped at the same COMPILEDUMP_MOE_LAYERS")
+    assert note.startswith("RUN has 4 keys whose tags REF's MoE layer filter dropped at the same "
+                           "COMPILEDUMP_MOE_LAYERS")
     assert all(key in note for key in ("layer2_moe_out", "layer2_topk", "layer3_moe_out", "layer3_topk"))
     assert any(line.startswith("note: not captured: REF 4 tags filtered (4 by COMPILEDUMP_MOE_LAYERS)") for line in out)

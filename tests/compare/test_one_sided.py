@@ -95,7 +95,8 @@ def test_tags_an_older_reference_filtered_at_the_same_setting_are_one_note(tmp_p
     ref_manifest["filtered_tags"] = {"layer2_mlp": "moe_layers", "layer3_mlp": "moe_layers"}
     ref_manifest["config"]["moe_layers"] = ref_setting
     ref_path = factory.write_compiledump(tmp_path / "ref", ref, manifest=ref_manifest)
-    run_path = factory.write_compiledump(tmp_path / "run", run, manifest=factory.manifest_for(run, source_dtype="float32"))
+    run_manifest = factory.manifest_for(run, source_dtype="float32")
+    run_path = factory.write_compiledump(tmp_path / "run", run, manifest=run_manifest)
     report = compare(ref_path, run_path)
     assert report.exit_status == 0 and report.problems == []
     (note,) = [note for note in report.pairs[0].notes if "filter" in note and "RUN has 2 keys" in note]
