@@ -64,6 +64,7 @@ def configure(**settings) -> _config.Config:
                 f"compiledump.configure: {sorted(changed)} cannot change after the arena was created"
             )
         rt.config = new
+        rt.flushed_ctrl = None  # a new directory (or settings) gets its dump at exit
         if new.fixed_tokens:
             rt.prompt_tokens = new.fixed_tokens
         if new.max_rows != STATE.config.max_rows:

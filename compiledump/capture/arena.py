@@ -49,6 +49,9 @@ class Runtime:
         self.table_bound = register.native_owns_capture(device.type)
         self.native_table = self.table_bound and not (device.type == "cpu" and register.use_triton_on_cpu())
         self.live: persist.LiveFiles | None = None
+        # The file stem and control block the last flush wrote, None since a clear(): capture/flush.py's
+        # exit flush does not rewrite a dump nothing was captured into since (one moved away stays away).
+        self.flushed_ctrl: tuple[str, bytes] | None = None
         # Plain (non-inference) tensors even if the first capture runs under inference_mode:
         # the host must be able to update them later outside it.
         with torch.inference_mode(False), torch.no_grad():
@@ -160,6 +163,7 @@ class Runtime:
             self.ctrl[L.HEADER_WORDS :].zero_()
             self.ctrl[L.REG_STEPS].fill_(0)
         self.prompt_tokens = self.config.fixed_tokens or None
+        self.flushed_ctrl = None
 
     def slot_for(self, tag: str, kind: int) -> Slot:
         """The tag's slot, created on first sight; raises on a tag/kind conflict."""

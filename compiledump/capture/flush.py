@@ -62,12 +62,13 @@ def flush() -> str | None:
     more captures writes a superset; flushing twice with nothing new writes the same content),
     atomically (temporary file + rename, npz first). Callable from any thread: concurrent
     flushes are serialized, and a capture running in another thread at the same moment lands in
-    this flush or the next. Also runs at interpreter exit and on SIGTERM/SIGINT.
+    this flush or the next. Also runs on SIGTERM/SIGINT, and at interpreter exit unless nothing
+    was captured since the last flush.
     """
     return _flush(wait_for_captures=True)
 
 
-def _flush(wait_for_captures: bool) -> str | None:
+def _flush(wait_for_captures: bool, unless_unchanged: bool = False) -> str | None:
     # From a signal handler (wait_for_captures=False) the interrupted frame may hold STATE.lock
     # (a capture planning a new tag) or the flush lock of a flush in another thread that waits
     # for STATE.lock: never block on either. The registry is then read from copies of its dicts,
@@ -95,6 +96,12 @@ def _flush(wait_for_captures: bool) -> str | None:
             # Views of host buffers (capture/arena.py Runtime.snapshot): used only below, and
             # by the writer, before the flush lock is released.
             arena, ctrl = rt.snapshot(private=private)
+            # Every capture claims a counter in the control block: an unchanged one (and no
+            # clear() or configure() since) means the last dump written holds everything, unless
+            # its file name changed (the rank became known).
+            written = (dump_stem(), ctrl.tobytes())
+            if unless_unchanged and written == rt.flushed_ctrl:
+                return None
             arrays, manifest = _collect(rt, arena, ctrl)
         finally:
             if cpu_locked:
@@ -102,7 +109,8 @@ def _flush(wait_for_captures: bool) -> str | None:
             if locked:
                 st.lock.release()
         _warn_drops(manifest)
-        path = writer.write_dump(st.config.dir, dump_stem(), arrays, manifest)
+        path = writer.write_dump(st.config.dir, written[0], arrays, manifest)
+        rt.flushed_ctrl = written
         st.dumps_written += 1
         return str(path)
     finally:
@@ -195,7 +203,9 @@ def flush_at_exit() -> None:
     """The atexit hook: flush, say on stderr when nothing (or not everything instrumented) was
     captured, and never turn interpreter exit into a traceback storm."""
     try:
-        flush()
+        # Not again when nothing was captured since the last flush: its dump is complete, and
+        # rewriting it would bring back files the program moved or removed.
+        _flush(wait_for_captures=True, unless_unchanged=True)
         remove_live_files()  # the dump is complete
         note = silence_note()
         if note is not None:

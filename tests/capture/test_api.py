@@ -171,6 +171,56 @@ def test_flush_at_exit(tmp_path):
         np.testing.assert_array_equal(data["layer0"], np.arange(8.0, 12.0, dtype=np.float32))
 
 
+@pytest.mark.parametrize("after", ["nothing", "capture", "clear_capture", "configure_dir"])
+def test_exit_flush_rewrites_only_what_changed(tmp_path, after):
+    """The exit flush writes when something was captured since the last flush (or the settings
+    changed); a dump already complete is not written again, so one moved away stays away."""
+    script = textwrap.dedent(
+        f"""
+        import pathlib, sys, torch, compiledump
+        out, moved, other = map(pathlib.Path, sys.argv[1:4])
+        compiledump.configure(dir=str(out))
+        torch.manual_seed(0)
+        compiledump.record("layer0", torch.randn(3, 5))
+        npz = pathlib.Path(compiledump.flush())
+        for path in (npz, npz.with_suffix(".json")):
+            path.replace(moved / path.name)
+        after = {after!r}
+        if after == "clear_capture":
+            compiledump.clear()  # the same capture again: the same counters, new values
+        if after == "configure_dir":
+            compiledump.configure(dir=str(other))
+        else:
+            torch.manual_seed(1)
+        if after in ("capture", "clear_capture"):
+            compiledump.record("layer0", torch.randn(3, 5))
+        """
+    )
+    out, moved, other = (tmp_path / name for name in ("out", "moved", "other"))
+    for d in (out, moved, other):
+        d.mkdir()
+    env = dict(os.environ, RANK="0")
+    env.pop("COMPILEDUMP_DIR", None)
+    subprocess.run([sys.executable, "-c", script, str(out), str(moved), str(other)], env=env, check=True,
+                   timeout=120)
+    torch.manual_seed(0)
+    first = torch.randn(3, 5)[-1].numpy()
+    torch.manual_seed(1)
+    second = torch.randn(3, 5)[-1].numpy()
+    (kept,) = moved.glob("*.npz")
+    with np.load(kept) as data:
+        np.testing.assert_array_equal(data["layer0"], first)
+    written = {"nothing": None, "capture": out, "clear_capture": out, "configure_dir": other}[after]
+    for d in (out, other):
+        files = sorted(p.name for p in d.iterdir())
+        if d != written:
+            assert files == [], (d, files)
+    if written is not None:
+        (path,) = written.glob("*.npz")
+        with np.load(path) as data:
+            np.testing.assert_array_equal(data["layer0"], first if after == "configure_dir" else second)
+
+
 # --- lifecycle, profiling, rows ---------------------------------------------------------------
 
 
