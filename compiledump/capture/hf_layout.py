@@ -18,7 +18,8 @@ from .hf_routers import int_attr
 # A decoder layer has one of these token mixers (attention, or a hybrid model's linear attention
 # or state-space block).
 MIXERS = ("self_attn", "linear_attn", "mamba", "mixer", "self_attention", "conv",  # JetMoE, Falcon, Bloom; LFM2
-          "attn", "attention")  # the GPT-2 family, MPT; GPT-NeoX
+          "attn", "attention",  # the GPT-2 family, MPT; GPT-NeoX
+          "cross_attn")  # Mllama's cross-attention layers (to the image), between its self-attention ones
 MLP_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward", "ffn", "fc2")  # MPT; OPT's MLP ends in the layer's fc2
 # The decoder layers' list (`layers`; the GPT-2 family's `h`, MPT's `blocks`) and the token embedding
 # beside it (GPT-2's `wte`, GPT-NeoX's `embed_in`, Falcon's and Bloom's `word_embeddings`, GPT-1's
@@ -32,7 +33,8 @@ INDEXERS = ("indexer",)
 # Beside `layers`: most models, Jamba/Falcon-H1, Nemotron-H, LFM2 (whose final norm is embedding_norm),
 # Qwen4-Exp (whose hyper-connection streams end in a mixer, not a norm).
 FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "embedding_norm", "hyper_connection_mixer",
-               "ln_f", "final_layer_norm")  # the GPT-2 family; GPT-NeoX, OPT
+               "ln_f", "final_layer_norm",  # the GPT-2 family; GPT-NeoX, OPT
+               "layer_norm")  # Kosmos-2's text decoder
 # Where the residual stream after attention is a module's input. Pre-norm layers (Llama, Qwen,
 # Mixtral) normalise it in post_attention_layernorm (ffn_norm, pre_ff_layernorm: other names);
 # sandwich-norm layers (Gemma 2/3) use post_attention_layernorm on the attention output before the
@@ -107,6 +109,12 @@ def find_layers(modules: dict[str, torch.nn.Module]):
     preferred to an `h` or `blocks` (a vision encoder's `blocks` of `attn`: Qwen2-VL's)."""
     found = sorted(_layer_lists(modules), key=lambda item: LAYER_LISTS.index(item[0].rpartition(".")[2]))
     return (_beside_embeddings(found, modules) or found or [(None, None)])[0]
+
+
+def has_token_embedding(layers_path: str, modules: dict[str, torch.nn.Module]) -> bool:
+    """Whether a token embedding sits beside `layers_path`: a decoder's layers have one, a vision or
+    audio encoder's (where `find_layers` falls back when no decoder's layers are recognised) not."""
+    return bool(_beside_embeddings([(layers_path, None)], modules))
 
 
 def other_token_stacks(modules: dict[str, torch.nn.Module], taken: str) -> list[str]:

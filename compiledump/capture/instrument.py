@@ -250,6 +250,12 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
                              f"{', '.join(layout.MIXERS)}); pass defaults=False and taps={{'layer{{i}}': "
                              "'<path of the layers>.{i}', 'logits': '<head>', 'input_token': '<token embedding>:input'}"
                              " (so named, they record each decode step as the default tags do)")
+        if not layout.has_token_embedding(layers_path, modules):
+            warnings.warn(f"compiledump.instrument: tapped the layers at {layers_path}, which have no token embedding "
+                          f"({', '.join(layout.TOKEN_EMBEDDINGS)}) beside them: a vision or audio encoder's, not a "
+                          "decoder's? No decoder layers were recognised. To compare the decoder, pass defaults=False "
+                          "and taps={'layer{i}': '<path of its layers>.{i}', 'logits': '<head>', 'input_token': "
+                          "'<token embedding>:input'}", RuntimeWarning, stacklevel=2)
         default_taps.add_default_taps(handle, layers_path, layers, modules)
         if others := layout.other_token_stacks(modules, layers_path):
             warnings.warn(f"compiledump.instrument: tapped the layers at {layers_path}; {', '.join(others)} also "

@@ -1,0 +1,158 @@
+"""`instrument`'s defaults on vision-language models whose language model it did not find before
+2026-12-06: Mllama (Llama 3.2 Vision), whose cross-attention layers have `cross_attn`, so its
+decoder's `layers` were passed over and the vision encoder's were tapped without a word (a
+language-model bug then read as `logits_0`); a model where only an encoder's layers are found
+(BLIP, GIT: a BERT-style decoder), now warned; Kosmos-2's final norm (`layer_norm`). Each tag is
+checked against this test's own reading of the model."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import transformers as T
+
+import compiledump
+from compiledump.compare import compare, format_report
+from helpers.hf_dump import dump_run, load_dump
+
+VOCAB, IMAGE, LAYERS, CROSS = 160, 150, 4, 1  # layer 1 attends to the image
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+
+def mllama(seed: int = 0) -> T.MllamaForConditionalGeneration:
+    config = T.MllamaConfig(
+        text_config=dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=96, cross_attention_layers=[CROSS], pad_token_id=0,
+                         bos_token_id=1, eos_token_id=2, initializer_range=0.1),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1,
+                           attention_heads=2, image_size=32, patch_size=8, vision_output_dim=64,
+                           intermediate_layers_indices=[0], max_num_tiles=1, supported_aspect_ratios=[[1, 1]]),
+        image_token_index=IMAGE)
+    torch.manual_seed(seed)
+    model = T.MllamaForConditionalGeneration(config).eval()
+    with torch.no_grad():  # initialised to 0, which makes the cross-attention layer the identity
+        cross = model.model.language_model.layers[CROSS]
+        cross.cross_attn_attn_gate.fill_(0.7)
+        cross.cross_attn_mlp_gate.fill_(-0.4)
+    return model
+
+
+def inputs(image: bool) -> dict:
+    ids = torch.randint(3, VOCAB - 20, (1, 9), generator=torch.Generator().manual_seed(5))
+    if not image:
+        return {"input_ids": ids}
+    ids[0, 0] = IMAGE
+    pixels = torch.randn(1, 1, 1, 3, 32, 32, generator=torch.Generator().manual_seed(6))
+    return {"input_ids": ids, "pixel_values": pixels, "aspect_ratio_ids": torch.tensor([[1]]),
+            "aspect_ratio_mask": torch.ones(1, 1, 1, dtype=torch.long),
+            "cross_attention_mask": torch.ones(1, ids.shape[1], 1, 1, dtype=torch.long)}
+
+
+def generate(model, image: bool):
+    def run():
+        model.generate(**inputs(image), max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    return run
+
+
+def prompt_rows(model) -> tuple[list[np.ndarray], np.ndarray]:
+    """This test's reading of a prompt forward with the image: each layer's output and the
+    cross-attention layer's stream after its gated attention (its input + tanh(gate) x attention),
+    last prompt row."""
+    layers = model.model.language_model.layers
+    outputs, seen = [], {}
+
+    def last(tensor):
+        return (tensor[0] if isinstance(tensor, tuple) else tensor)[0, -1].float().numpy().copy()
+    hooks = [layer.register_forward_hook(lambda _m, _a, out: outputs.append(last(out))) for layer in layers]
+    hooks.append(layers[CROSS].register_forward_pre_hook(
+        lambda _m, args, kwargs: seen.update(input=last(kwargs.get("hidden_states", args[0] if args else None))),
+        with_kwargs=True))
+    hooks.append(layers[CROSS].cross_attn.register_forward_hook(lambda _m, _a, out: seen.update(attn=last(out))))
+    with torch.no_grad():
+        model(**inputs(image=True))
+    for hook in hooks:
+        hook.remove()
+    gate = float(layers[CROSS].cross_attn_attn_gate.tanh())
+    return outputs, seen["input"] + gate * seen["attn"]
+
+
+def test_mllama_records_its_language_model_with_the_cross_attention_layer(tmp_path):
+    model = mllama()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = compiledump.instrument(model)
+    handle.remove()
+    assert handle.taps["layer0"] == "model.language_model.layers.0"
+    assert handle.taps["final_norm"] == "model.language_model.norm"
+    assert handle.taps["input_token"] == "model.language_model.embed_tokens:input"
+    assert not [w for w in caught if "compiledump.instrument" in str(w.message)]
+    arrays, manifest = load_dump(dump_run(model, tmp_path, generate(model, image=True)))
+    outputs, after_cross_attn = prompt_rows(model)
+    for i in range(LAYERS):
+        np.testing.assert_array_equal(arrays[f"layer{i}"], outputs[i])
+    np.testing.assert_allclose(arrays[f"layer{CROSS}_attn"], after_cross_attn, rtol=1e-5, atol=1e-6)
+    assert manifest["mixers"] == {str(i): "attention" for i in range(LAYERS)}
+    assert {f"logits_{n}" for n in range(3)} <= set(arrays)  # the prompt and two decode steps
+
+
+@pytest.mark.parametrize("image", [True, False])
+def test_an_mlp_bug_in_mllamas_language_model_is_named_at_its_layer(tmp_path, image):
+    """With the image, in the cross-attention layer; without it (the cross-attention layer does not
+    run, so it records nothing), in a self-attention layer after it. Before: `logits_0`."""
+    layer = CROSS if image else 2
+    reference = mllama(seed=1)
+    ref = dump_run(reference, tmp_path / "ref", generate(reference, image))
+    engine = copy.deepcopy(reference)
+    with torch.no_grad():
+        engine.model.language_model.layers[layer].mlp.down_proj.weight.mul_(1.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        report = compare(ref, dump_run(engine, tmp_path / "run", generate(engine, image)))
+    first = report.first_divergence
+    assert report.exit_status == 1 and first.key == f"layer{layer}_mlp", format_report(report)[-1]
+
+
+def test_an_encoders_layers_taken_for_lack_of_a_decoders_are_warned():
+    """GIT's text decoder is BERT-style (`encoder.layer`): no decoder layers are recognised, and the
+    vision encoder's, the only list found, have no token embedding beside them."""
+    config = T.GitConfig(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=2, image_size=32, patch_size=8),
+                         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+                         vocab_size=VOCAB)
+    model = T.GitForCausalLM(config).eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = compiledump.instrument(model)
+    handle.remove()
+    said = [str(w.message) for w in caught if "no token embedding" in str(w.message)]
+    assert handle.taps["layer0"] == "git.image_encoder.vision_model.encoder.layers.0"
+    assert len(said) == 1 and "git.image_encoder.vision_model.encoder.layers" in said[0], said
+    assert "defaults=False" in said[0] and "taps=" in said[0]
+
+
+def test_a_decoders_layers_beside_their_embedding_are_not_warned_about():
+    model = torch.nn.Module()
+    model.embed_tokens = torch.nn.Embedding(8, 4)
+    model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.layers[0].self_attn = torch.nn.Linear(4, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiledump.instrument(model).remove()
+    assert not [w for w in caught if "no token embedding" in str(w.message)]
+
+
+def test_kosmos2s_final_norm_is_its_text_decoders_layer_norm():
+    config = T.Kosmos2Config(text_config=dict(embed_dim=64, layers=2, attention_heads=4, ffn_dim=96,
+                                              vocab_size=VOCAB),
+                             vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                num_attention_heads=2, image_size=32, patch_size=8))
+    model = T.Kosmos2ForConditionalGeneration(config).eval()
+    handle = compiledump.instrument(model)
+    handle.remove()
+    assert handle.taps["layer0"] == "text_model.model.layers.0"
+    assert handle.taps["final_norm"] == "text_model.model.layer_norm"
