@@ -47,7 +47,8 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
             # Every layer's, whatever COMPILEDUMP_MOE_LAYERS says: attention is no MoE internal
             handle._add(getattr(layer, attn_input), f"layer{i}_attn", f"{prefix}.{attn_input}", "input",
                         read=residual.norm_stream if split else None, moe_filtered=False)
-        else:
+        elif block_name not in (None, mixer_name):
+            # (not a layer of one mixer, Mamba's or Nemotron-H's MoE `mixer`: `layer<i>` is the stream after it)
             no_attn.append(prefix)
         if block_name is not None:
             block = getattr(layer, block_name)
@@ -72,7 +73,7 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
                     capture=handle._stream_capture(f"layer{i}"))
         handle._list_step(f"layer{i}", prefix)
     _warn_untapped(layers_path, layers, unrouted, no_attn)
-    mixers.declare_mixers(mixers.kinds_of(layers, [layout.child(layer, layout.MIXERS) for layer in layers]),
+    mixers.declare_mixers(mixers.kinds_of(layers, [layout.mixer_for_kind(layer) for layer in layers]),
                           mixers.routing_fact(handle.taps, bool(unrouted), handle.step_routing))
     if (norm_path := layout.final_norm_path(layers_path, modules)) is not None:
         handle._add(modules[norm_path], "final_norm", norm_path, "output")
@@ -94,6 +95,27 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
             handle.taps[spec.PROMPT_MASK_TAG] = f"{base_path}:attention_mask"
     if (head_path := layout.logits_path(modules)) is not None:
         handle._add(modules[head_path], "logits", head_path, "output", capture=logits_capture(handle))
+
+
+# The model-level tags a verdict needs, where they were looked for and what is lost without each. (A
+# missing final norm is not warned: post-norm decoders have none, and its bug shows in the logits.)
+_UNFOUND = {
+    "logits": ("no head for the logits (lm_head, embed_out, get_output_embeddings()): a bug after the last "
+               "layer reads as no divergence, and decode steps are judged by the layers' states alone"),
+    "input_token": (f"no token embedding beside the layers ({', '.join(layout.TOKEN_EMBEDDINGS)}): a step the two "
+                    "sides fed different tokens (after an argmax flip) reads as a divergence"),
+}
+
+
+def warn_unfound(handle, layers_path: str) -> None:
+    """One warning naming the model-level default tags (logits, fed token) that neither the defaults
+    nor an explicit tap attached, what is lost without each, and the taps that would."""
+    unfound = [tag for tag in _UNFOUND if tag not in handle.taps and not handle.excludes(tag)]
+    if unfound:
+        said = "; ".join(f"`{tag}`: {_UNFOUND[tag]}" for tag in unfound)
+        example = ", ".join(f"'{tag}': '<{tag} module>{':input' if tag == 'input_token' else ''}'" for tag in unfound)
+        warnings.warn(f"compiledump.instrument: not recorded beside the layers at {layers_path}: {said}. Tap "
+                      f"them by name: taps={{{example}}}", RuntimeWarning, stacklevel=3)
 
 
 def fed_capture(handle):

@@ -19,13 +19,19 @@ from .hf_routers import int_attr
 # or state-space block).
 MIXERS = ("self_attn", "linear_attn", "mamba", "mixer", "self_attention", "conv",  # JetMoE, Falcon, Bloom; LFM2
           "attn", "attention",  # the GPT-2 family, MPT; GPT-NeoX
-          "cross_attn")  # Mllama's cross-attention layers (to the image), between its self-attention ones
-MLP_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward", "ffn", "fc2")  # MPT; OPT's MLP ends in the layer's fc2
+          "cross_attn",  # Mllama's cross-attention layers (to the image), between its self-attention ones
+          "temporal_block", "mlstm_layer")  # RecurrentGemma (recurrent or attention), xLSTM
+# A layer's mixer that is not softmax attention, named for what it is: where a layer has one beside
+# attention (Falcon-H1's mamba and self_attn, summed), the layer is a state-space one (mixers.py).
+RECURRENT_MIXERS = ("linear_attn", "mamba", "conv", "mlstm_layer")
+MLP_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward", "ffn", "fc2",  # MPT; OPT's MLP ends in the layer's fc2
+              "mlp_block")  # RecurrentGemma
 # The decoder layers' list (`layers`; the GPT-2 family's `h`, MPT's `blocks`) and the token embedding
 # beside it (GPT-2's `wte`, GPT-NeoX's `embed_in`, Falcon's and Bloom's `word_embeddings`, GPT-1's
-# `tokens_embed`).
+# `tokens_embed`; Mamba's, RWKV's, xLSTM's and Nemotron-H's `embeddings`, counted only as an
+# `nn.Embedding`: a vision encoder's `embeddings` are patch embeddings).
 LAYER_LISTS = ("layers", "h", "blocks")
-TOKEN_EMBEDDINGS = ("embed_tokens", "wte", "embed_in", "word_embeddings", "tokens_embed")  # last: GPT-1
+TOKEN_EMBEDDINGS = ("embed_tokens", "wte", "embed_in", "word_embeddings", "tokens_embed", "embeddings")
 ROUTERS = ("gate", "router")  # the MoE block's router: Qwen/Mixtral/DeepSeek, gpt-oss/Granite
 # A sparse-attention indexer inside the attention module (DeepSeek-V3.2, GLM-MoE-DSA, ...): it picks
 # the keys each query attends to, by the top-k of an index score.
@@ -34,7 +40,8 @@ INDEXERS = ("indexer",)
 # Qwen4-Exp (whose hyper-connection streams end in a mixer, not a norm).
 FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "embedding_norm", "hyper_connection_mixer",
                "ln_f", "final_layer_norm",  # the GPT-2 family; GPT-NeoX, OPT
-               "layer_norm")  # Kosmos-2's text decoder
+               "layer_norm",  # Kosmos-2's text decoder
+               "ln_out", "final_norm", "out_norm")  # RWKV, RecurrentGemma, xLSTM
 # Where the residual stream after attention is a module's input. Pre-norm layers (Llama, Qwen,
 # Mixtral) normalise it in post_attention_layernorm (ffn_norm, pre_ff_layernorm: other names);
 # sandwich-norm layers (Gemma 2/3) use post_attention_layernorm on the attention output before the
@@ -43,7 +50,8 @@ FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "embedding_norm", "hyper_con
 # family's is ln_2 (MPT's norm_2, Apertus' feedforward_layernorm); GPT-J, CodeGen, Phi and Falcon's
 # new layers have none (attention and MLP read the same input).
 _MLP_NORMS = ("pre_feedforward_layernorm", "pre_ff_layernorm", "ffn_norm", "pre_mlp_layernorm",  # AFMoE
-              "ln_2", "norm_2", "feedforward_layernorm")  # the GPT-2 family, MPT, Apertus
+              "ln_2", "norm_2", "feedforward_layernorm",  # the GPT-2 family, MPT, Apertus
+              "channel_pre_norm", "norm_ffn", "ln2")  # RecurrentGemma, xLSTM, RWKV
 
 
 def child(module: torch.nn.Module, names: tuple[str, ...]) -> str | None:
@@ -131,8 +139,13 @@ def _layer_lists(modules: dict[str, torch.nn.Module]) -> list[tuple[str, torch.n
 
 
 def _beside_embeddings(found: list, modules: dict[str, torch.nn.Module]) -> list:
-    return [(name, module) for name, module in found
-            if any(hasattr(modules[name.rpartition(".")[0]], embedding) for embedding in TOKEN_EMBEDDINGS)]
+    return [(name, module) for name, module in found if _token_embedding_of(modules[name.rpartition(".")[0]])]
+
+
+def _token_embedding_of(parent: torch.nn.Module) -> str | None:
+    """The name of `parent`'s token embedding (TOKEN_EMBEDDINGS), or None."""
+    return next((name for name in TOKEN_EMBEDDINGS if isinstance(getattr(parent, name, None), torch.nn.Module)
+                 and (name != "embeddings" or isinstance(getattr(parent, name), torch.nn.Embedding))), None)
 
 
 def _beside(path: str, names, modules: dict) -> str | None:
@@ -159,14 +172,34 @@ def consecutive(path: str, modules: dict) -> range:
 def token_embedding_path(layers_path: str, modules: dict) -> str | None:
     """The token embedding beside `layers` (TOKEN_EMBEDDINGS: its input is the token ids a forward
     feeds), or None."""
-    return _beside(layers_path, TOKEN_EMBEDDINGS, modules)
+    parent = layers_path.rpartition(".")[0]
+    name = _token_embedding_of(modules[parent])
+    return None if name is None else f"{parent}.{name}" if parent else name
 
 
 def logits_path(modules: dict) -> str | None:
     """The module whose output is the logits: the model's own lm_head, else the nearest nested one
     (Llama 4's multimodal class holds language_model.lm_head), else an `embed_out` (GPT-NeoX
-    Japanese); where a `logits_processor` sits beside it (vLLM, SGLang), that one: their lm_head
-    only holds the weight the processor reads (calling it is an error)."""
+    Japanese), else what the model's `get_output_embeddings()` returns (RWKV's `head`, BioGPT's
+    `output_projection`); where a `logits_processor` sits beside it (vLLM, SGLang), that one: their
+    lm_head only holds the weight the processor reads (calling it is an error)."""
     head = "lm_head" if "lm_head" in modules else next((path for path in modules if path.endswith(".lm_head")), None)
-    head = head or ("embed_out" if "embed_out" in modules else None)
+    head = head or ("embed_out" if "embed_out" in modules else None) or _output_embeddings(modules)
     return None if head is None else _beside(head, ("logits_processor",), modules) or head
+
+
+def _output_embeddings(modules: dict) -> str | None:
+    """The path of the module the model's `get_output_embeddings()` returns (a transformers model's
+    head under any name), or None."""
+    get = getattr(modules[""], "get_output_embeddings", None)
+    try:
+        head = get() if callable(get) else None
+    except (AttributeError, NotImplementedError, TypeError):  # a model that does not say
+        return None
+    return None if head is None else next((path for path, module in modules.items() if path and module is head), None)
+
+
+def mixer_for_kind(layer: torch.nn.Module) -> str | None:
+    """The child that says what kind of token mixer `layer` is (mixers.kinds_of): a recurrent one
+    where the layer has one beside attention (Falcon-H1), else its mixer (MIXERS)."""
+    return child(layer, RECURRENT_MIXERS) or child(layer, MIXERS)

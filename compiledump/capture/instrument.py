@@ -252,10 +252,10 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
                              " (so named, they record each decode step as the default tags do)")
         if not layout.has_token_embedding(layers_path, modules):
             warnings.warn(f"compiledump.instrument: tapped the layers at {layers_path}, which have no token embedding "
-                          f"({', '.join(layout.TOKEN_EMBEDDINGS)}) beside them: a vision or audio encoder's, not a "
-                          "decoder's? No decoder layers were recognised. To compare the decoder, pass defaults=False "
-                          "and taps={'layer{i}': '<path of its layers>.{i}', 'logits': '<head>', 'input_token': "
-                          "'<token embedding>:input'}", RuntimeWarning, stacklevel=2)
+                          f"({', '.join(layout.TOKEN_EMBEDDINGS)}) beside them. If they are an encoder's (a vision or "
+                          "audio tower), the decoder's layers were not recognised: to compare the decoder, pass "
+                          "defaults=False and taps={'layer{i}': '<path of its layers>.{i}', 'logits': '<head>', "
+                          "'input_token': '<token embedding>:input'}", RuntimeWarning, stacklevel=2)
         default_taps.add_default_taps(handle, layers_path, layers, modules)
         if others := layout.other_token_stacks(modules, layers_path):
             warnings.warn(f"compiledump.instrument: tapped the layers at {layers_path}; {', '.join(others)} also "
@@ -272,7 +272,15 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
             name = path.format(i=i) if i is not None else path
             tag = tag_pattern.format(i=i) if i is not None else tag_pattern
             if name in modules:
-                if not default_taps.add_named_as_default(handle, tag_pattern, tag, name, modules[name], side):
+                target = f"{name}:input" if side == "input" else name
+                if tag in handle.taps and handle.taps[tag] != target:
+                    handle.remove()
+                    raise ValueError(f"compiledump.instrument: tap {tag!r} at {target!r}: the defaults already "
+                                     f"record {tag!r} at {handle.taps[tag]!r}; to record it elsewhere, leave it "
+                                     f"out of the defaults with exclude=({re.sub(r'^layer[0-9]+', 'layer{i}', tag)!r},)"
+                                     " and tap it under another name, or pass defaults=False")
+                if tag not in handle.taps and not default_taps.add_named_as_default(
+                        handle, tag_pattern, tag, name, modules[name], side):
                     handle._add(modules[name], tag, name, side)
                 found = True
         if not found:
@@ -283,6 +291,8 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
         handle.remove()
         raise ValueError(f"compiledump.instrument: exclude pattern(s) {', '.join(map(repr, unmatched))} match no tag "
                          f"attached (tags: {', '.join(_tag_patterns({*handle.taps, *handle._left_out}))})")
+    if defaults:
+        default_taps.warn_unfound(handle, layers_path)
     mixers.declare_exclude(list(handle._exclude))
     STATE.instruments.append(handle)
     return handle

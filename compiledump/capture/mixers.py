@@ -31,7 +31,7 @@ from .state import STATE
 # Bailing's BailingHybridDeltaAttention) or `mixer` (Nemotron-H's NemotronHMamba2Mixer). They are
 # looked for after the prefix every mixer class of the model shares (its name: "KimiLinear").
 RECURRENT_WORDS = ("linear", "delta", "lightning", "mamba", "ssm", "retention", "rwkv", "recurrent")
-_BY_CLASS = ("self_attn", "self_attention", "mixer", "attn", "attention", "cross_attn")
+_BY_CLASS = ("self_attn", "self_attention", "mixer", "attn", "attention", "cross_attn", "temporal_block")
 
 
 def kinds_of(layers, names: list[str | None]) -> dict[int, str]:
