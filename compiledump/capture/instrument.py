@@ -87,10 +87,13 @@ class Instrumented:
         shape = self._shape
         if tensor.dim() == 3 or (tensor.dim() == 4 and tuple(tensor.shape[:2]) == (shape.batch, shape.seq)):
             return tensor[self.batch_row]
-        # Only a tensor of batch x seq rows is the layer's tokens flattened: a tap that runs before
-        # the first layer still sees the previous forward's shape
+        # Only a tensor of batch x seq rows is the layer's tokens flattened
         if tensor.dim() == 2 and shape.batch is not None and tensor.shape[0] == shape.batch * shape.seq:
             return tensor.reshape(shape.batch, shape.seq, tensor.shape[-1])[self.batch_row]
+        # The forward's own [batch, seq] ids (a tap of the token embedding's input): the request's,
+        # so that a first capture [1, seq] does not teach the token gate a prompt of 1 token
+        if tensor.dim() == 2 and not tensor.is_floating_point() and tuple(tensor.shape) == (shape.batch, shape.seq):
+            return tensor[self.batch_row]
         return tensor
 
     def _step_row(self, rows: torch.Tensor) -> torch.Tensor:
@@ -152,6 +155,19 @@ class Instrumented:
         `_stream_capture` keeps its steps."""
         if self.step_states and STATE.config.layer_steps and tag in self.taps:
             self.taps[f"{tag}_step"] = path
+
+    def _track_call_shape(self) -> None:
+        """The model's own [batch, seq] (its input ids or embeddings) before any tap of the forward
+        runs: a tap before the first layer (the token embedding's) would see the previous forward's.
+        Flat [tokens] ids (vLLM-style) give none."""
+        def pre_hook(_module, args, kwargs):
+            if STATE.config.active:
+                tokens = kwargs.get("input_ids")
+                if tokens is None:
+                    tokens = kwargs.get("inputs_embeds", args[0] if args else None)
+                batched = isinstance(tokens, torch.Tensor) and tokens.dim() >= 2
+                self._shape.batch, self._shape.seq = (tokens.shape[0], tokens.shape[1]) if batched else (None, None)
+        self._handles.append(self.model.register_forward_pre_hook(pre_hook, with_kwargs=True))
 
     def _track_shape(self, path: str, layer: torch.nn.Module) -> None:
         hidden_of = residual.hidden_states_reader(layer)  # vLLM's and SGLang's layers take positions first
@@ -240,6 +256,7 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
         raise TypeError(f"compiledump.instrument: exclude takes a sequence of tag patterns, got the string {exclude!r} "
                         f"(write exclude=({exclude!r},))")
     handle = Instrumented(inner, batch_row, step_routing, router_rows, step_states, exclude)
+    handle._track_call_shape()
     mixers.declare_exclude([])  # another model's patterns: gone, whether or not this call succeeds
     modules = dict(inner.named_modules())
     layers_path, layers = layout.find_layers(modules)

@@ -271,12 +271,22 @@ def test_a_decode_only_bug_is_named_at_its_step_through_explicit_taps(dump_dir):
     assert report.exit_status == 1 and (first.key, first.step) == ("layer2_step_1", 1)
 
 
-def test_a_tap_before_the_first_layer_is_not_reshaped_by_the_last_forwards_shape(dump_dir):
-    """The token ids tapped at the embedding run before the first layer's hook sets this forward's
-    [batch, seq]: a decode step's [2, 1] ids were reshaped as the prompt's [2, 5] (a crash)."""
+def test_a_tap_before_the_first_layer_reads_this_forwards_shape(dump_dir):
+    """The token ids tapped at the embedding run before the first layer's hook: a decode step's
+    [2, 1] ids were reshaped as the prompt's [2, 5] (a crash); then the prompt's [2, 5] ids were
+    kept whole, and their first dim taught the token gate a prompt of 2 tokens, so that no prompt
+    record of the 5 tokens was kept. The model's own [batch, seq] is read before any tap now: the
+    ids are the request's row, and the prompt's records are kept."""
     torch.manual_seed(0)
     model = _Stack().eval()
+    first = {}
+    hook = model.stack[1].register_forward_hook(lambda _m, _a, out: first.update(layer1=out[0, -1].clone())
+                                                if not first else None)
     compiledump.instrument(model, {**EXPLICIT, "ids": "embed:input"}, defaults=False)
     _decode(model)
-    arrays, _ = _load(compiledump.flush())
-    assert arrays["ids"].shape == (2, 5) and {"layer1_step_3", "logits_3"} <= arrays.keys()
+    hook.remove()
+    arrays, manifest = _load(compiledump.flush())
+    prompt = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(3))  # _decode's
+    np.testing.assert_array_equal(arrays["ids"], prompt[0].numpy())
+    np.testing.assert_array_equal(arrays["layer1"], first["layer1"].numpy())
+    assert manifest["prompt_tokens"] == 5 and {"layer1_step_3", "logits_3"} <= arrays.keys()
