@@ -12,6 +12,7 @@ import torch
 
 from ..format import spec
 from . import api, hf_layout as layout, indexers, mixers, residual, router_taps, routers
+from .state import STATE, warn_once
 
 
 def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
@@ -72,6 +73,11 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
         handle._add(layer, f"layer{i}", prefix, "output", read=residual.layer_stream if split else None,
                     capture=handle._stream_capture(f"layer{i}"))
         handle._list_step(f"layer{i}", prefix)
+    if layout.has_tower(handle.model, modules, layers_path):
+        # A vision-language (or audio) model merges the tower's features into the first layer's
+        # input, the image rows, which the layers' one-row tags never see: every prompt row of it
+        handle._add(layers[0], INPUT_EMBEDS, f"{layers_path}.0", "input", capture=embeds_capture(handle),
+                    read=residual.hidden_states_reader(layers[0]))
     _warn_untapped(layers_path, layers, unrouted, no_attn)
     mixers.declare_mixers(mixers.kinds_of(layers, [layout.mixer_for_kind(layer) for layer in layers]),
                           mixers.routing_fact(handle.taps, bool(unrouted), handle.step_routing))
@@ -116,6 +122,29 @@ def warn_unfound(handle, layers_path: str) -> None:
         example = ", ".join(f"'{tag}': '<{tag} module>{':input' if tag == 'input_token' else ''}'" for tag in unfound)
         warnings.warn(f"compiledump.instrument: not recorded beside the layers at {layers_path}: {said}. Tap "
                       f"them by name: taps={{{example}}}", RuntimeWarning, stacklevel=3)
+
+
+INPUT_EMBEDS = "input_embeds"
+
+
+def embeds_capture(handle):
+    """The `input_embeds` capture: every prompt row of the first layer's input hidden states, unless
+    they would take over an eighth of the arena (then none, with one warning naming the size)."""
+    def embeds(value) -> None:
+        tensor = value[0] if isinstance(value, (tuple, list)) else value
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            return
+        rows = handle._rows(tensor)
+        nbytes, budget = 4 * rows.numel(), STATE.config.arena_mb * 2**20 // 8
+        if nbytes <= budget:
+            handle.fired = True
+            api.record(INPUT_EMBEDS, rows, rows="all")
+        elif not torch.compiler.is_compiling():
+            warn_once(f"instrument: {INPUT_EMBEDS} (every prompt row of the first layer's input, where a vision or "
+                      f"audio tower's features enter) would take {nbytes / 2**20:.0f} MiB, over an eighth of the "
+                      f"arena (COMPILEDUMP_ARENA_MB={STATE.config.arena_mb}): not recorded. Set COMPILEDUMP_ARENA_MB="
+                      f"{-(-8 * nbytes // 2**20)} or more to record it")
+    return embeds
 
 
 def fed_capture(handle):

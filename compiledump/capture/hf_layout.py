@@ -125,6 +125,21 @@ def has_token_embedding(layers_path: str, modules: dict[str, torch.nn.Module]) -
     return bool(_beside_embeddings([(layers_path, None)], modules))
 
 
+# A composite model's config names the tower whose features it merges into the token embeddings.
+TOWER_CONFIGS = ("vision_config", "audio_config", "speech_config", "visual_config")
+
+
+def has_tower(model: torch.nn.Module, modules: dict[str, torch.nn.Module], layers_path: str) -> bool:
+    """Whether features of another input (an image, audio) may enter the decoder beside the token
+    embeddings: the config names a vision or audio tower (TOWER_CONFIGS), or another layer list
+    without a token embedding beside it (an encoder) sits in the model."""
+    config = getattr(model, "config", None)
+    if any(getattr(config, name, None) is not None for name in TOWER_CONFIGS):
+        return True
+    return any(name != layers_path and not _beside_embeddings([(name, None)], modules)
+               for name, _ in _layer_lists(modules))
+
+
 def other_token_stacks(modules: dict[str, torch.nn.Module], taken: str) -> list[str]:
     """The paths of layer lists beside a token embedding other than `taken`: a text encoder's
     and a decoder's (Bart, DiffusionGemma), of which `find_layers` takes the first."""

@@ -8,6 +8,7 @@ checked against this test's own reading of the model."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 
 import numpy as np
@@ -16,6 +17,7 @@ import torch
 import transformers as T
 
 import compiledump
+from compiledump import config as cd_config
 from compiledump.compare import compare, format_report
 from helpers.hf_dump import dump_run, load_dump
 
@@ -156,3 +158,124 @@ def test_kosmos2s_final_norm_is_its_text_decoders_layer_norm():
     handle.remove()
     assert handle.taps["layer0"] == "text_model.model.layers.0"
     assert handle.taps["final_norm"] == "text_model.model.layer_norm"
+
+
+# --- input_embeds: where a tower's features enter --------------------------------------------------
+
+PRE, IMAGE_ROWS, POST = [5, 6, 7], 16, [8, 9, 10]  # 16 patches of a 32x32 image (CLIP's class token dropped)
+
+
+def llava(seed: int = 0) -> T.LlavaForConditionalGeneration:
+    config = T.LlavaConfig(
+        text_config=dict(model_type="llama", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=LAYERS,
+                         num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, initializer_range=0.1,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8),
+        image_token_index=IMAGE, image_seq_length=IMAGE_ROWS)
+    torch.manual_seed(seed)
+    return T.LlavaForConditionalGeneration(config).eval()
+
+
+def llava_session(model, feed: list | None = None):
+    """The image prompt and STEPS cached decode steps, greedy or fed `feed`."""
+    fed = []
+
+    def run():
+        ids = torch.tensor([PRE + [IMAGE] * IMAGE_ROWS + POST])
+        pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(6)).to(model.dtype)
+        out = model(input_ids=ids, pixel_values=pixels, use_cache=True)
+        for n in range(3):
+            token = feed[n] if feed is not None else out.logits[:, -1:].argmax(-1)
+            fed.append(token)
+            out = model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+    return run, fed
+
+
+def test_input_embeds_holds_every_prompt_row_of_the_first_layers_input(tmp_path):
+    """A vision-language model merges its tower's features into the first layer's input, rows the
+    one-row tags never see (the prompt's last row is text): `input_embeds` keeps them all."""
+    model = llava()
+    seen = []
+    hook = model.model.language_model.layers[0].register_forward_pre_hook(
+        lambda _m, args, kwargs: seen.append(kwargs.get("hidden_states", args[0] if args else None)[0].clone()),
+        with_kwargs=True)
+    run, _ = llava_session(model)
+    arrays, manifest = load_dump(dump_run(model, tmp_path, run))
+    hook.remove()
+    np.testing.assert_array_equal(arrays["input_embeds"], seen[0].numpy())
+    assert arrays["input_embeds"].shape == (len(PRE) + IMAGE_ROWS + len(POST), 64)
+    assert manifest["keys"]["input_embeds"]["rows"] == "all"
+    text_only = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                                 num_attention_heads=4, intermediate_size=96))
+    handle = compiledump.instrument(text_only)
+    handle.remove()
+    assert "input_embeds" not in handle.taps and "input_embeds" in compiledump.instrument(model).taps
+
+
+def test_a_projector_bug_is_named_at_the_image_rows_of_input_embeds_and_an_honest_bf16_pair_is_clean(tmp_path):
+    reference = llava(seed=1)
+    run, fed = llava_session(reference)
+    ref = dump_run(reference, tmp_path / "ref", run)
+    for label, factor in (("honest", 1.0), ("bug", 1.01)):
+        engine = copy.deepcopy(reference)
+        with torch.no_grad():
+            engine.model.multi_modal_projector.linear_2.weight.mul_(factor)
+        engine = engine.to(torch.bfloat16) if label == "honest" else engine
+        run, _ = llava_session(engine, feed=fed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            report = compare(ref, dump_run(engine, tmp_path / label, run))
+        last = format_report(report)[-1]
+        if label == "honest":
+            assert report.exit_status == 0, last
+        else:
+            first = report.first_divergence
+            assert report.exit_status == 1 and first.key == "input_embeds", last
+            assert first.divergent_rows == list(range(len(PRE), len(PRE) + IMAGE_ROWS)), last
+
+
+class _ToyVLM(torch.nn.Module):
+    """A decoder whose config names a vision tower, fed embeddings of any length."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = T.PretrainedConfig()
+        self.config.vision_config = {"model_type": "tower"}
+        self.embed_tokens = torch.nn.Embedding(8, 64)
+        self.layers = torch.nn.ModuleList([_Block()])
+        self.lm_head = torch.nn.Linear(64, 8)
+
+    def forward(self, input_ids):
+        return self.lm_head(self.layers[0](self.embed_tokens(input_ids)))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.self_attn = torch.nn.Linear(64, 64)
+
+    def forward(self, hidden_states):
+        return hidden_states + self.self_attn(hidden_states)
+
+
+def test_input_embeds_over_an_eighth_of_the_arena_is_not_recorded_and_warned(tmp_path):
+    """600 rows x 64 x 4 bytes: 150 KiB, over an eighth of a 1 MiB arena; the other tags keep their room."""
+    previous = compiledump.get_config()
+    compiledump.reset()
+    compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(tmp_path), arena_mb=1)))
+    try:
+        model = _ToyVLM().eval()
+        handle = compiledump.instrument(model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.no_grad():
+                model(torch.randint(0, 8, (1, 600), generator=torch.Generator().manual_seed(0)))
+        handle.remove()
+        said = [str(w.message) for w in caught if "input_embeds" in str(w.message)]
+        assert len(said) == 1 and "COMPILEDUMP_ARENA_MB=2 or more" in said[0], said
+        arrays, _ = load_dump(compiledump.flush())
+        assert "input_embeds" not in arrays and {"layer0", "logits_0"} <= set(arrays)
+    finally:
+        compiledump.reset()
+        compiledump.configure(**dataclasses.asdict(previous))
