@@ -20,10 +20,11 @@ from .hf_routers import int_attr
 MIXERS = ("self_attn", "linear_attn", "mamba", "mixer", "self_attention", "conv",  # JetMoE, Falcon, Bloom; LFM2
           "attn", "attention",  # the GPT-2 family, MPT; GPT-NeoX
           "cross_attn",  # Mllama's cross-attention layers (to the image), between its self-attention ones
-          "temporal_block", "mlstm_layer")  # RecurrentGemma (recurrent or attention), xLSTM
+          "temporal_block", "mlstm_layer",  # RecurrentGemma (recurrent or attention), xLSTM
+          "mamba_decoder")  # Zamba's hybrid layers: a shared transformer block feeding a Mamba layer
 # A layer's mixer that is not softmax attention, named for what it is: where a layer has one beside
 # attention (Falcon-H1's mamba and self_attn, summed), the layer is a state-space one (mixers.py).
-RECURRENT_MIXERS = ("linear_attn", "mamba", "conv", "mlstm_layer")
+RECURRENT_MIXERS = ("linear_attn", "mamba", "conv", "mlstm_layer", "mamba_decoder")
 MLP_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward", "ffn", "fc2",  # MPT; OPT's MLP ends in the layer's fc2
               "mlp_block")  # RecurrentGemma
 # The decoder layers' list (`layers`; the GPT-2 family's `h`, MPT's `blocks`) and the token embedding

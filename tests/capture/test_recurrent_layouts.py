@@ -3,7 +3,7 @@ which before 2026-12-06 lost tags without a word: RWKV had no `logits`, `final_n
 `input_token` (a 5 % bug in its head or final norm read "no divergence"), BioGPT no `logits`,
 Mamba's family no `input_token` (a step fed another token read as a divergence); Falcon-H1's
 layers, which sum a Mamba mixer and attention, were declared attention (no hybrid caution);
-RecurrentGemma and xLSTM raised "no decoder layers found". Each tag is checked against this test's
+RecurrentGemma, xLSTM and Zamba raised "no decoder layers found". Each tag is checked against this test's
 own reading of the model (forward hooks, the residual identity)."""
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ CONFIGS = {
     "xlstm": dict(embedding_dim=64, num_heads=4, num_blocks=4, qk_dim_factor=1.0, v_dim_factor=1.0, chunk_size=16,
                   mode="inference"),
     "biogpt": dict(),
+    "zamba2": dict(mamba_d_state=8, mamba_headdim=16, mamba_ngroups=1, n_mamba_heads=8, chunk_size=16,
+                   num_mem_blocks=1, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+                   use_shared_attention_adapter=False, attention_head_dim=32),
 }
 # Where each keeps what the defaults look for: (head, final norm, token embedding, layers)
 PLACES = {
@@ -43,6 +46,7 @@ PLACES = {
     "recurrent_gemma": ("lm_head", "model.final_norm", "model.embed_tokens", "model.layers"),
     "xlstm": ("lm_head", "backbone.out_norm", "backbone.embeddings", "backbone.blocks"),
     "biogpt": ("output_projection", "biogpt.layer_norm", "biogpt.embed_tokens", "biogpt.layers"),
+    "zamba2": ("lm_head", "model.final_layernorm", "model.embed_tokens", "model.layers"),
 }
 # Sequential layers whose stream after the mixer is a norm's input: layer<i> = layer<i>_attn + layer<i>_mlp
 SEQUENTIAL = ("rwkv", "falcon_h1", "recurrent_gemma", "xlstm")
@@ -138,7 +142,7 @@ def test_the_defaults_find_head_norm_embedding_and_layers(tmp_path, name):
     kinds = set(manifest["mixers"].values())
     assert kinds == {"falcon_h1": {"mamba"}, "mamba": {"mamba"}, "rwkv": {"RwkvSelfAttention"},
                      "recurrent_gemma": {"RecurrentGemmaRecurrentBlock", "attention"}, "xlstm": {"mlstm_layer"},
-                     "biogpt": {"attention"}}[name]
+                     "biogpt": {"attention"}, "zamba2": {"mamba", "mamba_decoder"}}[name]
 
 
 @pytest.mark.parametrize("name, weight", [("rwkv", "head"), ("rwkv", "rwkv.ln_out"), ("biogpt", "output_projection")])
