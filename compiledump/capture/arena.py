@@ -298,7 +298,8 @@ class Runtime:
         slot.source_dtype = str(x.dtype).removeprefix("torch.")
         slot.source_shape = list(x.shape) if source_shape is None else source_shape
         slot.capacity = capacity
-        if start + words <= self.arena.numel():
+        capped = slot.tag == spec.INPUT_EMBEDS_TAG and words > self.arena.numel() // 8  # (spec.py)
+        if start + words <= self.arena.numel() and not capped:
             slot.offset = start
             self.used_words = start + words
         if self.live is not None:

@@ -12,7 +12,6 @@ import torch
 
 from ..format import spec
 from . import api, hf_layout as layout, indexers, mixers, residual, router_taps, routers
-from .state import STATE, warn_once
 
 
 def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
@@ -73,10 +72,10 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
         handle._add(layer, f"layer{i}", prefix, "output", read=residual.layer_stream if split else None,
                     capture=handle._stream_capture(f"layer{i}"))
         handle._list_step(f"layer{i}", prefix)
-    if layout.has_tower(handle.model, modules, layers_path):
+    if layout.has_tower(handle.model):
         # A vision-language (or audio) model merges the tower's features into the first layer's
         # input, the image rows, which the layers' one-row tags never see: every prompt row of it
-        handle._add(layers[0], INPUT_EMBEDS, f"{layers_path}.0", "input", capture=embeds_capture(handle),
+        handle._add(layers[0], spec.INPUT_EMBEDS_TAG, f"{layers_path}.0", "input", capture=embeds_capture(handle),
                     read=residual.hidden_states_reader(layers[0]))
     _warn_untapped(layers_path, layers, unrouted, no_attn)
     mixers.declare_mixers(mixers.kinds_of(layers, [layout.mixer_for_kind(layer) for layer in layers]),
@@ -121,29 +120,18 @@ def warn_unfound(handle, layers_path: str) -> None:
         said = "; ".join(f"`{tag}`: {_UNFOUND[tag]}" for tag in unfound)
         example = ", ".join(f"'{tag}': '<{tag} module>{':input' if tag == 'input_token' else ''}'" for tag in unfound)
         warnings.warn(f"compiledump.instrument: not recorded beside the layers at {layers_path}: {said}. Tap "
-                      f"them by name: taps={{{example}}}", RuntimeWarning, stacklevel=3)
-
-
-INPUT_EMBEDS = "input_embeds"
+                      f"them by name: taps={{{example}}}", RuntimeWarning, stacklevel=4)
 
 
 def embeds_capture(handle):
-    """The `input_embeds` capture: every prompt row of the first layer's input hidden states, unless
-    they would take over an eighth of the arena (then none, with one warning naming the size)."""
+    """The `input_embeds` capture: every prompt row of the first layer's input hidden states (its
+    region at most an eighth of the arena, decided when the kernel runs: over it, the capture is
+    counted as arena_full and the flush warns, with no shape tested while tracing)."""
     def embeds(value) -> None:
         tensor = value[0] if isinstance(value, (tuple, list)) else value
-        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
-            return
-        rows = handle._rows(tensor)
-        nbytes, budget = 4 * rows.numel(), STATE.config.arena_mb * 2**20 // 8
-        if nbytes <= budget:
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
             handle.fired = True
-            api.record(INPUT_EMBEDS, rows, rows="all")
-        elif not torch.compiler.is_compiling():
-            warn_once(f"instrument: {INPUT_EMBEDS} (every prompt row of the first layer's input, where a vision or "
-                      f"audio tower's features enter) would take {nbytes / 2**20:.0f} MiB, over an eighth of the "
-                      f"arena (COMPILEDUMP_ARENA_MB={STATE.config.arena_mb}): not recorded. Set COMPILEDUMP_ARENA_MB="
-                      f"{-(-8 * nbytes // 2**20)} or more to record it")
+            api.record(spec.INPUT_EMBEDS_TAG, handle._rows(tensor), rows="all")
     return embeds
 
 
@@ -212,7 +200,7 @@ def _warn_untapped(layers_path: str, layers, unrouted: list, no_attn: list[str])
                       f"route tokens to experts but have no router submodule named {' or '.join(layout.ROUTERS)}"
                       f"{hint}: no layer<i>_router/_topk tags, so a routing flip shows only as a divergent "
                       f"layer<i>_mlp. Add them with taps={{'layer{{i}}_router': '{layers_path}.{{i}}.<block>.<router>'}} "
-                      "(integer outputs are recorded as ids).", RuntimeWarning, stacklevel=4)
+                      "(integer outputs are recorded as ids).", RuntimeWarning, stacklevel=5)
     if no_attn:
         kind = type(layers[0]).__name__
         warnings.warn(f"compiledump.instrument: {len(no_attn)} decoder layer(s) ({named(no_attn)}, {kind}) have no "
@@ -220,7 +208,7 @@ def _warn_untapped(layers_path: str, layers, unrouted: list, no_attn: list[str])
                       "and MLP in parallel, or the norm kept in a ModuleList): no layer<i>_attn tags, so a divergence "
                       "in attention shows first at layer<i>_mlp or layer<i>. Add one with "
                       f"taps={{'layer{{i}}_attn': '{layers_path}.{{i}}.<module>:input'}} where such a module exists.",
-                      RuntimeWarning, stacklevel=4)
+                      RuntimeWarning, stacklevel=5)
 
 
 __all__ = ["add_default_taps"]

@@ -236,8 +236,9 @@ def silence_note() -> str | None:
 
 def flush_on_signal() -> None:
     """The signal handler's flush: on the main thread, possibly inside a capture or a flush of
-    that same thread, so it waits for no lock (capture/signals.py)."""
-    path = _flush(wait_for_captures=False)
+    that same thread, so it waits for no lock (capture/signals.py). As the exit flush, it does not
+    rewrite a dump nothing was captured into since the last flush (one moved away stays away)."""
+    path = _flush(wait_for_captures=False, unless_unchanged=True)
     rt = STATE.runtime
     if rt is not None and rt.live is not None:
         rt.live.write({"event": "signal", "flushed": path})  # recover: the dump was complete then

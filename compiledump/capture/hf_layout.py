@@ -130,15 +130,12 @@ def has_token_embedding(layers_path: str, modules: dict[str, torch.nn.Module]) -
 TOWER_CONFIGS = ("vision_config", "audio_config", "speech_config", "visual_config")
 
 
-def has_tower(model: torch.nn.Module, modules: dict[str, torch.nn.Module], layers_path: str) -> bool:
+def has_tower(model: torch.nn.Module) -> bool:
     """Whether features of another input (an image, audio) may enter the decoder beside the token
-    embeddings: the config names a vision or audio tower (TOWER_CONFIGS), or another layer list
-    without a token embedding beside it (an encoder) sits in the model."""
+    embeddings: the model's config names a vision or audio tower (TOWER_CONFIGS). (Not any second
+    layer list: BLT's and HRM's text stacks would count.)"""
     config = getattr(model, "config", None)
-    if any(getattr(config, name, None) is not None for name in TOWER_CONFIGS):
-        return True
-    return any(name != layers_path and not _beside_embeddings([(name, None)], modules)
-               for name, _ in _layer_lists(modules))
+    return any(getattr(config, name, None) is not None for name in TOWER_CONFIGS)
 
 
 def other_token_stacks(modules: dict[str, torch.nn.Module], taken: str) -> list[str]:

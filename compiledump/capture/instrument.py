@@ -87,13 +87,10 @@ class Instrumented:
         shape = self._shape
         if tensor.dim() == 3 or (tensor.dim() == 4 and tuple(tensor.shape[:2]) == (shape.batch, shape.seq)):
             return tensor[self.batch_row]
-        # Only a tensor of batch x seq rows is the layer's tokens flattened
+        # Only a tensor of batch x seq rows is the layer's tokens flattened: a tap that runs before
+        # the first layer still sees the previous forward's shape
         if tensor.dim() == 2 and shape.batch is not None and tensor.shape[0] == shape.batch * shape.seq:
             return tensor.reshape(shape.batch, shape.seq, tensor.shape[-1])[self.batch_row]
-        # The forward's own [batch, seq] ids (a tap of the token embedding's input): the request's,
-        # so that a first capture [1, seq] does not teach the token gate a prompt of 1 token
-        if tensor.dim() == 2 and not tensor.is_floating_point() and tuple(tensor.shape) == (shape.batch, shape.seq):
-            return tensor[self.batch_row]
         return tensor
 
     def _step_row(self, rows: torch.Tensor) -> torch.Tensor:
@@ -135,6 +132,10 @@ class Instrumented:
         `moe_filtered`: whether COMPILEDUMP_MOE_LAYERS applies to `tag` (api.record_unfiltered)."""
         if self.excludes(tag):
             return
+        if capture is None and side == "input" and isinstance(module, torch.nn.Embedding):
+            # A token embedding's input is the forward's ids, [batch, seq] (or flat [tokens]): the
+            # request's row, so that a prompt's [1, seq] does not teach the token gate 1 token
+            capture = lambda ids: self._capture(tag, ids[self.batch_row] if _batched_ids(ids) else ids)  # noqa: E731
         capture = capture or (lambda value: self._capture(tag, value, moe_filtered))
         if side == "input":
             read = read or residual.first_input
@@ -155,19 +156,6 @@ class Instrumented:
         `_stream_capture` keeps its steps."""
         if self.step_states and STATE.config.layer_steps and tag in self.taps:
             self.taps[f"{tag}_step"] = path
-
-    def _track_call_shape(self) -> None:
-        """The model's own [batch, seq] (its input ids or embeddings) before any tap of the forward
-        runs: a tap before the first layer (the token embedding's) would see the previous forward's.
-        Flat [tokens] ids (vLLM-style) give none."""
-        def pre_hook(_module, args, kwargs):
-            if STATE.config.active:
-                tokens = kwargs.get("input_ids")
-                if tokens is None:
-                    tokens = kwargs.get("inputs_embeds", args[0] if args else None)
-                batched = isinstance(tokens, torch.Tensor) and tokens.dim() >= 2
-                self._shape.batch, self._shape.seq = (tokens.shape[0], tokens.shape[1]) if batched else (None, None)
-        self._handles.append(self.model.register_forward_pre_hook(pre_hook, with_kwargs=True))
 
     def _track_shape(self, path: str, layer: torch.nn.Module) -> None:
         hidden_of = residual.hidden_states_reader(layer)  # vLLM's and SGLang's layers take positions first
@@ -256,8 +244,19 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
         raise TypeError(f"compiledump.instrument: exclude takes a sequence of tag patterns, got the string {exclude!r} "
                         f"(write exclude=({exclude!r},))")
     handle = Instrumented(inner, batch_row, step_routing, router_rows, step_states, exclude)
-    handle._track_call_shape()
     mixers.declare_exclude([])  # another model's patterns: gone, whether or not this call succeeds
+    try:
+        _attach(handle, inner, taps, defaults)
+    except BaseException:
+        handle.remove()  # nothing of a failed call stays attached (a retry would record twice)
+        raise
+    mixers.declare_exclude(list(handle._exclude))
+    STATE.instruments.append(handle)
+    return handle
+
+
+def _attach(handle: Instrumented, inner: torch.nn.Module, taps: dict[str, str] | None, defaults: bool) -> None:
+    """`instrument`'s work: the default taps, then the explicit ones, then the checks of both."""
     modules = dict(inner.named_modules())
     layers_path, layers = layout.find_layers(modules)
     if defaults:
@@ -272,13 +271,13 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
                           f"({', '.join(layout.TOKEN_EMBEDDINGS)}) beside them. If they are an encoder's (a vision or "
                           "audio tower), the decoder's layers were not recognised: to compare the decoder, pass "
                           "defaults=False and taps={'layer{i}': '<path of its layers>.{i}', 'logits': '<head>', "
-                          "'input_token': '<token embedding>:input'}", RuntimeWarning, stacklevel=2)
+                          "'input_token': '<token embedding>:input'}", RuntimeWarning, stacklevel=3)
         default_taps.add_default_taps(handle, layers_path, layers, modules)
         if others := layout.other_token_stacks(modules, layers_path):
             warnings.warn(f"compiledump.instrument: tapped the layers at {layers_path}; {', '.join(others)} also "
                           "hold layers beside a token embedding (an encoder and a decoder?), which get no default "
                           "taps. If those are the ones to compare, pass defaults=False and taps={'layer{i}': "
-                          f"'{others[0]}.{{i}}', ...}}", RuntimeWarning, stacklevel=2)
+                          f"'{others[0]}.{{i}}', ...}}", RuntimeWarning, stacklevel=3)
     for tag_pattern, path_pattern in (taps or {}).items():
         match = _PATH_SIDE.match(path_pattern)
         path, side = match.group("path"), match.group("side") or "output"
@@ -291,7 +290,6 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
             if name in modules:
                 target = f"{name}:input" if side == "input" else name
                 if tag in handle.taps and handle.taps[tag] != target:
-                    handle.remove()
                     raise ValueError(f"compiledump.instrument: tap {tag!r} at {target!r}: the defaults already "
                                      f"record {tag!r} at {handle.taps[tag]!r}; to record it elsewhere, leave it "
                                      f"out of the defaults with exclude=({re.sub(r'^layer[0-9]+', 'layer{i}', tag)!r},)"
@@ -305,14 +303,14 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
                              f"(module paths are relative to the model, e.g. {next((n for n in modules if n), '')!r})")
     if unmatched := [pattern for pattern, regex in handle._exclude.items()
                      if not any(regex.fullmatch(tag) for tag in handle._left_out)]:
-        handle.remove()
         raise ValueError(f"compiledump.instrument: exclude pattern(s) {', '.join(map(repr, unmatched))} match no tag "
                          f"attached (tags: {', '.join(_tag_patterns({*handle.taps, *handle._left_out}))})")
     if defaults:
         default_taps.warn_unfound(handle, layers_path)
-    mixers.declare_exclude(list(handle._exclude))
-    STATE.instruments.append(handle)
-    return handle
+
+
+def _batched_ids(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 2 and not value.is_floating_point()
 
 
 def _tag_patterns(taps) -> list[str]:

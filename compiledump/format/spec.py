@@ -128,6 +128,10 @@ def prompt_stream_step(key: str) -> bool:
 # (a batch `generate` padded) as the ids `prompt_mask` of the prompt's call: the comparator keeps
 # the prompt's real positions (compare/padding.py) and does not compare the mask itself.
 PROMPT_MASK_TAG = "prompt_mask"
+# `instrument` records every prompt row of a vision-language model's first decoder layer's input as
+# `input_embeds`; its region is capped at an eighth of the arena (capture/arena.py), so that a long
+# multimodal prompt's rows cannot crowd the layers' tags out (over it: counted as arena_full).
+INPUT_EMBEDS_TAG = "input_embeds"
 
 
 def layer_of(tag: str) -> int | None:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -171,13 +172,15 @@ def test_flush_at_exit(tmp_path):
         np.testing.assert_array_equal(data["layer0"], np.arange(8.0, 12.0, dtype=np.float32))
 
 
-@pytest.mark.parametrize("after", ["nothing", "capture", "clear_capture", "configure_dir"])
+@pytest.mark.parametrize("after", ["nothing", "capture", "clear_capture", "configure_dir", "nothing_sigterm",
+                                   "capture_sigterm"])
 def test_exit_flush_rewrites_only_what_changed(tmp_path, after):
-    """The exit flush writes when something was captured since the last flush (or the settings
-    changed); a dump already complete is not written again, so one moved away stays away."""
+    """The exit flush (and a SIGTERM's) writes when something was captured since the last flush
+    (or the settings changed); a dump already complete is not written again, so one moved away
+    stays away."""
     script = textwrap.dedent(
         f"""
-        import pathlib, sys, torch, compiledump
+        import os, pathlib, signal, sys, torch, compiledump
         out, moved, other = map(pathlib.Path, sys.argv[1:4])
         compiledump.configure(dir=str(out))
         torch.manual_seed(0)
@@ -192,8 +195,10 @@ def test_exit_flush_rewrites_only_what_changed(tmp_path, after):
             compiledump.configure(dir=str(other))
         else:
             torch.manual_seed(1)
-        if after in ("capture", "clear_capture"):
+        if after.startswith(("capture", "clear_capture")):
             compiledump.record("layer0", torch.randn(3, 5))
+        if after.endswith("sigterm"):
+            os.kill(os.getpid(), signal.SIGTERM)
         """
     )
     out, moved, other = (tmp_path / name for name in ("out", "moved", "other"))
@@ -201,8 +206,8 @@ def test_exit_flush_rewrites_only_what_changed(tmp_path, after):
         d.mkdir()
     env = dict(os.environ, RANK="0")
     env.pop("COMPILEDUMP_DIR", None)
-    subprocess.run([sys.executable, "-c", script, str(out), str(moved), str(other)], env=env, check=True,
-                   timeout=120)
+    done = subprocess.run([sys.executable, "-c", script, str(out), str(moved), str(other)], env=env, timeout=120)
+    assert done.returncode == (-signal.SIGTERM if after.endswith("sigterm") else 0)
     torch.manual_seed(0)
     first = torch.randn(3, 5)[-1].numpy()
     torch.manual_seed(1)
@@ -210,7 +215,8 @@ def test_exit_flush_rewrites_only_what_changed(tmp_path, after):
     (kept,) = moved.glob("*.npz")
     with np.load(kept) as data:
         np.testing.assert_array_equal(data["layer0"], first)
-    written = {"nothing": None, "capture": out, "clear_capture": out, "configure_dir": other}[after]
+    written = {"nothing": None, "capture": out, "clear_capture": out, "configure_dir": other, "nothing_sigterm": None,
+               "capture_sigterm": out}[after]
     for d in (out, other):
         files = sorted(p.name for p in d.iterdir())
         if d != written:
@@ -219,6 +225,7 @@ def test_exit_flush_rewrites_only_what_changed(tmp_path, after):
         (path,) = written.glob("*.npz")
         with np.load(path) as data:
             np.testing.assert_array_equal(data["layer0"], first if after == "configure_dir" else second)
+    assert not list(out.glob("*.live"))  # the crash-proof files go either way
 
 
 # --- lifecycle, profiling, rows ---------------------------------------------------------------

@@ -271,19 +271,25 @@ def test_a_decode_only_bug_is_named_at_its_step_through_explicit_taps(dump_dir):
     assert report.exit_status == 1 and (first.key, first.step) == ("layer2_step_1", 1)
 
 
-def test_a_tap_before_the_first_layer_reads_this_forwards_shape(dump_dir):
+@pytest.mark.parametrize("via", ["call", "forward"])
+def test_a_tap_of_the_token_embeddings_input_keeps_the_requests_ids(dump_dir, via):
     """The token ids tapped at the embedding run before the first layer's hook: a decode step's
     [2, 1] ids were reshaped as the prompt's [2, 5] (a crash); then the prompt's [2, 5] ids were
     kept whole, and their first dim taught the token gate a prompt of 2 tokens, so that no prompt
-    record of the 5 tokens was kept. The model's own [batch, seq] is read before any tap now: the
-    ids are the request's row, and the prompt's records are kept."""
+    record of the 5 tokens was kept. A token embedding's input is [batch, seq] ids: the request's
+    row is kept, however the model is called (`model.forward`, as torch.compile(model.forward) is,
+    runs no hook of the model itself)."""
     torch.manual_seed(0)
     model = _Stack().eval()
     first = {}
     hook = model.stack[1].register_forward_hook(lambda _m, _a, out: first.update(layer1=out[0, -1].clone())
                                                 if not first else None)
     compiledump.instrument(model, {**EXPLICIT, "ids": "embed:input"}, defaults=False)
-    _decode(model)
+    ids = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for _ in range(4):
+            logits = model(ids) if via == "call" else model.forward(ids)
+            ids = torch.cat([ids, logits[:, -1:].argmax(-1)], dim=1)
     hook.remove()
     arrays, manifest = _load(compiledump.flush())
     prompt = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(3))  # _decode's

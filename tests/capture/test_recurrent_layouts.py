@@ -207,3 +207,13 @@ def test_an_explicit_tap_of_a_default_tag_elsewhere_is_refused_and_the_same_one_
     compiledump.reset()
     with pytest.raises(ValueError, match=r"the defaults already record 'logits' at 'lm_head'.*exclude=\('logits',\)"):
         compiledump.instrument(toy(head=True), taps={"logits": "layers.0.self_attn"})
+
+
+@pytest.mark.parametrize("bad", [{"taps": {"x": "layers.9"}}, {"taps": {"logits": "layers.0.self_attn"}},
+                                 {"exclude": ("nothing_{i}",)}])
+def test_a_failed_instrument_leaves_no_hook_attached(bad):
+    """A retry after a typo recorded every default tag twice (six logits steps for three forwards)."""
+    model = toy(head=True)
+    with pytest.raises(ValueError):
+        compiledump.instrument(model, **bad)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
