@@ -3,6 +3,7 @@ summary and the last line."""
 
 from __future__ import annotations
 
+from ..format import spec
 from ..format.keys import chosen
 from .facts import threshold_uses
 from .options import pair_class
@@ -33,9 +34,14 @@ def where(item: Divergence) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
+# What a key named by no layer holds, said beside it when it diverges first.
+MEANINGS = {spec.INPUT_EMBEDS_TAG: "the first layer's input: token embeddings and a vision or audio tower's "
+                                   "features merged in"}
+
+
 def describe_divergence(item: Divergence) -> str:
     """One phrase for a divergence: key, place and the metric that crossed."""
-    text = f"{item.key}{where(item)}"
+    text = f"{item.key}{where(item)}" + (f" ({MEANINGS[item.key]})" if item.key in MEANINGS else "")
     if item.metric in ("rel_diff", "norm_diff"):
         text += f": {item.metric} {item.value:.3e} > threshold {item.threshold:.1e}"
         if item.divergent_rows:
