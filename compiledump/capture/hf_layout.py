@@ -126,16 +126,27 @@ def has_token_embedding(layers_path: str, modules: dict[str, torch.nn.Module]) -
     return bool(_beside_embeddings([(layers_path, None)], modules))
 
 
-# A composite model's config names the tower whose features it merges into the token embeddings.
+# A composite model's config names the tower whose features it merges into the token embeddings;
+# beside a `text_config`, a tower may go by its role (Granite Speech's `encoder_config`, VibeVoice's
+# `semantic_tokenizer_encoder_config`); an omni model's sits in its thinker's config.
 TOWER_CONFIGS = ("vision_config", "audio_config", "speech_config", "visual_config")
+_TOWER_ROLES = ("encoder_config",)
 
 
 def has_tower(model: torch.nn.Module) -> bool:
     """Whether features of another input (an image, audio) may enter the decoder beside the token
-    embeddings: the model's config names a vision or audio tower (TOWER_CONFIGS). (Not any second
-    layer list: BLT's and HRM's text stacks would count.)"""
+    embeddings: the model's config (or a sub-config of it: an omni model's thinker) names a vision
+    or audio tower. (Not any second layer list: BLT's and HRM's text stacks would count.)"""
     config = getattr(model, "config", None)
-    return any(getattr(config, name, None) is not None for name in TOWER_CONFIGS)
+    subconfigs = [value for value in vars(config).values() if hasattr(value, "to_dict")] if config is not None else []
+    return any(_names_tower(c) for c in [config, *subconfigs])
+
+
+def _names_tower(config) -> bool:
+    if any(getattr(config, name, None) is not None for name in TOWER_CONFIGS):
+        return True
+    return getattr(config, "text_config", None) is not None and any(
+        value is not None and name.endswith(_TOWER_ROLES) for name, value in vars(config).items())
 
 
 def other_token_stacks(modules: dict[str, torch.nn.Module], taken: str) -> list[str]:

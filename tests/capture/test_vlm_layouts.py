@@ -284,3 +284,18 @@ def test_input_embeds_over_an_eighth_of_the_arena_is_counted_as_arena_full(tmp_p
     finally:
         compiledump.reset()
         compiledump.configure(**dataclasses.asdict(previous))
+
+
+@pytest.mark.parametrize("model_type, tower", [
+    ("llava", True), ("qwen2_audio", True), ("gemma3", True),
+    ("granite_speech", True),  # its audio tower is its `encoder_config`, beside a `text_config`
+    ("qwen2_5_omni", True),  # the towers sit in its thinker's config
+    ("llama", False), ("qwen3_moe", False), ("blt", False), ("hrm_text", False)])  # text stacks, no tower
+def test_which_configs_name_a_tower_whose_features_enter_the_embeddings(model_type, tower):
+    from compiledump.capture import hf_layout
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        holder = torch.nn.Module()
+        holder.config = T.AutoConfig.for_model(model_type)
+    assert hf_layout.has_tower(holder) is tower
