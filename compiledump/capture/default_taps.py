@@ -50,6 +50,15 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
         elif block_name not in (None, mixer_name):
             # (not a layer of one mixer, Mamba's or Nemotron-H's MoE `mixer`: `layer<i>` is the stream after it)
             no_attn.append(prefix)
+        elif block_name is None and mixer is not None:
+            # A layer of one mixer and no MLP (Mamba's, Nemotron-H's): its mixer's own output, as a
+            # dense layer's MLP's, where a bug shows undiluted by the residual stream (of Zamba's
+            # hybrid layers, whose `mamba_decoder` returns the stream itself, its `mamba`)
+            own, own_path = mixer, f"{prefix}.{mixer_name}"
+            if mixer_name == "mamba_decoder":
+                own, own_path = getattr(mixer, "mamba", None), f"{own_path}.mamba"
+            if isinstance(own, torch.nn.Module):
+                handle._add(own, f"layer{i}_mixer", own_path, "output", moe_filtered=False)
         if block_name is not None:
             block = getattr(layer, block_name)
             router_name = layout.child(block, layout.ROUTERS)
