@@ -52,7 +52,7 @@ FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "embedding_norm", "hyper_con
 # new layers have none (attention and MLP read the same input).
 _MLP_NORMS = ("pre_feedforward_layernorm", "pre_ff_layernorm", "ffn_norm", "pre_mlp_layernorm",  # AFMoE
               "ln_2", "norm_2", "feedforward_layernorm",  # the GPT-2 family, MPT, Apertus
-              "channel_pre_norm", "norm_ffn", "ln2")  # RecurrentGemma, xLSTM, RWKV
+              "channel_pre_norm", "norm_ffn", "ln2", "mlp_norm")  # RecurrentGemma, xLSTM, RWKV, ModernBERT-decoder
 
 
 def child(module: torch.nn.Module, names: tuple[str, ...]) -> str | None:
@@ -167,9 +167,16 @@ def _beside_embeddings(found: list, modules: dict[str, torch.nn.Module]) -> list
 
 
 def _token_embedding_of(parent: torch.nn.Module) -> str | None:
-    """The name of `parent`'s token embedding (TOKEN_EMBEDDINGS), or None."""
-    return next((name for name in TOKEN_EMBEDDINGS if isinstance(getattr(parent, name, None), torch.nn.Module)
-                 and (name != "embeddings" or isinstance(getattr(parent, name), torch.nn.Embedding))), None)
+    """The name (relative to `parent`) of its token embedding (TOKEN_EMBEDDINGS), or None."""
+    for name in TOKEN_EMBEDDINGS:
+        module = getattr(parent, name, None)
+        if not isinstance(module, torch.nn.Module):
+            continue
+        if name != "embeddings" or isinstance(module, torch.nn.Embedding):
+            return name
+        if isinstance(getattr(module, "tok_embeddings", None), torch.nn.Embedding):
+            return f"{name}.tok_embeddings"  # ModernBERT-decoder's embeddings: the lookup, a norm, dropout
+    return None
 
 
 def _beside(path: str, names, modules: dict) -> str | None:
@@ -202,25 +209,32 @@ def token_embedding_path(layers_path: str, modules: dict) -> str | None:
 
 
 def logits_path(modules: dict) -> str | None:
-    """The module whose output is the logits: the model's own lm_head, else the nearest nested one
-    (Llama 4's multimodal class holds language_model.lm_head), else an `embed_out` (GPT-NeoX
-    Japanese), else what the model's `get_output_embeddings()` returns (RWKV's `head`, BioGPT's
-    `output_projection`); where a `logits_processor` sits beside it (vLLM, SGLang), that one: their
-    lm_head only holds the weight the processor reads (calling it is an error)."""
-    head = "lm_head" if "lm_head" in modules else next((path for path in modules if path.endswith(".lm_head")), None)
-    head = head or ("embed_out" if "embed_out" in modules else None) or _output_embeddings(modules)
+    """The module whose output is the logits: the `Linear` the model's `get_output_embeddings()`
+    returns (a transformers model's head under any name: RWKV's `head`, BioGPT's
+    `output_projection`, ModernBERT-decoder's `decoder`, whose `lm_head` is a prediction head before
+    it), else the model's own lm_head, else the nearest nested one (Llama 4's multimodal class holds
+    language_model.lm_head), else an `embed_out` (GPT-NeoX Japanese); where a `logits_processor`
+    sits beside it (vLLM, SGLang), that one: their lm_head only holds the weight the processor
+    reads (calling it is an error)."""
+    head = _output_embeddings(modules)
+    if head is None:
+        head = "lm_head" if "lm_head" in modules else next((p for p in modules if p.endswith(".lm_head")), None)
+        head = head or ("embed_out" if "embed_out" in modules else None)
     return None if head is None else _beside(head, ("logits_processor",), modules) or head
 
 
 def _output_embeddings(modules: dict) -> str | None:
-    """The path of the module the model's `get_output_embeddings()` returns (a transformers model's
-    head under any name), or None."""
+    """The path of the `Linear` the model's `get_output_embeddings()` returns (a transformers
+    model's head under any name), or None (not a `Linear`: a head that reuses another module's
+    weight is not hooked through it)."""
     get = getattr(modules[""], "get_output_embeddings", None)
     try:
         head = get() if callable(get) else None
     except (AttributeError, NotImplementedError, TypeError):  # a model that does not say
         return None
-    return None if head is None else next((path for path, module in modules.items() if path and module is head), None)
+    if not isinstance(head, torch.nn.Linear):
+        return None
+    return next((path for path, module in modules.items() if path and module is head), None)
 
 
 def mixer_for_kind(layer: torch.nn.Module) -> str | None:
