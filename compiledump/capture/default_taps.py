@@ -12,6 +12,7 @@ import torch
 
 from ..format import spec
 from . import api, hf_layout as layout, indexers, mixers, residual, router_taps, routers
+from .state import STATE
 
 
 def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
@@ -58,7 +59,7 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
             if mixer_name == "mamba_decoder":
                 own, own_path = getattr(mixer, "mamba", None), f"{own_path}.mamba"
             if isinstance(own, torch.nn.Module):
-                handle._add(own, f"layer{i}_mixer", own_path, "output", moe_filtered=False)
+                _tap_mixer(handle, own, f"layer{i}_mixer", own_path)
         if block_name is not None:
             block = getattr(layer, block_name)
             router_name = layout.child(block, layout.ROUTERS)
@@ -130,6 +131,25 @@ def warn_unfound(handle, layers_path: str) -> None:
         example = ", ".join(f"'{tag}': '<{tag} module>{':input' if tag == 'input_token' else ''}'" for tag in unfound)
         warnings.warn(f"compiledump.instrument: not recorded beside the layers at {layers_path}: {said}. Tap "
                       f"them by name: taps={{{example}}}", RuntimeWarning, stacklevel=4)
+
+
+def _tap_mixer(handle, mixer: torch.nn.Module, tag: str, path: str) -> None:
+    """A mixer's own output: what it returns, or, where it writes into an `output` argument and
+    returns None (vLLM's Mamba mixers: `self.mamba(h, output)`), that argument after its call."""
+    names = [name for name in residual.parameter_names(mixer) if name != "self"]
+    if "output" not in names:
+        handle._add(mixer, tag, path, "output", moe_filtered=False)
+        return
+    if handle.excludes(tag):
+        return
+    at = names.index("output")
+
+    def hook(_module, args, kwargs, result):
+        if STATE.config.active:
+            written = args[at] if len(args) > at else kwargs.get("output")
+            handle._capture(tag, result if result is not None else written, moe_filtered=False)
+    handle._handles.append(mixer.register_forward_hook(hook, with_kwargs=True))
+    handle.taps[tag] = path
 
 
 def embeds_capture(handle):

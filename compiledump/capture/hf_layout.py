@@ -138,7 +138,8 @@ def has_tower(model: torch.nn.Module) -> bool:
     embeddings: the model's config (or a sub-config of it: an omni model's thinker) names a vision
     or audio tower. (Not any second layer list: BLT's and HRM's text stacks would count.)"""
     config = getattr(model, "config", None)
-    subconfigs = [value for value in vars(config).values() if hasattr(value, "to_dict")] if config is not None else []
+    # (a config without __dict__, a dict or a named tuple of a custom model, names none)
+    subconfigs = [value for value in getattr(config, "__dict__", {}).values() if hasattr(value, "to_dict")]
     return any(_names_tower(c) for c in [config, *subconfigs])
 
 
@@ -146,7 +147,7 @@ def _names_tower(config) -> bool:
     if any(getattr(config, name, None) is not None for name in TOWER_CONFIGS):
         return True
     return getattr(config, "text_config", None) is not None and any(
-        value is not None and name.endswith(_TOWER_ROLES) for name, value in vars(config).items())
+        value is not None and name.endswith(_TOWER_ROLES) for name, value in getattr(config, "__dict__", {}).items())
 
 
 def other_token_stacks(modules: dict[str, torch.nn.Module], taken: str) -> list[str]:

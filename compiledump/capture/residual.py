@@ -55,6 +55,11 @@ def norm_stream(args: tuple, kwargs: dict):
     return x + residual if is_float(x) and is_float(residual) else x
 
 
+def parameter_names(module: torch.nn.Module) -> list[str]:
+    """The names of `module.forward`'s parameters (none where inspect cannot read it)."""
+    return list(_parameters(module))
+
+
 def _parameters(layer: torch.nn.Module):
     try:
         return inspect.signature(layer.forward).parameters

@@ -35,8 +35,7 @@ def where(item: Divergence) -> str:
 
 
 # What a key named by no layer holds, said beside it when it diverges first.
-MEANINGS = {spec.INPUT_EMBEDS_TAG: "the first layer's input: token embeddings and a vision or audio tower's "
-                                   "features merged in"}
+MEANINGS = {spec.INPUT_EMBEDS_TAG: "the first layer's input, token embeddings plus any tower features merged in"}
 
 
 def describe_divergence(item: Divergence) -> str:

@@ -236,3 +236,72 @@ def test_a_failed_instrument_leaves_no_hook_attached(bad):
     with pytest.raises(ValueError):
         compiledump.instrument(model, **bad)
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+class _Mixer(torch.nn.Module):
+    """A Mamba-like mixer that returns its output, or (vLLM's) writes it into `output`."""
+
+    def __init__(self, writes: bool, scale: float = 1.0):
+        super().__init__()
+        self.in_proj, self.out_proj = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        self.writes, self.scale = writes, scale
+
+    def forward(self, hidden_states, output=None):
+        y = self.out_proj(torch.nn.functional.silu(self.in_proj(hidden_states)).cumsum(1) / 4) * self.scale
+        if self.writes:
+            output.copy_(y)
+            return None
+        return y
+
+
+class _MixerLayer(torch.nn.Module):
+    def __init__(self, writes: bool, scale: float):
+        super().__init__()
+        self.input_layernorm, self.mamba = torch.nn.LayerNorm(16), _Mixer(writes, scale)
+
+    def forward(self, hidden_states):
+        h = self.input_layernorm(hidden_states)
+        if self.mamba.writes:
+            out = torch.empty_like(h)
+            self.mamba(h, out)
+        else:
+            out = self.mamba(h)
+        return hidden_states + out
+
+
+class _MixerStack(torch.nn.Module):
+    def __init__(self, writes: bool = False, scale: float = 1.0):
+        super().__init__()
+        self.config = {"model_type": "custom"}  # a config without __dict__: has_tower raised on it
+        self.embed_tokens = torch.nn.Embedding(32, 16)
+        self.layers = torch.nn.ModuleList(_MixerLayer(writes, scale if i == 1 else 1.0) for i in range(3))
+        self.norm, self.lm_head = torch.nn.LayerNorm(16), torch.nn.Linear(16, 32)
+
+    def forward(self, input_ids):
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+
+
+def test_a_mixer_that_writes_into_an_output_argument_is_recorded_and_its_bug_named(tmp_path):
+    """vLLM's Mamba mixers return None and write `output`: their `layer<i>_mixer` recorded nothing
+    (a bug in one was named only at `layer<i>`, diluted)."""
+    torch.manual_seed(0)
+    reference = _MixerStack()
+    ids = torch.randint(0, 32, (1, 12), generator=torch.Generator().manual_seed(1))
+    ref = dump_run(reference, tmp_path / "ref", lambda: reference(ids))
+    for label, scale in (("same", 1.0), ("bug", 1.01)):
+        engine = _MixerStack(writes=True, scale=scale)
+        engine.load_state_dict(reference.state_dict())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            run = dump_run(engine, tmp_path / label, lambda engine=engine: engine(ids))
+            report = compare(ref, run)
+        if label == "same":
+            arrays, reference_arrays = load_dump(run)[0], load_dump(ref)[0]
+            for i in range(3):
+                np.testing.assert_array_equal(arrays[f"layer{i}_mixer"], reference_arrays[f"layer{i}_mixer"])
+            assert report.exit_status == 0, format_report(report)[-1]
+        else:
+            assert report.exit_status == 1 and report.first_divergence.key == "layer1_mixer", format_report(report)[-1]

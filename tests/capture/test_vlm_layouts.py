@@ -233,8 +233,8 @@ def test_a_projector_bug_is_named_at_the_image_rows_of_input_embeds_and_an_hones
             first = report.first_divergence
             assert report.exit_status == 1 and first.key == "input_embeds", last
             assert first.divergent_rows == list(range(len(PRE), len(PRE) + IMAGE_ROWS)), last
-            assert last.startswith("first divergence: input_embeds (the first layer's input: token embeddings "
-                                   "and a vision or audio tower's features merged in): "), last
+            assert last.startswith("first divergence: input_embeds (the first layer's input, token embeddings "
+                                   "plus any tower features merged in): "), last
 
 
 class _ToyVLM(torch.nn.Module):
