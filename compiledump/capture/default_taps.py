@@ -12,7 +12,6 @@ import torch
 
 from ..format import spec
 from . import api, hf_layout as layout, indexers, mixers, residual, router_taps, routers
-from .state import STATE
 
 
 def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
@@ -58,8 +57,8 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
             own, own_path = mixer, f"{prefix}.{mixer_name}"
             if mixer_name == "mamba_decoder":
                 own, own_path = getattr(mixer, "mamba", None), f"{own_path}.mamba"
-            if isinstance(own, torch.nn.Module):
-                _tap_mixer(handle, own, f"layer{i}_mixer", own_path)
+            if isinstance(own, torch.nn.Module):  # (what it returns, or writes into an `output` argument)
+                handle._add(own, f"layer{i}_mixer", own_path, "output", moe_filtered=False)
         if block_name is not None:
             block = getattr(layer, block_name)
             router_name = layout.child(block, layout.ROUTERS)
@@ -133,25 +132,6 @@ def warn_unfound(handle, layers_path: str) -> None:
                       f"them by name: taps={{{example}}}", RuntimeWarning, stacklevel=4)
 
 
-def _tap_mixer(handle, mixer: torch.nn.Module, tag: str, path: str) -> None:
-    """A mixer's own output: what it returns, or, where it writes into an `output` argument and
-    returns None (vLLM's Mamba mixers: `self.mamba(h, output)`), that argument after its call."""
-    names = [name for name in residual.parameter_names(mixer) if name != "self"]
-    if "output" not in names:
-        handle._add(mixer, tag, path, "output", moe_filtered=False)
-        return
-    if handle.excludes(tag):
-        return
-    at = names.index("output")
-
-    def hook(_module, args, kwargs, result):
-        if STATE.config.active:
-            written = args[at] if len(args) > at else kwargs.get("output")
-            handle._capture(tag, result if result is not None else written, moe_filtered=False)
-    handle._handles.append(mixer.register_forward_hook(hook, with_kwargs=True))
-    handle.taps[tag] = path
-
-
 def embeds_capture(handle):
     """The `input_embeds` capture: every prompt row of the first layer's input hidden states (its
     region at most an eighth of the arena, decided when the kernel runs: over it, the capture is
@@ -170,7 +150,7 @@ def fed_capture(handle):
         # The token each forward feeds at the position whose logits `logits_<n>` hold: the
         # comparator sees where greedy decoding fed the two sides different tokens (after an
         # argmax flip), from which on their steps cannot be compared.
-        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point():
+        if residual.batched_ids(input_ids):
             api.record_step("input_token", input_ids[handle.batch_row, -1:])
     return fed
 

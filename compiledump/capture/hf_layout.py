@@ -120,12 +120,6 @@ def find_layers(modules: dict[str, torch.nn.Module]):
     return (_beside_embeddings(found, modules) or found or [(None, None)])[0]
 
 
-def has_token_embedding(layers_path: str, modules: dict[str, torch.nn.Module]) -> bool:
-    """Whether a token embedding sits beside `layers_path`: a decoder's layers have one, a vision or
-    audio encoder's (where `find_layers` falls back when no decoder's layers are recognised) not."""
-    return bool(_beside_embeddings([(layers_path, None)], modules))
-
-
 # A composite model's config names the tower whose features it merges into the token embeddings;
 # beside a `text_config`, a tower may go by its role (Granite Speech's `encoder_config`, VibeVoice's
 # `semantic_tokenizer_encoder_config`); an omni model's sits in its thinker's config.

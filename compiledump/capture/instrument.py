@@ -135,7 +135,7 @@ class Instrumented:
         if capture is None and side == "input" and isinstance(module, torch.nn.Embedding):
             # A token embedding's input is the forward's ids, [batch, seq] (or flat [tokens]): the
             # request's row, so that a prompt's [1, seq] does not teach the token gate 1 token
-            capture = lambda ids: self._capture(tag, ids[self.batch_row] if _batched_ids(ids) else ids)  # noqa: E731
+            capture = lambda ids: self._capture(tag, ids[self.batch_row] if residual.batched_ids(ids) else ids)  # noqa: E731
         capture = capture or (lambda value: self._capture(tag, value, moe_filtered))
         if side == "input":
             read = read or residual.first_input
@@ -145,10 +145,14 @@ class Instrumented:
                     capture(read(args, kwargs))
             self._handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
         else:
-            def hook(_module, _args, output):
+            written = residual.output_argument(module)
+
+            def hook(_module, args, kwargs, output):
                 if STATE.config.active:
+                    if output is None and written is not None:  # it wrote its result into `output`
+                        output = written(args, kwargs)
                     capture(read(output) if read else output)
-            self._handles.append(module.register_forward_hook(hook))
+            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
         self.taps[tag] = f"{path}:input" if side == "input" else path
 
     def _list_step(self, tag: str, path: str) -> None:
@@ -266,7 +270,7 @@ def _attach(handle: Instrumented, inner: torch.nn.Module, taps: dict[str, str] |
                              f"{', '.join(layout.MIXERS)}); pass defaults=False and taps={{'layer{{i}}': "
                              "'<path of the layers>.{i}', 'logits': '<head>', 'input_token': '<token embedding>:input'}"
                              " (so named, they record each decode step as the default tags do)")
-        if not layout.has_token_embedding(layers_path, modules):
+        if layout.token_embedding_path(layers_path, modules) is None:
             warnings.warn(f"compiledump.instrument: tapped the layers at {layers_path}, which have no token embedding "
                           f"({', '.join(layout.TOKEN_EMBEDDINGS)}) beside them. If they are an encoder's (a vision or "
                           "audio tower), the decoder's layers were not recognised: to compare the decoder, pass "
@@ -307,10 +311,6 @@ def _attach(handle: Instrumented, inner: torch.nn.Module, taps: dict[str, str] |
                          f"attached (tags: {', '.join(_tag_patterns({*handle.taps, *handle._left_out}))})")
     if defaults:
         default_taps.warn_unfound(handle, layers_path)
-
-
-def _batched_ids(value) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() == 2 and not value.is_floating_point()
 
 
 def _tag_patterns(taps) -> list[str]:

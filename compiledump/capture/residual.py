@@ -55,9 +55,19 @@ def norm_stream(args: tuple, kwargs: dict):
     return x + residual if is_float(x) and is_float(residual) else x
 
 
-def parameter_names(module: torch.nn.Module) -> list[str]:
-    """The names of `module.forward`'s parameters (none where inspect cannot read it)."""
-    return list(_parameters(module))
+def output_argument(module: torch.nn.Module):
+    """`(args, kwargs) -> ` the `output` argument of a module that writes its result there and
+    returns None (vLLM's Mamba mixers: `self.mamba(h, output)`); None where its forward has none."""
+    names = [name for name in _parameters(module) if name != "self"]
+    if "output" not in names:
+        return None
+    at = names.index("output")
+    return lambda args, kwargs: args[at] if len(args) > at else kwargs.get("output")
+
+
+def batched_ids(value) -> bool:
+    """Whether `value` is `[batch, seq]` token ids (a 2-D integer tensor)."""
+    return isinstance(value, torch.Tensor) and value.dim() == 2 and not value.is_floating_point()
 
 
 def _parameters(layer: torch.nn.Module):
