@@ -17,8 +17,7 @@ import torch
 import transformers as T
 
 import compiledump
-from compiledump.compare import compare, format_report
-from helpers.hf_dump import dump_run, load_dump
+from helpers.hf_dump import compare_run, dump_run, load_dump
 
 VOCAB, LAYERS = 160, 4
 CONFIGS = {
@@ -153,11 +152,9 @@ def test_a_decode_only_bug_is_named_at_its_layer_and_step(tmp_path, name):
         with torch.no_grad():
             mlp_out_weight(engine, 2).mul_(1.01)
     run, _ = session(engine, feed=fed, after_prefill=bug)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        report = compare(ref, dump_run(engine, tmp_path / "run", run))
+    report, last = compare_run(ref, engine, tmp_path / "run", run)
     first = report.first_divergence
-    assert report.exit_status == 1 and (first.key, first.step) == ("layer2_step_1", 1), format_report(report)[-1]
+    assert report.exit_status == 1 and (first.key, first.step) == ("layer2_step_1", 1), last
 
 
 @pytest.mark.parametrize("name", ["gpt2", "bloom", "gpt_neox"])
@@ -171,10 +168,7 @@ def test_an_honest_bf16_engine_is_clean_and_an_mlp_bug_named(tmp_path, name):
             mlp_out_weight(engine, 3).mul_(factor)
         engine = engine.to(torch.bfloat16)
         run, _ = session(engine, feed=fed)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            report = compare(ref, dump_run(engine, tmp_path / label, run))
-        last = format_report(report)[-1]
+        report, last = compare_run(ref, engine, tmp_path / label, run)
         if label == "honest":
             assert report.exit_status == 0, last
         else:

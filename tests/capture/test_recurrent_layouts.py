@@ -18,7 +18,7 @@ import transformers as T
 
 import compiledump
 from compiledump.compare import compare, format_report
-from helpers.hf_dump import dump_run, load_dump
+from helpers.hf_dump import compare_run, dump_run, load_dump
 
 VOCAB, STEPS = 160, 3
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
@@ -173,12 +173,10 @@ def test_a_bug_in_the_head_or_final_norm_is_named(tmp_path, name, weight):
     with torch.no_grad():
         engine.get_submodule(weight).weight.mul_(1.05)
     run, _ = session(name, engine, feed=fed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        report = compare(ref, dump_run(engine, tmp_path / "run", run))
+    report, last = compare_run(ref, engine, tmp_path / "run", run)
     expected = ("final_norm" if weight.endswith("ln_out") else f"layer{weight.split('.')[2]}_mixer" if "layers" in weight
                 else "logits_0")
-    assert report.exit_status == 1 and report.first_divergence.key == expected, format_report(report)[-1]
+    assert report.exit_status == 1 and report.first_divergence.key == expected, last
 
 
 def test_a_step_fed_another_token_is_not_read_as_a_divergence(tmp_path):
@@ -190,10 +188,8 @@ def test_a_step_fed_another_token_is_not_read_as_a_divergence(tmp_path):
     other = [token.clone() for token in fed]
     other[1] = (other[1] + 1) % VOCAB
     run, _ = session("mamba", model, feed=other)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        report = compare(ref, dump_run(model, tmp_path / "run", run))
-    assert report.exit_status == 3 and report.first_divergence is None, format_report(report)[-1]
+    report, last = compare_run(ref, model, tmp_path / "run", run)
+    assert report.exit_status == 3 and report.first_divergence is None, last
 
 
 def toy(head: bool = False):

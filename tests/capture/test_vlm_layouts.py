@@ -18,8 +18,7 @@ import transformers as T
 
 import compiledump
 from compiledump import config as cd_config
-from compiledump.compare import compare, format_report
-from helpers.hf_dump import dump_run, load_dump
+from helpers.hf_dump import compare_run, dump_run, load_dump
 
 VOCAB, IMAGE, LAYERS, CROSS = 160, 150, 4, 1  # layer 1 attends to the image
 
@@ -112,11 +111,8 @@ def test_an_mlp_bug_in_mllamas_language_model_is_named_at_its_layer(tmp_path, im
     engine = copy.deepcopy(reference)
     with torch.no_grad():
         engine.model.language_model.layers[layer].mlp.down_proj.weight.mul_(1.01)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        report = compare(ref, dump_run(engine, tmp_path / "run", generate(engine, image)))
-    first = report.first_divergence
-    assert report.exit_status == 1 and first.key == f"layer{layer}_mlp", format_report(report)[-1]
+    report, last = compare_run(ref, engine, tmp_path / "run", generate(engine, image))
+    assert report.exit_status == 1 and report.first_divergence.key == f"layer{layer}_mlp", last
 
 
 def test_an_encoders_layers_taken_for_lack_of_a_decoders_are_warned():
@@ -223,10 +219,7 @@ def test_a_projector_bug_is_named_at_the_image_rows_of_input_embeds_and_an_hones
             engine.model.multi_modal_projector.linear_2.weight.mul_(factor)
         engine = engine.to(torch.bfloat16) if label == "honest" else engine
         run, _ = llava_session(engine, feed=fed)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            report = compare(ref, dump_run(engine, tmp_path / label, run))
-        last = format_report(report)[-1]
+        report, last = compare_run(ref, engine, tmp_path / label, run)
         if label == "honest":
             assert report.exit_status == 0, last
         else:

@@ -57,6 +57,17 @@ def dump_run(model: torch.nn.Module, directory: Path, run, **options) -> str:
         return compiledump.flush()
 
 
+def compare_run(reference: str, model: torch.nn.Module, directory: Path, run):
+    """`run()` dumped as `dump_run` dumps it and compared with the dump at `reference` (the
+    comparison's warnings ignored: the tests read its report); the report and its last line."""
+    from compiledump.compare import compare, format_report
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        report = compare(reference, dump_run(model, directory, run))
+    return report, format_report(report)[-1]
+
+
 def dump_prefill(model: torch.nn.Module, directory: Path, ids: torch.Tensor, rows: str = "one",
                  moe_layers: int = 4, router_rows: str | None = "all", wrap=None) -> None:
     """Run ``model`` on ``ids`` once (no KV cache) with every MoE layer's ids recorded, and flush
