@@ -45,7 +45,7 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
         attn_input = layout.residual_after_attention(layer, block_name)
         if attn_input is not None:
             # Every layer's, whatever COMPILEDUMP_MOE_LAYERS says: attention is no MoE internal
-            handle._add(getattr(layer, attn_input), f"layer{i}_attn", f"{prefix}.{attn_input}", "input",
+            handle._add(layer.get_submodule(attn_input), f"layer{i}_attn", f"{prefix}.{attn_input}", "input",
                         read=residual.norm_stream if split else None, moe_filtered=False)
         elif block_name not in (None, mixer_name):
             # (not a layer of one mixer, Mamba's or Nemotron-H's MoE `mixer`: `layer<i>` is the stream after it)

@@ -21,7 +21,8 @@ MIXERS = ("self_attn", "linear_attn", "mamba", "mixer", "self_attention", "conv"
           "attn", "attention",  # the GPT-2 family, MPT; GPT-NeoX
           "cross_attn",  # Mllama's cross-attention layers (to the image), between its self-attention ones
           "temporal_block", "mlstm_layer",  # RecurrentGemma (recurrent or attention), xLSTM
-          "mamba_decoder")  # Zamba's hybrid layers: a shared transformer block feeding a Mamba layer
+          "mamba_decoder",  # Zamba's hybrid layers: a shared transformer block feeding a Mamba layer
+          "norm_attn_norm")  # DBRX: its attention between the norm before it and the norm before the MLP
 # A layer's mixer that is not softmax attention, named for what it is: where a layer has one beside
 # attention (Falcon-H1's mamba and self_attn, summed), the layer is a state-space one (mixers.py).
 RECURRENT_MIXERS = ("linear_attn", "mamba", "conv", "mlstm_layer", "mamba_decoder")
@@ -92,10 +93,14 @@ def last_projection(block: torch.nn.Module) -> str | None:
 
 
 def residual_after_attention(layer: torch.nn.Module, block_name: str | None) -> str | None:
-    """The name of `layer`'s child whose input is the residual stream after attention (see
-    _MLP_NORMS), or None when the layer's structure does not say."""
+    """The path, relative to `layer`, of the module whose input is the residual stream after
+    attention (see _MLP_NORMS; a child, or DBRX's norm inside its `norm_attn_norm`), or None when
+    the layer's structure does not say."""
     if getattr(layer, "use_parallel_residual", False) is True:
         return None  # GPT-NeoX: its post_attention_layernorm reads the layer's input, beside attention
+    wrapper = getattr(layer, "norm_attn_norm", None)
+    if isinstance(wrapper, torch.nn.Module) and child(wrapper, ("norm_2",)) is not None:
+        return "norm_attn_norm.norm_2"  # DBRX: norm_2 normalises the sum after attention, inside the wrapper
     children = [name for name, _ in layer.named_children()]
     if {"attn", "ln_1"} <= set(children) and children.index("ln_1") > children.index("attn"):
         return "ln_1"  # GPT-1's post-norm block: ln_1 normalises the sum after attention, ln_2 after the MLP
@@ -187,8 +192,8 @@ def final_norm_path(layers_path: str, modules: dict) -> str | None:
 
 
 def consecutive(path: str, modules: dict) -> range:
-    """0..n-1 for the longest run of `path.format(i=...)` from 0 that names modules (DBRX's
-    `transformer.blocks.{i}`, where no `layers` list is found)."""
+    """0..n-1 for the longest run of `path.format(i=...)` from 0 that names modules (a pattern
+    such as `transformer.blocks.{i}` in an explicit tap, where no `layers` list is found)."""
     n = 0
     while path.format(i=n) in modules:
         n += 1

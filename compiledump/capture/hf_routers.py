@@ -30,10 +30,15 @@ LOGITS_BIAS_ROUTERS = ("Kolibri1TopKRouter", "Kolibri1_1TopKRouter")
 # Inkling 2: its config's scoring_func), by that module's class.
 SCORE_FN_ROUTERS = ("DeepseekV4TopKRouter", "Inkling2TopKRouter", "Inkling2LoopTopKRouter")
 _SCORE_FNS = {"SqrtSoftplusActivation": "sqrtsoftplus", "Sigmoid": "sigmoid", "SigmoidActivation": "sigmoid"}
+# Routers that return bare logits, whose MoE block picks the top-k of their softmax in the logits'
+# dtype and hands the picks to its experts (DBRX: `route_tokens_to_experts`). bf16 rounding ties
+# near-equal probabilities there, so the block's picks can differ from the top-k of the logits: the
+# ids are read where the experts receive them (router_taps.py), and the rule declared `rounded`.
+EXPERTS_PICKED_ROUTERS = ("DbrxRouter",)
 # Those that compute their choice scores in the dtype of the logits they return, with no upcast
 # (DeepSeek-V4's `score_fn(logits) + bias`, LFM2-MoE's `sigmoid(logits) + expert_bias` on the bf16
-# logits of a bf16 model), declared `rounded` (the others upcast to float32 first).
-ROUNDED_SCORE_ROUTERS = ("DeepseekV4TopKRouter", "Lfm2MoeTopKRouter")
+# logits of a bf16 model, DBRX's softmax), declared `rounded` (the others upcast to float32 first).
+ROUNDED_SCORE_ROUTERS = ("DeepseekV4TopKRouter", "Lfm2MoeTopKRouter", *EXPERTS_PICKED_ROUTERS)
 # Routers with expert groups and no bias that keep the groups with the best sums of two softmax
 # scores (Mistral 4 and Mistral Large 4's text model).
 GROUPED_SOFTMAX_ROUTERS = ("Mistral4TopkRouter", "MistralLarge4TextTopkRouter")
@@ -62,7 +67,7 @@ def selection_of(block: torch.nn.Module, router: torch.nn.Module) -> dict | None
     (a `tid2eid` table) as routing by token id; DeepSeek-V2's `group_limited_greedy` the top-k of
     softmax(logits) in the groups with the best single scores, Mistral 4's
     (GROUPED_SOFTMAX_ROUTERS) in the groups with the best two. DeepSeek-V4's and LFM2-MoE's
-    (ROUNDED_SCORE_ROUTERS) are declared `rounded`; PhiMoE's (CUT_ROUTERS) with the `cut` of its
+    and DBRX's softmax (ROUNDED_SCORE_ROUTERS) are declared `rounded`; PhiMoE's (CUT_ROUTERS) with the `cut` of its
     sparsemixer, 2 * `router_jitter_noise`. Other routers with a bias, or with expert
     groups, are declared of score "unknown" (their flips are not judged), with one warning per
     class."""
@@ -99,6 +104,8 @@ def _rule(block: torch.nn.Module, router: torch.nn.Module) -> dict | None:
             return dict(score="softmax", group_topk=1, **groups)
         if bias is None and n_group > 1 and kind in GROUPED_SOFTMAX_ROUTERS:
             return dict(score="softmax", group_topk=2, **groups)
+    elif bias is None and kind in EXPERTS_PICKED_ROUTERS:
+        return dict(top_k=top_k, score="softmax")
     elif bias is not None and kind in SIGMOID_BIAS_ROUTERS:
         return _with_bias(dict(top_k=top_k, score="sigmoid"), bias)
     elif bias is not None and kind in SOFTMAX_BIAS_ROUTERS:

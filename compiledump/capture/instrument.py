@@ -286,7 +286,7 @@ def _attach(handle: Instrumented, inner: torch.nn.Module, taps: dict[str, str] |
         match = _PATH_SIDE.match(path_pattern)
         path, side = match.group("path"), match.group("side") or "output"
         indices = ([None] if "{i}" not in path else range(len(layers)) if layers is not None
-                   else layout.consecutive(path, modules))  # no `layers` found (DBRX's `blocks`): 0, 1, ... while they exist
+                   else layout.consecutive(path, modules))  # no `layers` found: 0, 1, ... while they exist
         found = False
         for i in indices:
             name = path.format(i=i) if i is not None else path

@@ -31,7 +31,8 @@ from .state import STATE
 # Bailing's BailingHybridDeltaAttention) or `mixer` (Nemotron-H's NemotronHMamba2Mixer). They are
 # looked for after the prefix every mixer class of the model shares (its name: "KimiLinear").
 RECURRENT_WORDS = ("linear", "delta", "lightning", "mamba", "ssm", "retention", "rwkv", "recurrent")
-_BY_CLASS = ("self_attn", "self_attention", "mixer", "attn", "attention", "cross_attn", "temporal_block")
+_BY_CLASS = ("self_attn", "self_attention", "mixer", "attn", "attention", "cross_attn", "temporal_block",
+             "norm_attn_norm")  # DBRX's attention between its norms
 
 
 def kinds_of(layers, names: list[str | None]) -> dict[int, str]:

@@ -10,12 +10,13 @@ does).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
 
 from . import api, residual, routers
-from .hf_routers import PROBABILITY_ROUTERS, int_attr, selection_of
+from .hf_routers import EXPERTS_PICKED_ROUTERS, PROBABILITY_ROUTERS, int_attr, selection_of
 from .state import warn_once
 
 
@@ -26,22 +27,63 @@ def tap_router(handle, name: str, block_path: str, block: torch.nn.Module, route
         routers.withdraw(f"{name}_router")
         return
     router = getattr(block, router_name)
+    picked = experts_picking(block, router)
     handle._add(router, f"{name}_router", f"{block_path}.{router_name}", "output",
-                capture=router_capture(handle, name, block, router))
+                capture=router_capture(handle, name, block, router, ids_from_experts=picked is not None))
     selection = selection_of(block, router)
     if selection is not None:
         routers.declare_router(f"{name}_router", **selection)
     else:
         routers.withdraw(f"{name}_router")
     handle._list_routing(name, f"{block_path}.{router_name}")
+    if picked is not None:
+        # DBRX: the ids its block picked, as its experts receive them (`top_k_index`)
+        handle._add(picked, f"{name}_topk", f"{block_path}.experts", "input", capture=ids_capture(handle, name),
+                    read=_top_k_index)
+        if handle.step_routing and f"{name}_topk" in handle.taps:
+            handle.taps[f"{name}_step_topk"] = handle.taps[f"{name}_topk"]
     if isinstance(picker := getattr(block, "topk", None), torch.nn.Module):
         # SGLang's TopK module picks the experts from its gate's logits: its topk_ids are the engine's own
         handle._add(picker, f"{name}_topk", f"{block_path}.topk", "output", read=lambda out: getattr(out, "topk_ids", None))
 
 
-def router_capture(handle, name: str, block: torch.nn.Module, router: torch.nn.Module) -> Callable:
-    """The capture of a router whose tags are `<name>_router`, `<name>_topk` and their steps."""
+def experts_picking(block: torch.nn.Module, router: torch.nn.Module) -> torch.nn.Module | None:
+    """`block`'s experts module where the ids are read from its `top_k_index` input (the router
+    returns bare logits and the block picks from their rounded softmax: EXPERTS_PICKED_ROUTERS),
+    else None."""
+    experts = getattr(block, "experts", None)
+    if type(router).__name__ not in EXPERTS_PICKED_ROUTERS or not isinstance(experts, torch.nn.Module):
+        return None
+    try:
+        takes_ids = "top_k_index" in inspect.signature(experts.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    return experts if takes_ids else None
+
+
+def _top_k_index(args: tuple, kwargs: dict):
+    """The expert ids an experts module is called with: `(hidden_states, top_k_index, top_k_weights)`."""
+    return args[1] if len(args) > 1 else kwargs.get("top_k_index")
+
+
+def ids_capture(handle, name: str) -> Callable:
+    """The capture of a block's expert ids, `<name>_topk` and its step row."""
+    def capture(ids, whole: bool = True) -> None:
+        if isinstance(ids, torch.Tensor) and not ids.is_floating_point():
+            rows = handle._rows(ids)
+            if whole:
+                api.record_ids(f"{name}_topk", rows)
+            if handle.step_routing:
+                api.record_step(f"{name}_step_topk", handle._step_row(rows), moe_filtered=True)
+    return capture
+
+
+def router_capture(handle, name: str, block: torch.nn.Module, router: torch.nn.Module,
+                   ids_from_experts: bool = False) -> Callable:
+    """The capture of a router whose tags are `<name>_router`, `<name>_topk` and their steps (the
+    ids read elsewhere, `ids_from_experts`: the router's logits and their step row only)."""
     top_k = int_attr((block, router), ("top_k", "num_experts_per_tok"))
+    record_ids = ids_capture(handle, name)
 
     def capture(output, step_logits: torch.Tensor | None = None, whole: bool = True) -> None:
         # `step_logits`: the step row to record instead of the last row of the logits (an
@@ -87,13 +129,10 @@ def router_capture(handle, name: str, block: torch.nn.Module, router: torch.nn.M
         if handle.step_routing:
             api.record_step(f"{name}_step_router", handle._step_row(rows) if step_logits is None else step_logits,
                             moe_filtered=True)
+        if ids_from_experts:
+            return
         if ids is None and top_k is not None:
             ids = torch.topk(logits, top_k, dim=-1).indices
-        if isinstance(ids, torch.Tensor) and not ids.is_floating_point():
-            rows = handle._rows(ids)
-            if whole:
-                api.record_ids(f"{name}_topk", rows)
-            if handle.step_routing:
-                api.record_step(f"{name}_step_topk", handle._step_row(rows), moe_filtered=True)
+        record_ids(ids, whole)
 
     return capture

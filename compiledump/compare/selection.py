@@ -81,8 +81,10 @@ def score_rounding_epsilon(info: RouterInfo, logits: np.ndarray, ref_ids, run_id
     allows, else None. Two experts a (REF chose it, RUN did not) and b (the reverse) whose scores
     are tau apart swap when each logit moves by tau / (slope_a + slope_b), a gap of twice that;
     the flattest such pair bounds it. DeepSeek-V4's sqrt(softplus) scores sit near 0.83 where
-    its small logits sit near 0: their rounding, not the logits', decides a flip there."""
-    if not info.rounded or info.score not in _SLOPE:
+    its small logits sit near 0: their rounding, not the logits', decides a flip there. A softmax
+    without a bias (DBRX) ranks by probabilities, whose rounding ties experts whose logits differ
+    by about a bf16 spacing of the probability over the probability."""
+    if not info.rounded or (info.score not in _SLOPE and info.score != "softmax"):
         return None
     displaced = sorted(set(int(i) for i in ref_ids) - set(int(i) for i in run_ids))
     instead = sorted(set(int(i) for i in run_ids) - set(int(i) for i in ref_ids))
@@ -90,8 +92,15 @@ def score_rounding_epsilon(info: RouterInfo, logits: np.ndarray, ref_ids, run_id
         return None
     swapped = displaced + instead
     x = np.asarray(logits, np.float64)
-    scores = _PER_LOGIT[info.score](x[swapped]) + (np.asarray(info.bias, np.float64)[swapped] if info.bias else 0.0)
-    slopes = float(np.min(_SLOPE[info.score](x[displaced]))) + float(np.min(_SLOPE[info.score](x[instead])))
+    if info.score == "softmax":
+        # DBRX's probabilities: moving logit a down and b up by e moves p_a - p_b by
+        # (p_a + p_b - (p_a - p_b)^2) e, so each expert's slope at a near tie is its probability
+        probabilities = choice_scores(info, x[None, :])[0]
+        scores, slope_of = probabilities[swapped], lambda ids: probabilities[ids]
+    else:
+        scores = _PER_LOGIT[info.score](x[swapped]) + (np.asarray(info.bias, np.float64)[swapped] if info.bias else 0.0)
+        slope_of = lambda ids: _SLOPE[info.score](x[ids])  # noqa: E731
+    slopes = float(np.min(slope_of(displaced))) + float(np.min(slope_of(instead)))
     tau = ulps * bf16_spacing(float(np.max(np.abs(scores))))
     return 2.0 * tau / slopes if slopes > 0 else None
 

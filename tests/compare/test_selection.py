@@ -316,3 +316,56 @@ def test_deepseek_v4_s_bf16_score_rounding_stays_within_its_epsilon():
         assert gap <= allowed, (row, gap, allowed)
         beyond_logit_rule += gap > routing_epsilon(x, None, 4.0)
     assert len(flipped) >= 20 and beyond_logit_rule >= 5, (len(flipped), beyond_logit_rule)
+
+
+def test_dbrx_s_bf16_softmax_rounding_stays_within_its_epsilon():
+    """DBRX's MoE block picks the top-k of softmax(logits) computed in the logits' dtype
+    (transformers' `DbrxFFN.route_tokens_to_experts`). In bf16, probabilities about 0.14 apart by less
+    than a spacing (2^-10) round to one value and the pick goes by expert order, so rows flip whose
+    logit gap is several logit spacings: torch's own bf16 softmax and top-k, against the float32
+    top-k of the same (bf16-exact) logits, flips rows beyond the logit-ulps epsilon, and every flip
+    is within the epsilon its `rounded` declaration adds (none without it)."""
+    import torch
+
+    from compiledump.compare.routing import routing_epsilon
+    experts, k = 8, 2
+    info = RouterInfo(top_k=k, score="softmax", rounded=True)
+    logits = torch.from_numpy(np.random.default_rng(47).standard_normal((3000, experts)).astype(np.float32) * 0.05)
+    logits = logits.bfloat16()
+    exact = np.sort(torch.topk(logits.float(), k, dim=-1).indices.numpy(), axis=-1)
+    probabilities = torch.nn.functional.softmax(logits, dim=1, dtype=logits.dtype)
+    rounded = np.sort(torch.topk(probabilities, k, dim=-1).indices.numpy(), axis=-1)
+    flipped = [row for row in range(len(logits)) if set(exact[row]) != set(rounded[row])]
+    beyond_logit_rule = 0
+    for row in flipped:
+        x = logits[row].double().numpy()
+        gap = selection.selection_gap(info, x, rounded[row])
+        allowed = selection.score_rounding_epsilon(info, x, exact[row], rounded[row], 4.0)
+        assert selection.score_rounding_epsilon(RouterInfo(top_k=k, score="softmax"), x, exact[row], rounded[row],
+                                                4.0) is None
+        assert gap <= allowed, (row, gap, allowed)
+        beyond_logit_rule += gap > routing_epsilon(x, None, 4.0)
+    assert len(flipped) >= 20 and beyond_logit_rule >= 10, (len(flipped), beyond_logit_rule)
+
+
+def test_the_softmax_rounding_epsilon_is_the_logit_gap_that_parts_two_probabilities_by_tau():
+    """For a softmax, the allowance is the logit gap at which the two swapped probabilities lie tau
+    apart: found here by bisection on the softmax itself (both logits moved apart from their mean)."""
+    info = RouterInfo(top_k=2, score="softmax", rounded=True)
+    logits = np.array([0.31, 0.2, 0.2004, -0.4, 0.05])
+    got = selection.score_rounding_epsilon(info, logits, [0, 1], [0, 2], 4.0)
+    p = np.exp(logits) / np.exp(logits).sum()
+    tau = 4.0 * 2.0 ** -10  # the swapped probabilities lie in [0.125, 0.25)
+    assert 0.125 <= p[1] < 0.25 and 0.125 <= p[2] < 0.25
+
+    def spread(gap):
+        x = logits.copy()
+        mid = (x[1] + x[2]) / 2
+        x[1], x[2] = mid + gap / 2, mid - gap / 2
+        q = np.exp(x) / np.exp(x).sum()
+        return q[1] - q[2]
+
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        low, high = ((low + high) / 2, high) if spread((low + high) / 2) < tau else (low, (low + high) / 2)
+    assert got == pytest.approx(low, rel=0.02)
