@@ -23,7 +23,8 @@ indexer keeping every key), Laguna, Kolibri, LFM2-MoE, Nemotron-H, gpt-oss, Gran
 sliding windows and Qwen3-Next (MORE_CONFIGS: the seventh session's audit), and Ergo, Kolibri 1.1
 and MiniMax-M3-VL's text model (the eighth's), and DeepSeek-V3.2 (``deepseek_v32``: an indexer keeping 4
 keys per query, fewer than the prompt's) and PhiMoE (``phimoe``: its sparsemixer's weight cut; ``--engine-bug
-cut_x2`` doubles it). benchmarks/calibrate.py calibrates the thresholds themselves; this
+cut_x2`` doubles it) and DBRX (``dbrx``: the top-k of a softmax its block computes in the model's
+dtype). benchmarks/calibrate.py calibrates the thresholds themselves; this
 sweep counts verdicts over more random models than it can afford (docs/compare.md, "Expert ids
 and near ties").
 
@@ -129,6 +130,10 @@ MORE_CONFIGS = {
     # PhiMoE: top-2 of the logits, each pick weighed by a softmax over the experts within a relative cut
     # (2 * router_jitter_noise) of it (its sparsemixer; docs/compare.md, "PhiMoE's sparsemixer").
     "phimoe": dict(intermediate_size=48, num_local_experts=8),
+    # DBRX: its block picks the top-k of a softmax in the model's dtype (bf16 ties near-equal
+    # probabilities: declared `rounded`); clip_qkv set because transformers 5.25 fails on its None.
+    "dbrx": dict(attn_config=dict(kv_n_heads=2, clip_qkv=8.0, rope_theta=10000),
+                 ffn_config=dict(ffn_hidden_size=48, moe_num_experts=8, moe_top_k=2)),
 }
 CONFIGS.update(MORE_CONFIGS)
 DEFAULT_MODELS = [name for name in CONFIGS if name not in MORE_CONFIGS]
@@ -145,7 +150,11 @@ def build(model: str, seed: int) -> torch.nn.Module:
     for name, value in fields.items():  # per-layer patterns (layer_types, ...) repeated to --layers
         if isinstance(value, list) and len(value) != COMMON["num_hidden_layers"]:
             fields[name] = (value * COMMON["num_hidden_layers"])[:COMMON["num_hidden_layers"]]
-    config = transformers.AutoConfig.for_model(MODEL_TYPES.get(model, model), **fields)
+    model_type = MODEL_TYPES.get(model, model)
+    # Under the names the config class keeps them (DBRX's d_model, n_layers: its MoE config copies
+    # d_model when built, and would not see a hidden_size set through the alias afterwards)
+    names = getattr(transformers.CONFIG_MAPPING[model_type], "attribute_map", {})
+    config = transformers.AutoConfig.for_model(model_type, **{names.get(k, k): v for k, v in fields.items()})
     torch.manual_seed(seed)
     built = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
