@@ -27,10 +27,11 @@ from helpers.hf_example import ex
 PROMPT, STEPS = 7, 5
 
 
-def run_side(model, directory, fed, bug_at_step=None):
+def run_side(model, directory, fed, bug_at_step=None, width=1):
     """Prefill a 7-token prompt, then decode feeding `fed[n]` at step n+1 (the tokens are given,
     not decoded, so each test says where the sides' inputs part). `bug_at_step`: from that
-    decode step on, the last layer's MLP output is scaled by 1.01 (a decode-only bug)."""
+    decode step on, the last layer's MLP output is scaled by 1.01 (a decode-only bug). `width`:
+    tokens fed per decode forward (speculative decoding's verification of drafts)."""
     compiledump.reset()
     compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory), moe_layers=2)))
     handle = compiledump.instrument(model)
@@ -41,9 +42,9 @@ def run_side(model, directory, fed, bug_at_step=None):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=prompt, cache=cache, use_cache=True)
-        for token in fed:
+        for start in range(0, len(fed), width):
             step[0] += 1
-            model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True)
+            model(input_ids=torch.tensor([fed[start:start + width]]), cache=cache, use_cache=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         compiledump.flush()
@@ -101,3 +102,18 @@ def test_the_same_tokens_are_compared_and_a_bug_before_the_parting_is_found(mode
     code, _, report = compare(tmp_path, capsys)
     assert code == 1 and report["first_divergence"]["step"] == 2
     assert report["pairs"][0]["fed_tokens_differ"]["step"] == 4
+
+
+def test_decode_forwards_of_several_tokens_are_not_paired_with_one_token_steps(model, tmp_path, capsys):
+    """Speculative decoding's verification feeds several tokens per decode forward, whose step tags
+    hold the last: RUN's step n is not REF's step n. The same tokens, teacher-forced, 3 per forward:
+    not comparable from step 1 (docs/compare.md, "Speculative decoding"), never a divergence."""
+    tokens = torch.randint(0, model.config.vocab_size, (STEPS,), generator=torch.Generator().manual_seed(6)).tolist()
+    assert tokens[0] != tokens[2]
+    run_side(model, tmp_path / "ref", tokens)
+    run_side(model, tmp_path / "run", tokens, width=3)
+    code, out, report = compare(tmp_path, capsys)
+    assert code == 3 and report["first_divergence"] is None, out[-1]
+    assert report["pairs"][0]["fed_tokens_differ"] == {"step": 1, "ref": tokens[0], "run": tokens[2]}
+    compared = [record for record in report["keys"] if record["step"] is None]
+    assert compared and all(record["status"] == "ok" for record in compared)  # the prompt's keys
