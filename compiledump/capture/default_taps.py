@@ -86,6 +86,10 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
         # input, the image rows, which the layers' one-row tags never see: every prompt row of it
         handle._add(layers[0], spec.INPUT_EMBEDS_TAG, f"{layers_path}.0", "input", capture=embeds_capture(handle),
                     read=residual.hidden_states_reader(layers[0]))
+    if layout.is_encoder_decoder(handle.model) and (encoder := layout.encoder_path(layers_path, modules)) is not None:
+        # The encoder runs once per request, before the decoder's layers: what its output holds
+        # decides every decoder step, and an encoder bug would read as the decoder's first layer
+        handle._add(modules[encoder], spec.ENCODER_OUTPUT_TAG, encoder, "output", capture=once_capture(handle))
     _warn_untapped(layers_path, layers, unrouted, no_attn)
     mixers.declare_mixers(mixers.kinds_of(layers, [layout.mixer_for_kind(layer) for layer in layers]),
                           mixers.routing_fact(handle.taps, bool(unrouted), handle.step_routing))
@@ -142,6 +146,23 @@ def embeds_capture(handle):
             handle.fired = True
             api.record(spec.INPUT_EMBEDS_TAG, handle._rows(tensor), rows="all")
     return embeds
+
+
+def once_capture(handle, tag: str = spec.ENCODER_OUTPUT_TAG):
+    """The capture of a module inside an encoder-decoder's encoder (`encoder_output`: the encoder
+    itself): the request's last source row of its floating-point output (a `last_hidden_state`, or
+    the first of a tuple), the first call's. Once: not token-gated, so the source's length teaches
+    the gate nothing (as a plain record would: the encoder runs before the decoder's prompt)."""
+    def once(output) -> None:
+        hidden = getattr(output, "last_hidden_state", None)
+        if hidden is None and isinstance(output, (tuple, list)) and output:
+            hidden = output[0]
+        if hidden is None:
+            hidden = output
+        if isinstance(hidden, torch.Tensor) and hidden.is_floating_point():
+            handle.fired = True
+            api.record(tag, handle._rows(hidden), once=True)
+    return once
 
 
 def fed_capture(handle):

@@ -119,10 +119,29 @@ def find_layers(modules: dict[str, torch.nn.Module]):
     """The decoder's `layers` among `modules` (the model's `named_modules()`), as (path, ModuleList),
     or (None, None). A vision-language model also has a vision encoder's `layers` (Llava, Gemma 3,
     Llama 4, Idefics 3), often first in module order: the language model's are the ones beside a
-    token embedding (`embed_tokens`), which vision encoders do not have. A list named `layers` is
-    preferred to an `h` or `blocks` (a vision encoder's `blocks` of `attn`: Qwen2-VL's)."""
+    token embedding (`embed_tokens`), which vision encoders do not have; of an encoder-decoder's
+    two such lists, the decoder's. A list named `layers` is preferred to an `h` or `blocks` (a
+    vision encoder's `blocks` of `attn`: Qwen2-VL's)."""
     found = sorted(_layer_lists(modules), key=lambda item: LAYER_LISTS.index(item[0].rpartition(".")[2]))
-    return (_beside_embeddings(found, modules) or found or [(None, None)])[0]
+    beside = _beside_embeddings(found, modules)
+    if is_encoder_decoder(modules.get("")):
+        # Generation runs the decoder at every step, the encoder once per request (Bart, Marian,
+        # Florence-2): the decoder's layers first, wherever they sit in module order
+        beside.sort(key=lambda item: "decoder" not in item[0].split("."))
+    return (beside or found or [(None, None)])[0]
+
+
+def is_encoder_decoder(model) -> bool:
+    """Whether `model`'s config (or a sub-config of it: Florence-2's text model) says it is an
+    encoder-decoder."""
+    return any(getattr(c, "is_encoder_decoder", False) is True for c in _configs(model))
+
+
+def _configs(model) -> list:
+    """`model`'s config and its sub-configs (a config without __dict__, a dict or a named tuple of a
+    custom model, has none)."""
+    config = getattr(model, "config", None)
+    return [config, *(value for value in getattr(config, "__dict__", {}).values() if hasattr(value, "to_dict"))]
 
 
 # A composite model's config names the tower whose features it merges into the token embeddings;
@@ -136,10 +155,7 @@ def has_tower(model: torch.nn.Module) -> bool:
     """Whether features of another input (an image, audio) may enter the decoder beside the token
     embeddings: the model's config (or a sub-config of it: an omni model's thinker) names a vision
     or audio tower. (Not any second layer list: BLT's and HRM's text stacks would count.)"""
-    config = getattr(model, "config", None)
-    # (a config without __dict__, a dict or a named tuple of a custom model, names none)
-    subconfigs = [value for value in getattr(config, "__dict__", {}).values() if hasattr(value, "to_dict")]
-    return any(_names_tower(c) for c in [config, *subconfigs])
+    return any(_names_tower(c) for c in _configs(model))
 
 
 def _names_tower(config) -> bool:
@@ -189,6 +205,12 @@ def _beside(path: str, names, modules: dict) -> str | None:
 def final_norm_path(layers_path: str, modules: dict) -> str | None:
     """The final norm beside `layers` (FINAL_NORMS), or None."""
     return _beside(layers_path, FINAL_NORMS, modules)
+
+
+def encoder_path(layers_path: str, modules: dict) -> str | None:
+    """The `encoder` beside the decoder whose layers are at `layers_path` (an encoder-decoder's:
+    `model.encoder` beside `model.decoder`), or None."""
+    return _beside(layers_path.rpartition(".")[0], ("encoder",), modules)
 
 
 def consecutive(path: str, modules: dict) -> range:

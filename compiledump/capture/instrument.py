@@ -277,16 +277,27 @@ def _attach(handle: Instrumented, inner: torch.nn.Module, taps: dict[str, str] |
                           "defaults=False and taps={'layer{i}': '<path of its layers>.{i}', 'logits': '<head>', "
                           "'input_token': '<token embedding>:input'}", RuntimeWarning, stacklevel=3)
         default_taps.add_default_taps(handle, layers_path, layers, modules)
-        if others := layout.other_token_stacks(modules, layers_path):
+        if (others := layout.other_token_stacks(modules, layers_path)) and layout.is_encoder_decoder(inner):
+            warnings.warn(f"compiledump.instrument: tapped the decoder's layers at {layers_path} (they run at every "
+                          f"decode step) and recorded the encoder's output (`encoder_output`, its last source row); "
+                          f"the encoder's layers at {', '.join(others)} get no default taps. To find which of them "
+                          f"first differs, add taps={{'encoder{{i}}': '{others[0]}.{{i}}'}} (recorded once, the last "
+                          "source row, as `encoder_output` is)", RuntimeWarning, stacklevel=3)
+        elif others:
             warnings.warn(f"compiledump.instrument: tapped the layers at {layers_path}; {', '.join(others)} also "
                           "hold layers beside a token embedding (an encoder and a decoder?), which get no default "
                           "taps. If those are the ones to compare, pass defaults=False and taps={'layer{i}': "
                           f"'{others[0]}.{{i}}', ...}}", RuntimeWarning, stacklevel=3)
+    # An encoder-decoder's encoder runs once per request, on a source of its own length
+    encoder = layout.encoder_path(layers_path, modules) if layers is not None and layout.is_encoder_decoder(inner) \
+        else None
     for tag_pattern, path_pattern in (taps or {}).items():
         match = _PATH_SIDE.match(path_pattern)
         path, side = match.group("path"), match.group("side") or "output"
+        # over the decoder layers where the path is under them; elsewhere (no `layers` found, an
+        # encoder's layers) 0, 1, ... while the path names a module
         indices = ([None] if "{i}" not in path else range(len(layers)) if layers is not None
-                   else layout.consecutive(path, modules))  # no `layers` found: 0, 1, ... while they exist
+                   and path.startswith(f"{layers_path}.") else layout.consecutive(path, modules))
         found = False
         for i in indices:
             name = path.format(i=i) if i is not None else path
@@ -298,7 +309,10 @@ def _attach(handle: Instrumented, inner: torch.nn.Module, taps: dict[str, str] |
                                      f"record {tag!r} at {handle.taps[tag]!r}; to record it elsewhere, leave it "
                                      f"out of the defaults with exclude=({re.sub(r'^layer[0-9]+', 'layer{i}', tag)!r},)"
                                      " and tap it under another name, or pass defaults=False")
-                if tag not in handle.taps and not default_taps.add_named_as_default(
+                if encoder is not None and f"{name}.".startswith(f"{encoder}."):
+                    # recorded once: its source length would teach the token gate a wrong prompt length
+                    handle._add(modules[name], tag, name, side, capture=default_taps.once_capture(handle, tag))
+                elif tag not in handle.taps and not default_taps.add_named_as_default(
                         handle, tag_pattern, tag, name, modules[name], side):
                     handle._add(modules[name], tag, name, side)
                 found = True

@@ -174,18 +174,19 @@ def test_a_norm_kept_in_a_module_list_is_not_tapped():
 
 
 def test_an_encoder_decoder_model_says_which_layers_it_tapped(dump_dir):
-    """Bart's encoder and decoder each hold `layers` beside a token embedding: the first found
-    (the encoder's) is tapped, and a warning names the decoder's with the taps that would take it."""
+    """Bart's encoder and decoder each hold `layers` beside a token embedding: the decoder's are
+    tapped (they run at every decode step; before 2026-12-06 the first found, the encoder's), the
+    encoder's output is recorded, and a warning names the encoder's layers with the taps that add them."""
     config = transformers.BartConfig(vocab_size=97, d_model=32, encoder_layers=2, decoder_layers=2,
                                      encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=48,
                                      decoder_ffn_dim=48, max_position_embeddings=64)
     handle, messages = _instrument(transformers.BartForConditionalGeneration(config).eval())
-    assert handle.taps["layer0"] == "model.encoder.layers.0"
-    others = [m for m in messages if "also hold layers beside a token embedding" in m]
-    assert len(others) == 1 and "tapped the layers at model.encoder.layers; model.decoder.layers also" in others[0]
-    assert "taps={'layer{i}': 'model.decoder.layers.{i}', ...}" in others[0]
+    assert handle.taps["layer0"] == "model.decoder.layers.0" and handle.taps["encoder_output"] == "model.encoder"
+    others = [m for m in messages if "the encoder's layers at" in m]
+    assert len(others) == 1 and "tapped the decoder's layers at model.decoder.layers" in others[0]
+    assert "taps={'encoder{i}': 'model.encoder.layers.{i}'}" in others[0]
     # A decoder-only model has one such list: no warning.
-    assert not [m for m in _instrument(ex.build_model("llama"))[1] if "beside a token embedding" in m]
+    assert not [m for m in _instrument(ex.build_model("llama"))[1] if "beside a token embedding" in m or "encoder" in m]
 
 
 def test_qwen4_exp_s_hyper_connections_no_attn_warned_and_its_mixer_is_the_final_norm(dump_dir):

@@ -1,0 +1,128 @@
+"""Encoder-decoders (Bart, mBART, Marian, Pegasus, Whisper) under `instrument()`'s defaults.
+Before 2026-12-06 the first layer list beside a token embedding was tapped, in Bart's family the
+encoder's: its layers run once per request, so no decode step was recorded and a decoder bug read
+as nothing at all; an encoder bug in Whisper (whose decoder was found) read as the decoder's first
+layer. Now the decoder's layers are tapped and the encoder's output is recorded once
+(`encoder_output`, its last source row). An explicit tap inside the encoder records once too: a
+plain record there taught the token gate the source's length, and every decoder prompt tag was
+dropped. Each tag is checked against this test's own hooks on the model."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import transformers as T
+
+import compiledump
+from helpers.hf_dump import compare_run, dump_run, load_dump
+
+VOCAB, SOURCE, PROMPT, STEPS = 160, 12, 4, 3
+IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+SIZES = dict(vocab_size=VOCAB, d_model=64, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=96,
+             decoder_ffn_dim=96, **IDS)
+CONFIGS = {"bart": T.BartConfig, "mbart": T.MBartConfig, "marian": T.MarianConfig, "pegasus": T.PegasusConfig,
+           "whisper": T.WhisperConfig}
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+
+def build(name: str, seed: int = 0, scale: float = 0.1, encoder_layers: int = 3, decoder_layers: int = 2):
+    extra = dict(num_mel_bins=16, max_source_positions=16, max_target_positions=32) if name == "whisper" else {}
+    config = CONFIGS[name](encoder_layers=encoder_layers, decoder_layers=decoder_layers, init_std=scale, **SIZES, **extra)
+    torch.manual_seed(seed)
+    model = T.WhisperForConditionalGeneration(config) if name == "whisper" else T.AutoModelForSeq2SeqLM.from_config(config)
+    return model.eval()
+
+
+def source(name: str, model, seed: int = 0) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    if name == "whisper":  # 16 mel bins, 32 frames: 16 source positions after its stride-2 conv
+        return {"input_features": torch.randn(1, 16, 32, generator=generator).to(model.dtype)}
+    return {"input_ids": torch.randint(3, VOCAB, (1, SOURCE), generator=generator)}
+
+
+def session(name: str, model, seed: int = 0):
+    """The source, a 4-token decoder prompt and STEPS cached decode steps, teacher-forced."""
+    generator = torch.Generator().manual_seed(seed + 100)
+    prompt, steps = torch.randint(3, VOCAB, (1, PROMPT), generator=generator), torch.randint(3, VOCAB, (STEPS,),
+                                                                                              generator=generator)
+
+    def run():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (transformers' past_key_values renaming note)
+            out = model(**source(name, model, seed), decoder_input_ids=prompt, use_cache=True)
+            encoded = (out.encoder_last_hidden_state,)
+            for token in steps:
+                out = model(encoder_outputs=encoded, decoder_input_ids=token.view(1, 1),
+                            past_key_values=out.past_key_values, use_cache=True)
+    return run
+
+
+def own_reading(name, model):
+    """The last source row of the encoder's output and of each encoder layer's; the last prompt row
+    of each decoder layer's output and of its fc2 (the MLP's output); the head's output. (The first
+    call's of each: the hooks return None, since a hook's value would replace the module's output.)"""
+    got = {"encoder": {}, "decoder": {}, "mlp": {}, "model": {}}
+
+    def keep(kind, key, out) -> None:
+        tensor = getattr(out, "last_hidden_state", None)
+        tensor = tensor if tensor is not None else out[0] if isinstance(out, tuple) else out
+        got[kind].setdefault(key, tensor[0, -1].float().numpy().copy())
+    hooks = [model.model.encoder.register_forward_hook(lambda _m, _a, out: keep("model", "encoder_output", out)),
+             model.get_output_embeddings().register_forward_hook(lambda _m, _a, out: keep("model", "logits", out))]
+    for i, layer in enumerate(model.model.encoder.layers):
+        hooks.append(layer.register_forward_hook(lambda _m, _a, out, i=i: keep("encoder", i, out)))
+    for i, layer in enumerate(model.model.decoder.layers):
+        hooks.append(layer.register_forward_hook(lambda _m, _a, out, i=i: keep("decoder", i, out)))
+        hooks.append(layer.fc2.register_forward_hook(lambda _m, _a, out, i=i: keep("mlp", i, out)))
+    with torch.no_grad():
+        session(name, model)()
+    for hook in hooks:
+        hook.remove()
+    return got
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_decoder_is_tapped_and_the_encoder_output_recorded_once(tmp_path, name):
+    model = build(name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        arrays, manifest = load_dump(dump_run(model, tmp_path, session(name, model),
+                                              taps={"encoder{i}": "model.encoder.layers.{i}"}))
+    said = [str(w.message) for w in caught if "compiledump.instrument" in str(w.message)]
+    handle = compiledump.instrument(model)
+    taps = dict(handle.taps)
+    handle.remove()
+    compiledump.reset()
+    assert taps["layer0"] == "model.decoder.layers.0" and taps["encoder_output"] == "model.encoder"
+    assert taps["input_token"] == "model.decoder.embed_tokens:input"
+    if name != "whisper":  # (Whisper's encoder has no token embedding: its decoder was found before)
+        assert any("decoder's layers at model.decoder.layers" in s and "model.encoder.layers" in s for s in said), said
+    assert manifest["prompt_tokens"] == PROMPT  # the decoder's prompt, not the source's length
+    got = own_reading(name, model)
+    np.testing.assert_array_equal(arrays["encoder_output"], got["model"]["encoder_output"])
+    for i in range(3):  # every encoder layer (3), though the decoder has 2
+        np.testing.assert_array_equal(arrays[f"encoder{i}"], got["encoder"][i])
+    for i in range(2):
+        np.testing.assert_array_equal(arrays[f"layer{i}"], got["decoder"][i])
+        np.testing.assert_array_equal(arrays[f"layer{i}_mlp"], got["mlp"][i])
+        assert {f"layer{i}_step_{n}" for n in range(STEPS + 1)} <= set(arrays)
+    np.testing.assert_array_equal(arrays["logits_0"], got["model"]["logits"])
+
+
+@pytest.mark.parametrize("name", ["bart", "pegasus", "whisper"])
+def test_an_honest_pair_exits_0_and_bugs_are_named_where_they_start(tmp_path, name):
+    reference = build(name, seed=1)
+    ref = dump_run(reference, tmp_path / "ref", session(name, reference, seed=1))
+    honest = copy.deepcopy(reference).to(torch.bfloat16)
+    report, last = compare_run(ref, honest, tmp_path / "honest", session(name, honest, seed=1))
+    assert report.exit_status == 0, last
+    for where, key in (("encoder", "encoder_output"), ("decoder", "layer1_mlp")):
+        engine = copy.deepcopy(reference)
+        getattr(engine.model, where).layers[1].fc2.register_forward_hook(lambda _m, _a, out: out * 1.01)
+        report, last = compare_run(ref, engine, tmp_path / where, session(name, engine, seed=1))
+        assert report.exit_status == 1 and report.first_divergence.key == key, last
