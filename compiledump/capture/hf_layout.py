@@ -11,6 +11,9 @@ module only finds modules; instrument.py hooks them.
 
 from __future__ import annotations
 
+import inspect
+import re
+
 import torch
 
 from .hf_routers import int_attr
@@ -110,9 +113,31 @@ def residual_after_attention(layer: torch.nn.Module, block_name: str | None) -> 
         return child(layer, ("final_layer_norm",) if before else ("self_attn_layer_norm",))
     if (norm := child(layer, _MLP_NORMS)) is not None:
         return norm
+    if (cross := child(layer, CROSS_ATTENTIONS)) is not None and (norm := _norm_called_after(layer, cross)):
+        return norm  # an encoder-decoder's decoder layer: the stream after self- and cross-attention
     if child(layer, ("post_feedforward_layernorm",)) is not None:
         return block_name  # post-norm: the MLP block reads the residual stream itself
     return child(layer, ("post_attention_layernorm",))
+
+
+# A decoder layer's attention to the encoder's output (Bart's family and Whisper; NLLB-MoE, SeamlessM4T;
+# ProphetNet, Mllama's cross-attention layers).
+CROSS_ATTENTIONS = ("encoder_attn", "cross_attention", "cross_attn")
+_NORM_CALL = re.compile(r"self\.(\w*norm\w*)\(")
+
+
+def _norm_called_after(layer: torch.nn.Module, cross: str) -> str | None:
+    """The child norm `layer`'s forward calls first after its cross-attention `cross`: it reads the
+    sum after the cross-attention, before the MLP (the final_layer_norm of a pre-norm layer: mBART,
+    Whisper; the encoder_attn_layer_norm of a post-norm one: Bart, Marian, whose code orders the
+    same children otherwise, with no flag that says which), or None where the source cannot tell."""
+    try:
+        source = inspect.getsource(type(layer).forward)
+    except (OSError, TypeError):
+        return None
+    at = source.find(f"self.{cross}(")
+    match = _NORM_CALL.search(source, at) if at >= 0 else None
+    return match.group(1) if match and child(layer, (match.group(1),)) is not None else None
 
 
 def find_layers(modules: dict[str, torch.nn.Module]):
@@ -124,11 +149,19 @@ def find_layers(modules: dict[str, torch.nn.Module]):
     vision encoder's `blocks` of `attn`: Qwen2-VL's)."""
     found = sorted(_layer_lists(modules), key=lambda item: LAYER_LISTS.index(item[0].rpartition(".")[2]))
     beside = _beside_embeddings(found, modules)
-    if is_encoder_decoder(modules.get("")):
+    if is_encoder_decoder(modules.get("")) and (decoders := [item for item in beside + found if _decoder_parts(item[0])]):
         # Generation runs the decoder at every step, the encoder once per request (Bart, Marian,
-        # Florence-2): the decoder's layers first, wherever they sit in module order
-        beside.sort(key=lambda item: "decoder" not in item[0].split("."))
+        # SeamlessM4T's text_decoder, SpeechT5's wrapped_decoder): the decoder's layers, wherever
+        # they sit in module order and with a token embedding beside them or not
+        return decoders[0]
     return (beside or found or [(None, None)])[0]
+
+
+def _decoder_parts(path: str) -> list[str]:
+    """The prefixes of `path` that end in a decoder module (`model.decoder`, `text_decoder`,
+    `speecht5.decoder.wrapped_decoder`), innermost first."""
+    parts = path.split(".")
+    return [".".join(parts[:n + 1]) for n in reversed(range(len(parts))) if parts[n].endswith("decoder")]
 
 
 def is_encoder_decoder(model) -> bool:
@@ -208,9 +241,16 @@ def final_norm_path(layers_path: str, modules: dict) -> str | None:
 
 
 def encoder_path(layers_path: str, modules: dict) -> str | None:
-    """The `encoder` beside the decoder whose layers are at `layers_path` (an encoder-decoder's:
-    `model.encoder` beside `model.decoder`), or None."""
-    return _beside(layers_path.rpartition(".")[0], ("encoder",), modules)
+    """The encoder beside the decoder whose layers are at `layers_path` (an encoder-decoder's:
+    `model.encoder` beside `model.decoder`, SeamlessM4T's `speech_encoder` or `text_encoder` beside its
+    `text_decoder`, SpeechT5's `encoder` beside the `decoder` that wraps its decoder), or None."""
+    for decoder in _decoder_parts(layers_path):
+        parent = decoder.rpartition(".")[0]
+        siblings = [path for path in modules if path.rpartition(".")[0] == parent and path != decoder
+                    and path.rpartition(".")[2].endswith("encoder")]
+        if siblings:
+            return siblings[0]
+    return None
 
 
 def consecutive(path: str, modules: dict) -> range:

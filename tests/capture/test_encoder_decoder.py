@@ -2,8 +2,10 @@
 Before 2026-12-06 the first layer list beside a token embedding was tapped, in Bart's family the
 encoder's: its layers run once per request, so no decode step was recorded and a decoder bug read
 as nothing at all; an encoder bug in Whisper (whose decoder was found) read as the decoder's first
-layer. Now the decoder's layers are tapped and the encoder's output is recorded once
-(`encoder_output`, its last source row). An explicit tap inside the encoder records once too: a
+layer. Now the decoder's layers are tapped, with the stream after self- and cross-attention
+(`layer<i>_attn`: the input of the norm the layer's forward calls after its cross-attention, in pre-
+and post-norm layers alike), and the encoder's output is recorded once (`encoder_output`, its last
+source row). An explicit tap inside the encoder records once too: a
 plain record there taught the token gate the source's length, and every decoder prompt tag was
 dropped. Each tag is checked against this test's own hooks on the model."""
 
@@ -26,6 +28,9 @@ SIZES = dict(vocab_size=VOCAB, d_model=64, encoder_attention_heads=4, decoder_at
              decoder_ffn_dim=96, **IDS)
 CONFIGS = {"bart": T.BartConfig, "mbart": T.MBartConfig, "marian": T.MarianConfig, "pegasus": T.PegasusConfig,
            "whisper": T.WhisperConfig}
+# The norm that reads the stream after self- and cross-attention: pre-norm layers' final_layer_norm;
+# post-norm layers (Bart, Marian) normalise that sum in encoder_attn_layer_norm
+AFTER_ATTENTION = {"bart": "encoder_attn_layer_norm", "marian": "encoder_attn_layer_norm"}
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -66,7 +71,7 @@ def own_reading(name, model):
     """The last source row of the encoder's output and of each encoder layer's; the last prompt row
     of each decoder layer's output and of its fc2 (the MLP's output); the head's output. (The first
     call's of each: the hooks return None, since a hook's value would replace the module's output.)"""
-    got = {"encoder": {}, "decoder": {}, "mlp": {}, "model": {}}
+    got = {"encoder": {}, "decoder": {}, "mlp": {}, "attn": {}, "model": {}}
 
     def keep(kind, key, out) -> None:
         tensor = getattr(out, "last_hidden_state", None)
@@ -79,6 +84,8 @@ def own_reading(name, model):
     for i, layer in enumerate(model.model.decoder.layers):
         hooks.append(layer.register_forward_hook(lambda _m, _a, out, i=i: keep("decoder", i, out)))
         hooks.append(layer.fc2.register_forward_hook(lambda _m, _a, out, i=i: keep("mlp", i, out)))
+        hooks.append(getattr(layer, AFTER_ATTENTION.get(name, "final_layer_norm")).register_forward_pre_hook(
+            lambda _m, args, i=i: keep("attn", i, args[0])))
     with torch.no_grad():
         session(name, model)()
     for hook in hooks:
@@ -100,6 +107,7 @@ def test_the_decoder_is_tapped_and_the_encoder_output_recorded_once(tmp_path, na
     compiledump.reset()
     assert taps["layer0"] == "model.decoder.layers.0" and taps["encoder_output"] == "model.encoder"
     assert taps["input_token"] == "model.decoder.embed_tokens:input"
+    assert taps["layer1_attn"] == f"model.decoder.layers.1.{AFTER_ATTENTION.get(name, 'final_layer_norm')}:input"
     if name != "whisper":  # (Whisper's encoder has no token embedding: its decoder was found before)
         assert any("decoder's layers at model.decoder.layers" in s and "model.encoder.layers" in s for s in said), said
     assert manifest["prompt_tokens"] == PROMPT  # the decoder's prompt, not the source's length
@@ -110,6 +118,10 @@ def test_the_decoder_is_tapped_and_the_encoder_output_recorded_once(tmp_path, na
     for i in range(2):
         np.testing.assert_array_equal(arrays[f"layer{i}"], got["decoder"][i])
         np.testing.assert_array_equal(arrays[f"layer{i}_mlp"], got["mlp"][i])
+        np.testing.assert_array_equal(arrays[f"layer{i}_attn"], got["attn"][i])
+        if name not in AFTER_ATTENTION:  # pre-norm: the layer adds the MLP's output to that stream
+            np.testing.assert_allclose(arrays[f"layer{i}_attn"] + arrays[f"layer{i}_mlp"], arrays[f"layer{i}"],
+                                       rtol=1e-6, atol=1e-6 * float(np.abs(arrays[f"layer{i}"]).max()))
         assert {f"layer{i}_step_{n}" for n in range(STEPS + 1)} <= set(arrays)
     np.testing.assert_array_equal(arrays["logits_0"], got["model"]["logits"])
 
@@ -121,8 +133,10 @@ def test_an_honest_pair_exits_0_and_bugs_are_named_where_they_start(tmp_path, na
     honest = copy.deepcopy(reference).to(torch.bfloat16)
     report, last = compare_run(ref, honest, tmp_path / "honest", session(name, honest, seed=1))
     assert report.exit_status == 0, last
-    for where, key in (("encoder", "encoder_output"), ("decoder", "layer1_mlp")):
+    for where, module, key in (("encoder", "fc2", "encoder_output"), ("decoder", "fc2", "layer1_mlp"),
+                               ("decoder", "encoder_attn", "layer1_attn")):
         engine = copy.deepcopy(reference)
-        getattr(engine.model, where).layers[1].fc2.register_forward_hook(lambda _m, _a, out: out * 1.01)
+        getattr(getattr(engine.model, where).layers[1], module).register_forward_hook(
+            lambda _m, _a, out: (out[0] * 1.01, *out[1:]) if isinstance(out, tuple) else out * 1.01)
         report, last = compare_run(ref, engine, tmp_path / where, session(name, engine, seed=1))
         assert report.exit_status == 1 and report.first_divergence.key == key, last
