@@ -81,12 +81,14 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
         handle._add(layer, f"layer{i}", prefix, "output", read=residual.layer_stream if split else None,
                     capture=handle._stream_capture(f"layer{i}"))
         handle._list_step(f"layer{i}", prefix)
-    if layout.has_tower(handle.model):
+    encoder = layout.encoder_path(layers_path, modules) if layout.is_encoder_decoder(handle.model) else None
+    if layout.has_tower(handle.model) and encoder is None:
         # A vision-language (or audio) model merges the tower's features into the first layer's
-        # input, the image rows, which the layers' one-row tags never see: every prompt row of it
+        # input, the image rows, which the layers' one-row tags never see: every prompt row of it.
+        # (An encoder-decoder's, Florence-2's, enter its encoder: encoder_output is recorded instead.)
         handle._add(layers[0], spec.INPUT_EMBEDS_TAG, f"{layers_path}.0", "input", capture=embeds_capture(handle),
                     read=residual.hidden_states_reader(layers[0]))
-    if layout.is_encoder_decoder(handle.model) and (encoder := layout.encoder_path(layers_path, modules)) is not None:
+    if encoder is not None:
         # The encoder runs once per request, before the decoder's layers: what its output holds
         # decides every decoder step, and an encoder bug would read as the decoder's first layer
         handle._add(modules[encoder], spec.ENCODER_OUTPUT_TAG, encoder, "output", capture=once_capture(handle))

@@ -140,3 +140,25 @@ def test_an_honest_pair_exits_0_and_bugs_are_named_where_they_start(tmp_path, na
             lambda _m, _a, out: (out[0] * 1.01, *out[1:]) if isinstance(out, tuple) else out * 1.01)
         report, last = compare_run(ref, engine, tmp_path / where, session(name, engine, seed=1))
         assert report.exit_status == 1 and report.first_divergence.key == key, last
+
+
+def test_florence2_s_decoder_is_tapped_and_its_image_side_is_the_encoder_output():
+    """Florence-2 (a Bart text model under a vision tower): its image features enter the encoder, so
+    the decoder is tapped, `encoder_output` records the encoder's result and no `input_embeds` is
+    recorded at the decoder's first layer (whose input is text only). Before: the encoder's layers
+    were tapped (taps only: not audited with images)."""
+    text = dict(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                decoder_attention_heads=4, encoder_ffn_dim=96, decoder_ffn_dim=96, **IDS)
+    vision = T.AutoConfig.for_model("florence2").vision_config.to_dict()
+    vision.update(embed_dim=[16, 32, 32, 64], depths=[1, 1, 1, 1], num_heads=[1, 2, 2, 4], num_groups=[1, 2, 2, 4],
+                  projection_dim=64)
+    config = T.AutoConfig.for_model("florence2", text_config=text, vision_config=vision, image_token_id=150)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        handle = compiledump.instrument(T.AutoModelForImageTextToText.from_config(config).eval())
+    taps = dict(handle.taps)
+    handle.remove()
+    compiledump.reset()
+    assert taps["layer0"] == "model.language_model.decoder.layers.0"
+    assert taps["encoder_output"] == "model.language_model.encoder" and "input_embeds" not in taps
+    assert taps["layer0_attn"] == "model.language_model.decoder.layers.0.encoder_attn_layer_norm:input"
