@@ -12,6 +12,7 @@ import torch
 
 from ..format import spec
 from . import api, hf_layout as layout, indexers, mixers, residual, router_taps, routers
+from .state import warn_once
 
 
 def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
@@ -21,6 +22,7 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
     unrouted = []  # MoE blocks whose router has none of the ROUTERS names
     no_attn = []  # layers where no module's input is the residual stream after attention
     handle._first_layer = f"{layers_path}.0"
+    encoder = layout.encoder_path(layers_path, modules) if layout.is_encoder_decoder(handle.model) else None
     for i, layer in enumerate(layers):
         prefix = f"{layers_path}.{i}"
         handle._track_shape(prefix, layer)
@@ -42,7 +44,7 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
                                  router_taps.router_capture(handle, f"layer{i}_index", mixer, indexer))
             routers.withdraw(f"layer{i}_index_router")  # the plain top-k of its scores
         split = residual.defers_residual(layer)  # vLLM, SGLang: the stream in two parts (residual.py)
-        attn_input = layout.residual_after_attention(layer, block_name)
+        attn_input = layout.residual_after_attention(layer, block_name, cross=encoder is not None)
         if attn_input is not None:
             # Every layer's, whatever COMPILEDUMP_MOE_LAYERS says: attention is no MoE internal
             handle._add(layer.get_submodule(attn_input), f"layer{i}_attn", f"{prefix}.{attn_input}", "input",
@@ -81,7 +83,6 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
         handle._add(layer, f"layer{i}", prefix, "output", read=residual.layer_stream if split else None,
                     capture=handle._stream_capture(f"layer{i}"))
         handle._list_step(f"layer{i}", prefix)
-    encoder = layout.encoder_path(layers_path, modules) if layout.is_encoder_decoder(handle.model) else None
     if layout.has_tower(handle.model) and encoder is None:
         # A vision-language (or audio) model merges the tower's features into the first layer's
         # input, the image rows, which the layers' one-row tags never see: every prompt row of it.
@@ -152,18 +153,28 @@ def embeds_capture(handle):
 
 def once_capture(handle, tag: str = spec.ENCODER_OUTPUT_TAG):
     """The capture of a module inside an encoder-decoder's encoder (`encoder_output`: the encoder
-    itself): the request's last source row of its floating-point output (a `last_hidden_state`, or
-    the first of a tuple), the first call's. Once: not token-gated, so the source's length teaches
-    the gate nothing (as a plain record would: the encoder runs before the decoder's prompt)."""
+    itself): the request's first source row of its floating-point output (a `last_hidden_state`, or
+    the first of a tuple), the first call's. The first row: a batch pads its sources on the right,
+    so it is a real token of every row (the encoder attends both ways: it sees the whole source).
+    Once: not token-gated, so the source's length teaches the gate nothing (as a plain record
+    would: the encoder runs before the decoder's prompt)."""
     def once(output) -> None:
         hidden = getattr(output, "last_hidden_state", None)
         if hidden is None and isinstance(output, (tuple, list)) and output:
             hidden = output[0]
         if hidden is None:
             hidden = output
-        if isinstance(hidden, torch.Tensor) and hidden.is_floating_point():
-            handle.fired = True
-            api.record(tag, handle._rows(hidden), once=True)
+        if not isinstance(hidden, torch.Tensor):
+            return
+        if not hidden.is_floating_point():
+            if not torch.compiler.is_compiling():
+                warn_once(f"instrument: tap {tag!r} inside an encoder-decoder's encoder holds integers: not "
+                          "recorded (recorded as ids, the source's length would be taken for the prompt's by the "
+                          "token gate); record them yourself with compiledump.record(tag, ids.float(), once=True)")
+            return
+        handle.fired = True
+        rows = handle._rows(hidden)
+        api.record(tag, rows[:1] if rows.dim() >= 2 else rows, once=True)
     return once
 
 

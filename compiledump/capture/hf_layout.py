@@ -95,10 +95,11 @@ def last_projection(block: torch.nn.Module) -> str | None:
                  if isinstance(module, torch.nn.Linear)), None)
 
 
-def residual_after_attention(layer: torch.nn.Module, block_name: str | None) -> str | None:
+def residual_after_attention(layer: torch.nn.Module, block_name: str | None, cross: bool = False) -> str | None:
     """The path, relative to `layer`, of the module whose input is the residual stream after
     attention (see _MLP_NORMS; a child, or DBRX's norm inside its `norm_attn_norm`), or None when
-    the layer's structure does not say."""
+    the layer's structure does not say. `cross`: the layer is an encoder-decoder's decoder layer,
+    whose cross-attention runs (a standalone Bart or TrOCR decoder skips it, and its norm)."""
     if getattr(layer, "use_parallel_residual", False) is True:
         return None  # GPT-NeoX: its post_attention_layernorm reads the layer's input, beside attention
     wrapper = getattr(layer, "norm_attn_norm", None)
@@ -113,7 +114,7 @@ def residual_after_attention(layer: torch.nn.Module, block_name: str | None) -> 
         return child(layer, ("final_layer_norm",) if before else ("self_attn_layer_norm",))
     if (norm := child(layer, _MLP_NORMS)) is not None:
         return norm
-    if (cross := child(layer, CROSS_ATTENTIONS)) is not None and (norm := _norm_called_after(layer, cross)):
+    if cross and (attention := child(layer, CROSS_ATTENTIONS)) and (norm := _norm_called_after(layer, attention)):
         return norm  # an encoder-decoder's decoder layer: the stream after self- and cross-attention
     if child(layer, ("post_feedforward_layernorm",)) is not None:
         return block_name  # post-norm: the MLP block reads the residual stream itself
@@ -240,11 +241,20 @@ def final_norm_path(layers_path: str, modules: dict) -> str | None:
     return _beside(layers_path, FINAL_NORMS, modules)
 
 
-def encoder_path(layers_path: str, modules: dict) -> str | None:
-    """The encoder beside the decoder whose layers are at `layers_path` (an encoder-decoder's:
-    `model.encoder` beside `model.decoder`, SeamlessM4T's `speech_encoder` or `text_encoder` beside its
-    `text_decoder`, SpeechT5's `encoder` beside the `decoder` that wraps its decoder), or None."""
-    for decoder in _decoder_parts(layers_path):
+def encoder_path(layers_path: str | None, modules: dict) -> str | None:
+    """An encoder-decoder's encoder: the module its `get_encoder()` returns (T5's `encoder`, whose
+    layers `find_layers` does not find), else the one beside the decoder whose layers are at
+    `layers_path` (`model.encoder` beside `model.decoder`, SeamlessM4T's `speech_encoder` or
+    `text_encoder` beside its `text_decoder`, SpeechT5's `encoder` beside the `decoder` that wraps
+    its decoder), or None."""
+    get = getattr(modules[""], "get_encoder", None)
+    try:
+        encoder = get() if callable(get) else None
+    except (AttributeError, NotImplementedError, TypeError, ValueError):
+        encoder = None
+    if isinstance(encoder, torch.nn.Module) and (path := next((p for p, m in modules.items() if p and m is encoder), None)):
+        return path
+    for decoder in _decoder_parts(layers_path or ""):
         parent = decoder.rpartition(".")[0]
         siblings = [path for path in modules if path.rpartition(".")[0] == parent and path != decoder
                     and path.rpartition(".")[2].endswith("encoder")]

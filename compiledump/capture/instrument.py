@@ -279,9 +279,9 @@ def _attach(handle: Instrumented, inner: torch.nn.Module, taps: dict[str, str] |
         default_taps.add_default_taps(handle, layers_path, layers, modules)
         if (others := layout.other_token_stacks(modules, layers_path)) and layout.is_encoder_decoder(inner):
             warnings.warn(f"compiledump.instrument: tapped the decoder's layers at {layers_path} (they run at every "
-                          f"decode step) and recorded the encoder's output (`encoder_output`, its last source row); "
+                          f"decode step) and recorded the encoder's output (`encoder_output`, its first source row); "
                           f"the encoder's layers at {', '.join(others)} get no default taps. To find which of them "
-                          f"first differs, add taps={{'encoder{{i}}': '{others[0]}.{{i}}'}} (recorded once, the last "
+                          f"first differs, add taps={{'encoder{{i}}': '{others[0]}.{{i}}'}} (recorded once, the first "
                           "source row, as `encoder_output` is)", RuntimeWarning, stacklevel=3)
         elif others:
             warnings.warn(f"compiledump.instrument: tapped the layers at {layers_path}; {', '.join(others)} also "
@@ -289,8 +289,7 @@ def _attach(handle: Instrumented, inner: torch.nn.Module, taps: dict[str, str] |
                           "taps. If those are the ones to compare, pass defaults=False and taps={'layer{i}': "
                           f"'{others[0]}.{{i}}', ...}}", RuntimeWarning, stacklevel=3)
     # An encoder-decoder's encoder runs once per request, on a source of its own length
-    encoder = layout.encoder_path(layers_path, modules) if layers is not None and layout.is_encoder_decoder(inner) \
-        else None
+    encoder = layout.encoder_path(layers_path, modules) if layout.is_encoder_decoder(inner) else None
     for tag_pattern, path_pattern in (taps or {}).items():
         match = _PATH_SIDE.match(path_pattern)
         path, side = match.group("path"), match.group("side") or "output"

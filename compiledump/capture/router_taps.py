@@ -37,7 +37,10 @@ def tap_router(handle, name: str, block_path: str, block: torch.nn.Module, route
         routers.withdraw(f"{name}_router")
     handle._list_routing(name, f"{block_path}.{router_name}")
     if picked is not None:
-        # DBRX: the ids its block picked, as its experts receive them (`top_k_index`)
+        # DBRX: the ids its block picked, as its experts receive them (`top_k_index`), listed there
+        # (and not at all where `exclude` leaves them out)
+        for tag in (f"{name}_topk", f"{name}_step_topk"):
+            handle.taps.pop(tag, None)
         handle._add(picked, f"{name}_topk", f"{block_path}.experts", "input", capture=ids_capture(handle, name),
                     read=_top_k_index)
         if handle.step_routing and f"{name}_topk" in handle.taps:

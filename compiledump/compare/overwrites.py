@@ -45,10 +45,10 @@ def written_again(ref: Dump, run: Dump, old_names: dict[str, str]) -> tuple[dict
     last-write keys one side wrote more often than the other (both sides' token gates on, both
     counts in their manifests). `old_names`: RUN's keys renamed by --map, new -> old (its manifest
     keeps the old)."""
+    found, wrote_more = _encoder_runs(ref, run, old_names), None
     if not (_gated(ref) and _gated(run)):
-        return {}, None
+        return found, None
     prompt = (ref.manifest or {}).get("prompt_tokens")
-    found, wrote_more = {}, None
     for key in ref.members.keys() & run.members.keys():
         ref_passes, run_passes = _passes(ref, key), _passes(run, old_names.get(key, key))
         if ref_passes is None or run_passes is None or ref_passes == run_passes or max(ref_passes, run_passes) < 2:
@@ -60,6 +60,36 @@ def written_again(ref: Dump, run: Dump, old_names: dict[str, str]) -> tuple[dict
                       f"{fewer} in {min(ref_passes, run_passes)}; the last write wins, so {more}'s value may be a "
                       f"later forward's (a decode batch of as many rows, or a warm-up outside profiling())")
     return found, wrote_more
+
+
+def one_token_prompt_note(ref: Dump, run: Dump) -> str | None:
+    """A note where a side's prompt call had 1 token and its prompt keys were written in several
+    forwards: each decode step had as many tokens, so they hold its last forward's values, not the
+    prompt's (`generate()` feeds an encoder-decoder's decoder its start token alone)."""
+    sides = [name for name, dump in (("REF", ref), ("RUN", run)) if _gated(dump)
+             and (dump.manifest or {}).get("prompt_tokens") == 1
+             and any((_passes(dump, key) or 0) > 1 for key in dump.members)]
+    if not sides:
+        return None
+    return (f"{' and '.join(sides)}: the prompt's call had 1 token, as each decode step had, so its prompt keys "
+            "(layer<i>, layer<i>_attn, ...) hold its last forward's values, not the prompt's (generate() feeds an "
+            "encoder-decoder's decoder its start token alone); the steps (logits_<n>, layer<i>_step_<n>, step 0 the "
+            "prompt's, compared) are each forward's. To compare the prompt's keys, give the decoder two or more prompt tokens (generate(..., "
+            "decoder_input_ids=...)) or feed the steps by hand")
+
+
+def _encoder_runs(ref: Dump, run: Dump, old_names: dict[str, str]) -> dict[str, str]:
+    """`encoder_output` where one side ran its encoder more often: it keeps its first run's (it is
+    recorded once, not token-gated), so that side's may be an earlier request's."""
+    key = spec.ENCODER_OUTPUT_TAG
+    if key not in ref.members or key not in run.members:
+        return {}
+    ref_runs, run_runs = _passes(ref, key, ("record_once",)), _passes(run, old_names.get(key, key), ("record_once",))
+    if ref_runs is None or run_runs is None or ref_runs == run_runs:
+        return {}
+    more, fewer = ("REF", "RUN") if ref_runs > run_runs else ("RUN", "REF")
+    return {key: f"{WRITTEN_AGAIN}: {more} ran its encoder {max(ref_runs, run_runs)} times, {fewer} "
+                 f"{min(ref_runs, run_runs)}; it is recorded once, so {more}'s value may be an earlier request's"}
 
 
 def shifted_steps(ref: Dump, run: Dump, wrote_more: str | None) -> str | None:
@@ -203,10 +233,11 @@ def _gated(dump: Dump) -> bool:
     return dump.manifest is not None and config.get("tokens", "auto") not in (0, "0")
 
 
-def _passes(dump: Dump, key: str) -> int | None:
-    """How many writes of last-write tag `key` passed every gate, from the manifest, or None."""
+def _passes(dump: Dump, key: str, kinds: tuple[str, ...] = _LAST_WRITE_KINDS) -> int | None:
+    """How many writes of tag `key` (of one of `kinds`: last-write ones by default) passed every
+    gate, from the manifest, or None."""
     entry = ((dump.manifest or {}).get("tags") or {}).get(key)
-    if not isinstance(entry, dict) or entry.get("kind") not in _LAST_WRITE_KINDS:
+    if not isinstance(entry, dict) or entry.get("kind") not in kinds:
         return None
     passes = entry.get("passed")
     return passes if isinstance(passes, int) and not isinstance(passes, bool) else None

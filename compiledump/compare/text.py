@@ -36,7 +36,7 @@ def where(item: Divergence) -> str:
 
 # What a key named by no layer holds, said beside it when it diverges first.
 MEANINGS = {spec.INPUT_EMBEDS_TAG: "the first layer's input, token embeddings plus any tower features merged in",
-            spec.ENCODER_OUTPUT_TAG: "the encoder's output, its last source row, which the decoder attends to"}
+            spec.ENCODER_OUTPUT_TAG: "the encoder's output, its first source row, which the decoder attends to"}
 
 
 def describe_divergence(item: Divergence) -> str:

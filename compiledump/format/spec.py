@@ -132,8 +132,8 @@ PROMPT_MASK_TAG = "prompt_mask"
 # `input_embeds`; its region is capped at an eighth of the arena (capture/arena.py), so that a long
 # multimodal prompt's rows cannot crowd the layers' tags out (over it: counted as arena_full).
 INPUT_EMBEDS_TAG = "input_embeds"
-# `instrument` records the last source row of an encoder-decoder's encoder output (the row the
-# request's decoder cross-attends with, recorded once: the encoder runs once per request, on a
+# `instrument` records the first source row of an encoder-decoder's encoder output (which the
+# request's decoder cross-attends to; recorded once: the encoder runs once per request, on a
 # source whose length is not the decoder prompt's) as `encoder_output`.
 ENCODER_OUTPUT_TAG = "encoder_output"
 

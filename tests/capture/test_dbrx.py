@@ -144,3 +144,13 @@ def test_a_bug_is_named_where_it_starts(tmp_path, bug, dtype, key):
             lambda _m, args, out: out * 1.01 if args[0].shape[1] == 1 else out)
     report, last = compare_run(ref, engine, tmp_path / "run", session(engine, seed=1))
     assert report.exit_status == 1 and report.first_divergence.key == key, last
+
+
+def test_excluded_ids_are_not_listed():
+    """`exclude=("layer{i}_topk",)` leaves DBRX's experts-input ids out, and out of `handle.taps`
+    (before: still listed at the router, though nothing was recorded)."""
+    handle = compiledump.instrument(build(), exclude=("layer{i}_topk",))
+    taps = dict(handle.taps)
+    handle.remove()
+    compiledump.reset()
+    assert "layer0_router" in taps and not [tag for tag in taps if tag.endswith("topk")], taps

@@ -68,7 +68,7 @@ def session(name: str, model, seed: int = 0):
 
 
 def own_reading(name, model):
-    """The last source row of the encoder's output and of each encoder layer's; the last prompt row
+    """The first source row of the encoder's output and of each encoder layer's; the last prompt row
     of each decoder layer's output and of its fc2 (the MLP's output); the head's output. (The first
     call's of each: the hooks return None, since a hook's value would replace the module's output.)"""
     got = {"encoder": {}, "decoder": {}, "mlp": {}, "attn": {}, "model": {}}
@@ -76,7 +76,8 @@ def own_reading(name, model):
     def keep(kind, key, out) -> None:
         tensor = getattr(out, "last_hidden_state", None)
         tensor = tensor if tensor is not None else out[0] if isinstance(out, tuple) else out
-        got[kind].setdefault(key, tensor[0, -1].float().numpy().copy())
+        row = 0 if kind == "encoder" or key == "encoder_output" else -1
+        got[kind].setdefault(key, tensor[0, row].float().numpy().copy())
     hooks = [model.model.encoder.register_forward_hook(lambda _m, _a, out: keep("model", "encoder_output", out)),
              model.get_output_embeddings().register_forward_hook(lambda _m, _a, out: keep("model", "logits", out))]
     for i, layer in enumerate(model.model.encoder.layers):
@@ -162,3 +163,98 @@ def test_florence2_s_decoder_is_tapped_and_its_image_side_is_the_encoder_output(
     assert taps["layer0"] == "model.language_model.decoder.layers.0"
     assert taps["encoder_output"] == "model.language_model.encoder" and "input_embeds" not in taps
     assert taps["layer0_attn"] == "model.language_model.decoder.layers.0.encoder_attn_layer_norm:input"
+
+
+def generate(model, inputs: dict, **options):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False, **options)
+
+
+def test_generate_s_one_token_decoder_prompt_is_told_and_its_step_0_compared(tmp_path):
+    """`generate()` feeds the decoder its start token alone, as every decode step: the prompt keys
+    hold the last forward's values. A note says so, and `layer<i>_step_0` (the prompt's forward) is
+    compared: a bug in the first forward only is named there too (before: no note, step 0 left out)."""
+    model = build("bart", seed=2)
+    inputs = source("bart", model, seed=2)
+    ref = dump_run(model, tmp_path / "ref", lambda: generate(model, inputs))
+    report, last = compare_run(ref, model, tmp_path / "same", lambda: generate(model, inputs))
+    assert report.exit_status == 0, last
+    (pair,) = report.pairs
+    assert any("the prompt's call had 1 token" in note for note in pair.notes), pair.notes
+    assert {"layer0_step_0", "layer1_step_0"} <= {record.key for record in pair.keys if record.status == "ok"}
+    engine = copy.deepcopy(model)
+    calls = [0]
+
+    def first_forward_only(_m, _a, out):
+        calls[0] += 1
+        return out * 1.01 if calls[0] == 1 else None
+    engine.model.decoder.layers[1].fc2.register_forward_hook(first_forward_only)
+    report, last = compare_run(ref, engine, tmp_path / "bug", lambda: generate(engine, inputs))
+    assert report.exit_status == 1
+    assert "layer1_step_0" in {record.key for record in report.pairs[0].keys if record.divergent}
+
+
+def test_a_right_padded_source_batch_compares_with_its_row_alone(tmp_path):
+    """`encoder_output` is the first source row, a real token of every right-padded row (before: the
+    last row, a pad position of the shorter source: exit 1 on an honest pair)."""
+    model = build("bart", seed=3)
+    generator = torch.Generator().manual_seed(3)
+    long, short = torch.randint(3, VOCAB, (12,), generator=generator), torch.randint(3, VOCAB, (8,), generator=generator)
+    batch = torch.zeros(2, 12, dtype=torch.long)
+    batch[0], batch[1, :8] = long, short
+    padded = {"input_ids": batch, "attention_mask": (batch != 0).long()}
+    ref = dump_run(model, tmp_path / "ref", lambda: generate(model, padded), batch_row=1)
+    report, last = compare_run(ref, model, tmp_path / "run", lambda: generate(model, {"input_ids": short[None]}))
+    assert report.exit_status == 0, last
+
+
+def test_a_run_of_two_requests_does_not_compare_its_first_encoder_output(tmp_path):
+    """`encoder_output` keeps the first encoder run's: a side that ran two requests holds the first's,
+    not comparable (exit 3; before: exit 1 at encoder_output)."""
+    model = build("bart", seed=4)
+    first, second = source("bart", model, seed=5), source("bart", model, seed=6)
+    ref = dump_run(model, tmp_path / "ref", lambda: generate(model, second, decoder_input_ids=torch.tensor([[1, 7]])))
+    report, last = compare_run(ref, model, tmp_path / "run", lambda: (
+        generate(model, first, decoder_input_ids=torch.tensor([[1, 9]])),
+        generate(model, second, decoder_input_ids=torch.tensor([[1, 7]]))))
+    assert report.exit_status == 3 and report.first_divergence is None, last
+    (record,) = [record for record in report.pairs[0].keys if record.key == "encoder_output"]
+    assert record.status == "not_comparable" and "ran its encoder 2 times" in record.reason
+
+
+def test_t5_tapped_by_hand_keeps_the_decoder_s_prompt(tmp_path):
+    """T5's layers are not found (`block` lists), so it is tapped by hand; a tap of its encoder's blocks
+    records once (its encoder from `get_encoder()`), so the token gate learns the decoder's prompt
+    (before: the source's 12 tokens, and every decoder prompt tag was skipped)."""
+    config = T.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=96, num_layers=3, num_decoder_layers=2,
+                        num_heads=4, pad_token_id=0, eos_token_id=2, decoder_start_token_id=0)
+    torch.manual_seed(0)
+    model = T.T5ForConditionalGeneration(config).eval()
+    inputs = source("t5", model)
+    taps = {"layer{i}": "decoder.block.{i}", "logits": "lm_head", "input_token": "decoder.embed_tokens:input",
+            "encoder{i}": "encoder.block.{i}"}
+    arrays, manifest = load_dump(dump_run(model, tmp_path, lambda: generate(
+        model, inputs, decoder_input_ids=torch.tensor([[0, 5, 6, 7]])), taps=taps, defaults=False))
+    assert manifest["prompt_tokens"] == PROMPT
+    assert {"layer0", "layer1", "encoder0", "encoder1", "encoder2"} <= set(arrays)
+
+
+def test_a_standalone_decoder_with_an_unused_cross_attention_is_warned(tmp_path):
+    """BartForCausalLM runs its decoder layers without an encoder: their cross-attention and its norm
+    never run, so no `layer<i>_attn` is tapped there (it would record nothing) and the layers are
+    warned about; an integer tap inside an encoder is warned about, not recorded."""
+    config = T.BartConfig(**SIZES, decoder_layers=2, encoder_layers=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = compiledump.instrument(T.BartForCausalLM(config).eval())
+    assert "layer0_attn" not in handle.taps
+    assert any("no layer<i>_attn" in str(w.message) for w in caught)
+    handle.remove()
+    compiledump.reset()
+    model = build("bart")
+    prompt = torch.randint(3, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    with pytest.warns(RuntimeWarning, match="holds integers: not recorded"):
+        arrays, _ = load_dump(dump_run(model, tmp_path, lambda: model(**source("bart", model), decoder_input_ids=prompt),
+                                       taps={"source_ids": "model.encoder.embed_tokens:input"}))
+    assert "source_ids" not in arrays and "encoder_output" in arrays
