@@ -62,15 +62,17 @@ def written_again(ref: Dump, run: Dump, old_names: dict[str, str]) -> tuple[dict
     return found, wrote_more
 
 
-def one_token_prompt_note(ref: Dump, run: Dump) -> str | None:
-    """A note where a side's prompt call had 1 token and its prompt keys were written in several
-    forwards: each decode step had as many tokens, so they hold its last forward's values, not the
-    prompt's (`generate()` feeds an encoder-decoder's decoder its start token alone)."""
-    sides = [name for name, dump in (("REF", ref), ("RUN", run)) if _gated(dump)
-             and (dump.manifest or {}).get("prompt_tokens") == 1
-             and any((_passes(dump, key) or 0) > 1 for key in dump.members)]
-    if not sides:
-        return None
+def one_token_prompt_sides(ref: Dump, run: Dump) -> list[str]:
+    """The sides ("REF", "RUN") whose prompt call had 1 token and whose prompt keys were written in
+    several forwards: each decode step had as many tokens, so they hold the last forward's values,
+    not the prompt's (`generate()` feeds an encoder-decoder's decoder its start token alone)."""
+    return [name for name, dump in (("REF", ref), ("RUN", run)) if _gated(dump)
+            and (dump.manifest or {}).get("prompt_tokens") == 1
+            and any((_passes(dump, key) or 0) > 1 for key in dump.members)]
+
+
+def one_token_prompt_note(sides: list[str]) -> str:
+    """The note for `one_token_prompt_sides`."""
     return (f"{' and '.join(sides)}: the prompt's call had 1 token, as each decode step had, so its prompt keys "
             "(layer<i>, layer<i>_attn, ...) hold its last forward's values, not the prompt's (generate() feeds an "
             "encoder-decoder's decoder its start token alone); the steps (logits_<n>, layer<i>_step_<n>, step 0 the "
