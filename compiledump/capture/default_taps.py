@@ -21,9 +21,10 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
     some layers cannot get."""
     unrouted = []  # MoE blocks whose router has none of the ROUTERS names
     no_attn = []  # layers where no module's input is the residual stream after attention
-    handle._first_layer = f"{layers_path}.0"
+    ran = layout.real_layers(layers)  # a pipeline stage's share; each keeps its index in the whole model
+    handle._first_layer = f"{layers_path}.{ran[0][0]}"
     encoder = layout.encoder_path(layers_path, modules) if layout.is_encoder_decoder(handle.model) else None
-    for i, layer in enumerate(layers):
+    for i, layer in ran:
         prefix = f"{layers_path}.{i}"
         handle._track_shape(prefix, layer)
         block_name = layout.child(layer, layout.MLP_BLOCKS)
@@ -83,7 +84,7 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
         handle._add(layer, f"layer{i}", prefix, "output", read=residual.layer_stream if split else None,
                     capture=handle._stream_capture(f"layer{i}"))
         handle._list_step(f"layer{i}", prefix)
-    if layout.has_tower(handle.model) and encoder is None:
+    if layout.has_tower(handle.model) and encoder is None and not layout.placeholder(layers[0]):
         # A vision-language (or audio) model merges the tower's features into the first layer's
         # input, the image rows, which the layers' one-row tags never see: every prompt row of it.
         # (An encoder-decoder's, Florence-2's, enter its encoder: encoder_output is recorded instead.)
@@ -93,9 +94,11 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
         # The encoder runs once per request, before the decoder's layers: what its output holds
         # decides every decoder step, and an encoder bug would read as the decoder's first layer
         handle._add(modules[encoder], spec.ENCODER_OUTPUT_TAG, encoder, "output", capture=once_capture(handle))
-    _warn_untapped(layers_path, layers, unrouted, no_attn)
-    mixers.declare_mixers(mixers.kinds_of(layers, [layout.mixer_for_kind(layer) for layer in layers]),
-                          mixers.routing_fact(handle.taps, bool(unrouted), handle.step_routing))
+    _warn_untapped(layers_path, ran[0][1], unrouted, no_attn)
+    kinds = mixers.kinds_of(layers, [None if layout.placeholder(layer) else layout.mixer_for_kind(layer)
+                                     for layer in layers])
+    mixers.declare_mixers({i: kinds[i] for i, _ in ran}, mixers.routing_fact(handle.taps, bool(unrouted),
+                                                                              handle.step_routing))
     if (norm_path := layout.final_norm_path(layers_path, modules)) is not None:
         handle._add(modules[norm_path], "final_norm", norm_path, "output")
     if (embed_path := layout.token_embedding_path(layers_path, modules)) is not None:
@@ -128,10 +131,12 @@ _UNFOUND = {
 }
 
 
-def warn_unfound(handle, layers_path: str) -> None:
+def warn_unfound(handle, layers_path: str, modules: dict) -> None:
     """One warning naming the model-level default tags (logits, fed token) that neither the defaults
-    nor an explicit tap attached, what is lost without each, and the taps that would."""
-    unfound = [tag for tag in _UNFOUND if tag not in handle.taps and not handle.excludes(tag)]
+    nor an explicit tap attached, what is lost without each, and the taps that would (not where a
+    pipeline stage holds a placeholder for that module: another stage records it)."""
+    elsewhere = layout.held_elsewhere(layers_path, modules)
+    unfound = [tag for tag in _UNFOUND if tag not in handle.taps and not handle.excludes(tag) and tag not in elsewhere]
     if unfound:
         said = "; ".join(f"`{tag}`: {_UNFOUND[tag]}" for tag in unfound)
         example = ", ".join(f"'{tag}': '<{tag} module>{':input' if tag == 'input_token' else ''}'" for tag in unfound)
@@ -230,7 +235,7 @@ def _mask_and_tokens(args, kwargs) -> tuple:
     return kwargs.get("attention_mask"), tokens
 
 
-def _warn_untapped(layers_path: str, layers, unrouted: list, no_attn: list[str]) -> None:
+def _warn_untapped(layers_path: str, first, unrouted: list, no_attn: list[str]) -> None:
     """One warning per default tag that some layers could not get, naming them and the fix."""
     def named(paths: list[str]) -> str:
         return ", ".join(paths[:3]) + (", ..." if len(paths) > 3 else "")
@@ -245,7 +250,7 @@ def _warn_untapped(layers_path: str, layers, unrouted: list, no_attn: list[str])
                       f"layer<i>_mlp. Add them with taps={{'layer{{i}}_router': '{layers_path}.{{i}}.<block>.<router>'}} "
                       "(integer outputs are recorded as ids).", RuntimeWarning, stacklevel=5)
     if no_attn:
-        kind = type(layers[0]).__name__
+        kind = type(first).__name__
         warnings.warn(f"compiledump.instrument: {len(no_attn)} decoder layer(s) ({named(no_attn)}, {kind}) have no "
                       "module whose input is the residual stream after attention (its norms under other names, attention "
                       "and MLP in parallel, or the norm kept in a ModuleList): no layer<i>_attn tags, so a divergence "

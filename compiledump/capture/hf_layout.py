@@ -66,6 +66,30 @@ def child(module: torch.nn.Module, names: tuple[str, ...]) -> str | None:
                  and not isinstance(getattr(module, name), (torch.nn.ModuleList, torch.nn.ModuleDict))), None)
 
 
+def placeholder(module) -> bool:
+    """Whether `module` stands in for one this process does not hold: a pipeline-parallel engine's
+    (vLLM's `PPMissingLayer`, an `nn.Identity`) for the layers, embedding, final norm and head of
+    the other stages. It records nothing of the model's."""
+    return isinstance(module, torch.nn.Identity)
+
+
+def held_elsewhere(layers_path: str, modules: dict) -> set[str]:
+    """The model-level tags ("logits", "input_token") whose module is a placeholder here: a
+    pipeline stage's head or token embedding, which another stage holds."""
+    parent = modules.get(layers_path.rpartition(".")[0])
+    found = set()
+    if any(path.rpartition(".")[2] == "lm_head" and placeholder(module) for path, module in modules.items()):
+        found.add("logits")
+    if any(placeholder(getattr(parent, name, None)) for name in TOKEN_EMBEDDINGS):
+        found.add("input_token")
+    return found
+
+
+def real_layers(layers) -> list[tuple[int, torch.nn.Module]]:
+    """(index, layer) of the decoder layers this process runs (a pipeline stage's share)."""
+    return [(i, layer) for i, layer in enumerate(layers) if not placeholder(layer)]
+
+
 def indexer_of(mixer: torch.nn.Module) -> str | None:
     """The path, relative to the token mixer, of its sparse-attention indexer: a child `indexer`,
     or one a level further down (DeepSeek-V4's `compressor.indexer`); else None."""
@@ -206,10 +230,12 @@ def other_token_stacks(modules: dict[str, torch.nn.Module], taken: str) -> list[
 
 
 def _layer_lists(modules: dict[str, torch.nn.Module]) -> list[tuple[str, torch.nn.ModuleList]]:
-    """Every non-empty ModuleList named as LAYER_LISTS whose modules each have a token mixer."""
+    """Every ModuleList named as LAYER_LISTS whose modules each have a token mixer (a pipeline
+    stage's: those it runs, the others placeholders), at least one."""
     return [(name, module) for name, module in modules.items()
             if isinstance(module, torch.nn.ModuleList) and name.rpartition(".")[2] in LAYER_LISTS
-            and len(module) and all(any(hasattr(layer, mixer) for mixer in MIXERS) for layer in module)]
+            and real_layers(module) and all(any(hasattr(layer, mixer) for mixer in MIXERS)
+                                            for _, layer in real_layers(module))]
 
 
 def _beside_embeddings(found: list, modules: dict[str, torch.nn.Module]) -> list:
@@ -220,7 +246,7 @@ def _token_embedding_of(parent: torch.nn.Module) -> str | None:
     """The name (relative to `parent`) of its token embedding (TOKEN_EMBEDDINGS), or None."""
     for name in TOKEN_EMBEDDINGS:
         module = getattr(parent, name, None)
-        if not isinstance(module, torch.nn.Module):
+        if not isinstance(module, torch.nn.Module) or placeholder(module):
             continue
         if name != "embeddings" or isinstance(module, torch.nn.Embedding):
             return name
@@ -233,7 +259,7 @@ def _beside(path: str, names, modules: dict) -> str | None:
     """The path of the first of `names` that is a module beside `path` (its sibling), or None."""
     parent = path.rpartition(".")[0]
     return next((path for path in (f"{parent}.{name}" if parent else name for name in names)
-                 if path in modules), None)
+                 if path in modules and not placeholder(modules[path])), None)
 
 
 def final_norm_path(layers_path: str, modules: dict) -> str | None:
@@ -292,6 +318,8 @@ def logits_path(modules: dict) -> str | None:
     if head is None:
         head = "lm_head" if "lm_head" in modules else next((p for p in modules if p.endswith(".lm_head")), None)
         head = head or ("embed_out" if "embed_out" in modules else None)
+    if head is not None and placeholder(modules[head]):
+        return None  # a pipeline stage without the head
     return None if head is None else _beside(head, ("logits_processor",), modules) or head
 
 

@@ -270,7 +270,8 @@ def _attach(handle: Instrumented, inner: torch.nn.Module, taps: dict[str, str] |
                              f"{', '.join(layout.MIXERS)}); pass defaults=False and taps={{'layer{{i}}': "
                              "'<path of the layers>.{i}', 'logits': '<head>', 'input_token': '<token embedding>:input'}"
                              " (so named, they record each decode step as the default tags do)")
-        if layout.token_embedding_path(layers_path, modules) is None:
+        if layout.token_embedding_path(layers_path, modules) is None \
+                and "input_token" not in layout.held_elsewhere(layers_path, modules):  # (a later pipeline stage)
             warnings.warn(f"compiledump.instrument: tapped the layers at {layers_path}, which have no token embedding "
                           f"({', '.join(layout.TOKEN_EMBEDDINGS)}) beside them. If they are an encoder's (a vision or "
                           "audio tower), the decoder's layers were not recognised: to compare the decoder, pass "
@@ -323,7 +324,7 @@ def _attach(handle: Instrumented, inner: torch.nn.Module, taps: dict[str, str] |
         raise ValueError(f"compiledump.instrument: exclude pattern(s) {', '.join(map(repr, unmatched))} match no tag "
                          f"attached (tags: {', '.join(_tag_patterns({*handle.taps, *handle._left_out}))})")
     if defaults:
-        default_taps.warn_unfound(handle, layers_path)
+        default_taps.warn_unfound(handle, layers_path, modules)
 
 
 def _tag_patterns(taps) -> list[str]:

@@ -1,4 +1,5 @@
-"""Merging the ranks of a sharded run (tensor/expert parallel) into one side before comparing."""
+"""Merging the ranks of a sharded run (tensor/expert parallel), or the stages of a pipeline-parallel
+one, into one side before comparing."""
 
 from __future__ import annotations
 
@@ -14,11 +15,14 @@ class MergedDump(Dump):
     A key declared as a shard (manifest ``keys[k].shard``) is merged across the ranks of its
     group (ordered by ``<group>_rank``); ranks that differ in another declared group (e.g. the
     expert-parallel rank for a tensor-parallel key) hold separate replicas, each compared. A key
-    without a declaration is compared on every rank that holds it (one replica per rank).
+    without a declaration is compared on every rank that holds it (one replica per rank). With
+    ``stages`` the ranks are pipeline stages, each holding its own layers' keys: a key one stage
+    holds is not missing on the others.
     """
 
-    def __init__(self, ranked: list[tuple[str, DumpFile]], label: str, declared: set[str]) -> None:
+    def __init__(self, ranked: list[tuple[str, DumpFile]], label: str, declared: set[str], stages: bool = False) -> None:
         self.label = label
+        self.stages = stages
         self.ranked = ranked
         self.merged_ranks = [rank for rank, _ in ranked]
         directory = ranked[0][1].path.parent
@@ -67,7 +71,7 @@ class MergedDump(Dump):
                 return
             held = {rank for rank, _ in holders}
             missing = [rank for rank in self.merged_ranks if rank not in held]
-            if missing:
+            if missing and not self.stages:
                 self.problems.append(KeyProblem(
                     "missing_on_rank", key, f"unsharded key present on ranks {'+'.join(r for r, _ in holders)} only, "
                                             f"not on {'+'.join(missing)}; compared where present"))
@@ -148,7 +152,22 @@ class MergedDump(Dump):
         for manifest in manifests:
             for key, entry in manifest["keys"].items():
                 keys.setdefault(key, entry)
-        return dict(manifests[0], keys=keys, drops=drops, merged_ranks=self.merged_ranks)
+        merged = dict(manifests[0], keys=keys, drops=drops, merged_ranks=self.merged_ranks)
+        if self.stages:  # each stage declared its own layers' mixers and routing: the model's are their union
+            merged["mixers"] = {i: kind for manifest in manifests for i, kind in (manifest.get("mixers") or {}).items()}
+            routings = [manifest.get("routing") or {} for manifest in manifests]
+            merged["routing"] = {"routed": sorted(i for routing in routings for i in routing.get("routed", [])),
+                                 "complete": all(routing.get("complete", False) for routing in routings)}
+            merged["tags"] = {tag: entry for manifest in manifests for tag, entry in (manifest.get("tags") or {}).items()}
+        return merged
+
+
+def pipeline_stages(dumps: list[tuple[str, DumpFile]]) -> bool:
+    """Whether the files are the stages of one pipeline-parallel run: each manifest declares the
+    decoder layers `instrument` tapped there (`mixers`), and no layer is in two of them (tensor or
+    data parallel ranks each tap every layer)."""
+    layers = [set((dump.manifest or {}).get("mixers") or {}) for _, dump in dumps]
+    return len(layers) > 1 and all(layers) and sum(map(len, layers)) == len(set().union(*layers))
 
 
 def holds_a_part(dump: DumpFile, rank: str) -> bool:
@@ -175,7 +194,7 @@ def merge_side(files: dict[str, Path], label: str) -> list[MergedDump] | None:
     for _, dump in dumps:
         declared |= {spec.group for spec in (dump.shard(key) for key in dump.members) if spec is not None}
     if not declared:
-        return None
+        return [MergedDump(dumps, label, declared, stages=True)] if pipeline_stages(dumps) else None
     ignore = {"world_rank", "world_size"} | {f"{group}_rank" for group in declared}
     sets: dict[tuple, list[tuple[str, DumpFile]]] = {}
     for rank, dump in dumps:
