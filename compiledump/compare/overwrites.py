@@ -45,7 +45,7 @@ def written_again(ref: Dump, run: Dump, old_names: dict[str, str]) -> tuple[dict
     last-write keys one side wrote more often than the other (both sides' token gates on, both
     counts in their manifests). `old_names`: RUN's keys renamed by --map, new -> old (its manifest
     keeps the old)."""
-    found, wrote_more = _encoder_runs(ref, run, old_names), None
+    found, wrote_more = {}, None
     if not (_gated(ref) and _gated(run)):
         return found, None
     prompt = (ref.manifest or {}).get("prompt_tokens")
@@ -59,7 +59,20 @@ def written_again(ref: Dump, run: Dump, old_names: dict[str, str]) -> tuple[dict
         found[key] = (f"{WRITTEN_AGAIN}: {more} wrote it in {max(ref_passes, run_passes)} forwards of {tokens}, "
                       f"{fewer} in {min(ref_passes, run_passes)}; the last write wins, so {more}'s value may be a "
                       f"later forward's (a decode batch of as many rows, or a warm-up outside profiling())")
+    if wrote_more is not None:
+        found.update(_encoder_runs(ref, run, old_names, wrote_more))
     return found, wrote_more
+
+
+def one_token_prompt(ref: Dump, run: Dump) -> tuple[str | None, set[str] | None]:
+    """(a note, or None; the keys not to compare, or None) for one-token prompts whose keys later
+    forwards wrote again (`one_token_prompt_sides`). Where both sides had one, the last-write keys
+    written again hold the last forward's values: not compared, and `layer<N>_step_0` (the prompt's
+    forward) is, so every forward is compared in its phase. None: step 0 stays out, as usual."""
+    sides = one_token_prompt_sides(ref, run)
+    if not sides:
+        return None, None
+    return one_token_prompt_note(sides), (overwritten_prompt_keys(ref, run) if sides == ["REF", "RUN"] else None)
 
 
 def one_token_prompt_sides(ref: Dump, run: Dump) -> list[str]:
@@ -71,18 +84,33 @@ def one_token_prompt_sides(ref: Dump, run: Dump) -> list[str]:
             and any((_passes(dump, key) or 0) > 1 for key in dump.members)]
 
 
+def overwritten_prompt_keys(ref: Dump, run: Dump) -> set[str]:
+    """The last-write keys a later forward of the same token count wrote again on either side: of
+    one-token prompts (`one_token_prompt_sides` on both), the last forward's values, not the prompt's."""
+    return {key for key in ref.members.keys() & run.members.keys()
+            if max(_passes(ref, key) or 0, _passes(run, key) or 0) > 1}
+
+
 def one_token_prompt_note(sides: list[str]) -> str:
     """The note for `one_token_prompt_sides`."""
+    if sides == ["REF", "RUN"]:
+        return ("REF and RUN: the prompt's call had 1 token, as each decode step had, so their prompt keys (layer<i>, "
+                "layer<i>_attn, ...) hold the last forward's values, not the prompt's: not compared (generate() feeds "
+                "an encoder-decoder's decoder its start token alone); the steps (logits_<n>, layer<i>_step_<n>, step 0 "
+                "the prompt's forward) are compared forward by forward. To compare the prompt's keys, give the decoder "
+                "two or more prompt tokens (generate(..., decoder_input_ids=...)) or feed the steps by hand")
     return (f"{' and '.join(sides)}: the prompt's call had 1 token, as each decode step had, so its prompt keys "
             "(layer<i>, layer<i>_attn, ...) hold its last forward's values, not the prompt's (generate() feeds an "
-            "encoder-decoder's decoder its start token alone); the steps (logits_<n>, layer<i>_step_<n>, step 0 the "
-            "prompt's, compared) are each forward's. To compare the prompt's keys, give the decoder two or more prompt tokens (generate(..., "
+            "encoder-decoder's decoder its start token alone); the steps (logits_<n>, layer<i>_step_<n>) are each "
+            "forward's. To compare the prompt's keys, give the decoder two or more prompt tokens (generate(..., "
             "decoder_input_ids=...)) or feed the steps by hand")
 
 
-def _encoder_runs(ref: Dump, run: Dump, old_names: dict[str, str]) -> dict[str, str]:
-    """`encoder_output` where one side ran its encoder more often: it keeps its first run's (it is
-    recorded once, not token-gated), so that side's may be an earlier request's."""
+def _encoder_runs(ref: Dump, run: Dump, old_names: dict[str, str], wrote_more: str) -> dict[str, str]:
+    """`encoder_output` where the side that wrote its prompt keys more often (`wrote_more`: it ran
+    more requests) also ran its encoder more often: it keeps its first run's (it is recorded once,
+    not token-gated), so that side's may be an earlier request's. (An encoder run again on the same
+    source, as a reference without a KV cache runs it at every forward, writes no prompt key again.)"""
     key = spec.ENCODER_OUTPUT_TAG
     if key not in ref.members or key not in run.members:
         return {}
@@ -90,6 +118,8 @@ def _encoder_runs(ref: Dump, run: Dump, old_names: dict[str, str]) -> dict[str, 
     if ref_runs is None or run_runs is None or ref_runs == run_runs:
         return {}
     more, fewer = ("REF", "RUN") if ref_runs > run_runs else ("RUN", "REF")
+    if more != wrote_more:
+        return {}
     return {key: f"{WRITTEN_AGAIN}: {more} ran its encoder {max(ref_runs, run_runs)} times, {fewer} "
                  f"{min(ref_runs, run_runs)}; it is recorded once, so {more}'s value may be an earlier request's"}
 

@@ -159,15 +159,21 @@ class MergedDump(Dump):
             merged["routing"] = {"routed": sorted(i for routing in routings for i in routing.get("routed", [])),
                                  "complete": all(routing.get("complete", False) for routing in routings)}
             merged["tags"] = {tag: entry for manifest in manifests for tag, entry in (manifest.get("tags") or {}).items()}
+            merged["filtered_tags"] = {tag: entry for manifest in manifests
+                                       for tag, entry in (manifest.get("filtered_tags") or {}).items()}
+            # the earliest stage's first NaN/Inf (a later stage's comes after it in the same forward)
+            merged["first_nonfinite"] = next((manifest["first_nonfinite"] for manifest in manifests
+                                              if manifest.get("first_nonfinite")), None)
         return merged
 
 
 def pipeline_stages(dumps: list[tuple[str, DumpFile]]) -> bool:
-    """Whether the files are the stages of one pipeline-parallel run: each manifest declares the
-    decoder layers `instrument` tapped there (`mixers`), and no layer is in two of them (tensor or
-    data parallel ranks each tap every layer)."""
-    layers = [set((dump.manifest or {}).get("mixers") or {}) for _, dump in dumps]
-    return len(layers) > 1 and all(layers) and sum(map(len, layers)) == len(set().union(*layers))
+    """Whether the files are the ranks of one pipeline-parallel run: each manifest declares the
+    decoder layers `instrument` tapped there (`mixers`), and they form two or more stages that
+    share no layer (the ranks of one stage, its tensor-parallel ones, tap the same layers; data
+    parallel ranks each tap every layer: one stage, not merged)."""
+    stages = {frozenset((dump.manifest or {}).get("mixers") or {}) for _, dump in dumps}
+    return len(stages) > 1 and all(stages) and sum(map(len, stages)) == len(frozenset().union(*stages))
 
 
 def holds_a_part(dump: DumpFile, rank: str) -> bool:
@@ -200,4 +206,4 @@ def merge_side(files: dict[str, Path], label: str) -> list[MergedDump] | None:
     for rank, dump in dumps:
         coords = dump.parallel_coords(rank)
         sets.setdefault(tuple(sorted((n, v) for n, v in coords.items() if n not in ignore)), []).append((rank, dump))
-    return [MergedDump(ranked, label, declared) for ranked in sets.values()]
+    return [MergedDump(ranked, label, declared, stages=pipeline_stages(ranked)) for ranked in sets.values()]

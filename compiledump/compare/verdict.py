@@ -19,7 +19,7 @@ from .measure import KeyMeasurer, float_class, logits_tags
 from .metrics import Workspace
 from .one_row import one_row_note
 from .one_sided import OneSidedKeys
-from .overwrites import chunked_prefill, one_token_prompt_note, one_token_prompt_sides, shifted_steps, written_again
+from .overwrites import chunked_prefill, one_token_prompt, shifted_steps, written_again
 from .options import CompareOptions
 from .padding import unpadded
 from .prefix_cache import prefix_cache_note
@@ -118,9 +118,8 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     shifted = chunked or shifted_steps(ref, run, wrote_more)  # ... or a warm-up before the request
     if not chunked:  # prompt calls of different lengths that end alike: another prompt, or a prefix cache's tail
         notes.extend(note for note in (prefix_cache_note(ref, run),) if note)
-    one_token = one_token_prompt_sides(ref, run)  # every forward had the prompt's 1 token: `layer<N>` holds the last
-    notes.extend([one_token_prompt_note(one_token)] if one_token else [])
-    step_zero_compared = one_token == ["REF", "RUN"]  # both sides' step 0 is their 1-token prompt's forward
+    one_token_note, overwritten = one_token_prompt(ref, run)  # 1-token prompts: their keys hold the last forward's
+    notes.extend([one_token_note] if one_token_note else [])
     fed = None if shifted else first_fed_difference(ref, run, ordered)
     flat_zero, flat_notes = flat_step_zero(ref, run, renamed)  # a flat engine's step-0 routing: a prompt row
     notes.extend(flat_notes)
@@ -131,7 +130,7 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     one_sided = OneSidedKeys(ref, run, captured, bool(shifted))
     for info in ordered:
         key = info.key
-        if (spec.prompt_stream_step(key) and not step_zero_compared) or key in flat_zero:  # the prompt's `layer<N>` holds it
+        if (spec.prompt_stream_step(key) and overwritten is None) or key in flat_zero or key in (overwritten or ()):  # the prompt's `layer<N>` holds it
             continue
         if (key not in run.members or key not in ref.members) and _held(ref, key) and _held(run, key):
             # Both sides hold it, one of them unusably (shards that cannot be merged, an

@@ -171,10 +171,12 @@ def generate(model, inputs: dict, **options):
         return model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False, **options)
 
 
-def test_generate_s_one_token_decoder_prompt_is_told_and_its_step_0_compared(tmp_path):
+def test_generate_s_one_token_decoder_prompt_is_told_and_compared_forward_by_forward(tmp_path):
     """`generate()` feeds the decoder its start token alone, as every decode step: the prompt keys
-    hold the last forward's values. A note says so, and `layer<i>_step_0` (the prompt's forward) is
-    compared: a bug in the first forward only is named there too (before: no note, step 0 left out)."""
+    hold the last forward's values. A note says so, they are not compared, and `layer<i>_step_0`
+    (the prompt's forward) is: a bug in the first forward only is named there, a bug from the second
+    forward on at `layer1_step_1`, in the decode phase (before: no note, the prompt keys compared as
+    the prompt's, so the decode-only bug read as a prefill divergence at `layer1_mlp`)."""
     model = build("bart", seed=2)
     inputs = source("bart", model, seed=2)
     ref = dump_run(model, tmp_path / "ref", lambda: generate(model, inputs))
@@ -191,8 +193,47 @@ def test_generate_s_one_token_decoder_prompt_is_told_and_its_step_0_compared(tmp
         return out * 1.01 if calls[0] == 1 else None
     engine.model.decoder.layers[1].fc2.register_forward_hook(first_forward_only)
     report, last = compare_run(ref, engine, tmp_path / "bug", lambda: generate(engine, inputs))
-    assert report.exit_status == 1
-    assert "layer1_step_0" in {record.key for record in report.pairs[0].keys if record.divergent}
+    assert report.exit_status == 1 and report.first_divergence.key == "layer1_step_0", last
+    assert "layer1_mlp" not in {record.key for record in report.pairs[0].keys}  # the last forward's: not compared
+    engine = copy.deepcopy(model)
+    calls[0] = 0
+
+    def decode_only(_m, _a, out):
+        calls[0] += 1
+        return out * 1.001 if calls[0] > 1 else None
+    engine.model.decoder.layers[1].fc2.register_forward_hook(decode_only)
+    report, last = compare_run(ref, engine, tmp_path / "decode", lambda: generate(engine, inputs))
+    assert report.exit_status == 1 and report.first_divergence.key == "layer1_step_1", last
+    assert report.first_divergence.phase == "decode"
+
+
+def test_a_reference_without_a_kv_cache_runs_its_encoder_at_every_forward(tmp_path):
+    """A teacher-forced reference without a cache re-runs the encoder on the same source at each
+    forward; `encoder_output` keeps the first run's and is compared with the cached run's (the
+    review's first mend refused it: 'REF ran its encoder 4 times')."""
+    model = build("bart", seed=1)
+    inputs = source("bart", model, seed=1)
+    generator = torch.Generator().manual_seed(101)
+    prompt, steps = torch.randint(3, VOCAB, (1, PROMPT), generator=generator), torch.randint(3, VOCAB, (STEPS,),
+                                                                                              generator=generator)
+
+    def uncached():
+        ids = prompt
+        for token in [None, *steps]:
+            ids = ids if token is None else torch.cat([ids, token.view(1, 1)], 1)
+            model(**inputs, decoder_input_ids=ids, use_cache=False)
+
+    def cached():
+        out = model(**inputs, decoder_input_ids=prompt, use_cache=True)
+        for token in steps:
+            out = model(encoder_outputs=(out.encoder_last_hidden_state,), decoder_input_ids=token.view(1, 1),
+                        past_key_values=out.past_key_values, use_cache=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        ref = dump_run(model, tmp_path / "ref", uncached)
+        report, last = compare_run(ref, model, tmp_path / "run", cached)
+    assert report.exit_status == 0, last
+    assert [record.status for record in report.pairs[0].keys if record.key == "encoder_output"] == ["ok"]
 
 
 def test_a_right_padded_source_batch_compares_with_its_row_alone(tmp_path):

@@ -63,7 +63,8 @@ def stage_engine(hf, rank: int, bug_layer: int | None = None):
     return engine, share
 
 
-def run_stage(hf, rank: int, directory: Path, carried: list | None, monkeypatch, bug_layer=None):
+def run_stage(hf, rank: int, directory: Path, carried: list | None, monkeypatch, bug_layer=None, file_rank=None,
+              world: int = 2):
     """Run stage `rank` over the prompt and the decode steps (fed the previous stage's outputs),
     flushed as that rank; returns what it hands the next stage per forward, and the handle's taps."""
     engine, share = stage_engine(hf, rank, bug_layer)
@@ -79,8 +80,8 @@ def run_stage(hf, rank: int, directory: Path, carried: list | None, monkeypatch,
             engine.compute_logits(engine.model.norm(hidden, residual)[0][-1:])
         handed.append((hidden.clone(), residual.clone()))
 
-    monkeypatch.setenv("RANK", str(rank))
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", str(rank if file_rank is None else file_rank))
+    monkeypatch.setenv("WORLD_SIZE", str(world))
     compiledump.reset()
     compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory))))
     with warnings.catch_warnings(record=True) as caught:
@@ -146,3 +147,27 @@ def test_ranks_that_tap_the_same_layers_are_not_stages(tmp_path, monkeypatch):
         engines.dump(engine, tmp_path / "run", lambda: engine.generate(prompt, steps))
     files = sorted((tmp_path / "run").glob("*.npz"))
     assert len(files) == 2 and not pipeline_stages([(str(i), DumpFile(path, "RUN")) for i, path in enumerate(files)])
+
+
+def test_stages_of_tensor_parallel_ranks_merge_and_keep_their_facts(tmp_path, monkeypatch):
+    """Pipeline x tensor parallel (vLLM's rank = pp_rank * tp_size + tp_rank; no shards declared: the
+    layers' outputs all-reduced): ranks 0 and 1 tap layers 0-1, ranks 2 and 3 layers 2-3. They merge
+    into one side (before the review's mend: only rank 0 compared, a second-stage bug missed), and the
+    merged manifest keeps a later stage's first NaN/Inf (before: the first stage's manifest alone)."""
+    hf = ex.build_model("llama")
+    whole_engine_reference(hf, tmp_path / "ref")
+    last = hf.config.num_hidden_layers - 1
+    for tp in (0, 1):
+        handed, _, _ = run_stage(hf, 0, tmp_path / "run", None, monkeypatch, bug_layer=last, file_rank=tp, world=4)
+        run_stage(hf, 1, tmp_path / "run", handed, monkeypatch, bug_layer=last, file_rank=2 + tp, world=4)
+    report = compare(tmp_path / "ref", tmp_path / "run")
+    (pair,) = report.pairs
+    assert pair.rank == "0+1+2+3" and report.first_divergence.key == f"layer{last}_mlp", format_report(report)[-1]
+    for path in (tmp_path / "run").glob("*.npz"):
+        path.unlink()
+    handed, _, _ = run_stage(hf, 0, tmp_path / "run", None, monkeypatch)
+    handed = [(hidden, residual) for hidden, residual in handed]
+    nan = [(hidden.clone().fill_(float("nan")), residual) for hidden, residual in handed]
+    run_stage(hf, 1, tmp_path / "run", nan, monkeypatch)  # the second stage sees NaN from the first's hand-off
+    report = compare(tmp_path / "ref", tmp_path / "run")
+    assert (report.pairs[0].nonfinite["RUN"] or {}).get("key", "").startswith(f"layer{hf.config.num_hidden_layers // 2}")
