@@ -295,7 +295,6 @@ def test_deepseek_v4_s_bf16_score_rounding_stays_within_its_epsilon():
     transformers' router in bf16 against the same (bf16-exact) logits in float32 flips rows whose
     gap exceeds the logit-ulps epsilon, and every such flip is within the epsilon its `rounded`
     declaration adds (none without it)."""
-    from compiledump.compare.routing import routing_epsilon
     experts, k = 8, 2
     rng = np.random.default_rng(43)
     bias = (rng.standard_normal(experts) * 0.02).astype(np.float32)
@@ -306,6 +305,14 @@ def test_deepseek_v4_s_bf16_score_rounding_stays_within_its_epsilon():
     exact = picks(router, logits.numpy())
     with torch.no_grad():
         rounded = np.sort(router.bfloat16()(logits.bfloat16())[2].numpy(), axis=-1)
+    assert_flips_within_rounding(info, plain_info, logits, exact, rounded, beyond=5)
+
+
+def assert_flips_within_rounding(info, plain_info, logits, exact, rounded, beyond: int) -> None:
+    """Every row where the rounded selection `rounded` differs from the exact one `exact` has a gap
+    within the epsilon `info`'s `rounded` declaration allows (none without it, `plain_info`); at
+    least 20 rows flip, and at least `beyond` of them past the logits' own ulps epsilon."""
+    from compiledump.compare.routing import routing_epsilon
     flipped = [row for row in range(len(logits)) if set(exact[row]) != set(rounded[row])]
     beyond_logit_rule = 0
     for row in flipped:
@@ -315,7 +322,7 @@ def test_deepseek_v4_s_bf16_score_rounding_stays_within_its_epsilon():
         assert selection.score_rounding_epsilon(plain_info, x, exact[row], rounded[row], 4.0) is None
         assert gap <= allowed, (row, gap, allowed)
         beyond_logit_rule += gap > routing_epsilon(x, None, 4.0)
-    assert len(flipped) >= 20 and beyond_logit_rule >= 5, (len(flipped), beyond_logit_rule)
+    assert len(flipped) >= 20 and beyond_logit_rule >= beyond, (len(flipped), beyond_logit_rule)
 
 
 def test_dbrx_s_bf16_softmax_rounding_stays_within_its_epsilon():
@@ -327,7 +334,6 @@ def test_dbrx_s_bf16_softmax_rounding_stays_within_its_epsilon():
     is within the epsilon its `rounded` declaration adds (none without it)."""
     import torch
 
-    from compiledump.compare.routing import routing_epsilon
     experts, k = 8, 2
     info = RouterInfo(top_k=k, score="softmax", rounded=True)
     logits = torch.from_numpy(np.random.default_rng(47).standard_normal((3000, experts)).astype(np.float32) * 0.05)
@@ -335,17 +341,7 @@ def test_dbrx_s_bf16_softmax_rounding_stays_within_its_epsilon():
     exact = np.sort(torch.topk(logits.float(), k, dim=-1).indices.numpy(), axis=-1)
     probabilities = torch.nn.functional.softmax(logits, dim=1, dtype=logits.dtype)
     rounded = np.sort(torch.topk(probabilities, k, dim=-1).indices.numpy(), axis=-1)
-    flipped = [row for row in range(len(logits)) if set(exact[row]) != set(rounded[row])]
-    beyond_logit_rule = 0
-    for row in flipped:
-        x = logits[row].double().numpy()
-        gap = selection.selection_gap(info, x, rounded[row])
-        allowed = selection.score_rounding_epsilon(info, x, exact[row], rounded[row], 4.0)
-        assert selection.score_rounding_epsilon(RouterInfo(top_k=k, score="softmax"), x, exact[row], rounded[row],
-                                                4.0) is None
-        assert gap <= allowed, (row, gap, allowed)
-        beyond_logit_rule += gap > routing_epsilon(x, None, 4.0)
-    assert len(flipped) >= 20 and beyond_logit_rule >= 10, (len(flipped), beyond_logit_rule)
+    assert_flips_within_rounding(info, RouterInfo(top_k=k, score="softmax"), logits, exact, rounded, beyond=10)
 
 
 def test_the_softmax_rounding_epsilon_is_the_logit_gap_that_parts_two_probabilities_by_tau():
