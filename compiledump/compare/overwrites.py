@@ -45,7 +45,7 @@ def written_again(ref: Dump, run: Dump, old_names: dict[str, str]) -> tuple[dict
     last-write keys one side wrote more often than the other (both sides' token gates on, both
     counts in their manifests). `old_names`: RUN's keys renamed by --map, new -> old (its manifest
     keeps the old)."""
-    found, wrote_more = {}, None
+    found, wrote_more = _encoder_runs(ref, run, old_names), None
     if not (_gated(ref) and _gated(run)):
         return found, None
     prompt = (ref.manifest or {}).get("prompt_tokens")
@@ -59,8 +59,6 @@ def written_again(ref: Dump, run: Dump, old_names: dict[str, str]) -> tuple[dict
         found[key] = (f"{WRITTEN_AGAIN}: {more} wrote it in {max(ref_passes, run_passes)} forwards of {tokens}, "
                       f"{fewer} in {min(ref_passes, run_passes)}; the last write wins, so {more}'s value may be a "
                       f"later forward's (a decode batch of as many rows, or a warm-up outside profiling())")
-    if wrote_more is not None:
-        found.update(_encoder_runs(ref, run, old_names, wrote_more))
     return found, wrote_more
 
 
@@ -85,10 +83,30 @@ def one_token_prompt_sides(ref: Dump, run: Dump) -> list[str]:
 
 
 def overwritten_prompt_keys(ref: Dump, run: Dump) -> set[str]:
-    """The last-write keys a later forward of the same token count wrote again on either side: of
-    one-token prompts (`one_token_prompt_sides` on both), the last forward's values, not the prompt's."""
-    return {key for key in ref.members.keys() & run.members.keys()
-            if max(_passes(ref, key) or 0, _passes(run, key) or 0) > 1}
+    """The last-write keys later forwards of the same token count wrote again as often on both sides
+    (of one-token prompts, `one_token_prompt_sides` on both: the last forward's values, not the
+    prompt's), where each layer's state at the last forward (`layer<N>_step_<last>`) stands in for
+    them: a layer's keys where its own does, the others where every layer's does. (Keys written
+    unequally often are `written_again`'s to refuse.)"""
+    last = min(step_count(ref, "logits"), step_count(run, "logits")) - 1
+    covered = {layer for layer in {spec.layer_of(spec.split_step_key(key)[0]) for key in ref.members
+                                   if spec.stream_step_key(key)} - {None}
+               if spec.step_key(f"layer{layer}_step", last) in ref.members.keys() & run.members.keys()}
+    every = bool(covered) and all(spec.layer_of(tag) in covered for tag in _layer_tags(ref))
+    found = set()
+    for key in ref.members.keys() & run.members.keys():
+        ref_passes, run_passes = _passes(ref, key), _passes(run, key)
+        if ref_passes is None or ref_passes != run_passes or ref_passes < 2:
+            continue
+        layer = spec.layer_of(key)
+        if (layer in covered) if layer is not None else every:
+            found.add(key)
+    return found
+
+
+def _layer_tags(dump: Dump) -> set[str]:
+    """The decoder layers' output tags the dump holds (`layer<N>`)."""
+    return {key for key in dump.members if spec.layer_of(key) is not None and key == f"layer{spec.layer_of(key)}"}
 
 
 def one_token_prompt_note(sides: list[str]) -> str:
@@ -106,11 +124,11 @@ def one_token_prompt_note(sides: list[str]) -> str:
             "decoder_input_ids=...)) or feed the steps by hand")
 
 
-def _encoder_runs(ref: Dump, run: Dump, old_names: dict[str, str], wrote_more: str) -> dict[str, str]:
-    """`encoder_output` where the side that wrote its prompt keys more often (`wrote_more`: it ran
-    more requests) also ran its encoder more often: it keeps its first run's (it is recorded once,
-    not token-gated), so that side's may be an earlier request's. (An encoder run again on the same
-    source, as a reference without a KV cache runs it at every forward, writes no prompt key again.)"""
+def _encoder_runs(ref: Dump, run: Dump, old_names: dict[str, str]) -> dict[str, str]:
+    """`encoder_output` where one side ran its encoder more often: it keeps its first run's (it is
+    recorded once, not token-gated), so that side's may be an earlier request's or a warm-up's. Not
+    where that side ran it once per forward (as many runs as `logits_<n>` steps): a reference
+    without a KV cache runs it again at every forward, on the same source."""
     key = spec.ENCODER_OUTPUT_TAG
     if key not in ref.members or key not in run.members:
         return {}
@@ -118,7 +136,7 @@ def _encoder_runs(ref: Dump, run: Dump, old_names: dict[str, str], wrote_more: s
     if ref_runs is None or run_runs is None or ref_runs == run_runs:
         return {}
     more, fewer = ("REF", "RUN") if ref_runs > run_runs else ("RUN", "REF")
-    if more != wrote_more:
+    if max(ref_runs, run_runs) == step_count(ref if more == "REF" else run, "logits"):
         return {}
     return {key: f"{WRITTEN_AGAIN}: {more} ran its encoder {max(ref_runs, run_runs)} times, {fewer} "
                  f"{min(ref_runs, run_runs)}; it is recorded once, so {more}'s value may be an earlier request's"}

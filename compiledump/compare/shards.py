@@ -161,10 +161,17 @@ class MergedDump(Dump):
             merged["tags"] = {tag: entry for manifest in manifests for tag, entry in (manifest.get("tags") or {}).items()}
             merged["filtered_tags"] = {tag: entry for manifest in manifests
                                        for tag, entry in (manifest.get("filtered_tags") or {}).items()}
-            # the earliest stage's first NaN/Inf (a later stage's comes after it in the same forward)
-            merged["first_nonfinite"] = next((manifest["first_nonfinite"] for manifest in manifests
-                                              if manifest.get("first_nonfinite")), None)
+            # the first NaN/Inf of any stage by phase and step, then stage order (within one forward
+            # an earlier stage's comes first)
+            firsts = [manifest["first_nonfinite"] for manifest in manifests if isinstance(manifest.get("first_nonfinite"), dict)]
+            merged["first_nonfinite"] = min(firsts, key=_when, default=None)
         return merged
+
+
+def _when(first: dict) -> tuple[int, int]:
+    """A manifest `first_nonfinite`'s place in the run: the prompt's phase first, then by step."""
+    step = first.get("step")
+    return (0 if first.get("phase") == "prefill" else 1, step if isinstance(step, int) else 0)
 
 
 def pipeline_stages(dumps: list[tuple[str, DumpFile]]) -> bool:
@@ -200,7 +207,16 @@ def merge_side(files: dict[str, Path], label: str) -> list[MergedDump] | None:
     for _, dump in dumps:
         declared |= {spec.group for spec in (dump.shard(key) for key in dump.members) if spec is not None}
     if not declared:
-        return [MergedDump(dumps, label, declared, stages=True)] if pipeline_stages(dumps) else None
+        # Pipeline stages (of tensor-parallel ranks, as the case may be) merge; data-parallel
+        # replicas, told apart by their other `parallel` coordinates (dp_rank), form separate sides
+        model_parallel = ("world_", "tp_", "pp_", "ep_")
+        replicas: dict[tuple, list[tuple[str, DumpFile]]] = {}
+        for rank, dump in dumps:
+            coords = dump.parallel_coords(rank)
+            replicas.setdefault(tuple(sorted((n, v) for n, v in coords.items() if not n.startswith(model_parallel))),
+                                []).append((rank, dump))
+        staged = [ranked for ranked in replicas.values() if pipeline_stages(ranked)]
+        return [MergedDump(ranked, label, declared, stages=True) for ranked in staged] if staged else None
     ignore = {"world_rank", "world_size"} | {f"{group}_rank" for group in declared}
     sets: dict[tuple, list[tuple[str, DumpFile]]] = {}
     for rank, dump in dumps:

@@ -299,3 +299,33 @@ def test_a_standalone_decoder_with_an_unused_cross_attention_is_warned(tmp_path)
         arrays, _ = load_dump(dump_run(model, tmp_path, lambda: model(**source("bart", model), decoder_input_ids=prompt),
                                        taps={"source_ids": "model.encoder.embed_tokens:input"}))
     assert "source_ids" not in arrays and "encoder_output" in arrays
+
+
+def test_one_token_prompts_keep_their_refusals_and_their_layers(tmp_path):
+    """The third review's cases, on Bart's one-token `generate()`: a RUN that ran the request twice
+    (the second time broken) writes its prompt keys more often: refused (exit 3), not skipped into
+    "no divergence"; a RUN that ran its encoder on another source first (a warm-up outside
+    profiling()) keeps that run's `encoder_output`: not comparable; without layer step states the
+    prompt keys are the only layer keys, so they are compared and the bug is named at its layer."""
+    model = build("bart", seed=2)
+    inputs, other = source("bart", model, seed=2), source("bart", model, seed=7)
+    ref = dump_run(model, tmp_path / "ref", lambda: generate(model, inputs))
+    engine = copy.deepcopy(model)
+    broken = [False]
+    engine.model.decoder.layers[1].fc2.register_forward_hook(lambda _m, _a, out: out * 1.01 if broken[0] else None)
+
+    def twice():
+        generate(engine, inputs)
+        broken[0] = True
+        generate(engine, inputs)
+    report, last = compare_run(ref, engine, tmp_path / "twice", twice)
+    refused = [record for record in report.pairs[0].keys if (record.reason or "").startswith("written again")]
+    assert report.exit_status == 3 and {"layer1_mlp", "layer1"} <= {record.key for record in refused}, last
+    report, last = compare_run(ref, model, tmp_path / "warm", lambda: (model.get_encoder()(**other),
+                                                                      generate(model, inputs)))
+    (record,) = [record for record in report.pairs[0].keys if record.key == "encoder_output"]
+    assert report.exit_status == 3 and record.status == "not_comparable", last
+    ref = dump_run(model, tmp_path / "ref_nosteps", lambda: generate(model, inputs), step_states=False)
+    broken[0] = True
+    report, last = compare_run(ref, engine, tmp_path / "nosteps", lambda: generate(engine, inputs))
+    assert report.exit_status == 1 and report.first_divergence.key == "layer1_mlp", last

@@ -64,7 +64,7 @@ def stage_engine(hf, rank: int, bug_layer: int | None = None):
 
 
 def run_stage(hf, rank: int, directory: Path, carried: list | None, monkeypatch, bug_layer=None, file_rank=None,
-              world: int = 2):
+              world: int = 2, dp_rank: int | None = None, nan_at: int | None = None):
     """Run stage `rank` over the prompt and the decode steps (fed the previous stage's outputs),
     flushed as that rank; returns what it hands the next stage per forward, and the handle's taps."""
     engine, share = stage_engine(hf, rank, bug_layer)
@@ -74,6 +74,8 @@ def run_stage(hf, rank: int, directory: Path, carried: list | None, monkeypatch,
 
     def forward(n, input_ids, positions):
         hidden, residual = (engine.model.embed_tokens(input_ids), None) if rank == 0 else carried[n]
+        if n == nan_at:  # a NaN this stage meets at its forward n
+            hidden = hidden.clone().fill_(float("nan"))
         for layer in layers:
             hidden, residual = layer(positions, hidden, residual)
         if rank == 1:
@@ -84,6 +86,8 @@ def run_stage(hf, rank: int, directory: Path, carried: list | None, monkeypatch,
     monkeypatch.setenv("WORLD_SIZE", str(world))
     compiledump.reset()
     compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory))))
+    if dp_rank is not None:
+        compiledump.set_parallel(dp_rank=dp_rank, dp_size=2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         handle = compiledump.instrument(engine)
@@ -165,9 +169,22 @@ def test_stages_of_tensor_parallel_ranks_merge_and_keep_their_facts(tmp_path, mo
     assert pair.rank == "0+1+2+3" and report.first_divergence.key == f"layer{last}_mlp", format_report(report)[-1]
     for path in (tmp_path / "run").glob("*.npz"):
         path.unlink()
-    handed, _, _ = run_stage(hf, 0, tmp_path / "run", None, monkeypatch)
-    handed = [(hidden, residual) for hidden, residual in handed]
-    nan = [(hidden.clone().fill_(float("nan")), residual) for hidden, residual in handed]
-    run_stage(hf, 1, tmp_path / "run", nan, monkeypatch)  # the second stage sees NaN from the first's hand-off
+    # a NaN the first stage meets at decode step 3, the second at the prompt: the run's first is the second's
+    handed, _, _ = run_stage(hf, 0, tmp_path / "run", None, monkeypatch, nan_at=3)
+    run_stage(hf, 1, tmp_path / "run", handed, monkeypatch, nan_at=0)
     report = compare(tmp_path / "ref", tmp_path / "run")
-    assert (report.pairs[0].nonfinite["RUN"] or {}).get("key", "").startswith(f"layer{hf.config.num_hidden_layers // 2}")
+    first = report.pairs[0].nonfinite["RUN"] or {}
+    assert first.get("phase") == "prefill" and first.get("key", "").startswith(f"layer{hf.config.num_hidden_layers // 2}")
+
+
+def test_data_parallel_replicas_of_a_pipeline_are_separate_sides(tmp_path, monkeypatch):
+    """Two data-parallel replicas (`set_parallel(dp_rank=...)`) of a two-stage pipeline: each
+    replica's stages merge into one side of its own (`0+1`, `2+3`), never all four into one (the
+    review's case: another request's values read as a divergence)."""
+    hf = ex.build_model("llama")
+    whole_engine_reference(hf, tmp_path / "ref")
+    for dp in (0, 1):
+        handed, _, _ = run_stage(hf, 0, tmp_path / "run", None, monkeypatch, file_rank=2 * dp, world=4, dp_rank=dp)
+        run_stage(hf, 1, tmp_path / "run", handed, monkeypatch, file_rank=2 * dp + 1, world=4, dp_rank=dp)
+    report = compare(tmp_path / "ref", tmp_path / "run")
+    assert sorted(pair.rank for pair in report.pairs) == ["0+1", "2+3"] and report.exit_status == 0
