@@ -15,15 +15,14 @@ from . import api, hf_layout as layout, indexers, mixers, residual, router_taps,
 from .state import warn_once
 
 
-def add_default_taps(handle, layers_path: str, layers, modules: dict) -> None:
+def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: str | None) -> None:
     """Attach the default tags (`instrument`'s docstring lists them) to the decoder layers at
-    `layers_path` of `handle`'s model (`modules`: its named modules), and warn once per default tag
-    some layers cannot get."""
+    `layers_path` of `handle`'s model (`modules`: its named modules; `encoder`: the path of an
+    encoder-decoder's encoder, else None), and warn once per default tag some layers cannot get."""
     unrouted = []  # MoE blocks whose router has none of the ROUTERS names
     no_attn = []  # layers where no module's input is the residual stream after attention
     ran = layout.real_layers(layers)  # a pipeline stage's share; each keeps its index in the whole model
     handle._first_layer = f"{layers_path}.{ran[0][0]}"
-    encoder = layout.encoder_path(layers_path, modules) if layout.is_encoder_decoder(handle.model) else None
     for i, layer in ran:
         prefix = f"{layers_path}.{i}"
         handle._track_shape(prefix, layer)

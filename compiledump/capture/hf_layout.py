@@ -234,8 +234,7 @@ def _layer_lists(modules: dict[str, torch.nn.Module]) -> list[tuple[str, torch.n
     stage's: those it runs, the others placeholders), at least one."""
     return [(name, module) for name, module in modules.items()
             if isinstance(module, torch.nn.ModuleList) and name.rpartition(".")[2] in LAYER_LISTS
-            and real_layers(module) and all(any(hasattr(layer, mixer) for mixer in MIXERS)
-                                            for _, layer in real_layers(module))]
+            and (ran := real_layers(module)) and all(any(hasattr(layer, mixer) for mixer in MIXERS) for _, layer in ran)]
 
 
 def _beside_embeddings(found: list, modules: dict[str, torch.nn.Module]) -> list:
@@ -278,7 +277,7 @@ def encoder_path(layers_path: str | None, modules: dict) -> str | None:
         encoder = get() if callable(get) else None
     except (AttributeError, NotImplementedError, TypeError, ValueError):
         encoder = None
-    if isinstance(encoder, torch.nn.Module) and (path := next((p for p, m in modules.items() if p and m is encoder), None)):
+    if isinstance(encoder, torch.nn.Module) and (path := _path_of(encoder, modules)):
         return path
     for decoder in _decoder_parts(layers_path or ""):
         parent = decoder.rpartition(".")[0]
@@ -332,9 +331,12 @@ def _output_embeddings(modules: dict) -> str | None:
         head = get() if callable(get) else None
     except (AttributeError, NotImplementedError, TypeError):  # a model that does not say
         return None
-    if not isinstance(head, torch.nn.Linear):
-        return None
-    return next((path for path, module in modules.items() if path and module is head), None)
+    return _path_of(head, modules) if isinstance(head, torch.nn.Linear) else None
+
+
+def _path_of(module: torch.nn.Module, modules: dict) -> str | None:
+    """The path of `module` among the model's `modules` (not the model itself), or None."""
+    return next((path for path, candidate in modules.items() if path and candidate is module), None)
 
 
 def mixer_for_kind(layer: torch.nn.Module) -> str | None:

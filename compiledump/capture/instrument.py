@@ -263,6 +263,9 @@ def _attach(handle: Instrumented, inner: torch.nn.Module, taps: dict[str, str] |
     """`instrument`'s work: the default taps, then the explicit ones, then the checks of both."""
     modules = dict(inner.named_modules())
     layers_path, layers = layout.find_layers(modules)
+    # An encoder-decoder's encoder runs once per request, on a source of its own length
+    encoder_decoder = layout.is_encoder_decoder(inner)
+    encoder = layout.encoder_path(layers_path, modules) if encoder_decoder else None
     if defaults:
         if layers is None:
             raise ValueError("compiledump.instrument: no decoder layers found (a ModuleList named "
@@ -277,8 +280,8 @@ def _attach(handle: Instrumented, inner: torch.nn.Module, taps: dict[str, str] |
                           "audio tower), the decoder's layers were not recognised: to compare the decoder, pass "
                           "defaults=False and taps={'layer{i}': '<path of its layers>.{i}', 'logits': '<head>', "
                           "'input_token': '<token embedding>:input'}", RuntimeWarning, stacklevel=3)
-        default_taps.add_default_taps(handle, layers_path, layers, modules)
-        if (others := layout.other_token_stacks(modules, layers_path)) and layout.is_encoder_decoder(inner):
+        default_taps.add_default_taps(handle, layers_path, layers, modules, encoder)
+        if (others := layout.other_token_stacks(modules, layers_path)) and encoder_decoder:
             warnings.warn(f"compiledump.instrument: tapped the decoder's layers at {layers_path} (they run at every "
                           f"decode step) and recorded the encoder's output (`encoder_output`, its first source row); "
                           f"the encoder's layers at {', '.join(others)} get no default taps. To find which of them "
@@ -289,8 +292,6 @@ def _attach(handle: Instrumented, inner: torch.nn.Module, taps: dict[str, str] |
                           "hold layers beside a token embedding (an encoder and a decoder?), which get no default "
                           "taps. If those are the ones to compare, pass defaults=False and taps={'layer{i}': "
                           f"'{others[0]}.{{i}}', ...}}", RuntimeWarning, stacklevel=3)
-    # An encoder-decoder's encoder runs once per request, on a source of its own length
-    encoder = layout.encoder_path(layers_path, modules) if layout.is_encoder_decoder(inner) else None
     for tag_pattern, path_pattern in (taps or {}).items():
         match = _PATH_SIDE.match(path_pattern)
         path, side = match.group("path"), match.group("side") or "output"

@@ -110,18 +110,16 @@ def _layer_tags(dump: Dump) -> set[str]:
 
 
 def one_token_prompt_note(sides: list[str]) -> str:
-    """The note for `one_token_prompt_sides`."""
-    if sides == ["REF", "RUN"]:
-        return ("REF and RUN: the prompt's call had 1 token, as each decode step had, so their prompt keys (layer<i>, "
-                "layer<i>_attn, ...) hold the last forward's values, not the prompt's: not compared (generate() feeds "
-                "an encoder-decoder's decoder its start token alone); the steps (logits_<n>, layer<i>_step_<n>, step 0 "
-                "the prompt's forward) are compared forward by forward. To compare the prompt's keys, give the decoder "
-                "two or more prompt tokens (generate(..., decoder_input_ids=...)) or feed the steps by hand")
-    return (f"{' and '.join(sides)}: the prompt's call had 1 token, as each decode step had, so its prompt keys "
-            "(layer<i>, layer<i>_attn, ...) hold its last forward's values, not the prompt's (generate() feeds an "
-            "encoder-decoder's decoder its start token alone); the steps (logits_<n>, layer<i>_step_<n>) are each "
-            "forward's. To compare the prompt's keys, give the decoder two or more prompt tokens (generate(..., "
-            "decoder_input_ids=...)) or feed the steps by hand")
+    """The note for `one_token_prompt_sides` (both sides: their overwritten keys are not compared)."""
+    both = sides == ["REF", "RUN"]
+    whose, held = ("their", "the last forward's values, not the prompt's: not compared") if both else \
+        ("its", "its last forward's values, not the prompt's")
+    steps = ("(logits_<n>, layer<i>_step_<n>, step 0 the prompt's forward) are compared forward by forward" if both
+             else "(logits_<n>, layer<i>_step_<n>) are each forward's")
+    return (f"{' and '.join(sides)}: the prompt's call had 1 token, as each decode step had, so {whose} prompt keys "
+            f"(layer<i>, layer<i>_attn, ...) hold {held} (generate() feeds an encoder-decoder's decoder its start token "
+            f"alone); the steps {steps}. To compare the prompt's keys, give the decoder two or more prompt tokens "
+            "(generate(..., decoder_input_ids=...)) or feed the steps by hand")
 
 
 def _encoder_runs(ref: Dump, run: Dump, old_names: dict[str, str]) -> dict[str, str]:
