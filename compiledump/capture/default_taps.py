@@ -26,11 +26,11 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
     for i, layer in ran:
         prefix = f"{layers_path}.{i}"
         handle._track_shape(prefix, layer)
-        block_name = layout.child(layer, layout.MLP_BLOCKS)
+        block_name = layout.part(layer, layout.MLP_BLOCKS)
         if block_name is None and layout.holds_experts(getattr(layer, "mixer", None)):
             block_name = "mixer"  # Nemotron-H: one block per layer, an MoE one in its MoE layers
-        mixer_name = layout.child(layer, layout.MIXERS)
-        mixer = getattr(layer, mixer_name) if mixer_name else None
+        mixer_name = layout.part(layer, layout.MIXERS)
+        mixer = layer.get_submodule(mixer_name) if mixer_name else None
         heads = getattr(mixer, "experts", None)
         if isinstance(heads, torch.nn.Module) and layout.child(heads, ("router",)) is not None:
             # JetMoE's mixture of attention heads: its router picks each token's heads, so its
@@ -62,7 +62,7 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
             if isinstance(own, torch.nn.Module):  # (what it returns, or writes into an `output` argument)
                 handle._add(own, f"layer{i}_mixer", own_path, "output", moe_filtered=False)
         if block_name is not None:
-            block = getattr(layer, block_name)
+            block = layer.get_submodule(block_name)
             router_name = layout.child(block, layout.ROUTERS)
             if router_name is not None:
                 router_taps.tap_router(handle, f"layer{i}", f"{prefix}.{block_name}", block, router_name)

@@ -5,8 +5,9 @@ Default taps follow the names Hugging Face (and vLLM/SGLang) give a decoder-only
 models), the norm before the MLP, `mlp` (or `block_sparse_moe`/`feed_forward`) and its router
 `gate` (or `router`), then the final `norm` (or `final_layernorm`/`norm_f`) and `lm_head`; and
 the names of the GPT-2 family (`transformer.h.<i>` with `attn`, `ln_2`, `mlp`, `ln_f`, `wte`: GPT-2,
-GPT-J, GPT-Neo, GPTBigCode, CodeGen, Falcon, Bloom, MPT's `blocks`, GPT-NeoX's `attention`). This
-module only finds modules; instrument.py hooks them.
+GPT-J, GPT-Neo, GPTBigCode, CodeGen, Falcon, Bloom, MPT's `blocks`, GPT-NeoX's `attention`), and
+T5's (`decoder.block.<i>`, each block's parts in sublayers: SUBLAYERS). This module only finds
+modules; instrument.py hooks them.
 """
 
 from __future__ import annotations
@@ -25,17 +26,24 @@ MIXERS = ("self_attn", "linear_attn", "mamba", "mixer", "self_attention", "conv"
           "cross_attn",  # Mllama's cross-attention layers (to the image), between its self-attention ones
           "temporal_block", "mlstm_layer",  # RecurrentGemma (recurrent or attention), xLSTM
           "mamba_decoder",  # Zamba's hybrid layers: a shared transformer block feeding a Mamba layer
-          "norm_attn_norm")  # DBRX: its attention between the norm before it and the norm before the MLP
+          "norm_attn_norm",  # DBRX: its attention between the norm before it and the norm before the MLP
+          "SelfAttention",  # T5's family, inside its first sublayer (SUBLAYERS)
+          "LocalSelfAttention", "TransientGlobalSelfAttention")  # LongT5's encoder blocks
 # A layer's mixer that is not softmax attention, named for what it is: where a layer has one beside
 # attention (Falcon-H1's mamba and self_attn, summed), the layer is a state-space one (mixers.py).
 RECURRENT_MIXERS = ("linear_attn", "mamba", "conv", "mlstm_layer", "mamba_decoder")
 MLP_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward", "ffn", "fc2",  # MPT; OPT's MLP ends in the layer's fc2
-              "mlp_block")  # RecurrentGemma
-# The decoder layers' list (`layers`; the GPT-2 family's `h`, MPT's `blocks`) and the token embedding
+              "mlp_block",  # RecurrentGemma
+              "DenseReluDense")  # T5's family (Switch Transformers': `mlp`), inside its last sublayer
+# The decoder layers' list (`layers`; the GPT-2 family's `h`, MPT's `blocks`, T5's `block`) and the token embedding
 # beside it (GPT-2's `wte`, GPT-NeoX's `embed_in`, Falcon's and Bloom's `word_embeddings`, GPT-1's
 # `tokens_embed`; Mamba's, RWKV's, xLSTM's and Nemotron-H's `embeddings`, counted only as an
 # `nn.Embedding`: a vision encoder's `embeddings` are patch embeddings).
-LAYER_LISTS = ("layers", "h", "blocks")
+LAYER_LISTS = ("layers", "h", "blocks", "block")
+# T5's family (T5, mT5, UMT5, LongT5, Switch Transformers, Pop2Piano, UDOP) keeps a block's parts in
+# a ModuleList `layer` of sublayers, each of which normalises its input, runs one part (`SelfAttention`,
+# `EncDecAttention`, `DenseReluDense` or Switch's `mlp`) and adds the residual stream back.
+SUBLAYERS = "layer"
 TOKEN_EMBEDDINGS = ("embed_tokens", "wte", "embed_in", "word_embeddings", "tokens_embed", "embeddings")
 ROUTERS = ("gate", "router")  # the MoE block's router: Qwen/Mixtral/DeepSeek, gpt-oss/Granite
 # A sparse-attention indexer inside the attention module (DeepSeek-V3.2, GLM-MoE-DSA, ...): it picks
@@ -64,6 +72,18 @@ def child(module: torch.nn.Module, names: tuple[str, ...]) -> str | None:
     ModuleDict, whose hooks never fire: LongCat-Flash keeps two norms in a list), or None."""
     return next((name for name in names if isinstance(getattr(module, name, None), torch.nn.Module)
                  and not isinstance(getattr(module, name), (torch.nn.ModuleList, torch.nn.ModuleDict))), None)
+
+
+def part(layer: torch.nn.Module, names: tuple[str, ...]) -> str | None:
+    """The path, relative to `layer`, of its first child among `names` (`child`), else of one inside
+    a sublayer of a T5 block (`layer.2.DenseReluDense`), else None."""
+    if (name := child(layer, names)) is not None:
+        return name
+    sublayers = getattr(layer, SUBLAYERS, None)
+    for k, sublayer in enumerate(sublayers if isinstance(sublayers, torch.nn.ModuleList) else ()):
+        if (name := child(sublayer, names)) is not None:
+            return f"{SUBLAYERS}.{k}.{name}"
+    return None
 
 
 def placeholder(module) -> bool:
@@ -124,6 +144,8 @@ def residual_after_attention(layer: torch.nn.Module, block_name: str | None, cro
     attention (see _MLP_NORMS; a child, or DBRX's norm inside its `norm_attn_norm`), or None when
     the layer's structure does not say. `cross`: the layer is an encoder-decoder's decoder layer,
     whose cross-attention runs (a standalone Bart or TrOCR decoder skips it, and its norm)."""
+    if block_name is not None and block_name.startswith(f"{SUBLAYERS}."):
+        return block_name.rpartition(".")[0]  # T5: the MLP's sublayer reads the stream after (self-, cross-)attention
     if getattr(layer, "use_parallel_residual", False) is True:
         return None  # GPT-NeoX: its post_attention_layernorm reads the layer's input, beside attention
     wrapper = getattr(layer, "norm_attn_norm", None)
@@ -146,8 +168,8 @@ def residual_after_attention(layer: torch.nn.Module, block_name: str | None, cro
 
 
 # A decoder layer's attention to the encoder's output (Bart's family and Whisper; NLLB-MoE, SeamlessM4T;
-# ProphetNet, Mllama's cross-attention layers).
-CROSS_ATTENTIONS = ("encoder_attn", "cross_attention", "cross_attn")
+# ProphetNet, Mllama's cross-attention layers; T5's family, in a sublayer).
+CROSS_ATTENTIONS = ("encoder_attn", "cross_attention", "cross_attn", "EncDecAttention")
 _NORM_CALL = re.compile(r"self\.(\w*norm\w*)\(")
 
 
@@ -234,7 +256,8 @@ def _layer_lists(modules: dict[str, torch.nn.Module]) -> list[tuple[str, torch.n
     stage's: those it runs, the others placeholders), at least one."""
     return [(name, module) for name, module in modules.items()
             if isinstance(module, torch.nn.ModuleList) and name.rpartition(".")[2] in LAYER_LISTS
-            and (ran := real_layers(module)) and all(any(hasattr(layer, mixer) for mixer in MIXERS) for _, layer in ran)]
+            and (ran := real_layers(module))
+            and all(any(hasattr(layer, mixer) for mixer in MIXERS) or part(layer, MIXERS) for _, layer in ran)]
 
 
 def _beside_embeddings(found: list, modules: dict[str, torch.nn.Module]) -> list:
@@ -342,4 +365,4 @@ def _path_of(module: torch.nn.Module, modules: dict) -> str | None:
 def mixer_for_kind(layer: torch.nn.Module) -> str | None:
     """The child that says what kind of token mixer `layer` is (mixers.kinds_of): a recurrent one
     where the layer has one beside attention (Falcon-H1), else its mixer (MIXERS)."""
-    return child(layer, RECURRENT_MIXERS) or child(layer, MIXERS)
+    return child(layer, RECURRENT_MIXERS) or part(layer, MIXERS)

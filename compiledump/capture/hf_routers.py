@@ -35,10 +35,15 @@ _SCORE_FNS = {"SqrtSoftplusActivation": "sqrtsoftplus", "Sigmoid": "sigmoid", "S
 # near-equal probabilities there, so the block's picks can differ from the top-k of the logits: the
 # ids are read where the experts receive them (router_taps.py), and the rule declared `rounded`.
 EXPERTS_PICKED_ROUTERS = ("DbrxRouter",)
+# Routers that return the experts they dispatch to as a one-hot mask [..., experts] first, the argmax
+# of their float32 softmax cast to the model's dtype (Switch Transformers' top-1; a token past its
+# expert's capacity in the sequence gets an all-zero row: no expert), then the probability, then
+# the logits. Declared `rounded`: the cast ties near-equal probabilities in bf16.
+ONE_HOT_ROUTERS = ("SwitchTransformersTop1Router",)
 # Those that compute their choice scores in the dtype of the logits they return, with no upcast
 # (DeepSeek-V4's `score_fn(logits) + bias`, LFM2-MoE's `sigmoid(logits) + expert_bias` on the bf16
 # logits of a bf16 model, DBRX's softmax), declared `rounded` (the others upcast to float32 first).
-ROUNDED_SCORE_ROUTERS = ("DeepseekV4TopKRouter", "Lfm2MoeTopKRouter", *EXPERTS_PICKED_ROUTERS)
+ROUNDED_SCORE_ROUTERS = ("DeepseekV4TopKRouter", "Lfm2MoeTopKRouter", *EXPERTS_PICKED_ROUTERS, *ONE_HOT_ROUTERS)
 # Routers with expert groups and no bias that keep the groups with the best sums of two softmax
 # scores (Mistral 4 and Mistral Large 4's text model).
 GROUPED_SOFTMAX_ROUTERS = ("Mistral4TopkRouter", "MistralLarge4TextTopkRouter")
@@ -67,7 +72,8 @@ def selection_of(block: torch.nn.Module, router: torch.nn.Module) -> dict | None
     (a `tid2eid` table) as routing by token id; DeepSeek-V2's `group_limited_greedy` the top-k of
     softmax(logits) in the groups with the best single scores, Mistral 4's
     (GROUPED_SOFTMAX_ROUTERS) in the groups with the best two. DeepSeek-V4's and LFM2-MoE's
-    and DBRX's softmax (ROUNDED_SCORE_ROUTERS) are declared `rounded`; PhiMoE's (CUT_ROUTERS) with the `cut` of its
+    and DBRX's softmax (ROUNDED_SCORE_ROUTERS) and Switch Transformers' top-1 of a softmax
+    (ONE_HOT_ROUTERS) are declared `rounded`; PhiMoE's (CUT_ROUTERS) with the `cut` of its
     sparsemixer, 2 * `router_jitter_noise`. Other routers with a bias, or with expert
     groups, are declared of score "unknown" (their flips are not judged), with one warning per
     class."""
@@ -83,6 +89,8 @@ def selection_of(block: torch.nn.Module, router: torch.nn.Module) -> dict | None
 
 def _rule(block: torch.nn.Module, router: torch.nn.Module) -> dict | None:
     """`selection_of` without the `rounded` flag."""
+    if type(router).__name__ in ONE_HOT_ROUTERS:
+        return dict(top_k=1, score="softmax")
     top_k = int_attr((block, router), ("top_k", "num_experts_per_tok"))
     if top_k is None:
         return None

@@ -32,25 +32,26 @@ from .state import STATE
 # looked for after the prefix every mixer class of the model shares (its name: "KimiLinear").
 RECURRENT_WORDS = ("linear", "delta", "lightning", "mamba", "ssm", "retention", "rwkv", "recurrent")
 _BY_CLASS = ("self_attn", "self_attention", "mixer", "attn", "attention", "cross_attn", "temporal_block",
-             "norm_attn_norm")  # DBRX's attention between its norms
+             "norm_attn_norm",  # DBRX's attention between its norms
+             "SelfAttention", "LocalSelfAttention", "TransientGlobalSelfAttention")  # T5's, LongT5's, in a sublayer
 
 
 def kinds_of(layers, names: list[str | None]) -> dict[int, str]:
     """{layer index: kind} for decoder `layers` whose token mixer is their child `names[i]` (one of
     instrument's MIXERS, or None): a child named for what it is (`linear_attn`, `mamba`, `conv`)
     is that; `self_attn`, `self_attention`, `attn`, `attention` and `mixer` are what their class says."""
-    classes = {i: type(getattr(layer, name)).__name__ for i, (layer, name) in enumerate(zip(layers, names))
-               if name in _BY_CLASS}
+    classes = {i: type(layer.get_submodule(name)).__name__ for i, (layer, name) in enumerate(zip(layers, names))
+               if _leaf(name) in _BY_CLASS}
     distinct = sorted(set(classes.values()))
     shared = len(_common_prefix(distinct)) if len(distinct) > 1 else 0
     kinds = {}
     for i, (layer, name) in enumerate(zip(layers, names)):
-        if name is None or name not in _BY_CLASS:
+        if name is None or _leaf(name) not in _BY_CLASS:
             kinds[i] = name or NO_MIXING
             continue
         kind = classes[i]
         words = kind[shared:].lower()
-        mixer = getattr(layer, name)
+        mixer = layer.get_submodule(name)
         if name == "mixer" and (isinstance(getattr(mixer, "experts", None), torch.nn.Module)
                                 or "mlp" in words or "moe" in words):
             kinds[i] = NO_MIXING  # Nemotron-H's MoE layers: one `mixer` per layer, its class says which
@@ -61,6 +62,11 @@ def kinds_of(layers, names: list[str | None]) -> dict[int, str]:
         else:
             kinds[i] = ATTENTION if name != "mixer" or "attention" in words else kind
     return kinds
+
+
+def _leaf(path: str | None) -> str | None:
+    """A mixer's own name, without the sublayer it sits in (T5's `layer.0.SelfAttention`)."""
+    return None if path is None else path.rpartition(".")[2]
 
 
 def _common_prefix(names: list[str]) -> str:

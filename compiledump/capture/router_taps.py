@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from . import api, residual, routers
-from .hf_routers import EXPERTS_PICKED_ROUTERS, PROBABILITY_ROUTERS, int_attr, selection_of
+from .hf_routers import EXPERTS_PICKED_ROUTERS, ONE_HOT_ROUTERS, PROBABILITY_ROUTERS, int_attr, selection_of
 from .state import warn_once
 
 
@@ -64,6 +64,14 @@ def experts_picking(block: torch.nn.Module, router: torch.nn.Module) -> torch.nn
     return experts if takes_ids else None
 
 
+def _dispatched(mask) -> torch.Tensor | None:
+    """The expert each token is dispatched to, `[..., 1]`, from a one-hot dispatch mask `[..., experts]`
+    (ONE_HOT_ROUTERS); -1 for a token its expert's capacity dropped (an all-zero row)."""
+    if not isinstance(mask, torch.Tensor) or mask.is_floating_point():
+        return None
+    return torch.where(mask.any(dim=-1), mask.argmax(dim=-1), -1).unsqueeze(-1)
+
+
 def _top_k_index(args: tuple, kwargs: dict):
     """The expert ids an experts module is called with: `(hidden_states, top_k_index, top_k_weights)`."""
     return args[1] if len(args) > 1 else kwargs.get("top_k_index")
@@ -98,7 +106,9 @@ def router_capture(handle, name: str, block: torch.nn.Module, router: torch.nn.M
         # bias. The checks below are on types and dtypes only, so dynamo resolves them while
         # tracing (no graph break).
         engine_gate = isinstance(output, (tuple, list)) and len(output) == 2 and output[1] is None
-        if isinstance(output, (tuple, list)) and len(output) >= 3 and not residual.is_float(output[0]) \
+        if type(router).__name__ in ONE_HOT_ROUTERS and isinstance(output, (tuple, list)) and len(output) == 3:
+            logits, ids = output[2], _dispatched(output[0])
+        elif isinstance(output, (tuple, list)) and len(output) >= 3 and not residual.is_float(output[0]) \
                 and residual.is_float(output[-1]):
             logits, ids = output[-1], None  # JetMoE: its ids are sorted for dispatch, not per token
         elif isinstance(output, (tuple, list)):

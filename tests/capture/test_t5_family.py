@@ -1,0 +1,177 @@
+"""T5's family (T5, mT5, UMT5, LongT5, Pop2Piano, and Switch Transformers, an MoE) under
+`instrument()`'s defaults. Before 2026-12-06 (twenty-seventh session) it raised "no decoder layers
+found": a T5 stack keeps its layers in `block`, and each block its parts in a list of sublayers
+(`layer.0.SelfAttention`, `layer.1.EncDecAttention`, `layer.2.DenseReluDense`, Switch's
+`layer.2.mlp` with its `router`), each of which adds its own residual. Now the decoder's blocks are
+tapped: `layer<i>_attn` is the feed-forward sublayer's input (the stream after self- and
+cross-attention), `layer<i>_mlp` its MLP's output, and Switch's router gives the experts its tokens
+are dispatched to (-1 where an expert's capacity dropped one). Each tag is checked against this
+test's own hooks on the model."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import transformers as T
+
+import compiledump
+from helpers.hf_dump import compare_run, dump_run, load_dump
+
+VOCAB, SOURCE, PROMPT, STEPS, LAYERS = 160, 12, 4, 3, 4
+FAMILY = {"t5": (T.T5Config, T.T5ForConditionalGeneration), "mt5": (T.MT5Config, T.MT5ForConditionalGeneration),
+          "umt5": (T.UMT5Config, T.UMT5ForConditionalGeneration),
+          "longt5": (T.LongT5Config, T.LongT5ForConditionalGeneration),
+          "pop2piano": (T.Pop2PianoConfig, T.Pop2PianoForConditionalGeneration),
+          "switch": (T.SwitchTransformersConfig, T.SwitchTransformersForConditionalGeneration)}
+# Switch Transformers: 8 experts in decoder layers 1 and 3 (every second layer), each encoder layer
+SWITCH = dict(num_experts=8, num_sparse_decoder_layers=2, num_sparse_encoder_layers=3)
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+
+def build(name: str, seed: int = 0, factor: float = 1.0, dtype=torch.float32, **extra):
+    """`factor`: transformers' `initializer_factor` (its router's weights have std `factor`: router
+    logits of std about 8 at 1.0, sharper than the other MoE audits' 0.1)."""
+    config_class, model_class = FAMILY[name]
+    config = config_class(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=96, num_layers=3, num_decoder_layers=LAYERS,
+                          num_heads=4, pad_token_id=0, eos_token_id=2, decoder_start_token_id=0,
+                          initializer_factor=factor, **(SWITCH if name == "switch" else {}), **extra)
+    torch.manual_seed(seed)
+    return model_class(config).eval().to(dtype)
+
+
+def session(model, seed: int = 0, prompt_tokens: int = PROMPT):
+    """The source through the encoder once, a decoder prompt and STEPS cached decode steps, teacher-forced."""
+    generator = torch.Generator().manual_seed(seed)
+    source = torch.randint(3, VOCAB, (1, SOURCE), generator=generator)
+    prompt = torch.randint(3, VOCAB, (1, prompt_tokens), generator=generator)
+    steps = torch.randint(3, VOCAB, (STEPS,), generator=generator)
+
+    def run():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (transformers' cache renaming note)
+            encoded = model.get_encoder()(input_ids=source)  # (Switch's forward needs its own output class)
+            out = model(encoder_outputs=encoded, decoder_input_ids=prompt, use_cache=True)
+            for token in steps:
+                out = model(encoder_outputs=encoded, decoder_input_ids=token.view(1, 1), cache=out.cache,
+                            use_cache=True)
+    return run
+
+
+def own_reading(model, run) -> dict:
+    """What `run`'s first call of each module gives, read by this test's own hooks: the encoder's
+    first source row; per decoder block its feed-forward sublayer's input and its MLP's output (last
+    prompt row), its output; Switch's dispatched experts ([rows, 1], -1 where dropped) and router
+    logits (every prompt row); the head's output."""
+    got = {"attn": {}, "mlp": {}, "layer": {}, "ids": {}, "router": {}}
+
+    def keep(kind, key, value) -> None:  # (a hook that returns a value replaces the module's output)
+        (got if key is None else got[kind]).setdefault(kind if key is None else key, value.float().numpy().copy())
+    hooks = [model.get_encoder().register_forward_hook(lambda _m, _a, out: keep("encoder", None, out[0][0, 0])),
+             model.lm_head.register_forward_hook(lambda _m, _a, out: keep("logits", None, out[0, -1]))]
+    for i, block in enumerate(model.decoder.block):
+        feed_forward = block.layer[-1]
+        mlp = getattr(feed_forward, "mlp", None) or feed_forward.DenseReluDense
+        hooks += [feed_forward.register_forward_pre_hook(lambda _m, args, i=i: keep("attn", i, args[0][0, -1])),
+                  mlp.register_forward_hook(lambda _m, _a, out, i=i: keep("mlp", i, out[0, -1])),
+                  block.register_forward_hook(  # (a tuple, UMT5's a tensor)
+                      lambda _m, _a, out, i=i: keep("layer", i, (out[0] if isinstance(out, tuple) else out)[0, -1]))]
+        if hasattr(mlp, "router"):
+            def routed(_m, _a, out, i=i):
+                mask, _, logits = out
+                keep("ids", i, torch.where(mask.any(-1), mask.argmax(-1), -1)[0, :, None])
+                keep("router", i, logits[0])
+            hooks.append(mlp.router.register_forward_hook(routed))
+    with torch.no_grad():
+        run()
+    for hook in hooks:
+        hook.remove()
+    return got
+
+
+@pytest.mark.parametrize("name", list(FAMILY))
+def test_the_decoder_s_blocks_are_tapped_through_their_sublayers(tmp_path, name):
+    model = build(name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        arrays, manifest = load_dump(dump_run(model, tmp_path, session(model)))
+    said = [str(w.message) for w in caught if "compiledump.instrument" in str(w.message)]
+    assert len(said) == 1 and "encoder's layers at encoder.block" in said[0], said  # (nothing else warned)
+    handle = compiledump.instrument(model)
+    taps = dict(handle.taps)
+    handle.remove()
+    compiledump.reset()
+    mlp = "mlp" if name == "switch" else "DenseReluDense"
+    assert (taps["layer1"], taps["layer1_attn"], taps["layer1_mlp"]) == \
+        ("decoder.block.1", "decoder.block.1.layer.2:input", f"decoder.block.1.layer.2.{mlp}")
+    assert (taps["encoder_output"], taps["final_norm"], taps["input_token"], taps["logits"]) == \
+        ("encoder", "decoder.final_layer_norm", "decoder.embed_tokens:input", "lm_head")
+    assert manifest["prompt_tokens"] == PROMPT and set(manifest["mixers"].values()) == {"attention"}
+    got = own_reading(model, session(model))
+    np.testing.assert_array_equal(arrays["encoder_output"], got["encoder"])
+    np.testing.assert_array_equal(arrays["logits_0"], got["logits"])
+    for i in range(LAYERS):
+        np.testing.assert_array_equal(arrays[f"layer{i}"], got["layer"][i])
+        np.testing.assert_array_equal(arrays[f"layer{i}_attn"], got["attn"][i])
+        if f"layer{i}_mlp" in arrays:  # (Switch: COMPILEDUMP_MOE_LAYERS keeps layer 1's, not layer 3's)
+            np.testing.assert_array_equal(arrays[f"layer{i}_mlp"], got["mlp"][i])
+            # The feed-forward sublayer adds its MLP's output to the stream after attention
+            np.testing.assert_allclose(arrays[f"layer{i}_attn"] + arrays[f"layer{i}_mlp"], arrays[f"layer{i}"],
+                                       rtol=1e-6, atol=1e-6 * float(np.abs(arrays[f"layer{i}"]).max()))
+        assert {f"layer{i}_step_{n}" for n in range(STEPS + 1)} <= set(arrays)
+    if name == "switch":
+        assert "layer0_router" not in arrays and "layer3_mlp" not in arrays  # dense; past COMPILEDUMP_MOE_LAYERS
+        np.testing.assert_array_equal(arrays["layer1_topk"], got["ids"][1])
+        np.testing.assert_array_equal(arrays["layer1_router"], got["router"][1])
+        assert {f"layer1_step_topk_{n}" for n in range(STEPS + 1)} <= set(arrays)
+        router = manifest["routers"]["layer1_router"]
+        assert (router["score"], router["top_k"], router.get("rounded")) == ("softmax", 1, True), router
+
+
+@pytest.mark.parametrize("name, factor", [("t5", 1.0), ("umt5", 1.0), ("switch", 0.3)])
+def test_an_honest_pair_exits_0_and_bugs_are_named_where_they_start(tmp_path, name, factor):
+    """A float32 reference and its bfloat16 copy exit 0; a x1.01 scale of decoder layer 1's MLP, of its
+    cross-attention, or of encoder layer 1 is named at `layer1_mlp`, `layer1_attn`, `encoder_output`."""
+    reference = build(name, seed=1, factor=factor)
+    ref = dump_run(reference, tmp_path / "ref", session(reference, seed=1))
+    honest = copy.deepcopy(reference).to(torch.bfloat16)
+    report, last = compare_run(ref, honest, tmp_path / "honest", session(honest, seed=1))
+    assert report.exit_status == 0, last
+
+    def scaled(_m, _a, out):
+        return (out[0] * 1.01, *out[1:]) if isinstance(out, tuple) else out * 1.01
+    for where, key in (("decoder MLP", "layer1_mlp"), ("cross-attention", "layer1_attn"),
+                       ("encoder", "encoder_output")):
+        engine = copy.deepcopy(reference)
+        module = {"decoder MLP": engine.decoder.block[1].layer[2], "cross-attention": engine.decoder.block[1].layer[1],
+                  "encoder": engine.encoder.block[1]}[where]
+        module = getattr(module, "mlp", None) or getattr(module, "DenseReluDense", None) \
+            or getattr(module, "EncDecAttention", None) or module
+        module.register_forward_hook(scaled)
+        report, last = compare_run(ref, engine, tmp_path / where.replace(" ", "_"), session(engine, seed=1))
+        assert report.exit_status == 1 and report.first_divergence.key == key, (where, last)
+
+
+def test_switch_s_dropped_tokens_are_recorded_and_a_routing_flip_is_its_root_cause(tmp_path):
+    """With an expert capacity of one token per sequence, tokens routed to a full expert are dropped
+    (their row of the dispatch mask all zeros): recorded as expert -1, equal on an honest pair, which
+    exits 0. A router whose weights favour another expert is named at its logits."""
+    reference = build("switch", seed=2, factor=0.3, expert_capacity=1)
+    run = session(reference, seed=2, prompt_tokens=8)
+    ref = dump_run(reference, tmp_path / "ref", run)
+    arrays, _ = load_dump(ref)
+    got = own_reading(reference, run)
+    assert (got["ids"][1] == -1).any() and (got["ids"][1] >= 0).any()  # what this test is about
+    np.testing.assert_array_equal(arrays["layer1_topk"], got["ids"][1])
+    honest = copy.deepcopy(reference).to(torch.bfloat16)
+    report, last = compare_run(ref, honest, tmp_path / "honest", session(honest, seed=2, prompt_tokens=8))
+    assert report.exit_status == 0, last
+    engine = copy.deepcopy(reference)
+    with torch.no_grad():
+        engine.decoder.block[1].layer[2].mlp.router.classifier.weight[5] += 1.0
+    report, last = compare_run(ref, engine, tmp_path / "flip", session(engine, seed=2, prompt_tokens=8))
+    assert report.exit_status == 1 and report.first_divergence.key == "layer1_router", last
