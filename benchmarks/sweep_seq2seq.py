@@ -1,0 +1,125 @@
+"""Verdicts on T5's family of encoder-decoders under `instrument()`'s defaults, over random models.
+
+Each model is built from a small config with random weights (nothing is downloaded): 3 encoder and
+4 decoder blocks, hidden 64, transformers' `initializer_factor` as given (Switch Transformers' router
+weights have std `factor`: router logits of std about 8 at 1.0). A session runs a 12-token source
+through the encoder, a 4-token decoder prompt and 3 cached decode steps, teacher-forced. The float32
+model is the reference; the engine is its bfloat16 copy (an honest pair: every exit 1 is a false
+divergence), or a float32 copy with one bug, a x1.01 scale of: decoder block 2's MLP (expected at
+`layer2_mlp`), the same from the first decode step on (`layer2_step_1`), encoder block 1's MLP
+(`encoder_output`), decoder block 1's cross-attention (`layer1_attn`). The table counts, per model
+and case, the pairs whose verdict is the expected one (exit 0 for honest pairs; exit 1 at the
+expected key for bugs), and prints the others.
+
+Usage: python benchmarks/sweep_seq2seq.py [--models t5,mt5,umt5,longt5,pop2piano,switch] [--seeds 3]
+       [--factors 0.1,0.3,1.0]
+(about 6 minutes for the defaults on a 2-core CPU box; results in benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+import transformers as T
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+from helpers.hf_dump import compare_run, dump_run  # noqa: E402  (the tests' way of dumping a run)
+
+VOCAB, SOURCE, PROMPT, STEPS = 160, 12, 4, 3
+MODELS = {"t5": (T.T5Config, T.T5ForConditionalGeneration), "mt5": (T.MT5Config, T.MT5ForConditionalGeneration),
+          "umt5": (T.UMT5Config, T.UMT5ForConditionalGeneration),
+          "longt5": (T.LongT5Config, T.LongT5ForConditionalGeneration),
+          "pop2piano": (T.Pop2PianoConfig, T.Pop2PianoForConditionalGeneration),
+          "switch": (T.SwitchTransformersConfig, T.SwitchTransformersForConditionalGeneration)}
+CASES = {"honest bf16": None, "decoder MLP": "layer2_mlp", "decode-only MLP": "layer2_step_1",
+         "encoder MLP": "encoder_output", "cross-attention": "layer1_attn"}
+
+
+def build(name: str, seed: int, factor: float) -> torch.nn.Module:
+    config_class, model_class = MODELS[name]
+    extra = dict(num_experts=8, num_sparse_decoder_layers=2, num_sparse_encoder_layers=3) if name == "switch" else {}
+    config = config_class(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=96, num_layers=3, num_decoder_layers=4,
+                          num_heads=4, pad_token_id=0, eos_token_id=2, decoder_start_token_id=0,
+                          initializer_factor=factor, **extra)
+    torch.manual_seed(seed)
+    return model_class(config).eval()
+
+
+def session(model, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    source = torch.randint(3, VOCAB, (1, SOURCE), generator=generator)
+    prompt = torch.randint(3, VOCAB, (1, PROMPT), generator=generator)
+    steps = torch.randint(3, VOCAB, (STEPS,), generator=generator)
+
+    def run():
+        encoded = model.get_encoder()(input_ids=source)
+        out = model(encoder_outputs=encoded, decoder_input_ids=prompt, use_cache=True)
+        for token in steps:
+            out = model(encoder_outputs=encoded, decoder_input_ids=token.view(1, 1), cache=out.cache, use_cache=True)
+    return run
+
+
+def engine_for(reference: torch.nn.Module, case: str) -> torch.nn.Module:
+    if case == "honest bf16":
+        return copy.deepcopy(reference).to(torch.bfloat16)
+    engine = copy.deepcopy(reference)
+    if case in ("decoder MLP", "decode-only MLP"):
+        feed_forward = engine.decoder.block[2].layer[2]
+        module = getattr(feed_forward, "mlp", None) or feed_forward.DenseReluDense
+    elif case == "encoder MLP":
+        feed_forward = engine.encoder.block[1].layer[-1]
+        module = getattr(feed_forward, "mlp", None) or feed_forward.DenseReluDense
+    else:
+        module = engine.decoder.block[1].layer[1].EncDecAttention
+    decode_only = case == "decode-only MLP"
+
+    def scaled(_m, args, out):
+        if decode_only and args[0].shape[1] != 1:
+            return None
+        return (out[0] * 1.01, *out[1:]) if isinstance(out, tuple) else out * 1.01
+    module.register_forward_hook(scaled)
+    return engine
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--factors", default="0.1,0.3,1.0")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    expected = collections.Counter()
+    total = collections.Counter()
+    for factor in [float(f) for f in args.factors.split(",")]:
+        for name in args.models.split(","):
+            for seed in range(args.seeds):
+                root = Path(tempfile.mkdtemp(prefix="compiledump_seq2seq_"))
+                reference = build(name, seed, factor)
+                ref = dump_run(reference, root / "ref", session(reference, seed))
+                for case, key in CASES.items():
+                    engine = engine_for(reference, case)
+                    report, last = compare_run(ref, engine, root / case.replace(" ", "_"), session(engine, seed))
+                    good = report.exit_status == 0 if key is None else \
+                        report.exit_status == 1 and report.first_divergence.key == key
+                    total[(factor, name, case)] += 1
+                    expected[(factor, name, case)] += good
+                    if not good:
+                        print(f"  factor {factor} {name} seed {seed} {case}: exit {report.exit_status}: {last}")
+    print(f"\n| factor | model | {' | '.join(CASES)} |")
+    print(f"| --- | --- | {' | '.join('---' for _ in CASES)} |")
+    for factor, name in dict.fromkeys((f, n) for f, n, _ in total):
+        cells = [f"{expected[(factor, name, case)]}/{total[(factor, name, case)]}" for case in CASES]
+        print(f"| {factor} | {name} | {' | '.join(cells)} |")
+
+
+if __name__ == "__main__":
+    main()
