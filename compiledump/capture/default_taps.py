@@ -11,7 +11,7 @@ import warnings
 import torch
 
 from ..format import spec
-from . import api, hf_layout as layout, indexers, mixers, residual, router_taps, routers
+from . import api, hf_configs, hf_layout as layout, indexers, mixers, residual, router_taps, routers
 from .state import warn_once
 
 
@@ -26,7 +26,7 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
     for i, layer in ran:
         prefix = f"{layers_path}.{i}"
         handle._track_shape(prefix, layer)
-        block_name = layout.part(layer, layout.MLP_BLOCKS)
+        block_name = layout.mlp_block(layer)
         if block_name is None and layout.holds_experts(getattr(layer, "mixer", None)):
             block_name = "mixer"  # Nemotron-H: one block per layer, an MoE one in its MoE layers
         mixer_name = layout.part(layer, layout.MIXERS)
@@ -83,7 +83,7 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
         handle._add(layer, f"layer{i}", prefix, "output", read=residual.layer_stream if split else None,
                     capture=handle._stream_capture(f"layer{i}"))
         handle._list_step(f"layer{i}", prefix)
-    if layout.has_tower(handle.model) and encoder is None and not layout.placeholder(layers[0]):
+    if hf_configs.has_tower(handle.model) and encoder is None and not layout.placeholder(layers[0]):
         # A vision-language (or audio) model merges the tower's features into the first layer's
         # input, the image rows, which the layers' one-row tags never see: every prompt row of it.
         # (An encoder-decoder's, Florence-2's, enter its encoder: encoder_output is recorded instead.)
@@ -102,7 +102,7 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
         handle._add(modules[norm_path], "final_norm", norm_path, "output")
     if (embed_path := layout.token_embedding_path(layers_path, modules)) is not None:
         handle._add(modules[embed_path], "input_token", embed_path, "input", capture=fed_capture(handle))
-    if (base_path := layers_path.rpartition(".")[0]) in modules:  # "" is the model itself
+    if (base_path := layout.base_model_path(layers_path, modules)) in modules:  # "" is the model itself
         def prompt_mask(mask_and_tokens) -> None:
             # The request row of a padded batch's 2-D attention mask (generate pads on the left):
             # the comparator compares the prompt's real positions only (compare/padding.py). Only
@@ -116,7 +116,7 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
                     read=_mask_and_tokens)
         if spec.PROMPT_MASK_TAG in handle.taps:
             handle.taps[spec.PROMPT_MASK_TAG] = f"{base_path}:attention_mask"
-    if (head_path := layout.logits_path(modules)) is not None:
+    if (head_path := layout.logits_path(modules, layers_path)) is not None:
         handle._add(modules[head_path], "logits", head_path, "output", capture=logits_capture(handle))
 
 

@@ -17,6 +17,7 @@ import re
 
 import torch
 
+from .hf_configs import is_encoder_decoder
 from .hf_routers import int_attr
 
 # A decoder layer has one of these token mixers (attention, or a hybrid model's linear attention
@@ -28,7 +29,8 @@ MIXERS = ("self_attn", "linear_attn", "mamba", "mixer", "self_attention", "conv"
           "mamba_decoder",  # Zamba's hybrid layers: a shared transformer block feeding a Mamba layer
           "norm_attn_norm",  # DBRX: its attention between the norm before it and the norm before the MLP
           "SelfAttention",  # T5's family, inside its first sublayer (SUBLAYERS)
-          "LocalSelfAttention", "TransientGlobalSelfAttention")  # LongT5's encoder blocks
+          "LocalSelfAttention", "TransientGlobalSelfAttention",  # LongT5's encoder blocks
+          "multi_head_attention")  # CTRL
 # A layer's mixer that is not softmax attention, named for what it is: where a layer has one beside
 # attention (Falcon-H1's mamba and self_attn, summed), the layer is a state-space one (mixers.py).
 RECURRENT_MIXERS = ("linear_attn", "mamba", "conv", "mlstm_layer", "mamba_decoder")
@@ -39,12 +41,15 @@ MLP_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward", "ffn", "fc2",  # MPT; O
 # beside it (GPT-2's `wte`, GPT-NeoX's `embed_in`, Falcon's and Bloom's `word_embeddings`, GPT-1's
 # `tokens_embed`; Mamba's, RWKV's, xLSTM's and Nemotron-H's `embeddings`, counted only as an
 # `nn.Embedding`: a vision encoder's `embeddings` are patch embeddings).
-LAYER_LISTS = ("layers", "h", "blocks", "block")
+LAYER_LISTS = ("layers", "h", "blocks", "block",
+               "layer")  # BERT's family: `<model>.encoder.layer`, its embedding beside the `encoder` (_embedding_parent)
 # T5's family (T5, mT5, UMT5, LongT5, Switch Transformers, Pop2Piano, UDOP) keeps a block's parts in
 # a ModuleList `layer` of sublayers, each of which normalises its input, runs one part (`SelfAttention`,
 # `EncDecAttention`, `DenseReluDense` or Switch's `mlp`) and adds the residual stream back.
 SUBLAYERS = "layer"
-TOKEN_EMBEDDINGS = ("embed_tokens", "wte", "embed_in", "word_embeddings", "tokens_embed", "embeddings")
+TOKEN_EMBEDDINGS = ("embed_tokens", "wte", "embed_in", "word_embeddings", "tokens_embed", "embeddings",
+                    "w")  # CTRL's (as `embeddings`, only an `nn.Embedding`)
+_LOOKUPS_ONLY = ("embeddings", "w")
 ROUTERS = ("gate", "router")  # the MoE block's router: Qwen/Mixtral/DeepSeek, gpt-oss/Granite
 # A sparse-attention indexer inside the attention module (DeepSeek-V3.2, GLM-MoE-DSA, ...): it picks
 # the keys each query attends to, by the top-k of an index score.
@@ -54,7 +59,8 @@ INDEXERS = ("indexer",)
 FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "embedding_norm", "hyper_connection_mixer",
                "ln_f", "final_layer_norm",  # the GPT-2 family; GPT-NeoX, OPT
                "layer_norm",  # Kosmos-2's text decoder
-               "ln_out", "final_norm", "out_norm")  # RWKV, RecurrentGemma, xLSTM
+               "ln_out", "final_norm", "out_norm",  # RWKV, RecurrentGemma, xLSTM
+               "layernorm", "ln", "LayerNorm")  # CTRL, MegatronBERT, XLM-RoBERTa-XL
 # Where the residual stream after attention is a module's input. Pre-norm layers (Llama, Qwen,
 # Mixtral) normalise it in post_attention_layernorm (ffn_norm, pre_ff_layernorm: other names);
 # sandwich-norm layers (Gemma 2/3) use post_attention_layernorm on the attention output before the
@@ -64,7 +70,11 @@ FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "embedding_norm", "hyper_con
 # new layers have none (attention and MLP read the same input).
 _MLP_NORMS = ("pre_feedforward_layernorm", "pre_ff_layernorm", "ffn_norm", "pre_mlp_layernorm",  # AFMoE
               "ln_2", "norm_2", "feedforward_layernorm",  # the GPT-2 family, MPT, Apertus
-              "channel_pre_norm", "norm_ffn", "ln2", "mlp_norm")  # RecurrentGemma, xLSTM, RWKV, ModernBERT-decoder
+              "channel_pre_norm", "norm_ffn", "ln2", "mlp_norm",  # RecurrentGemma, xLSTM, RWKV, ModernBERT-decoder
+              "ln", "LayerNorm", "layernorm2",  # MegatronBERT, XLM-RoBERTa-XL, CTRL
+              # BERT's family: `intermediate` (the MLP's up projection) reads the stream after
+              # (self-, cross-)attention, post-norm in BERT; RoBERTa-PreLayerNorm normalises it inside
+              "intermediate")
 
 
 def child(module: torch.nn.Module, names: tuple[str, ...]) -> str | None:
@@ -84,6 +94,18 @@ def part(layer: torch.nn.Module, names: tuple[str, ...]) -> str | None:
         if (name := child(sublayer, names)) is not None:
             return f"{SUBLAYERS}.{k}.{name}"
     return None
+
+
+def mlp_block(layer: torch.nn.Module) -> str | None:
+    """The path, relative to `layer`, of the module whose output is its MLP's own (MLP_BLOCKS, in
+    a T5 block's sublayer too); in BERT's family, whose `output` adds the residual (and normalises
+    the sum), the down projection `output.dense` (after `intermediate`); else None."""
+    if (name := part(layer, MLP_BLOCKS)) is not None:
+        inner = layer.get_submodule(name)
+        # Pix2Struct's `mlp`, as a T5 sublayer, normalises, runs its DenseReluDense and adds the residual
+        return f"{name}.DenseReluDense" if child(inner, ("DenseReluDense",)) is not None else name
+    bert_style = child(layer, ("intermediate",)) and isinstance(getattr(layer, "output", None), torch.nn.Module)
+    return "output.dense" if bert_style and isinstance(getattr(layer.output, "dense", None), torch.nn.Module) else None
 
 
 def placeholder(module) -> bool:
@@ -144,8 +166,8 @@ def residual_after_attention(layer: torch.nn.Module, block_name: str | None, cro
     attention (see _MLP_NORMS; a child, or DBRX's norm inside its `norm_attn_norm`), or None when
     the layer's structure does not say. `cross`: the layer is an encoder-decoder's decoder layer,
     whose cross-attention runs (a standalone Bart or TrOCR decoder skips it, and its norm)."""
-    if block_name is not None and block_name.startswith(f"{SUBLAYERS}."):
-        return block_name.rpartition(".")[0]  # T5: the MLP's sublayer reads the stream after (self-, cross-)attention
+    if block_name is not None and (block_name.startswith(f"{SUBLAYERS}.") or block_name.endswith(".DenseReluDense")):
+        return block_name.rpartition(".")[0]  # T5, Pix2Struct: the MLP's sublayer reads the stream after attention
     if getattr(layer, "use_parallel_residual", False) is True:
         return None  # GPT-NeoX: its post_attention_layernorm reads the layer's input, beside attention
     wrapper = getattr(layer, "norm_attn_norm", None)
@@ -211,40 +233,6 @@ def _decoder_parts(path: str) -> list[str]:
     return [".".join(parts[:n + 1]) for n in reversed(range(len(parts))) if parts[n].endswith("decoder")]
 
 
-def is_encoder_decoder(model) -> bool:
-    """Whether `model`'s config (or a sub-config of it: Florence-2's text model) says it is an
-    encoder-decoder."""
-    return any(getattr(c, "is_encoder_decoder", False) is True for c in _configs(model))
-
-
-def _configs(model) -> list:
-    """`model`'s config and its sub-configs (a config without __dict__, a dict or a named tuple of a
-    custom model, has none)."""
-    config = getattr(model, "config", None)
-    return [config, *(value for value in getattr(config, "__dict__", {}).values() if hasattr(value, "to_dict"))]
-
-
-# A composite model's config names the tower whose features it merges into the token embeddings;
-# beside a `text_config`, a tower may go by its role (Granite Speech's `encoder_config`, VibeVoice's
-# `semantic_tokenizer_encoder_config`); an omni model's sits in its thinker's config.
-TOWER_CONFIGS = ("vision_config", "audio_config", "speech_config", "visual_config")
-_TOWER_ROLES = ("encoder_config",)
-
-
-def has_tower(model: torch.nn.Module) -> bool:
-    """Whether features of another input (an image, audio) may enter the decoder beside the token
-    embeddings: the model's config (or a sub-config of it: an omni model's thinker) names a vision
-    or audio tower. (Not any second layer list: BLT's and HRM's text stacks would count.)"""
-    return any(_names_tower(c) for c in _configs(model))
-
-
-def _names_tower(config) -> bool:
-    if any(getattr(config, name, None) is not None for name in TOWER_CONFIGS):
-        return True
-    return getattr(config, "text_config", None) is not None and any(
-        value is not None and name.endswith(_TOWER_ROLES) for name, value in getattr(config, "__dict__", {}).items())
-
-
 def other_token_stacks(modules: dict[str, torch.nn.Module], taken: str) -> list[str]:
     """The paths of layer lists beside a token embedding other than `taken`: a text encoder's
     and a decoder's (Bart, DiffusionGemma), of which `find_layers` takes the first."""
@@ -261,7 +249,20 @@ def _layer_lists(modules: dict[str, torch.nn.Module]) -> list[tuple[str, torch.n
 
 
 def _beside_embeddings(found: list, modules: dict[str, torch.nn.Module]) -> list:
-    return [(name, module) for name, module in found if _token_embedding_of(modules[name.rpartition(".")[0]])]
+    return [(name, module) for name, module in found if _embedding_parent(name, modules) is not None]
+
+
+def _embedding_parent(layers_path: str, modules: dict) -> str | None:
+    """The path of the module that holds the token embedding of the layers at `layers_path`: their
+    parent (`model` beside `model.layers`), or in BERT's family the parent's parent (`bert` of
+    `bert.encoder.layer`, whose `embeddings` sit beside the `encoder`); None where neither does."""
+    parent = layers_path.rpartition(".")[0]
+    if _token_embedding_of(modules[parent]) is not None:
+        return parent
+    if parent.rpartition(".")[2] == "encoder" and (above := parent.rpartition(".")[0]) in modules \
+            and ".".join(filter(None, (above, "embeddings", "word_embeddings"))) in modules:
+        return above
+    return None
 
 
 def _token_embedding_of(parent: torch.nn.Module) -> str | None:
@@ -270,10 +271,11 @@ def _token_embedding_of(parent: torch.nn.Module) -> str | None:
         module = getattr(parent, name, None)
         if not isinstance(module, torch.nn.Module) or placeholder(module):
             continue
-        if name != "embeddings" or isinstance(module, torch.nn.Embedding):
+        if name not in _LOOKUPS_ONLY or isinstance(module, torch.nn.Embedding):
             return name
-        if isinstance(getattr(module, "tok_embeddings", None), torch.nn.Embedding):
-            return f"{name}.tok_embeddings"  # ModernBERT-decoder's embeddings: the lookup, a norm, dropout
+        for lookup in ("tok_embeddings", "word_embeddings"):  # ModernBERT-decoder's, BERT's: the lookup, a norm, ...
+            if name == "embeddings" and isinstance(getattr(module, lookup, None), torch.nn.Embedding):
+                return f"{name}.{lookup}"
     return None
 
 
@@ -323,33 +325,45 @@ def consecutive(path: str, modules: dict) -> range:
 def token_embedding_path(layers_path: str, modules: dict) -> str | None:
     """The token embedding beside `layers` (TOKEN_EMBEDDINGS: its input is the token ids a forward
     feeds), or None."""
-    parent = layers_path.rpartition(".")[0]
-    name = _token_embedding_of(modules[parent])
+    parent = _embedding_parent(layers_path, modules)
+    name = None if parent is None else _token_embedding_of(modules[parent])
     return None if name is None else f"{parent}.{name}" if parent else name
 
 
-def logits_path(modules: dict) -> str | None:
+def base_model_path(layers_path: str, modules: dict) -> str:
+    """The base model the layers at `layers_path` run in, whose forward takes the token ids and the
+    2-D attention mask: the holder of their token embedding, else their parent."""
+    parent = _embedding_parent(layers_path, modules)
+    return layers_path.rpartition(".")[0] if parent is None else parent
+
+
+def logits_path(modules: dict, layers_path: str = "") -> str | None:
     """The module whose output is the logits: the `Linear` the model's `get_output_embeddings()`
     returns (a transformers model's head under any name: RWKV's `head`, BioGPT's
     `output_projection`, ModernBERT-decoder's `decoder`, whose `lm_head` is a prediction head before
     it), else the model's own lm_head, else the nearest nested one (Llama 4's multimodal class holds
-    language_model.lm_head), else an `embed_out` (GPT-NeoX Japanese); where a `logits_processor`
+    language_model.lm_head), else an `embed_out` (GPT-NeoX Japanese), else what a model around the
+    layers at `layers_path` says (BLIP's `text_decoder`, whose head `cls.predictions.decoder` its
+    outer model does not name); where a `logits_processor`
     sits beside it (vLLM, SGLang), that one: their lm_head only holds the weight the processor
     reads (calling it is an error)."""
     head = _output_embeddings(modules)
     if head is None:
         head = "lm_head" if "lm_head" in modules else next((p for p in modules if p.endswith(".lm_head")), None)
         head = head or ("embed_out" if "embed_out" in modules else None)
+    parts = layers_path.split(".")[:-1]
+    for holder in (".".join(parts[:n]) for n in range(1, len(parts) + 1)):
+        head = head or _output_embeddings(modules, holder)
     if head is not None and placeholder(modules[head]):
         return None  # a pipeline stage without the head
     return None if head is None else _beside(head, ("logits_processor",), modules) or head
 
 
-def _output_embeddings(modules: dict) -> str | None:
-    """The path of the `Linear` the model's `get_output_embeddings()` returns (a transformers
-    model's head under any name), or None (not a `Linear`: a head that reuses another module's
-    weight is not hooked through it)."""
-    get = getattr(modules[""], "get_output_embeddings", None)
+def _output_embeddings(modules: dict, holder: str = "") -> str | None:
+    """The path of the `Linear` the `get_output_embeddings()` of the model (or of its module at
+    `holder`) returns (a transformers model's head under any name), or None (not a `Linear`: a head
+    that reuses another module's weight is not hooked through it)."""
+    get = getattr(modules[holder], "get_output_embeddings", None)
     try:
         head = get() if callable(get) else None
     except (AttributeError, NotImplementedError, TypeError):  # a model that does not say

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from ..format import spec
-from . import api, default_taps, hf_layout as layout, mixers, residual
+from . import api, default_taps, hf_configs, hf_layout as layout, mixers, residual
 from .state import STATE, warn_once
 
 _PATH_SIDE = re.compile(r"^(?P<path>[^:]*)(?::(?P<side>input|output))?$")
@@ -264,7 +264,7 @@ def _attach(handle: Instrumented, inner: torch.nn.Module, taps: dict[str, str] |
     modules = dict(inner.named_modules())
     layers_path, layers = layout.find_layers(modules)
     # An encoder-decoder's encoder runs once per request, on a source of its own length
-    encoder_decoder = layout.is_encoder_decoder(inner)
+    encoder_decoder = hf_configs.is_encoder_decoder(inner)
     encoder = layout.encoder_path(layers_path, modules) if encoder_decoder else None
     if defaults:
         if layers is None:

@@ -33,7 +33,8 @@ from .state import STATE
 RECURRENT_WORDS = ("linear", "delta", "lightning", "mamba", "ssm", "retention", "rwkv", "recurrent")
 _BY_CLASS = ("self_attn", "self_attention", "mixer", "attn", "attention", "cross_attn", "temporal_block",
              "norm_attn_norm",  # DBRX's attention between its norms
-             "SelfAttention", "LocalSelfAttention", "TransientGlobalSelfAttention")  # T5's, LongT5's, in a sublayer
+             "SelfAttention", "LocalSelfAttention", "TransientGlobalSelfAttention",  # T5's, LongT5's, in a sublayer
+             "multi_head_attention")  # CTRL
 
 
 def kinds_of(layers, names: list[str | None]) -> dict[int, str]:

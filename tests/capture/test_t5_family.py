@@ -175,3 +175,35 @@ def test_switch_s_dropped_tokens_are_recorded_and_a_routing_flip_is_its_root_cau
         engine.decoder.block[1].layer[2].mlp.router.classifier.weight[5] += 1.0
     report, last = compare_run(ref, engine, tmp_path / "flip", session(engine, seed=2, prompt_tokens=8))
     assert report.exit_status == 1 and report.first_divergence.key == "layer1_router", last
+
+
+def test_t5_decoders_inside_other_models_are_found():
+    """BLIP-2 over Flan-T5 (before: its vision encoder's layers were tapped) and Pix2Struct, whose text
+    blocks keep T5's sublayers as `self_attention`, `encoder_decoder_attention`, `mlp` (before: "no
+    decoder layers found"): `layer<i>_attn` the feed-forward sublayer's input, `layer<i>_mlp` its
+    DenseReluDense's output."""
+    vision = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32,
+                  patch_size=16)
+    text = dict(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=96, num_layers=2, num_heads=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        blip2 = T.Blip2ForConditionalGeneration(T.Blip2Config(
+            vision_config=vision, text_config=T.T5Config(**text).to_dict(), num_query_tokens=4,
+            qformer_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                encoder_hidden_size=32, vocab_size=VOCAB)))
+        pix2struct = T.Pix2StructForConditionalGeneration(T.Pix2StructConfig(
+            text_config=dict(vocab_size=VOCAB, hidden_size=64, d_kv=16, d_ff=96, num_layers=2, num_heads=4),
+            vision_config=dict(hidden_size=32, d_kv=16, d_ff=64, num_hidden_layers=2, num_attention_heads=2,
+                               patch_embed_hidden_size=32)))
+    found = []
+    for model in (blip2, pix2struct):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            handle = compiledump.instrument(model.eval())
+        found.append(dict(handle.taps))
+        handle.remove()
+        compiledump.reset()
+    assert (found[0]["layer1"], found[0]["layer1_attn"], found[0]["encoder_output"]) == \
+        ("language_model.decoder.block.1", "language_model.decoder.block.1.layer.2:input", "language_model.encoder")
+    assert (found[1]["layer1_attn"], found[1]["layer1_mlp"], found[1]["encoder_output"], found[1]["logits"]) == \
+        ("decoder.layer.1.mlp:input", "decoder.layer.1.mlp.DenseReluDense", "encoder", "decoder.lm_head")

@@ -116,20 +116,24 @@ def test_an_mlp_bug_in_mllamas_language_model_is_named_at_its_layer(tmp_path, im
 
 
 def test_an_encoders_layers_taken_for_lack_of_a_decoders_are_warned():
-    """GIT's text decoder is BERT-style (`encoder.layer`): no decoder layers are recognised, and the
-    vision encoder's, the only list found, have no token embedding beside them."""
-    config = T.GitConfig(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                            num_attention_heads=2, image_size=32, patch_size=8),
-                         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
-                         vocab_size=VOCAB)
-    model = T.GitForCausalLM(config).eval()
+    """A model whose text decoder `instrument` does not recognise (its layers under names of its own)
+    beside a vision encoder's `layers`: the only list found has no token embedding beside it. (GIT
+    was this case until its BERT-style decoder was recognised: test_bert_family.py.)"""
+    model = torch.nn.Module()
+    model.vision = torch.nn.Module()
+    model.vision.layers = torch.nn.ModuleList([torch.nn.Module() for _ in range(2)])
+    for layer in model.vision.layers:
+        layer.self_attn = torch.nn.Linear(4, 4)
+    model.text = torch.nn.Module()
+    model.text.word_lookup = torch.nn.Embedding(8, 4)
+    model.text.stack = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         handle = compiledump.instrument(model)
     handle.remove()
     said = [str(w.message) for w in caught if "which have no token embedding" in str(w.message)]
-    assert handle.taps["layer0"] == "git.image_encoder.vision_model.encoder.layers.0"
-    assert len(said) == 1 and "git.image_encoder.vision_model.encoder.layers" in said[0], said
+    assert handle.taps["layer0"] == "vision.layers.0"
+    assert len(said) == 1 and "vision.layers" in said[0], said
     assert "defaults=False" in said[0] and "taps=" in said[0]
 
 
@@ -285,10 +289,10 @@ def test_input_embeds_over_an_eighth_of_the_arena_is_counted_as_arena_full(tmp_p
     ("qwen2_5_omni", True),  # the towers sit in its thinker's config
     ("llama", False), ("qwen3_moe", False), ("blt", False), ("hrm_text", False)])  # text stacks, no tower
 def test_which_configs_name_a_tower_whose_features_enter_the_embeddings(model_type, tower):
-    from compiledump.capture import hf_layout
+    from compiledump.capture import hf_configs
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         holder = torch.nn.Module()
         holder.config = T.AutoConfig.for_model(model_type)
-    assert hf_layout.has_tower(holder) is tower
+    assert hf_configs.has_tower(holder) is tower
