@@ -1,0 +1,118 @@
+"""Verdicts on BERT's family as decoders (and CTRL) under `instrument()`'s defaults, over random models.
+
+Each model is a transformers causal LM built from a small config with random weights (nothing is
+downloaded): 4 layers, hidden 64, `initializer_range` as given (transformers' default for these is
+0.02). A session feeds a 6-token prompt, then 3 teacher-forced tokens, each forward over the whole
+sequence (no cache), so that `logits_<n>` and `layer<i>_step_<n>` hold each forward's last position.
+The float32 model is the reference; the engine is its bfloat16 copy (an honest pair: every exit 1
+is a false divergence), or a float32 copy with a x1.01 scale of: layer 2's MLP (`output.dense`,
+CTRL's `ffn`; expected at `layer2_mlp`), layer 1's attention (`attention.self`, CTRL's
+`multi_head_attention`; `layer1_attn`), layer 2's MLP from the first decode step on
+(`layer2_step_1`). The table counts, per model and case, the pairs whose verdict is the expected
+one, and prints the others.
+
+Usage: python benchmarks/sweep_bert.py [--models bert,roberta,...] [--seeds 3] [--inits 0.02,0.1]
+(about 4 minutes for the defaults on a 2-core CPU box; results in benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+import transformers as T
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+from helpers.hf_dump import compare_run, dump_run  # noqa: E402  (the tests' way of dumping a run)
+
+VOCAB, PROMPT, STEPS, LAYERS = 160, 6, 3, 4
+MODELS = ("bert", "bert-generation", "big_bird", "camembert", "data2vec-text", "electra", "ernie", "megatron-bert",
+          "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer", "xlm-roberta", "xlm-roberta-xl",
+          "xmod", "ctrl")
+SIZES = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4, intermediate_size=96,
+             pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=64, is_decoder=True)
+CTRL = dict(vocab_size=VOCAB, n_embd=64, n_layer=LAYERS, n_head=4, dff=96, n_positions=64)
+EXTRA = {"rembert": dict(input_embedding_size=64, output_embedding_size=64), "big_bird": dict(attention_type="original_full"),
+         "roc_bert": dict(pronunciation_vocab_size=VOCAB, shape_vocab_size=VOCAB)}
+CASES = {"honest bf16": None, "MLP": "layer2_mlp", "attention": "layer1_attn", "decode-only MLP": "layer2_step_1"}
+
+
+def build(model_type: str, seed: int, init: float) -> torch.nn.Module:
+    sizes = CTRL if model_type == "ctrl" else SIZES
+    config = T.AutoConfig.for_model(model_type, **sizes, **EXTRA.get(model_type, {}), initializer_range=init)
+    torch.manual_seed(seed)
+    model = T.AutoModelForCausalLM.from_config(config).eval()
+    if model_type == "xmod":
+        model.set_default_language(config.languages[0])  # (its adapters are per language)
+    return model
+
+
+def session(model, seed: int):
+    ids = torch.randint(3, VOCAB, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(seed))
+
+    def run():
+        for end in range(PROMPT, PROMPT + STEPS + 1):
+            model(input_ids=ids[:, :end], use_cache=False)
+    return run
+
+
+def engine_for(reference: torch.nn.Module, case: str) -> torch.nn.Module:
+    if case == "honest bf16":
+        return copy.deepcopy(reference).to(torch.bfloat16)
+    engine = copy.deepcopy(reference)
+    layers = engine.transformer.h if hasattr(engine, "transformer") else engine.base_model.encoder.layer
+    if case == "attention":
+        layer = layers[1]
+        module = getattr(layer, "multi_head_attention", None) or layer.attention.self
+    else:
+        module = getattr(layers[2], "ffn", None) or layers[2].output.dense
+    decode_only = case == "decode-only MLP"
+
+    def scaled(_m, args, out):
+        if decode_only and args[0].shape[1] == PROMPT:
+            return None
+        return (out[0] * 1.01, *out[1:]) if isinstance(out, tuple) else out * 1.01
+    module.register_forward_hook(scaled)
+    return engine
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--inits", default="0.02,0.1")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    expected, total = collections.Counter(), collections.Counter()
+    for init in [float(value) for value in args.inits.split(",")]:
+        for name in args.models.split(","):
+            for seed in range(args.seeds):
+                root = Path(tempfile.mkdtemp(prefix="compiledump_bert_"))
+                reference = build(name, seed, init)
+                ref = dump_run(reference, root / "ref", session(reference, seed))
+                for case, key in CASES.items():
+                    engine = engine_for(reference, case)
+                    report, last = compare_run(ref, engine, root / case.replace(" ", "_"), session(engine, seed))
+                    good = report.exit_status == 0 if key is None else \
+                        report.exit_status == 1 and report.first_divergence.key == key
+                    total[(init, name, case)] += 1
+                    expected[(init, name, case)] += good
+                    if not good:
+                        print(f"  init {init} {name} seed {seed} {case}: exit {report.exit_status}: {last}")
+    print(f"\n| init | model | {' | '.join(CASES)} |")
+    print(f"| --- | --- | {' | '.join('---' for _ in CASES)} |")
+    for init, name in dict.fromkeys((i, n) for i, n, _ in total):
+        cells = [f"{expected[(init, name, case)]}/{total[(init, name, case)]}" for case in CASES]
+        print(f"| {init} | {name} | {' | '.join(cells)} |")
+
+
+if __name__ == "__main__":
+    main()
