@@ -6,6 +6,7 @@
     default_taps.py the taps instrument attaches to a decoder-only LM by default
     hf_layout.py   where a Hugging Face decoder keeps its layers, norms, MLP blocks and routers
     hf_configs.py  what a model's config says: an encoder-decoder, a tower feeding the token embeddings
+    hf_ends.py     what sits around the layers: token embedding, final norm, head, base model (and PP placeholders)
     residual.py    where a layer keeps the residual stream (vLLM/SGLang: two parts, added by the next norm)
     router_taps.py the hooks on a model's routers: what a router returns, what instrument records of it
     hf_routers.py  which Hugging Face routers select how (the rules instrument declares)

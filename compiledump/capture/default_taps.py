@@ -11,7 +11,7 @@ import warnings
 import torch
 
 from ..format import spec
-from . import api, hf_configs, hf_layout as layout, indexers, mixers, residual, router_taps, routers
+from . import api, hf_configs, hf_ends as ends, hf_layout as layout, indexers, mixers, residual, router_taps, routers
 from .state import warn_once
 
 
@@ -83,7 +83,7 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
         handle._add(layer, f"layer{i}", prefix, "output", read=residual.layer_stream if split else None,
                     capture=handle._stream_capture(f"layer{i}"))
         handle._list_step(f"layer{i}", prefix)
-    if hf_configs.has_tower(handle.model) and encoder is None and not layout.placeholder(layers[0]):
+    if hf_configs.has_tower(handle.model) and encoder is None and not ends.placeholder(layers[0]):
         # A vision-language (or audio) model merges the tower's features into the first layer's
         # input, the image rows, which the layers' one-row tags never see: every prompt row of it.
         # (An encoder-decoder's, Florence-2's, enter its encoder: encoder_output is recorded instead.)
@@ -94,15 +94,15 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
         # decides every decoder step, and an encoder bug would read as the decoder's first layer
         handle._add(modules[encoder], spec.ENCODER_OUTPUT_TAG, encoder, "output", capture=once_capture(handle))
     _warn_untapped(layers_path, ran[0][1], unrouted, no_attn)
-    kinds = mixers.kinds_of(layers, [None if layout.placeholder(layer) else layout.mixer_for_kind(layer)
+    kinds = mixers.kinds_of(layers, [None if ends.placeholder(layer) else layout.mixer_for_kind(layer)
                                      for layer in layers])
     mixers.declare_mixers({i: kinds[i] for i, _ in ran}, mixers.routing_fact(handle.taps, bool(unrouted),
                                                                               handle.step_routing))
-    if (norm_path := layout.final_norm_path(layers_path, modules)) is not None:
+    if (norm_path := ends.final_norm_path(layers_path, modules)) is not None:
         handle._add(modules[norm_path], "final_norm", norm_path, "output")
-    if (embed_path := layout.token_embedding_path(layers_path, modules)) is not None:
+    if (embed_path := ends.token_embedding_path(layers_path, modules)) is not None:
         handle._add(modules[embed_path], "input_token", embed_path, "input", capture=fed_capture(handle))
-    if (base_path := layout.base_model_path(layers_path, modules)) in modules:  # "" is the model itself
+    if (base_path := ends.base_model_path(layers_path, modules)) in modules:  # "" is the model itself
         def prompt_mask(mask_and_tokens) -> None:
             # The request row of a padded batch's 2-D attention mask (generate pads on the left):
             # the comparator compares the prompt's real positions only (compare/padding.py). Only
@@ -116,7 +116,7 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
                     read=_mask_and_tokens)
         if spec.PROMPT_MASK_TAG in handle.taps:
             handle.taps[spec.PROMPT_MASK_TAG] = f"{base_path}:attention_mask"
-    if (head_path := layout.logits_path(modules, layers_path)) is not None:
+    if (head_path := ends.logits_path(modules, layers_path)) is not None:
         handle._add(modules[head_path], "logits", head_path, "output", capture=logits_capture(handle))
 
 
@@ -125,7 +125,7 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
 _UNFOUND = {
     "logits": ("no head for the logits (lm_head, embed_out, get_output_embeddings()): a bug after the last "
                "layer reads as no divergence, and decode steps are judged by the layers' states alone"),
-    "input_token": (f"no token embedding beside the layers ({', '.join(layout.TOKEN_EMBEDDINGS)}): a step the two "
+    "input_token": (f"no token embedding beside the layers ({', '.join(ends.TOKEN_EMBEDDINGS)}): a step the two "
                     "sides fed different tokens (after an argmax flip) reads as a divergence"),
 }
 
@@ -134,7 +134,7 @@ def warn_unfound(handle, layers_path: str, modules: dict) -> None:
     """One warning naming the model-level default tags (logits, fed token) that neither the defaults
     nor an explicit tap attached, what is lost without each, and the taps that would (not where a
     pipeline stage holds a placeholder for that module: another stage records it)."""
-    elsewhere = layout.held_elsewhere(layers_path, modules)
+    elsewhere = ends.held_elsewhere(layers_path, modules)
     unfound = [tag for tag in _UNFOUND if tag not in handle.taps and not handle.excludes(tag) and tag not in elsewhere]
     if unfound:
         said = "; ".join(f"`{tag}`: {_UNFOUND[tag]}" for tag in unfound)

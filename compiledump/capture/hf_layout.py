@@ -1,13 +1,16 @@
-"""Where a Hugging Face decoder keeps its parts: the module names `instrument()` looks for.
+"""Where a Hugging Face decoder keeps its layers and each layer its parts: the module names
+`instrument()` looks for (what sits around the layers, embedding, final norm and head, is
+capture/hf_ends.py's).
 
 Default taps follow the names Hugging Face (and vLLM/SGLang) give a decoder-only causal LM:
 `<...>.layers.<i>` with a token mixer (`self_attn`, or `linear_attn`/`mamba`/`mixer` in hybrid
 models), the norm before the MLP, `mlp` (or `block_sparse_moe`/`feed_forward`) and its router
-`gate` (or `router`), then the final `norm` (or `final_layernorm`/`norm_f`) and `lm_head`; and
-the names of the GPT-2 family (`transformer.h.<i>` with `attn`, `ln_2`, `mlp`, `ln_f`, `wte`: GPT-2,
-GPT-J, GPT-Neo, GPTBigCode, CodeGen, Falcon, Bloom, MPT's `blocks`, GPT-NeoX's `attention`), and
-T5's (`decoder.block.<i>`, each block's parts in sublayers: SUBLAYERS). This module only finds
-modules; instrument.py hooks them.
+`gate` (or `router`); the names of the GPT-2 family (`transformer.h.<i>` with `attn`, `ln_2`, `mlp`:
+GPT-2, GPT-J, GPT-Neo, GPTBigCode, CodeGen, Falcon, Bloom, MPT's `blocks`, GPT-NeoX's `attention`),
+T5's (`decoder.block.<i>`, each block's parts in sublayers: SUBLAYERS), BERT's
+(`<model>.encoder.layer.<i>`, its MLP split into `intermediate` and `output`) and Meta's reference
+code's (`attention`, `feed_forward`, `ffn_norm`; torchtitan's `layers` a ModuleDict). This module
+only finds modules; instrument.py hooks them.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import re
 
 import torch
 
+from . import hf_ends as ends
 from .hf_configs import is_encoder_decoder
+from .hf_ends import placeholder
 from .hf_routers import int_attr
 
 # A decoder layer has one of these token mixers (attention, or a hybrid model's linear attention
@@ -37,30 +42,18 @@ RECURRENT_MIXERS = ("linear_attn", "mamba", "conv", "mlstm_layer", "mamba_decode
 MLP_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward", "ffn", "fc2",  # MPT; OPT's MLP ends in the layer's fc2
               "mlp_block",  # RecurrentGemma
               "DenseReluDense")  # T5's family (Switch Transformers': `mlp`), inside its last sublayer
-# The decoder layers' list (`layers`; the GPT-2 family's `h`, MPT's `blocks`, T5's `block`) and the token embedding
-# beside it (GPT-2's `wte`, GPT-NeoX's `embed_in`, Falcon's and Bloom's `word_embeddings`, GPT-1's
-# `tokens_embed`; Mamba's, RWKV's, xLSTM's and Nemotron-H's `embeddings`, counted only as an
-# `nn.Embedding`: a vision encoder's `embeddings` are patch embeddings).
+# The decoder layers' list (`layers`; the GPT-2 family's `h`, MPT's `blocks`, T5's `block`; a
+# `ModuleDict` keyed by layer index too: torchtitan's, mistral-inference's).
 LAYER_LISTS = ("layers", "h", "blocks", "block",
-               "layer")  # BERT's family: `<model>.encoder.layer`, its embedding beside the `encoder` (_embedding_parent)
+               "layer")  # BERT's family: `<model>.encoder.layer` (its embedding beside the `encoder`: hf_ends)
 # T5's family (T5, mT5, UMT5, LongT5, Switch Transformers, Pop2Piano, UDOP) keeps a block's parts in
 # a ModuleList `layer` of sublayers, each of which normalises its input, runs one part (`SelfAttention`,
 # `EncDecAttention`, `DenseReluDense` or Switch's `mlp`) and adds the residual stream back.
 SUBLAYERS = "layer"
-TOKEN_EMBEDDINGS = ("embed_tokens", "wte", "embed_in", "word_embeddings", "tokens_embed", "embeddings",
-                    "w")  # CTRL's (as `embeddings`, only an `nn.Embedding`)
-_LOOKUPS_ONLY = ("embeddings", "w")
 ROUTERS = ("gate", "router")  # the MoE block's router: Qwen/Mixtral/DeepSeek, gpt-oss/Granite
 # A sparse-attention indexer inside the attention module (DeepSeek-V3.2, GLM-MoE-DSA, ...): it picks
 # the keys each query attends to, by the top-k of an index score.
 INDEXERS = ("indexer",)
-# Beside `layers`: most models, Jamba/Falcon-H1, Nemotron-H, LFM2 (whose final norm is embedding_norm),
-# Qwen4-Exp (whose hyper-connection streams end in a mixer, not a norm).
-FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "embedding_norm", "hyper_connection_mixer",
-               "ln_f", "final_layer_norm",  # the GPT-2 family; GPT-NeoX, OPT
-               "layer_norm",  # Kosmos-2's text decoder
-               "ln_out", "final_norm", "out_norm",  # RWKV, RecurrentGemma, xLSTM
-               "layernorm", "ln", "LayerNorm")  # CTRL, MegatronBERT, XLM-RoBERTa-XL
 # Where the residual stream after attention is a module's input. Pre-norm layers (Llama, Qwen,
 # Mixtral) normalise it in post_attention_layernorm (ffn_norm, pre_ff_layernorm: other names);
 # sandwich-norm layers (Gemma 2/3) use post_attention_layernorm on the attention output before the
@@ -106,25 +99,6 @@ def mlp_block(layer: torch.nn.Module) -> str | None:
         return f"{name}.DenseReluDense" if child(inner, ("DenseReluDense",)) is not None else name
     bert_style = child(layer, ("intermediate",)) and isinstance(getattr(layer, "output", None), torch.nn.Module)
     return "output.dense" if bert_style and isinstance(getattr(layer.output, "dense", None), torch.nn.Module) else None
-
-
-def placeholder(module) -> bool:
-    """Whether `module` stands in for one this process does not hold: a pipeline-parallel engine's
-    (vLLM's `PPMissingLayer`, an `nn.Identity`) for the layers, embedding, final norm and head of
-    the other stages. It records nothing of the model's."""
-    return isinstance(module, torch.nn.Identity)
-
-
-def held_elsewhere(layers_path: str, modules: dict) -> set[str]:
-    """The model-level tags ("logits", "input_token") whose module is a placeholder here: a
-    pipeline stage's head or token embedding, which another stage holds."""
-    parent = modules.get(layers_path.rpartition(".")[0])
-    found = set()
-    if any(path.rpartition(".")[2] == "lm_head" and placeholder(module) for path, module in modules.items()):
-        found.add("logits")
-    if any(placeholder(getattr(parent, name, None)) for name in TOKEN_EMBEDDINGS):
-        found.add("input_token")
-    return found
 
 
 def real_layers(layers) -> list[tuple[int, torch.nn.Module]]:
@@ -210,7 +184,7 @@ def _norm_called_after(layer: torch.nn.Module, cross: str) -> str | None:
 
 
 def find_layers(modules: dict[str, torch.nn.Module]):
-    """The decoder's `layers` among `modules` (the model's `named_modules()`), as (path, ModuleList),
+    """The decoder's `layers` among `modules` (the model's `named_modules()`), as (path, list of layers),
     or (None, None). A vision-language model also has a vision encoder's `layers` (Llava, Gemma 3,
     Llama 4, Idefics 3), often first in module order: the language model's are the ones beside a
     token embedding (`embed_tokens`), which vision encoders do not have; of an encoder-decoder's
@@ -239,56 +213,30 @@ def other_token_stacks(modules: dict[str, torch.nn.Module], taken: str) -> list[
     return [name for name, _ in _beside_embeddings(_layer_lists(modules), modules) if name != taken]
 
 
-def _layer_lists(modules: dict[str, torch.nn.Module]) -> list[tuple[str, torch.nn.ModuleList]]:
-    """Every ModuleList named as LAYER_LISTS whose modules each have a token mixer (a pipeline
+def _layer_lists(modules: dict[str, torch.nn.Module]) -> list[tuple[str, list]]:
+    """Every list named as LAYER_LISTS (`_by_index`) whose modules each have a token mixer (a pipeline
     stage's: those it runs, the others placeholders), at least one."""
-    return [(name, module) for name, module in modules.items()
-            if isinstance(module, torch.nn.ModuleList) and name.rpartition(".")[2] in LAYER_LISTS
-            and (ran := real_layers(module))
+    return [(name, layers) for name, module in modules.items()
+            if name.rpartition(".")[2] in LAYER_LISTS and (layers := _by_index(module)) is not None
+            and (ran := real_layers(layers))
             and all(any(hasattr(layer, mixer) for mixer in MIXERS) or part(layer, MIXERS) for _, layer in ran)]
 
 
+def _by_index(module) -> list | None:
+    """A layer list's modules by layer index: a ModuleList's; a ModuleDict's keyed "0", "1", ...
+    (torchtitan's, whose pipeline stages drop the other stages' keys: a placeholder stands for
+    each); None for anything else."""
+    if isinstance(module, torch.nn.ModuleList):
+        return list(module)
+    if not isinstance(module, torch.nn.ModuleDict) or not module or not all(key.isdigit() for key in module):
+        return None
+    held = {int(key): layer for key, layer in module.items()}
+    return [held.get(i, torch.nn.Identity()) for i in range(max(held) + 1)]
+
+
 def _beside_embeddings(found: list, modules: dict[str, torch.nn.Module]) -> list:
-    return [(name, module) for name, module in found if _embedding_parent(name, modules) is not None]
+    return [(name, module) for name, module in found if ends.embedding_parent(name, modules) is not None]
 
-
-def _embedding_parent(layers_path: str, modules: dict) -> str | None:
-    """The path of the module that holds the token embedding of the layers at `layers_path`: their
-    parent (`model` beside `model.layers`), or in BERT's family the parent's parent (`bert` of
-    `bert.encoder.layer`, whose `embeddings` sit beside the `encoder`); None where neither does."""
-    parent = layers_path.rpartition(".")[0]
-    if _token_embedding_of(modules[parent]) is not None:
-        return parent
-    if parent.rpartition(".")[2] == "encoder" and (above := parent.rpartition(".")[0]) in modules \
-            and ".".join(filter(None, (above, "embeddings", "word_embeddings"))) in modules:
-        return above
-    return None
-
-
-def _token_embedding_of(parent: torch.nn.Module) -> str | None:
-    """The name (relative to `parent`) of its token embedding (TOKEN_EMBEDDINGS), or None."""
-    for name in TOKEN_EMBEDDINGS:
-        module = getattr(parent, name, None)
-        if not isinstance(module, torch.nn.Module) or placeholder(module):
-            continue
-        if name not in _LOOKUPS_ONLY or isinstance(module, torch.nn.Embedding):
-            return name
-        for lookup in ("tok_embeddings", "word_embeddings"):  # ModernBERT-decoder's, BERT's: the lookup, a norm, ...
-            if name == "embeddings" and isinstance(getattr(module, lookup, None), torch.nn.Embedding):
-                return f"{name}.{lookup}"
-    return None
-
-
-def _beside(path: str, names, modules: dict) -> str | None:
-    """The path of the first of `names` that is a module beside `path` (its sibling), or None."""
-    parent = path.rpartition(".")[0]
-    return next((path for path in (f"{parent}.{name}" if parent else name for name in names)
-                 if path in modules and not placeholder(modules[path])), None)
-
-
-def final_norm_path(layers_path: str, modules: dict) -> str | None:
-    """The final norm beside `layers` (FINAL_NORMS), or None."""
-    return _beside(layers_path, FINAL_NORMS, modules)
 
 
 def encoder_path(layers_path: str | None, modules: dict) -> str | None:
@@ -302,7 +250,7 @@ def encoder_path(layers_path: str | None, modules: dict) -> str | None:
         encoder = get() if callable(get) else None
     except (AttributeError, NotImplementedError, TypeError, ValueError):
         encoder = None
-    if isinstance(encoder, torch.nn.Module) and (path := _path_of(encoder, modules)):
+    if isinstance(encoder, torch.nn.Module) and (path := ends.path_of(encoder, modules)):
         return path
     for decoder in _decoder_parts(layers_path or ""):
         parent = decoder.rpartition(".")[0]
@@ -320,60 +268,6 @@ def consecutive(path: str, modules: dict) -> range:
     while path.format(i=n) in modules:
         n += 1
     return range(n)
-
-
-def token_embedding_path(layers_path: str, modules: dict) -> str | None:
-    """The token embedding beside `layers` (TOKEN_EMBEDDINGS: its input is the token ids a forward
-    feeds), or None."""
-    parent = _embedding_parent(layers_path, modules)
-    name = None if parent is None else _token_embedding_of(modules[parent])
-    return None if name is None else f"{parent}.{name}" if parent else name
-
-
-def base_model_path(layers_path: str, modules: dict) -> str:
-    """The base model the layers at `layers_path` run in, whose forward takes the token ids and the
-    2-D attention mask: the holder of their token embedding, else their parent."""
-    parent = _embedding_parent(layers_path, modules)
-    return layers_path.rpartition(".")[0] if parent is None else parent
-
-
-def logits_path(modules: dict, layers_path: str = "") -> str | None:
-    """The module whose output is the logits: the `Linear` the model's `get_output_embeddings()`
-    returns (a transformers model's head under any name: RWKV's `head`, BioGPT's
-    `output_projection`, ModernBERT-decoder's `decoder`, whose `lm_head` is a prediction head before
-    it), else the model's own lm_head, else the nearest nested one (Llama 4's multimodal class holds
-    language_model.lm_head), else an `embed_out` (GPT-NeoX Japanese), else what a model around the
-    layers at `layers_path` says (BLIP's `text_decoder`, whose head `cls.predictions.decoder` its
-    outer model does not name); where a `logits_processor`
-    sits beside it (vLLM, SGLang), that one: their lm_head only holds the weight the processor
-    reads (calling it is an error)."""
-    head = _output_embeddings(modules)
-    if head is None:
-        head = "lm_head" if "lm_head" in modules else next((p for p in modules if p.endswith(".lm_head")), None)
-        head = head or ("embed_out" if "embed_out" in modules else None)
-    parts = layers_path.split(".")[:-1]
-    for holder in (".".join(parts[:n]) for n in range(1, len(parts) + 1)):
-        head = head or _output_embeddings(modules, holder)
-    if head is not None and placeholder(modules[head]):
-        return None  # a pipeline stage without the head
-    return None if head is None else _beside(head, ("logits_processor",), modules) or head
-
-
-def _output_embeddings(modules: dict, holder: str = "") -> str | None:
-    """The path of the `Linear` the `get_output_embeddings()` of the model (or of its module at
-    `holder`) returns (a transformers model's head under any name), or None (not a `Linear`: a head
-    that reuses another module's weight is not hooked through it)."""
-    get = getattr(modules[holder], "get_output_embeddings", None)
-    try:
-        head = get() if callable(get) else None
-    except (AttributeError, NotImplementedError, TypeError):  # a model that does not say
-        return None
-    return _path_of(head, modules) if isinstance(head, torch.nn.Linear) else None
-
-
-def _path_of(module: torch.nn.Module, modules: dict) -> str | None:
-    """The path of `module` among the model's `modules` (not the model itself), or None."""
-    return next((path for path, candidate in modules.items() if path and candidate is module), None)
 
 
 def mixer_for_kind(layer: torch.nn.Module) -> str | None:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from ..format import spec
-from . import api, default_taps, hf_configs, hf_layout as layout, mixers, residual
+from . import api, default_taps, hf_configs, hf_ends as ends, hf_layout as layout, mixers, residual
 from .state import STATE, warn_once
 
 _PATH_SIDE = re.compile(r"^(?P<path>[^:]*)(?::(?P<side>input|output))?$")
@@ -273,10 +273,10 @@ def _attach(handle: Instrumented, inner: torch.nn.Module, taps: dict[str, str] |
                              f"{', '.join(layout.MIXERS)}); pass defaults=False and taps={{'layer{{i}}': "
                              "'<path of the layers>.{i}', 'logits': '<head>', 'input_token': '<token embedding>:input'}"
                              " (so named, they record each decode step as the default tags do)")
-        if layout.token_embedding_path(layers_path, modules) is None \
-                and "input_token" not in layout.held_elsewhere(layers_path, modules):  # (a later pipeline stage)
+        if ends.token_embedding_path(layers_path, modules) is None \
+                and "input_token" not in ends.held_elsewhere(layers_path, modules):  # (a later pipeline stage)
             warnings.warn(f"compiledump.instrument: tapped the layers at {layers_path}, which have no token embedding "
-                          f"({', '.join(layout.TOKEN_EMBEDDINGS)}) beside them. If they are an encoder's (a vision or "
+                          f"({', '.join(ends.TOKEN_EMBEDDINGS)}) beside them. If they are an encoder's (a vision or "
                           "audio tower), the decoder's layers were not recognised: to compare the decoder, pass "
                           "defaults=False and taps={'layer{i}': '<path of its layers>.{i}', 'logits': '<head>', "
                           "'input_token': '<token embedding>:input'}", RuntimeWarning, stacklevel=3)
