@@ -39,7 +39,8 @@ MODELS = ("bert", "bert-generation", "big_bird", "camembert", "data2vec-text", "
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4, intermediate_size=96,
              pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=64, is_decoder=True)
 CTRL = dict(vocab_size=VOCAB, n_embd=64, n_layer=LAYERS, n_head=4, dff=96, n_positions=64)
-EXTRA = {"rembert": dict(input_embedding_size=64, output_embedding_size=64), "big_bird": dict(attention_type="original_full"),
+EXTRA = {"rembert": dict(input_embedding_size=64, output_embedding_size=64),
+         "big_bird": dict(attention_type="original_full"),
          "roc_bert": dict(pronunciation_vocab_size=VOCAB, shape_vocab_size=VOCAB)}
 CASES = {"honest bf16": None, "MLP": "layer2_mlp", "attention": "layer1_attn", "decode-only MLP": "layer2_step_1"}
 

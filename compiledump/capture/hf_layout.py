@@ -207,10 +207,15 @@ def _decoder_parts(path: str) -> list[str]:
     return [".".join(parts[:n + 1]) for n in reversed(range(len(parts))) if parts[n].endswith("decoder")]
 
 
-def other_token_stacks(modules: dict[str, torch.nn.Module], taken: str) -> list[str]:
+def other_token_stacks(modules: dict[str, torch.nn.Module], taken: str, encoder: str | None = None) -> list[str]:
     """The paths of layer lists beside a token embedding other than `taken`: a text encoder's
-    and a decoder's (Bart, DiffusionGemma), of which `find_layers` takes the first."""
-    return [name for name, _ in _beside_embeddings(_layer_lists(modules), modules) if name != taken]
+    and a decoder's (Bart, DiffusionGemma), of which `find_layers` takes the first. A BERT-style
+    stack (its embedding beside its `encoder`, not beside the list) counts only inside the
+    encoder-decoder's `encoder` (BERT2GPT-2's): InstructBLIP's Q-Former is one too, and no
+    stack to compare instead of its language model's."""
+    return [name for name, _ in _beside_embeddings(_layer_lists(modules), modules) if name != taken
+            and (ends.embedding_parent(name, modules) == name.rpartition(".")[0]
+                 or (encoder is not None and name.startswith(f"{encoder}.")))]
 
 
 def _layer_lists(modules: dict[str, torch.nn.Module]) -> list[tuple[str, list]]:

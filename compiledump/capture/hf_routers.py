@@ -37,8 +37,8 @@ _SCORE_FNS = {"SqrtSoftplusActivation": "sqrtsoftplus", "Sigmoid": "sigmoid", "S
 EXPERTS_PICKED_ROUTERS = ("DbrxRouter",)
 # Routers that return the experts they dispatch to as a one-hot mask [..., experts] first, the argmax
 # of their float32 softmax cast to the model's dtype (Switch Transformers' top-1; a token past its
-# expert's capacity in the sequence gets an all-zero row: no expert), then the probability, then
-# the logits. Declared `rounded`: the cast ties near-equal probabilities in bf16.
+# expert's capacity in the sequence gets an all-zero row: dropped), then the probability, then the
+# logits. Declared `rounded` (the cast ties near-equal probabilities in bf16) and `capacity`.
 ONE_HOT_ROUTERS = ("SwitchTransformersTop1Router",)
 # Those that compute their choice scores in the dtype of the logits they return, with no upcast
 # (DeepSeek-V4's `score_fn(logits) + bias`, LFM2-MoE's `sigmoid(logits) + expert_bias` on the bf16
@@ -90,7 +90,7 @@ def selection_of(block: torch.nn.Module, router: torch.nn.Module) -> dict | None
 def _rule(block: torch.nn.Module, router: torch.nn.Module) -> dict | None:
     """`selection_of` without the `rounded` flag."""
     if type(router).__name__ in ONE_HOT_ROUTERS:
-        return dict(top_k=1, score="softmax")
+        return dict(top_k=1, score="softmax", capacity=True)
     top_k = int_attr((block, router), ("top_k", "num_experts_per_tok"))
     if top_k is None:
         return None

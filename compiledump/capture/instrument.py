@@ -281,7 +281,7 @@ def _attach(handle: Instrumented, inner: torch.nn.Module, taps: dict[str, str] |
                           "defaults=False and taps={'layer{i}': '<path of its layers>.{i}', 'logits': '<head>', "
                           "'input_token': '<token embedding>:input'}", RuntimeWarning, stacklevel=3)
         default_taps.add_default_taps(handle, layers_path, layers, modules, encoder)
-        if (others := layout.other_token_stacks(modules, layers_path)) and encoder_decoder:
+        if (others := layout.other_token_stacks(modules, layers_path, encoder)) and encoder_decoder:
             warnings.warn(f"compiledump.instrument: tapped the decoder's layers at {layers_path} (they run at every "
                           f"decode step) and recorded the encoder's output (`encoder_output`, its first source row); "
                           f"the encoder's layers at {', '.join(others)} get no default taps. To find which of them "

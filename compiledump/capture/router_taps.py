@@ -64,12 +64,17 @@ def experts_picking(block: torch.nn.Module, router: torch.nn.Module) -> torch.nn
     return experts if takes_ids else None
 
 
-def _dispatched(mask) -> torch.Tensor | None:
-    """The expert each token is dispatched to, `[..., 1]`, from a one-hot dispatch mask `[..., experts]`
-    (ONE_HOT_ROUTERS); -1 for a token its expert's capacity dropped (an all-zero row)."""
-    if not isinstance(mask, torch.Tensor) or mask.is_floating_point():
+def _dispatched(mask, logits, router) -> torch.Tensor | None:
+    """The expert each token is routed to, `[..., 1]`, from a one-hot dispatch mask `[..., experts]`
+    (ONE_HOT_ROUTERS); where the expert's capacity dropped the token (an all-zero row), the one it
+    was routed to all the same, by the router's own rule (the argmax of its float32 softmax cast to
+    the dtype of its input): the comparator judges a flip by the logits, and reads a drop from a
+    flip's reach (capacity, format/routers.py)."""
+    if not isinstance(mask, torch.Tensor) or mask.is_floating_point() or not residual.is_float(logits):
         return None
-    return torch.where(mask.any(dim=-1), mask.argmax(dim=-1), -1).unsqueeze(-1)
+    dtype = getattr(router, "input_dtype", logits.dtype)
+    chosen = torch.softmax(logits.float(), dim=-1).to(dtype).argmax(dim=-1)
+    return torch.where(mask.any(dim=-1), mask.argmax(dim=-1), chosen).unsqueeze(-1)
 
 
 def _top_k_index(args: tuple, kwargs: dict):
@@ -107,7 +112,7 @@ def router_capture(handle, name: str, block: torch.nn.Module, router: torch.nn.M
         # tracing (no graph break).
         engine_gate = isinstance(output, (tuple, list)) and len(output) == 2 and output[1] is None
         if type(router).__name__ in ONE_HOT_ROUTERS and isinstance(output, (tuple, list)) and len(output) == 3:
-            logits, ids = output[2], _dispatched(output[0])
+            logits, ids = output[2], _dispatched(output[0], output[2], router)
         elif isinstance(output, (tuple, list)) and len(output) >= 3 and not residual.is_float(output[0]) \
                 and residual.is_float(output[-1]):
             logits, ids = output[-1], None  # JetMoE: its ids are sorted for dispatch, not per token

@@ -21,7 +21,7 @@ from .state import STATE
 
 def declare_router(tag: str, *, top_k: int, score: str = "softmax", bias: torch.Tensor | Sequence[float] | None = None,
                    n_group: int = 1, topk_group: int = 1, group_topk: int = 2, rounded: bool = False,
-                   cut: float | None = None) -> RouterInfo:
+                   cut: float | None = None, capacity: bool = False) -> RouterInfo:
     """Declare how the router whose logits are recorded as `tag` (`layer3_router`; its decode
     steps' `layer3_step_router` follow it) selects `top_k` experts: by `score` ("softmax",
     "sigmoid", "sqrtsoftplus" (DeepSeek-V4's) or "logits" (the logits themselves)) of its
@@ -35,6 +35,9 @@ def declare_router(tag: str, *, top_k: int, score: str = "softmax", bias: torch.
     PhiMoE's sparsemixer (`2 * router_jitter_noise`): the top-k of the logits, each pick weighed by a
     softmax over the experts e with (pick - e) / max(|e|, pick) <= cut, so that an expert rounding
     moves across that cut is judged as a near tie, not read as a divergence of the MoE output.
+    `capacity=True` says each expert takes at most a fixed number of a sequence's tokens and drops
+    the rest (Switch Transformers): a token's flip may drop or spare the later tokens of its
+    sequence in the same layer, so their MoE outputs there are a consequence of it, not a bug.
     Raises ValueError for a declaration that
     cannot describe a router. The manifest's `routers` holds it (docs/format.md)."""
     if not isinstance(tag, str) or not tag:
@@ -49,7 +52,7 @@ def declare_router(tag: str, *, top_k: int, score: str = "softmax", bias: torch.
     try:
         info = RouterInfo(top_k=top_k, score=score, bias=None if bias is None else tuple(float(b) for b in bias),
                           n_group=n_group, topk_group=topk_group, group_topk=group_topk, rounded=rounded,
-                          cut=None if cut is None else float(cut))
+                          cut=None if cut is None else float(cut), capacity=capacity)
         misfit = None if info.bias is None else info.fits(len(info.bias))
         if misfit is not None:
             raise ValueError(misfit)

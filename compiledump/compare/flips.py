@@ -35,6 +35,7 @@ class Flip:
     key: str
     layer: int | None
     near_tie: bool  # False: no reference router logits judged the row
+    capacity: bool = False  # its router caps each expert's tokens: it reaches later tokens of its own layer
 
 
 class RoutingFlips:
@@ -58,11 +59,13 @@ class RoutingFlips:
     def reach(self, rows, layer: int | None) -> dict[int, Flip]:
         """{row: the flip that reaches it} for the token ``rows`` of a later key of ``layer``
         (a near tie first, when several do; else the earliest). Within the flip's layer only the
-        flipped token itself: the experts and the residual add work token by token. From the next
-        layer on (and at keys outside the numbered layers, or after an ids key without a layer
-        number) every later token too: causal attention reads the flipped token."""
+        flipped token itself: the experts and the residual add work token by token (but where the
+        router caps each expert's tokens: the flip takes or frees a place, dropping or sparing a
+        later token). From the next layer on (and at keys outside the numbered layers, or after an
+        ids key without a layer number) every later token too: causal attention reads the flipped token."""
         attending = sorted((tied, flip) for tied, flip in self._flips.items()
-                           if layer is None or flip.layer is None or layer > flip.layer)
+                           if layer is None or flip.layer is None or layer > flip.layer
+                           or (flip.capacity and layer == flip.layer))
         first_any = attending[0] if attending else None
         first_tie = next(((tied, flip) for tied, flip in attending if flip.near_tie), None)
         reached = {}
@@ -196,9 +199,9 @@ def _judge_flip(records: list[KeyRecord], index: int, flips: RoutingFlips, first
     # token's own flip from this layer on (in the prompt the earlier tie already reaches all it
     # reaches; a decode step's float keys are excused by their token's own flip only).
     for row in routing.near_tie_rows + routing.after_near_tie_rows:
-        flips.add(first_row + row, Flip(record.key, record.layer, near_tie=True))
+        flips.add(first_row + row, Flip(record.key, record.layer, near_tie=True, capacity=routing.capacity))
     for row in routing.not_judged_rows:
-        flips.add(first_row + row, Flip(record.key, record.layer, near_tie=False))
+        flips.add(first_row + row, Flip(record.key, record.layer, near_tie=False, capacity=routing.capacity))
     return True
 
 

@@ -99,6 +99,7 @@ class Routing:
     row_errors: dict[int, float] = field(default_factory=dict)
     logit_noise: float | None = None  # the largest of them over quiet rows (widen_by_noise)
     fixed_epsilon: bool = False  # --near-tie EPS: the epsilon stays as given
+    capacity: bool = False  # the router caps each expert's tokens (RouterInfo.capacity)
 
     @property
     def differing_rows(self) -> list[int]:
@@ -275,7 +276,8 @@ def judge_routing(ref_ids: np.ndarray, run_ids: np.ndarray, router: np.ndarray |
     else:
         why = f"REF {router_key} holds row{'s' if len(covered) > 1 else ''} {_row_list(sorted(covered))} only"
     routing = Routing(klass, class_from, router_key if router is not None else None, sorted(covered),
-                      not_top_k=not_top_k, fixed_epsilon=near_tie is not None)
+                      not_top_k=not_top_k, fixed_epsilon=near_tie is not None,
+                      capacity=selection is not None and selection.capacity)
     if run_router is not None and router is not None and np.shape(run_router) == np.shape(router):
         run_covered = router_rows(a.shape[0], np.asarray(run_router), all_rows)
         for row, logits in covered.items():

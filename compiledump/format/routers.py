@@ -34,7 +34,10 @@ class RouterInfo:
     (DeepSeek-V4's ``score_fn(logits) + bias`` with no upcast), so a low-precision run rounds them.
     ``cut``: PhiMoE's sparsemixer, which picks the top-k of the logits but weighs each pick by a
     softmax over only the experts within a relative ``cut`` of its logit (compare/cut.py), so an
-    expert that rounding moves across the cut changes the weights with the ids equal."""
+    expert that rounding moves across the cut changes the weights with the ids equal. ``capacity``:
+    each expert takes at most a fixed number of a sequence's tokens and drops the rest (Switch
+    Transformers), so a token routed elsewhere can drop, or spare, the later tokens of its sequence
+    in the same layer: a flip reaches them (compare/flips.py)."""
 
     top_k: int
     score: str = "softmax"
@@ -44,10 +47,12 @@ class RouterInfo:
     group_topk: int = 2
     rounded: bool = False
     cut: float | None = None
+    capacity: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rounded, bool):
-            raise ValueError(f"rounded must be a bool, got {self.rounded!r}")
+        for name in ("rounded", "capacity"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("top_k", "n_group", "topk_group", "group_topk"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -99,13 +104,15 @@ class RouterInfo:
             text += f" in the best {self.topk_group} of {self.n_group} groups"
         if self.cut is not None:
             text += f", each pick weighed over the experts within a relative cut of {self.cut:g} (sparsemixer)"
-        return text + (", scores rounded in the model's dtype" if self.rounded else "")
+        text += ", scores rounded in the model's dtype" if self.rounded else ""
+        return text + (", each expert's tokens capped (the rest dropped)" if self.capacity else "")
 
     def to_json(self) -> dict:
         return {"top_k": self.top_k, "score": self.score, "bias": None if self.bias is None else list(self.bias),
                 "n_group": self.n_group, "topk_group": self.topk_group, "group_topk": self.group_topk,
                 **({"rounded": True} if self.rounded else {}),  # absent when False: manifests as before
-                **({"cut": self.cut} if self.cut is not None else {})}
+                **({"cut": self.cut} if self.cut is not None else {}),
+                **({"capacity": True} if self.capacity else {})}
 
 
 def router_from_json(entry) -> RouterInfo | None:
@@ -119,7 +126,7 @@ def router_from_json(entry) -> RouterInfo | None:
                                                                and not isinstance(b, bool) else b for b in bias),
                           n_group=entry.get("n_group", 1), topk_group=entry.get("topk_group", 1),
                           group_topk=entry.get("group_topk", 2), rounded=entry.get("rounded", False),
-                          cut=entry.get("cut"))
+                          cut=entry.get("cut"), capacity=entry.get("capacity", False))
     except (TypeError, ValueError):
         return None
 

@@ -266,8 +266,8 @@ def test_a_run_of_two_requests_does_not_compare_its_first_encoder_output(tmp_pat
 
 def test_t5_tapped_by_hand_keeps_the_decoder_s_prompt(tmp_path):
     """T5 tapped by hand (the defaults find it since the twenty-seventh session: test_t5_family.py); a
-    tap of its encoder's blocks records once (its encoder from `get_encoder()`), so the token gate learns the decoder's prompt
-    (before: the source's 12 tokens, and every decoder prompt tag was skipped)."""
+    tap of its encoder's blocks records once (its encoder from `get_encoder()`), so the token gate
+    learns the decoder's prompt (before: the source's 12 tokens, and every decoder prompt tag was skipped)."""
     config = T.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=96, num_layers=3, num_decoder_layers=2,
                         num_heads=4, pad_token_id=0, eos_token_id=2, decoder_start_token_id=0)
     torch.manual_seed(0)

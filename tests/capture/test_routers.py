@@ -38,6 +38,23 @@ def test_declared_routers_of_captured_tags_reach_the_manifest(dump_dir):
     assert routers["layer5_router"]["bias"] is None and routers["layer5_router"]["score"] == "softmax"
 
 
+def test_a_capacity_declaration_reaches_the_manifest_and_reads_back(dump_dir):
+    """`capacity=True` (Switch Transformers: each expert takes a fixed number of a sequence's tokens)
+    is written as `"capacity": true` (absent otherwise) and read back by the comparator's reader."""
+    from compiledump.format.routers import router_from_json
+
+    compiledump.declare_router("layer1_router", top_k=1, rounded=True, capacity=True)
+    compiledump.declare_router("layer0_router", top_k=1)
+    compiledump.record("layer1_router", torch.randn(5, 8))
+    compiledump.record("layer0_router", torch.randn(5, 8))
+    routers = _manifest(compiledump.flush())["routers"]
+    assert routers["layer1_router"]["capacity"] is True and "capacity" not in routers["layer0_router"]
+    assert router_from_json(routers["layer1_router"]).capacity
+    assert not router_from_json(routers["layer0_router"]).capacity
+    with pytest.raises(ValueError, match="capacity must be a bool"):
+        compiledump.declare_router("layer1_router", top_k=1, capacity="yes")
+
+
 def test_no_declaration_no_routers_field(dump_dir):
     compiledump.record("layer0_router", torch.randn(3, 8))
     assert "routers" not in _manifest(compiledump.flush())

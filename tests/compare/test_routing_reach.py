@@ -278,3 +278,40 @@ def test_a_flip_is_a_root_cause_only_for_tokens_it_can_reach(tmp_path, flip_row,
     assert report.first_divergence.divergent_rows == [diverges_at]
     assert (report.root_cause is not None and report.root_cause.key == "layer0_topk") == named
     assert ("likely root cause: layer0_topk" in format_report(report)[-1]) == named
+
+
+@pytest.mark.parametrize("capacity", [False, True])
+def test_a_capacity_router_s_flip_reaches_the_later_tokens_of_its_own_layer(tmp_path, capacity):
+    """A router that caps each expert's tokens (Switch Transformers; declared `capacity`) drops or
+    spares later tokens of the sequence when a near tie sends a token elsewhere: their MoE output
+    in the same layer differs (a dropped token's is zero). With the declaration that difference is
+    the near tie's (exit 0, `after_near_tie`); without it, the MoE output of a token no flip reaches
+    diverges (exit 1). Earlier tokens are never reached."""
+    rng = np.random.default_rng(21)
+    ref = with_near_tie(moe_captures(rng, all_rows=True), layer=0, row=2, gap=0.002, all_rows=True)
+    ref = [factory.replace(c, array=rng.standard_normal((TOKENS, DIM)).astype(np.float32))
+           if c.key == "layer0_mlp" else c for c in ref]
+    _, _, tie = swap_runner_up(ref, 0, 2, all_rows=True)
+    run = run_side(ref, rng, {(0, 2): tie})
+    fields = {f"layer{layer}_router": {"rows": "all"} for layer in range(3)} | {"layer0_mlp": {"rows": "all"}}
+    routers = {"layer0_router": {"top_k": TOPK, "score": "softmax", **({"capacity": True} if capacity else {})}}
+
+    def verdict(dropped_row: int):
+        moved = [factory.replace(c, array=c.array.copy()) for c in run]
+        next(c for c in moved if c.key == "layer0_mlp").array[dropped_row] = 0.0  # dropped on RUN only
+        manifests = []
+        for captures, dtype in ((ref, "float32"), (moved, "bfloat16")):
+            manifest = factory.manifest_for(captures, source_dtype=dtype, key_fields=fields)
+            manifest["routers"] = routers
+            manifests.append(manifest)
+        directory = tmp_path / f"drop{dropped_row}"
+        return compare(*factory.write_pair(directory, ref, moved, ref_manifest=manifests[0], run_manifest=manifests[1]))
+    report = verdict(dropped_row=4)
+    record = next(r for r in report.keys if r.key == "layer0_mlp")
+    if capacity:
+        assert report.exit_status == 0 and record.status == "after_near_tie" and record.excused_rows == [4], \
+            format_report(report)[-1]
+    else:
+        assert report.exit_status == 1 and report.first_divergence.key == "layer0_mlp"
+    report = verdict(dropped_row=1)  # before the flip: no flip reaches it
+    assert report.exit_status == 1 and report.first_divergence.key == "layer0_mlp"
