@@ -21,6 +21,7 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
     encoder-decoder's encoder, else None), and warn once per default tag some layers cannot get."""
     unrouted = []  # MoE blocks whose router has none of the ROUTERS names
     no_attn = []  # layers where no module's input is the residual stream after attention
+    untapped_moe = []  # layers whose MoE block goes by a name no convention here reads (torchtitan's `moe`)
     ran = layout.real_layers(layers)  # a pipeline stage's share; each keeps its index in the whole model
     handle._first_layer = f"{layers_path}.{ran[0][0]}"
     for i, layer in ran:
@@ -61,6 +62,8 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
                 own, own_path = getattr(mixer, "mamba", None), f"{own_path}.mamba"
             if isinstance(own, torch.nn.Module):  # (what it returns, or writes into an `output` argument)
                 handle._add(own, f"layer{i}_mixer", own_path, "output", moe_filtered=False)
+        if block_name is None and layout.child(layer, ("moe",)) is not None:
+            untapped_moe.append(f"{prefix}.moe")
         if block_name is not None:
             block = layer.get_submodule(block_name)
             router_name = layout.child(block, layout.ROUTERS)
@@ -94,6 +97,12 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
         # decides every decoder step, and an encoder bug would read as the decoder's first layer
         handle._add(modules[encoder], spec.ENCODER_OUTPUT_TAG, encoder, "output", capture=once_capture(handle))
     _warn_untapped(layers_path, ran[0][1], unrouted, no_attn)
+    if untapped_moe:
+        warnings.warn(f"compiledump.instrument: {len(untapped_moe)} MoE block(s) ({', '.join(untapped_moe[:3])}"
+                      f"{', ...' if len(untapped_moe) > 3 else ''}) follow no router convention compiledump reads "
+                      "(torchtitan's: its router returns top scores and ids, not logits): no layer<i>_mlp, _router or "
+                      f"_topk there. Add the block's output with taps={{'layer{{i}}_mlp': '{layers_path}.{{i}}.moe'}} "
+                      "(and its expert ids, an integer output, under a tag of their own)", RuntimeWarning, stacklevel=4)
     kinds = mixers.kinds_of(layers, [None if ends.placeholder(layer) else layout.mixer_for_kind(layer)
                                      for layer in layers])
     mixers.declare_mixers({i: kinds[i] for i, _ in ran}, mixers.routing_fact(handle.taps, bool(unrouted),

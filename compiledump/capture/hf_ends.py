@@ -17,6 +17,9 @@ import torch
 TOKEN_EMBEDDINGS = ("embed_tokens", "wte", "embed_in", "word_embeddings", "tokens_embed", "tok_embeddings", "embed",
                     "embeddings", "w")
 _LOOKUPS_ONLY = ("embeddings", "w")
+# Names other code bases also give modules that are no lookup (Xcodec2's `embed` is a Conv1d): counted
+# only as a lookup table (_lookup_table).
+_TABLES_ONLY = ("tok_embeddings", "embed")
 # Beside `layers`: most models, Jamba/Falcon-H1, Nemotron-H, LFM2 (whose final norm is embedding_norm),
 # Qwen4-Exp (whose hyper-connection streams end in a mixer, not a norm).
 FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "embedding_norm", "hyper_connection_mixer",
@@ -75,12 +78,31 @@ def _token_embedding_of(parent: torch.nn.Module) -> str | None:
         module = getattr(parent, name, None)
         if not isinstance(module, torch.nn.Module) or placeholder(module):
             continue
+        if name in _TABLES_ONLY and not _lookup_table(module):
+            continue
         if name not in _LOOKUPS_ONLY or isinstance(module, torch.nn.Embedding):
             return name
         for lookup in ("tok_embeddings", "word_embeddings"):  # ModernBERT-decoder's, BERT's: the lookup, a norm, ...
             if name == "embeddings" and isinstance(getattr(module, lookup, None), torch.nn.Embedding):
                 return f"{name}.{lookup}"
     return None
+
+
+def _lookup_table(module: torch.nn.Module) -> bool:
+    """An `nn.Embedding`, or a module that says how many rows its 2-D weight holds (Meta's and
+    DeepSeek's vocabulary-parallel embeddings: `num_embeddings`, `vocab_size`)."""
+    if isinstance(module, torch.nn.Embedding):
+        return True
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.dim() == 2 and not isinstance(module, torch.nn.Linear) \
+        and any(isinstance(getattr(module, name, None), int) for name in ("num_embeddings", "vocab_size"))
+
+
+def _vocabulary_rows(layers_path: str, modules: dict) -> int | None:
+    """The rows of the token embedding beside the layers (a shard's, under tensor parallelism), or None."""
+    path = token_embedding_path(layers_path, modules)
+    weight = getattr(modules[path], "weight", None) if path is not None else None
+    return weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
 
 
 def _beside(path: str, names, modules: dict) -> str | None:
@@ -117,8 +139,9 @@ def logits_path(modules: dict, layers_path: str = "") -> str | None:
     it), else the model's own lm_head, else the nearest nested one (Llama 4's multimodal class holds
     language_model.lm_head), else an `embed_out` (GPT-NeoX Japanese), else what a model around the
     layers at `layers_path` says (BLIP's `text_decoder`, whose head `cls.predictions.decoder` its
-    outer model does not name), else an `output` or `head` with a 2-D weight beside the layers (Meta's
-    reference code, gpt-fast, DeepSeek's reference code); where a `logits_processor`
+    outer model does not name), else an `output` or `head` beside the layers whose 2-D weight has as
+    many rows as the token embedding (Meta's reference code, gpt-fast, DeepSeek's reference code; not a
+    value head or a projection); where a `logits_processor`
     sits beside it (vLLM, SGLang), that one: their lm_head only holds the weight the processor
     reads (calling it is an error)."""
     head = _output_embeddings(modules)
@@ -129,7 +152,9 @@ def logits_path(modules: dict, layers_path: str = "") -> str | None:
     for holder in (".".join(parts[:n]) for n in range(1, len(parts) + 1)):
         head = head or _output_embeddings(modules, holder)
     bare = _beside(layers_path, _BARE_HEADS, modules) if layers_path else None
-    if head is None and bare is not None and getattr(getattr(modules[bare], "weight", None), "dim", lambda: 0)() == 2:
+    weight = getattr(modules[bare], "weight", None) if bare is not None else None
+    if head is None and isinstance(weight, torch.Tensor) and weight.dim() == 2 \
+            and weight.shape[0] == _vocabulary_rows(layers_path, modules):  # (not a value or projection head)
         head = bare
     if head is not None and placeholder(modules[head]):
         return None  # a pipeline stage without the head

@@ -189,8 +189,10 @@ def find_layers(modules: dict[str, torch.nn.Module]):
     Llama 4, Idefics 3), often first in module order: the language model's are the ones beside a
     token embedding (`embed_tokens`), which vision encoders do not have; of an encoder-decoder's
     two such lists, the decoder's. A list named `layers` is preferred to an `h` or `blocks` (a
-    vision encoder's `blocks` of `attn`: Qwen2-VL's)."""
-    found = sorted(_layer_lists(modules), key=lambda item: LAYER_LISTS.index(item[0].rpartition(".")[2]))
+    vision encoder's `blocks` of `attn`: Qwen2-VL's); of two BERT-style stacks (`layer`), one under
+    a `*decoder` part (BLIP's question answering: `text_encoder` and `text_decoder`)."""
+    found = sorted(_layer_lists(modules), key=lambda item: (LAYER_LISTS.index(item[0].rpartition(".")[2]),
+                                                            item[0].endswith(".layer") and not _decoder_parts(item[0])))
     beside = _beside_embeddings(found, modules)
     if is_encoder_decoder(modules.get("")) and (decoders := [item for item in beside + found if _decoder_parts(item[0])]):
         # Generation runs the decoder at every step, the encoder once per request (Bart, Marian,

@@ -35,7 +35,9 @@ class Flip:
     key: str
     layer: int | None
     near_tie: bool  # False: no reference router logits judged the row
-    capacity: bool = False  # its router caps each expert's tokens: it reaches later tokens of its own layer
+    # Its router caps each expert's tokens: the later tokens of its call, in its own layer, routed to an
+    # expert it left or took (Routing.capacity_reach), whose place in that expert's queue it moved.
+    queued: frozenset[int] = frozenset()
 
 
 class RoutingFlips:
@@ -60,17 +62,22 @@ class RoutingFlips:
         """{row: the flip that reaches it} for the token ``rows`` of a later key of ``layer``
         (a near tie first, when several do; else the earliest). Within the flip's layer only the
         flipped token itself: the experts and the residual add work token by token (but where the
-        router caps each expert's tokens: the flip takes or frees a place, dropping or sparing a
-        later token). From the next layer on (and at keys outside the numbered layers, or after an
-        ids key without a layer number) every later token too: causal attention reads the flipped token."""
+        router caps each expert's tokens, also the later tokens of its call routed to an expert it
+        left or took: it moved their place in that expert's queue, which may drop or spare them;
+        a decode step's call routes its own token alone). From the next layer on (and at keys outside
+        the numbered layers, or after an ids key without a layer number) every later token too: causal
+        attention reads the flipped token."""
         attending = sorted((tied, flip) for tied, flip in self._flips.items()
-                           if layer is None or flip.layer is None or layer > flip.layer
-                           or (flip.capacity and layer == flip.layer))
+                           if layer is None or flip.layer is None or layer > flip.layer)
         first_any = attending[0] if attending else None
         first_tie = next(((tied, flip) for tied, flip in attending if flip.near_tie), None)
+        queued = sorted(((tied, flip) for tied, flip in self._flips.items() if flip.queued and flip.layer == layer),
+                        key=lambda item: (not item[1].near_tie, item[0]))  # a near tie first
         reached = {}
         for row in rows:
             own = self._flips.get(row)
+            if own is None or not own.near_tie:
+                own = next((flip for _, flip in queued if row in flip.queued), own)
             if first_tie is not None and first_tie[0] < row:
                 reached[row] = first_tie[1]
             elif own is not None and own.near_tie:
@@ -198,10 +205,13 @@ def _judge_flip(records: list[KeyRecord], index: int, flips: RoutingFlips, first
     # A row an earlier near tie reaches went to other experts here too, honestly: it is that
     # token's own flip from this layer on (in the prompt the earlier tie already reaches all it
     # reaches; a decode step's float keys are excused by their token's own flip only).
+    def flip(row: int, near_tie: bool) -> Flip:
+        queued = frozenset(first_row + later for later in routing.capacity_reach.get(row, ()))
+        return Flip(record.key, record.layer, near_tie=near_tie, queued=queued)
     for row in routing.near_tie_rows + routing.after_near_tie_rows:
-        flips.add(first_row + row, Flip(record.key, record.layer, near_tie=True, capacity=routing.capacity))
+        flips.add(first_row + row, flip(row, True))
     for row in routing.not_judged_rows:
-        flips.add(first_row + row, Flip(record.key, record.layer, near_tie=False, capacity=routing.capacity))
+        flips.add(first_row + row, flip(row, False))
     return True
 
 

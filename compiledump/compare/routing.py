@@ -100,6 +100,9 @@ class Routing:
     logit_noise: float | None = None  # the largest of them over quiet rows (widen_by_noise)
     fixed_epsilon: bool = False  # --near-tie EPS: the epsilon stays as given
     capacity: bool = False  # the router caps each expert's tokens (RouterInfo.capacity)
+    # For such a router: {differing row: the later rows of the call whose experts (REF's or RUN's)
+    # include one that row left or took}, whose place in that expert's queue it moved (flips.py)
+    capacity_reach: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def differing_rows(self) -> list[int]:
@@ -213,7 +216,7 @@ class Routing:
                 "after_near_tie_rows": self.after_near_tie_rows[:MAX_LISTED_ROWS],
                 "after_unjudged_rows": self.after_unjudged_rows[:MAX_LISTED_ROWS],
                 "reordered_rows": self.reordered_rows[:MAX_LISTED_ROWS], "not_top_k": self.not_top_k,
-                "logit_noise": self.logit_noise,
+                "logit_noise": self.logit_noise, "capacity": self.capacity,
                 "rows": [row.to_json() for row in self.rows[:MAX_LISTED_ROWS]]}
 
 
@@ -291,6 +294,10 @@ def judge_routing(ref_ids: np.ndarray, run_ids: np.ndarray, router: np.ndarray |
         # A sparsemixer weighs its first pick over other experts than its second: order matters there.
         same_set = ref_set == run_set and (selection is None or selection.cut is None)
         entry = RoutingRow(row, len(ref_set & run_set), len(ref_set), same_set=same_set)
+        if routing.capacity:
+            moved = ref_set ^ run_set
+            routing.capacity_reach[row] = tuple(later for later in range(row + 1, a.shape[0])
+                                                if moved & (set(a[later].tolist()) | set(b[later].tolist())))
         if selection is not None and selection.score == UNKNOWN:
             entry.reason = UNKNOWN_RULE  # covered or not: no logits would judge it
         elif row in covered and not_top_k is not None and selection is not None and not selection.plain:

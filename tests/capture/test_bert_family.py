@@ -205,6 +205,9 @@ TEXT = {k: v for k, v in SMALL.items() if k != "is_decoder"}
     # InstructBLIP over OPT: its BERT-style Q-Former is no stack to compare instead of OPT's (a review
     # found it named in a warning as one)
     ("instructblip", {"layer1": "language_model.model.decoder.layers.1"}),
+    # BLIP's question answering: its text decoder (generation runs it at every step), not the text
+    # encoder first in module order (a review found the encoder tapped)
+    ("blip_qa", {"layer1": "text_decoder.bert.encoder.layer.1", "logits": "text_decoder.cls.predictions.decoder"}),
 ])
 def test_composite_models_tap_their_bert_style_text_decoder(name, expected):
     with warnings.catch_warnings():
@@ -213,9 +216,9 @@ def test_composite_models_tap_their_bert_style_text_decoder(name, expected):
             model = T.VisionEncoderDecoderModel(
                 encoder=T.ViTModel(T.ViTConfig(**VISION)),
                 decoder=T.BertLMHeadModel(T.BertConfig(**TEXT, is_decoder=True, add_cross_attention=True)))
-        elif name == "blip":
-            model = T.BlipForConditionalGeneration(T.BlipConfig(text_config=dict(TEXT, encoder_hidden_size=32),
-                                                                vision_config=VISION))
+        elif name.startswith("blip"):
+            blip = T.BlipForQuestionAnswering if name == "blip_qa" else T.BlipForConditionalGeneration
+            model = blip(T.BlipConfig(text_config=dict(TEXT, encoder_hidden_size=32), vision_config=VISION))
         elif name == "git":
             model = T.GitForCausalLM(T.GitConfig(vision_config=dict(VISION, num_channels=3), **TEXT))
         else:

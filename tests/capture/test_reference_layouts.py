@@ -170,3 +170,51 @@ def test_torchtitan_style_pipeline_stages_tap_their_own_layers_under_their_globa
     assert {tag for tag in found[1] if tag.startswith("layer") and tag[5:].isdigit()} == {"layer2", "layer3"}
     assert "input_token" in found[0] and "logits" not in found[0]
     assert "logits" in found[1] and "input_token" not in found[1] and found[1]["layer2"] == "layers.2"
+
+
+def test_modules_under_these_names_that_are_no_embedding_or_head_are_not_taken_for_one():
+    """The second review's cases: a vision tower first in module order whose patch projection is a
+    Conv2d named `embed` (Xcodec2's acoustic decoder has a Conv1d `embed`) is no token embedding, so
+    the language model's layers stay tapped; a gpt-fast-style reward model whose `head` is a
+    `Linear(dim, 1)` value head (its language-model head a function of `tok_embeddings`) has no
+    logits tapped, and the warning says so."""
+    import transformers as T
+
+    config = T.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=2)
+    model = torch.nn.Module()
+    model.vision = torch.nn.Module()
+    model.vision.embed = torch.nn.Conv2d(3, 32, 4, 4)
+    model.vision.layers = T.LlamaModel(config).layers  # blocks of `self_attn` and `mlp`, as a tower's
+    model.lm = T.LlamaForCausalLM(config)
+    handle = compiledump.instrument(model)
+    taps = dict(handle.taps)
+    handle.remove()
+    compiledump.reset()
+    assert (taps["layer0"], taps["input_token"], taps["logits"]) == ("lm.model.layers.0", "lm.model.embed_tokens:input",
+                                                                      "lm.lm_head")
+    reward = build()
+    del reward.output  # (its language-model head: a function of tok_embeddings, no module)
+    reward.head = torch.nn.Linear(DIM, 1)
+    with pytest.warns(RuntimeWarning, match="`logits`: no head"):
+        handle = compiledump.instrument(reward)
+    assert "logits" not in handle.taps and handle.taps["input_token"] == "tok_embeddings:input"
+    handle.remove()
+    compiledump.reset()
+
+
+def test_a_torchtitan_style_moe_block_is_warned_about_with_the_tap_to_add():
+    """torchtitan names its MoE block `moe`, whose router returns top scores and ids, not logits: no
+    MLP, router or ids tag is attached there, and one warning names the blocks and the tap that
+    records their output (before: nothing said). Checked on torchtitan 0.3's Qwen3 MoE too."""
+    model = build()
+    for layer in model.layers:
+        layer.moe = layer.feed_forward  # (the name is what matters here)
+        del layer.feed_forward
+    blocks = r"4 MoE block\(s\) \(layers.0.moe, layers.1.moe, layers.2.moe, \.\.\.\)"
+    with pytest.warns(RuntimeWarning, match=blocks) as caught:
+        handle = compiledump.instrument(model)
+    assert "taps={'layer{i}_mlp': 'layers.{i}.moe'}" in str(caught[-1].message)
+    assert "layer0_mlp" not in handle.taps and handle.taps["layer0_attn"] == "layers.0.ffn_norm:input"
+    handle.remove()
+    compiledump.reset()

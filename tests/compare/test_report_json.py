@@ -122,7 +122,7 @@ NOT_CAPTURED = {"filtered_tags", "filtered", "tags_none_kept", "drops", "gated_a
 DECODE_MARGINS = {"tags", "steps", "argmax_agree", "compared", "flips", "smallest_ref_margin"}
 ROUTING_FIELDS = {"verdict", "class", "class_from", "router_key", "router_rows", "differing_rows", "near_tie_rows",
                   "far_rows", "not_judged_rows", "after_near_tie_rows", "after_unjudged_rows", "reordered_rows", "not_top_k",
-                  "logit_noise", "rows"}
+                  "logit_noise", "capacity", "rows"}
 ROUTING_ROW = {"row", "overlap", "k", "gap", "epsilon", "near_tie", "reason", "after_near_tie", "after_unjudged", "cut"}
 
 

@@ -281,37 +281,47 @@ def test_a_flip_is_a_root_cause_only_for_tokens_it_can_reach(tmp_path, flip_row,
 
 
 @pytest.mark.parametrize("capacity", [False, True])
-def test_a_capacity_router_s_flip_reaches_the_later_tokens_of_its_own_layer(tmp_path, capacity):
+def test_a_capacity_router_s_flip_reaches_the_later_tokens_that_share_its_experts(tmp_path, capacity):
     """A router that caps each expert's tokens (Switch Transformers; declared `capacity`) drops or
-    spares later tokens of the sequence when a near tie sends a token elsewhere: their MoE output
-    in the same layer differs (a dropped token's is zero). With the declaration that difference is
-    the near tie's (exit 0, `after_near_tie`); without it, the MoE output of a token no flip reaches
-    diverges (exit 1). Earlier tokens are never reached."""
+    spares later tokens of the sequence when a near tie sends a token elsewhere, those routed to an
+    expert it left or took: their MoE output in the same layer differs (a dropped token's is zero).
+    With the declaration that difference is the near tie's (exit 0, `after_near_tie`); without it,
+    or at a later token of other experts, or at an earlier token, the MoE output diverges (exit 1)."""
     rng = np.random.default_rng(21)
     ref = with_near_tie(moe_captures(rng, all_rows=True), layer=0, row=2, gap=0.002, all_rows=True)
     ref = [factory.replace(c, array=rng.standard_normal((TOKENS, DIM)).astype(np.float32))
            if c.key == "layer0_mlp" else c for c in ref]
-    _, _, tie = swap_runner_up(ref, 0, 2, all_rows=True)
+    _, ids2, tie = swap_runner_up(ref, 0, 2, all_rows=True)
+    moved = sorted(set(tie.tolist()) ^ set(ids2.tolist()))  # the expert token 2 left and the one it took
+    by_key = {c.key: c for c in ref}
+    logits, ids = by_key["layer0_router"].array, by_key["layer0_topk"].array
+    logits[4, moved[0]] = logits[4].max() + 1.0  # token 4 goes to one of them
+    logits[5, moved] = logits[5].min() - 1.0  # token 5 to neither
+    for row in (4, 5):
+        ids[row] = top_k(logits[row].astype(np.float64))
     run = run_side(ref, rng, {(0, 2): tie})
     fields = {f"layer{layer}_router": {"rows": "all"} for layer in range(3)} | {"layer0_mlp": {"rows": "all"}}
     routers = {"layer0_router": {"top_k": TOPK, "score": "softmax", **({"capacity": True} if capacity else {})}}
 
     def verdict(dropped_row: int):
-        moved = [factory.replace(c, array=c.array.copy()) for c in run]
-        next(c for c in moved if c.key == "layer0_mlp").array[dropped_row] = 0.0  # dropped on RUN only
+        moved_run = [factory.replace(c, array=c.array.copy()) for c in run]
+        next(c for c in moved_run if c.key == "layer0_mlp").array[dropped_row] = 0.0  # dropped on RUN only
         manifests = []
-        for captures, dtype in ((ref, "float32"), (moved, "bfloat16")):
+        for captures, dtype in ((ref, "float32"), (moved_run, "bfloat16")):
             manifest = factory.manifest_for(captures, source_dtype=dtype, key_fields=fields)
             manifest["routers"] = routers
             manifests.append(manifest)
         directory = tmp_path / f"drop{dropped_row}"
-        return compare(*factory.write_pair(directory, ref, moved, ref_manifest=manifests[0], run_manifest=manifests[1]))
+        return compare(*factory.write_pair(directory, ref, moved_run, ref_manifest=manifests[0],
+                                           run_manifest=manifests[1]))
     report = verdict(dropped_row=4)
     record = next(r for r in report.keys if r.key == "layer0_mlp")
     if capacity:
         assert report.exit_status == 0 and record.status == "after_near_tie" and record.excused_rows == [4], \
             format_report(report)[-1]
+        assert next(r for r in report.keys if r.key == "layer0_topk").routing.to_json()["capacity"] is True
     else:
         assert report.exit_status == 1 and report.first_divergence.key == "layer0_mlp"
-    report = verdict(dropped_row=1)  # before the flip: no flip reaches it
-    assert report.exit_status == 1 and report.first_divergence.key == "layer0_mlp"
+    for other in (5, 1):  # a later token of other experts; an earlier token
+        report = verdict(dropped_row=other)
+        assert report.exit_status == 1 and report.first_divergence.key == "layer0_mlp", other
