@@ -28,7 +28,8 @@ FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "embedding_norm", "hyper_con
                "ln_out", "final_norm", "out_norm",  # RWKV, RecurrentGemma, xLSTM
                "layernorm", "ln", "LayerNorm")  # CTRL, MegatronBERT, XLM-RoBERTa-XL
 # A head under no name transformers gives it, beside the layers: Meta's reference code's, gpt-fast's
-# and older torchtitan's `output`, DeepSeek's reference code's `head` (a module with a 2-D weight).
+# and older torchtitan's `output`, DeepSeek's reference code's `head` (taken where its 2-D weight has
+# as many rows as the token embedding: not a value head or a projection).
 _BARE_HEADS = ("output", "head")
 
 
@@ -47,8 +48,8 @@ def _dropped(parent, name: str) -> bool:
 
 
 def held_elsewhere(layers_path: str, modules: dict) -> set[str]:
-    """The model-level tags ("logits", "input_token") whose module is a placeholder here: a
-    pipeline stage's head or token embedding, which another stage holds."""
+    """The model-level tags ("logits", "input_token") whose module is a placeholder here, or None
+    (`_dropped`): a pipeline stage's head or token embedding, which another stage holds."""
     parent = modules.get(layers_path.rpartition(".")[0])
     found = set()
     if any(path.rpartition(".")[2] == "lm_head" and placeholder(module) for path, module in modules.items()) \
