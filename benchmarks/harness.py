@@ -1,5 +1,6 @@
-"""Shared pieces of the benchmarks: side-by-side timing, the machine's description, and the
-debug_dump.py module that compiledump replaces (the baseline some benchmarks time).
+"""Shared pieces of the benchmarks: side-by-side timing, the machine's description, the
+debug_dump.py module that compiledump replaces (the baseline some benchmarks time), and the
+verdict sweeps' run of a reference against each of its engines.
 
 Every figure is measured A/B interleaved in one process (this machine is noisy): each round
 times every case once, in a rotating order, and the reported value is the median over rounds.
@@ -58,6 +59,37 @@ def median(values) -> float:
 def ratio(per_round: dict, a: str, b: str) -> float:
     """Median over rounds of time(a) / time(b)."""
     return statistics.median(x / y for x, y in zip(per_round[a], per_round[b]))
+
+
+def judge_cases(reference, run_on, engine_for, cases: dict, root: Path) -> dict[str, tuple[bool, int, str]]:
+    """A verdict sweep's pairs: `reference` dumped under `root` running `run_on(reference)`, then each
+    case's engine `engine_for(reference, case)` dumped and compared with it (tests/helpers/hf_dump.py,
+    as the tests dump and compare). {case: (whether the verdict is the expected one, the exit status,
+    the report's last line)}; expected: exit 0 where `cases[case]` is None (an honest pair), else exit 1
+    with the first divergence at that key."""
+    if str(REPO / "tests") not in sys.path:
+        sys.path.insert(0, str(REPO / "tests"))
+    from helpers.hf_dump import compare_run, dump_run
+
+    ref = dump_run(reference, root / "ref", run_on(reference))
+    verdicts = {}
+    for case, key in cases.items():
+        engine = engine_for(reference, case)
+        report, last = compare_run(ref, engine, root / case.replace(" ", "_"), run_on(engine))
+        expected = report.exit_status == 0 if key is None else \
+            report.exit_status == 1 and report.first_divergence.key == key
+        verdicts[case] = (expected, report.exit_status, last)
+    return verdicts
+
+
+def print_verdict_table(column: str, cases, expected, total) -> None:
+    """The Markdown table of a verdict sweep: a row per (`column` value, model), a cell per case,
+    "expected/pairs" from the counters keyed (value, model, case)."""
+    print(f"\n| {column} | model | {' | '.join(cases)} |")
+    print(f"| --- | --- | {' | '.join('---' for _ in cases)} |")
+    for value, name in dict.fromkeys((value, name) for value, name, _ in total):
+        cells = [f"{expected[(value, name, case)]}/{total[(value, name, case)]}" for case in cases]
+        print(f"| {value} | {name} | {' | '.join(cells)} |")
 
 
 def machine() -> str:

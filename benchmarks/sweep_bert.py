@@ -30,7 +30,8 @@ import transformers as T
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-from helpers.hf_dump import compare_run, dump_run  # noqa: E402  (the tests' way of dumping a run)
+from harness import judge_cases, print_verdict_table  # noqa: E402
+from helpers.hf_dump import scale_output  # noqa: E402  (the tests' planted bug)
 
 VOCAB, PROMPT, STEPS, LAYERS = 160, 6, 3, 4
 MODELS = ("bert", "bert-generation", "big_bird", "camembert", "data2vec-text", "electra", "ernie", "megatron-bert",
@@ -74,13 +75,7 @@ def engine_for(reference: torch.nn.Module, case: str) -> torch.nn.Module:
         module = getattr(layer, "multi_head_attention", None) or layer.attention.self
     else:
         module = getattr(layers[2], "ffn", None) or layers[2].output.dense
-    decode_only = case == "decode-only MLP"
-
-    def scaled(_m, args, out):
-        if decode_only and args[0].shape[1] == PROMPT:
-            return None
-        return (out[0] * 1.01, *out[1:]) if isinstance(out, tuple) else out * 1.01
-    module.register_forward_hook(scaled)
+    scale_output(module, unless=(lambda args: args[0].shape[1] == PROMPT) if case == "decode-only MLP" else None)
     return engine
 
 
@@ -97,22 +92,14 @@ def main() -> None:
         for name in args.models.split(","):
             for seed in range(args.seeds):
                 root = Path(tempfile.mkdtemp(prefix="compiledump_bert_"))
-                reference = build(name, seed, init)
-                ref = dump_run(reference, root / "ref", session(reference, seed))
-                for case, key in CASES.items():
-                    engine = engine_for(reference, case)
-                    report, last = compare_run(ref, engine, root / case.replace(" ", "_"), session(engine, seed))
-                    good = report.exit_status == 0 if key is None else \
-                        report.exit_status == 1 and report.first_divergence.key == key
+                verdicts = judge_cases(build(name, seed, init), lambda model: session(model, seed), engine_for, CASES,
+                                       root)
+                for case, (good, status, last) in verdicts.items():
                     total[(init, name, case)] += 1
                     expected[(init, name, case)] += good
                     if not good:
-                        print(f"  init {init} {name} seed {seed} {case}: exit {report.exit_status}: {last}")
-    print(f"\n| init | model | {' | '.join(CASES)} |")
-    print(f"| --- | --- | {' | '.join('---' for _ in CASES)} |")
-    for init, name in dict.fromkeys((i, n) for i, n, _ in total):
-        cells = [f"{expected[(init, name, case)]}/{total[(init, name, case)]}" for case in CASES]
-        print(f"| {init} | {name} | {' | '.join(cells)} |")
+                        print(f"  init {init} {name} seed {seed} {case}: exit {status}: {last}")
+    print_verdict_table("init", CASES, expected, total)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ import transformers as T
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-from helpers.hf_dump import compare_run, dump_run  # noqa: E402  (the tests' way of dumping a run)
+from harness import judge_cases, print_verdict_table  # noqa: E402
+from helpers.hf_dump import scale_output  # noqa: E402  (the tests' planted bug)
 
 VOCAB, SOURCE, PROMPT, STEPS = 160, 12, 4, 3
 MODELS = {"t5": (T.T5Config, T.T5ForConditionalGeneration), "mt5": (T.MT5Config, T.MT5ForConditionalGeneration),
@@ -79,13 +80,7 @@ def engine_for(reference: torch.nn.Module, case: str) -> torch.nn.Module:
         module = getattr(feed_forward, "mlp", None) or feed_forward.DenseReluDense
     else:
         module = engine.decoder.block[1].layer[1].EncDecAttention
-    decode_only = case == "decode-only MLP"
-
-    def scaled(_m, args, out):
-        if decode_only and args[0].shape[1] != 1:
-            return None
-        return (out[0] * 1.01, *out[1:]) if isinstance(out, tuple) else out * 1.01
-    module.register_forward_hook(scaled)
+    scale_output(module, unless=(lambda args: args[0].shape[1] != 1) if case == "decode-only MLP" else None)
     return engine
 
 
@@ -103,22 +98,14 @@ def main() -> None:
         for name in args.models.split(","):
             for seed in range(args.seeds):
                 root = Path(tempfile.mkdtemp(prefix="compiledump_seq2seq_"))
-                reference = build(name, seed, factor)
-                ref = dump_run(reference, root / "ref", session(reference, seed))
-                for case, key in CASES.items():
-                    engine = engine_for(reference, case)
-                    report, last = compare_run(ref, engine, root / case.replace(" ", "_"), session(engine, seed))
-                    good = report.exit_status == 0 if key is None else \
-                        report.exit_status == 1 and report.first_divergence.key == key
+                verdicts = judge_cases(build(name, seed, factor), lambda model: session(model, seed), engine_for,
+                                       CASES, root)
+                for case, (good, status, last) in verdicts.items():
                     total[(factor, name, case)] += 1
                     expected[(factor, name, case)] += good
                     if not good:
-                        print(f"  factor {factor} {name} seed {seed} {case}: exit {report.exit_status}: {last}")
-    print(f"\n| factor | model | {' | '.join(CASES)} |")
-    print(f"| --- | --- | {' | '.join('---' for _ in CASES)} |")
-    for factor, name in dict.fromkeys((f, n) for f, n, _ in total):
-        cells = [f"{expected[(factor, name, case)]}/{total[(factor, name, case)]}" for case in CASES]
-        print(f"| {factor} | {name} | {' | '.join(cells)} |")
+                        print(f"  factor {factor} {name} seed {seed} {case}: exit {status}: {last}")
+    print_verdict_table("factor", CASES, expected, total)
 
 
 if __name__ == "__main__":

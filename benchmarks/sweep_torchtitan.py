@@ -30,7 +30,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-from helpers.hf_dump import compare_run, dump_run  # noqa: E402  (the tests' way of dumping a run)
+from harness import judge_cases  # noqa: E402
+from helpers.hf_dump import scale_output  # noqa: E402  (the tests' planted bug)
 
 PROMPT, STEPS, VOCAB = 12, 3, 2048
 CASES = {"honest bf16": None, "MLP": "layer3_mlp", "attention": "layer2_attn", "decode-only MLP": "layer3_step_1"}
@@ -60,10 +61,7 @@ def engine_for(reference, case: str):
     if case == "honest bf16":
         return engine.to(torch.bfloat16)
     module = engine.layers["2"].attention if case == "attention" else engine.layers["3"].feed_forward
-
-    def scaled(_m, args, out):
-        return None if case == "decode-only MLP" and args[0].shape[1] == PROMPT else out * 1.01
-    module.register_forward_hook(scaled)
+    scale_output(module, unless=(lambda args: args[0].shape[1] == PROMPT) if case == "decode-only MLP" else None)
     return engine
 
 
@@ -80,16 +78,11 @@ def main() -> None:
     named = dict.fromkeys(CASES, 0)
     for seed in range(args.seeds):
         root = Path(tempfile.mkdtemp(prefix="compiledump_torchtitan_"))
-        reference = build(seed)
-        ref = dump_run(reference, root / "ref", session(reference, seed))
-        for case, key in CASES.items():
-            engine = engine_for(reference, case)
-            report, last = compare_run(ref, engine, root / case.replace(" ", "_"), session(engine, seed))
-            good = report.exit_status == 0 if key is None else \
-                report.exit_status == 1 and report.first_divergence.key == key
+        verdicts = judge_cases(build(seed), lambda model: session(model, seed), engine_for, CASES, root)
+        for case, (good, status, last) in verdicts.items():
             named[case] += good
             if not good:
-                print(f"  seed {seed} {case}: exit {report.exit_status}: {last}")
+                print(f"  seed {seed} {case}: exit {status}: {last}")
     print(f"\n| model | {' | '.join(CASES)} |\n| --- | {' | '.join('---' for _ in CASES)} |")
     print(f"| torchtitan Llama 3 debugmodel | {' | '.join(f'{n}/{args.seeds}' for n in named.values())} |")
 

@@ -19,7 +19,7 @@ import torch
 import transformers as T
 
 import compiledump
-from helpers.hf_dump import compare_run, dump_run, load_dump
+from helpers.hf_dump import compare_run, dump_run, load_dump, scale_output
 
 VOCAB, PROMPT, STEPS, LAYERS = 160, 6, 3, 3
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4, intermediate_size=96,
@@ -125,15 +125,11 @@ def test_an_honest_pair_exits_0_and_bugs_are_named_where_they_start(tmp_path, mo
     honest = copy.deepcopy(reference).to(torch.bfloat16)
     report, last = compare_run(ref, honest, tmp_path / "honest", session(honest, seed=1))
     assert report.exit_status == 0, last
-
-    def scaled(_m, _a, out):
-        return (out[0] * 1.01, *out[1:]) if isinstance(out, tuple) else out * 1.01
     for where, key in (("mlp", "layer1_mlp"), ("attention", "layer1_attn")):
         engine = copy.deepcopy(reference)
         layer = layers_of(engine)[1]
         attention = getattr(layer, "multi_head_attention", None) or layer.attention.self
-        module = parts(layer)[1] if where == "mlp" else attention
-        module.register_forward_hook(scaled)
+        scale_output(parts(layer)[1] if where == "mlp" else attention)
         report, last = compare_run(ref, engine, tmp_path / where, session(engine, seed=1))
         assert report.exit_status == 1 and report.first_divergence.key == key, (where, last)
 
@@ -181,8 +177,7 @@ def test_a_bert_style_encoder_decoder_taps_its_decoder_after_cross_attention(tmp
     report, last = compare_run(ref, honest, tmp_path / "honest", run_on(honest))
     assert report.exit_status == 0, last
     engine = copy.deepcopy(model)
-    engine.decoder.bert.encoder.layer[1].crossattention.self.register_forward_hook(
-        lambda _m, _a, out: (out[0] * 1.01, *out[1:]))
+    scale_output(engine.decoder.bert.encoder.layer[1].crossattention.self)
     report, last = compare_run(ref, engine, tmp_path / "bug", run_on(engine))
     assert report.exit_status == 1 and report.first_divergence.key == "layer1_attn", last
 

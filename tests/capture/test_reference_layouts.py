@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import compiledump
-from helpers.hf_dump import compare_run, dump_run, load_dump
+from helpers.hf_dump import compare_run, dump_run, load_dump, scale_output
 
 VOCAB, DIM, HEADS, LAYERS, PROMPT, STEPS = 160, 64, 4, 4, 7, 3
 
@@ -145,7 +145,7 @@ def test_an_honest_pair_exits_0_and_a_bug_is_named_at_its_mlp(tmp_path):
     report, last = compare_run(ref, honest, tmp_path / "honest", session(honest, seed=1))
     assert report.exit_status == 0, last
     engine = copy.deepcopy(reference)
-    engine.layers["2"].feed_forward.register_forward_hook(lambda _m, _a, out: out * 1.01)
+    scale_output(engine.layers["2"].feed_forward)
     report, last = compare_run(ref, engine, tmp_path / "bug", session(engine, seed=1))
     assert report.exit_status == 1 and report.first_divergence.key == "layer2_mlp", last
 

@@ -43,6 +43,17 @@ def router_output(model: torch.nn.Module, layer: int, ids: torch.Tensor):
     return got[0]
 
 
+def scale_output(module: torch.nn.Module, factor: float = 1.01, unless=None):
+    """Plant a bug: scale `module`'s output (a tuple's first element) by `factor`, except in the calls
+    whose positional inputs `unless(args)` accepts (a prompt's call, for a decode-only bug). Returns
+    the hook's handle."""
+    def hook(_module, args, out):
+        if unless is not None and unless(args):
+            return None
+        return (out[0] * factor, *out[1:]) if isinstance(out, tuple) else out * factor
+    return module.register_forward_hook(hook)
+
+
 def dump_run(model: torch.nn.Module, directory: Path, run, **options) -> str:
     """`run()` with `model` instrumented (`options` as `instrument` takes them), every setting at its
     default and the dump in `directory`; the dump's path."""
