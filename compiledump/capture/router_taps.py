@@ -100,6 +100,7 @@ def router_capture(handle, name: str, block: torch.nn.Module, router: torch.nn.M
     ids read elsewhere, `ids_from_experts`: the router's logits and their step row only)."""
     top_k = int_attr((block, router), ("top_k", "num_experts_per_tok"))
     record_ids = ids_capture(handle, name)
+    one_hot, probabilities = (type(router).__name__ in rule for rule in (ONE_HOT_ROUTERS, PROBABILITY_ROUTERS))
 
     def capture(output, step_logits: torch.Tensor | None = None, whole: bool = True) -> None:
         # `step_logits`: the step row to record instead of the last row of the logits (an
@@ -111,7 +112,7 @@ def router_capture(handle, name: str, block: torch.nn.Module, router: torch.nn.M
         # bias. The checks below are on types and dtypes only, so dynamo resolves them while
         # tracing (no graph break).
         engine_gate = isinstance(output, (tuple, list)) and len(output) == 2 and output[1] is None
-        if type(router).__name__ in ONE_HOT_ROUTERS and isinstance(output, (tuple, list)) and len(output) == 3:
+        if one_hot and isinstance(output, (tuple, list)) and len(output) == 3:
             logits, ids = output[2], _dispatched(output[0], output[2], router)
         elif isinstance(output, (tuple, list)) and len(output) >= 3 and not residual.is_float(output[0]) \
                 and residual.is_float(output[-1]):
@@ -122,7 +123,7 @@ def router_capture(handle, name: str, block: torch.nn.Module, router: torch.nn.M
         else:
             logits, ids = output, None
         handle.fired = True
-        if type(router).__name__ in PROBABILITY_ROUTERS and isinstance(logits, torch.Tensor):
+        if probabilities and isinstance(logits, torch.Tensor):
             # softmax probabilities: their log is the logits up to a per-row constant, which no
             # top-k or logit gap sees (the floor keeps an underflowed probability finite)
             logits = torch.log(logits.float().clamp_min(1e-30))

@@ -295,9 +295,9 @@ def judge_routing(ref_ids: np.ndarray, run_ids: np.ndarray, router: np.ndarray |
         same_set = ref_set == run_set and (selection is None or selection.cut is None)
         entry = RoutingRow(row, len(ref_set & run_set), len(ref_set), same_set=same_set)
         if routing.capacity:
-            moved = ref_set ^ run_set
-            routing.capacity_reach[row] = tuple(later for later in range(row + 1, a.shape[0])
-                                                if moved & (set(a[later].tolist()) | set(b[later].tolist())))
+            moved = list(ref_set ^ run_set)  # the experts the row left and took
+            queued = np.isin(a[row + 1:], moved).any(axis=1) | np.isin(b[row + 1:], moved).any(axis=1)
+            routing.capacity_reach[row] = tuple((row + 1 + np.flatnonzero(queued)).tolist())
         if selection is not None and selection.score == UNKNOWN:
             entry.reason = UNKNOWN_RULE  # covered or not: no logits would judge it
         elif row in covered and not_top_k is not None and selection is not None and not selection.plain:
