@@ -62,8 +62,8 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
                 own, own_path = getattr(mixer, "mamba", None), f"{own_path}.mamba"
             if isinstance(own, torch.nn.Module):  # (what it returns, or writes into an `output` argument)
                 handle._add(own, f"layer{i}_mixer", own_path, "output", moe_filtered=False)
-        if block_name is None and layout.child(layer, ("moe",)) is not None:
-            untapped_moe.append(f"{prefix}.moe")
+        if block_name is None and (unread := layout.child(layer, layout.UNREAD_MOE_BLOCKS)) is not None:
+            untapped_moe.append(f"{prefix}.{unread}")
         if block_name is not None:
             block = layer.get_submodule(block_name)
             router_name = layout.child(block, layout.ROUTERS)

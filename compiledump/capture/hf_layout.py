@@ -51,6 +51,9 @@ LAYER_LISTS = ("layers", "h", "blocks", "block",
 # `EncDecAttention`, `DenseReluDense` or Switch's `mlp`) and adds the residual stream back.
 SUBLAYERS = "layer"
 ROUTERS = ("gate", "router")  # the MoE block's router: Qwen/Mixtral/DeepSeek, gpt-oss/Granite
+# MoE blocks whose router follows no convention here (torchtitan's `moe`: top scores and ids, no
+# logits): not tapped, warned about.
+UNREAD_MOE_BLOCKS = ("moe",)
 # A sparse-attention indexer inside the attention module (DeepSeek-V3.2, GLM-MoE-DSA, ...): it picks
 # the keys each query attends to, by the top-k of an index score.
 INDEXERS = ("indexer",)
