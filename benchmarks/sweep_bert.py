@@ -8,7 +8,7 @@ The float32 model is the reference; the engine is its bfloat16 copy (an honest p
 is a false divergence), or a float32 copy with a x1.01 scale of: layer 2's MLP (`output.dense`,
 CTRL's `ffn`; expected at `layer2_mlp`), layer 1's attention (`attention.self`, CTRL's
 `multi_head_attention`; `layer1_attn`), layer 2's MLP from the first decode step on
-(`layer2_step_1`). The table counts, per model and case, the pairs whose verdict is the expected
+(`layer2_mlp_step_1`). The table counts, per model and case, the pairs whose verdict is the expected
 one, and prints the others.
 
 Usage: python benchmarks/sweep_bert.py [--models bert,roberta,...] [--seeds 3] [--inits 0.02,0.1]
@@ -43,7 +43,7 @@ CTRL = dict(vocab_size=VOCAB, n_embd=64, n_layer=LAYERS, n_head=4, dff=96, n_pos
 EXTRA = {"rembert": dict(input_embedding_size=64, output_embedding_size=64),
          "big_bird": dict(attention_type="original_full"),
          "roc_bert": dict(pronunciation_vocab_size=VOCAB, shape_vocab_size=VOCAB)}
-CASES = {"honest bf16": None, "MLP": "layer2_mlp", "attention": "layer1_attn", "decode-only MLP": "layer2_step_1"}
+CASES = {"honest bf16": None, "MLP": "layer2_mlp", "attention": "layer1_attn", "decode-only MLP": "layer2_mlp_step_1"}
 
 
 def build(model_type: str, seed: int, init: float) -> torch.nn.Module:
@@ -91,9 +91,9 @@ def main() -> None:
     for init in [float(value) for value in args.inits.split(",")]:
         for name in args.models.split(","):
             for seed in range(args.seeds):
-                root = Path(tempfile.mkdtemp(prefix="compiledump_bert_"))
-                verdicts = judge_cases(build(name, seed, init), lambda model: session(model, seed), engine_for, CASES,
-                                       root)
+                with tempfile.TemporaryDirectory(prefix="compiledump_bert_") as root:
+                    verdicts = judge_cases(build(name, seed, init), lambda model: session(model, seed), engine_for,
+                                           CASES, Path(root))
                 for case, (good, status, last) in verdicts.items():
                     total[(init, name, case)] += 1
                     expected[(init, name, case)] += good

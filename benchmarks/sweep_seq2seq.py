@@ -6,7 +6,7 @@ weights have std `factor`: router logits of std about 8 at 1.0). A session runs 
 through the encoder, a 4-token decoder prompt and 3 cached decode steps, teacher-forced. The float32
 model is the reference; the engine is its bfloat16 copy (an honest pair: every exit 1 is a false
 divergence), or a float32 copy with one bug, a x1.01 scale of: decoder block 2's MLP (expected at
-`layer2_mlp`), the same from the first decode step on (`layer2_step_1`), encoder block 1's MLP
+`layer2_mlp`), the same from the first decode step on (`layer2_mlp_step_1`), encoder block 1's MLP
 (`encoder_output`), decoder block 1's cross-attention (`layer1_attn`). The table counts, per model
 and case, the pairs whose verdict is the expected one (exit 0 for honest pairs; exit 1 at the
 expected key for bugs), and prints the others.
@@ -40,7 +40,7 @@ MODELS = {"t5": (T.T5Config, T.T5ForConditionalGeneration), "mt5": (T.MT5Config,
           "longt5": (T.LongT5Config, T.LongT5ForConditionalGeneration),
           "pop2piano": (T.Pop2PianoConfig, T.Pop2PianoForConditionalGeneration),
           "switch": (T.SwitchTransformersConfig, T.SwitchTransformersForConditionalGeneration)}
-CASES = {"honest bf16": None, "decoder MLP": "layer2_mlp", "decode-only MLP": "layer2_step_1",
+CASES = {"honest bf16": None, "decoder MLP": "layer2_mlp", "decode-only MLP": "layer2_mlp_step_1",
          "encoder MLP": "encoder_output", "cross-attention": "layer1_attn"}
 
 
@@ -97,9 +97,9 @@ def main() -> None:
     for factor in [float(f) for f in args.factors.split(",")]:
         for name in args.models.split(","):
             for seed in range(args.seeds):
-                root = Path(tempfile.mkdtemp(prefix="compiledump_seq2seq_"))
-                verdicts = judge_cases(build(name, seed, factor), lambda model: session(model, seed), engine_for,
-                                       CASES, root)
+                with tempfile.TemporaryDirectory(prefix="compiledump_seq2seq_") as root:
+                    verdicts = judge_cases(build(name, seed, factor), lambda model: session(model, seed), engine_for,
+                                           CASES, Path(root))
                 for case, (good, status, last) in verdicts.items():
                     total[(factor, name, case)] += 1
                     expected[(factor, name, case)] += good

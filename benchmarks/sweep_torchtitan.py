@@ -7,7 +7,7 @@ own weight init, seeded), a 12-token prompt, then 3 teacher-forced tokens, each 
 whole sequence (torchtitan keeps no KV cache). The float32 model is the reference; the engine is its
 bfloat16 copy (an honest pair: exit 1 is a false divergence) or a float32 copy with a x1.01 scale of
 layer 3's feed-forward (expected at `layer3_mlp`), of layer 2's attention (`layer2_attn`), or of
-layer 3's feed-forward from the first decode step on (`layer3_step_1`). Needs torchtitan, which is no
+layer 3's feed-forward from the first decode step on (`layer3_mlp_step_1`). Needs torchtitan, which is no
 dependency of compiledump:
 
     pip install --no-deps torchtitan==0.3.0 spmd_types tyro einops torch_checkpointing typeguard \\
@@ -34,7 +34,7 @@ from harness import judge_cases  # noqa: E402
 from helpers.hf_dump import scale_output  # noqa: E402  (the tests' planted bug)
 
 PROMPT, STEPS, VOCAB = 12, 3, 2048
-CASES = {"honest bf16": None, "MLP": "layer3_mlp", "attention": "layer2_attn", "decode-only MLP": "layer3_step_1"}
+CASES = {"honest bf16": None, "MLP": "layer3_mlp", "attention": "layer2_attn", "decode-only MLP": "layer3_mlp_step_1"}
 
 
 def build(seed: int):
@@ -77,8 +77,8 @@ def main() -> None:
     warnings.simplefilter("ignore")
     named = dict.fromkeys(CASES, 0)
     for seed in range(args.seeds):
-        root = Path(tempfile.mkdtemp(prefix="compiledump_torchtitan_"))
-        verdicts = judge_cases(build(seed), lambda model: session(model, seed), engine_for, CASES, root)
+        with tempfile.TemporaryDirectory(prefix="compiledump_torchtitan_") as root:
+            verdicts = judge_cases(build(seed), lambda model: session(model, seed), engine_for, CASES, Path(root))
         for case, (good, status, last) in verdicts.items():
             named[case] += good
             if not good:

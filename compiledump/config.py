@@ -42,10 +42,11 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "`set_rows` value exceeds this", "max_rows"),
     EnvVar("COMPILEDUMP_MAX_STEPS", "256", "steps kept per `record_step` tag; later ones are counted as "
            "`step_capacity` drops", "max_steps"),
-    EnvVar("COMPILEDUMP_LAYER_STEPS", "16", "forwards (decode steps) of which each decoder layer's output "
-           "is kept for the token of that forward's logits (`layer<N>_step_<n>`, which `instrument` records, so "
-           "that a decode-only bug is named at its layer); later ones are counted as `layer_steps` (a filter). "
-           "`0`: `instrument` records none. Capped by `COMPILEDUMP_MAX_STEPS`", "layer_steps"),
+    EnvVar("COMPILEDUMP_LAYER_STEPS", "16", "forwards (decode steps) of which each decoder layer's output, "
+           "the stream after its attention and its MLP's output are kept for the token of that forward's logits "
+           "(`layer<N>_step_<n>`, `layer<N>_attn_step_<n>`, `layer<N>_mlp_step_<n>`, which `instrument` records, so "
+           "that a decode-only bug is named at its layer and sublayer); later ones are counted as `layer_steps` (a "
+           "filter). `0`: `instrument` records none. Capped by `COMPILEDUMP_MAX_STEPS`", "layer_steps"),
     EnvVar("COMPILEDUMP_ARENA_MB", "256", "device arena size in MiB (all captures of a run); a tag that does "
            "not fit is counted as `arena_full`", "arena_mb"),
     EnvVar("COMPILEDUMP_MAX_TAGS", "1024", "distinct tags; more are counted as `tag_table_full`", "max_tags"),
@@ -113,7 +114,7 @@ class Config:
         record_step with moe_filtered; a bare `layer<N>` always; instrument's MoE internals only).
     max_rows: `record_step` is skipped while the last `set_rows()` value exceeds it.
     max_steps: steps kept per `record_step` tag.
-    layer_steps: steps kept of each layer's step state (`layer<N>_step`, instrument's); 0: none.
+    layer_steps: steps kept of each layer's step states (`layer<N>_step`, `_attn_step`, `_mlp_step`); 0: none.
     arena_mb: size of the device arena that holds every capture (MiB).
     max_tags: number of distinct tags.
     persist: "auto" (file-backed arena on CPU), "1" (also on CUDA: host-mapped) or "0" (never).

@@ -48,8 +48,8 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
         attn_input = layout.residual_after_attention(layer, block_name, cross=encoder is not None)
         if attn_input is not None:
             # Every layer's, whatever COMPILEDUMP_MOE_LAYERS says: attention is no MoE internal
-            handle._add(layer.get_submodule(attn_input), f"layer{i}_attn", f"{prefix}.{attn_input}", "input",
-                        read=residual.norm_stream if split else None, moe_filtered=False)
+            handle._add_stream(layer.get_submodule(attn_input), f"layer{i}_attn", f"{prefix}.{attn_input}", "input",
+                               read=residual.norm_stream if split else None)
         elif block_name not in (None, mixer_name):
             # (not a layer of one mixer, Mamba's or Nemotron-H's MoE `mixer`: `layer<i>` is the stream after it)
             no_attn.append(prefix)
@@ -61,7 +61,7 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
             if mixer_name == "mamba_decoder":
                 own, own_path = getattr(mixer, "mamba", None), f"{own_path}.mamba"
             if isinstance(own, torch.nn.Module):  # (what it returns, or writes into an `output` argument)
-                handle._add(own, f"layer{i}_mixer", own_path, "output", moe_filtered=False)
+                handle._add_stream(own, f"layer{i}_mixer", own_path)
         if block_name is None and (unread := layout.child(layer, layout.UNREAD_MOE_BLOCKS)) is not None:
             untapped_moe.append(f"{prefix}.{unread}")
         if block_name is not None:
@@ -80,12 +80,11 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
                 # Bloom's and MPT's MLP adds the residual stream itself: the MLP's own output is
                 # its last projection's (the block's would be the layer's, an MLP bug diluted)
                 mlp, mlp_path = getattr(block, last), f"{mlp_path}.{last}"
-            handle._add(mlp, f"layer{i}_mlp", mlp_path, "output", moe_filtered=routed)
+            # (and its row at each step: a decode-only bug there is named undiluted by the stream)
+            handle._add_stream(mlp, f"layer{i}_mlp", mlp_path, moe_filtered=routed)
         if layout.holds_experts(layer) and (router_name := layout.child(layer, layout.ROUTERS)) is not None:
             router_taps.tap_router(handle, f"layer{i}", prefix, layer, router_name)  # Gemma 4: router and experts beside a dense mlp
-        handle._add(layer, f"layer{i}", prefix, "output", read=residual.layer_stream if split else None,
-                    capture=handle._stream_capture(f"layer{i}"))
-        handle._list_step(f"layer{i}", prefix)
+        handle._add_stream(layer, f"layer{i}", prefix, read=residual.layer_stream if split else None)
     if hf_configs.has_tower(handle.model) and encoder is None and not ends.placeholder(layers[0]):
         # A vision-language (or audio) model merges the tower's features into the first layer's
         # input, the image rows, which the layers' one-row tags never see: every prompt row of it.
@@ -225,8 +224,7 @@ def add_named_as_default(handle, tag_pattern: str, tag: str, path: str, module, 
     if tag_pattern == "layer{i}" and side == "output":
         handle._first_layer = handle._first_layer or path  # where a forward starts (a looped layer's warning)
         handle._track_shape(path, module)  # the request's last position, for the step
-        handle._add(module, tag, path, side, capture=handle._stream_capture(tag))
-        handle._list_step(tag, path)
+        handle._add_stream(module, tag, path)
         return True
     capture = (logits_capture(handle) if (tag, side) == ("logits", "output")
                else fed_capture(handle) if (tag, side) == ("input_token", "input") else None)

@@ -145,7 +145,8 @@ def _collect(rt: Runtime, arena: np.ndarray, ctrl: np.ndarray) -> tuple[dict, di
 # What to change so that a loss does not happen again, per drop reason (the warning names it).
 DROP_FIXES = {
     "arena_full": "raise COMPILEDUMP_ARENA_MB (now {arena_mb}), or keep fewer rows: rows=\"one\" for all-rows "
-                  "records, instrument(..., router_rows=\"one\") for its router logits",
+                  "records, instrument(..., router_rows=\"one\") for its router logits, fewer decode steps of each "
+                  "layer's states (COMPILEDUMP_LAYER_STEPS, now {layer_steps})",
     "shape_changed": "later calls had another shape than the first kept one; give each shape its own tag",
     "step_capacity": "raise COMPILEDUMP_MAX_STEPS (now {max_steps})",
     "tag_table_full": "raise COMPILEDUMP_MAX_TAGS (now {max_tags})",

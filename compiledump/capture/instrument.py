@@ -113,17 +113,20 @@ class Instrumented:
         else:
             api.record_ids(tag, self._rows(tensor))
 
-    def _stream_capture(self, tag: str) -> Callable:
-        """A decoder layer's output: the prompt's rows as `tag`, and the row of each forward's
-        step (the token whose logits `logits_<n>` hold) as `<tag>_step_<n>`, so that a decode-only
-        bug is named at its layer. `[batch, seq, hidden]` or flat `[tokens, hidden]` states only
-        (not hyper-connections'); COMPILEDUMP_LAYER_STEPS of them, none when it is 0."""
+    def _stream_capture(self, tag: str, moe_filtered: bool = False) -> Callable:
+        """A decoder layer's output (or the stream after its attention, `layer<i>_attn`, or a
+        sublayer's own output, `layer<i>_mlp`, `layer<i>_mixer`): the prompt's rows as `tag`, and
+        the row of each forward's step (the token whose logits `logits_<n>` hold) as
+        `<tag>_step_<n>`, so that a decode-only bug is named at its layer and sublayer, as a
+        prompt's is (an MLP's undiluted by the residual stream). `[batch, seq, hidden]` or flat
+        `[tokens, hidden]` states only (not hyper-connections'); COMPILEDUMP_LAYER_STEPS of them,
+        none when it is 0. `moe_filtered`: whether COMPILEDUMP_MOE_LAYERS applies (an MoE block's)."""
         def capture(value) -> None:
-            self._capture(tag, value)
+            self._capture(tag, value, moe_filtered)
             tensor = value[0] if isinstance(value, (tuple, list)) else value
             if self.step_states and STATE.config.layer_steps and isinstance(tensor, torch.Tensor) \
                     and tensor.is_floating_point() and tensor.dim() in (2, 3):
-                api.record_step(f"{tag}_step", self._step_row(self._rows(tensor)))
+                api.record_step(f"{tag}_step", self._step_row(self._rows(tensor)), moe_filtered=moe_filtered)
         return capture
 
     def _add(self, module: torch.nn.Module, tag: str, path: str, side: str, capture: Callable | None = None,
@@ -155,9 +158,16 @@ class Instrumented:
             self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
         self.taps[tag] = f"{path}:input" if side == "input" else path
 
+    def _add_stream(self, module: torch.nn.Module, tag: str, path: str, side: str = "output",
+                    read: Callable | None = None, moe_filtered: bool = False) -> None:
+        """Hook `module`'s output (or first input) as `tag` and its step rows as `<tag>_step`
+        (`_stream_capture`)."""
+        self._add(module, tag, path, side, capture=self._stream_capture(tag, moe_filtered), read=read)
+        self._list_step(tag, path)
+
     def _list_step(self, tag: str, path: str) -> None:
-        """List a decoder layer's `<tag>_step` in `taps` where `tag` is attached and
-        `_stream_capture` keeps its steps."""
+        """List a decoder layer's (or sublayer's) `<tag>_step` in `taps` where `tag` is attached
+        and `_stream_capture` keeps its steps."""
         if self.step_states and STATE.config.layer_steps and tag in self.taps:
             self.taps[f"{tag}_step"] = path
 
@@ -216,9 +226,10 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
     routing of that position in each MoE layer the MoE layer filter keeps
     (`layer<i>_step_router_<n>`, `layer<i>_step_topk_<n>`: two captures per such layer and forward,
     which `step_routing=False` leaves out; without them the comparator cannot tell a decode step's
-    routing flip from a bug), and each layer's output at that position (`layer<i>_step_<n>`, of the
-    first COMPILEDUMP_LAYER_STEPS forwards; one more capture per layer and forward, which
-    `step_states=False` leaves out), so that a decode-only bug is named at its layer. `exclude`
+    routing flip from a bug), and each layer's output, the stream after its attention and its MLP's
+    output at that position (`layer<i>_step_<n>`, `layer<i>_attn_step_<n>`, `layer<i>_mlp_step_<n>`,
+    of the first COMPILEDUMP_LAYER_STEPS forwards; three more captures per layer and forward, which
+    `step_states=False` leaves out), so that a decode-only bug is named at its layer and sublayer. `exclude`
     leaves tags out, `{i}` standing for every layer: `exclude=("layer{i}_mlp",)` (a tag takes its
     steps along: `layer{i}` its `layer<i>_step_<n>`, `layer{i}_router` its picks and step routing);
     a pattern that matches no tag raises `ValueError`. In compiled bf16 code a capture can move a

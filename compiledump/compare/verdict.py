@@ -292,8 +292,13 @@ def analyse_pair(pair: PairResult) -> None:
     float_first = pair.prefill_divergence or pair.decode_divergence
     # The same experts in another order change no token's experts: no root cause; nor can a flip
     # only at tokens after every token a prefill key diverges at (causal attention).
-    cause = next((item for item in pair.id_mismatches if _can_cause(item, float_first)), None)
-    if float_first is not None and cause is not None and cause.position < float_first.position:
+    causes = [item for item in pair.id_mismatches if float_first is not None
+              and item.position < float_first.position and _can_cause(item, float_first)]
+    # One that is a divergence by itself (far from any tie) before near ties: a near tie explains
+    # only what it reaches (compare/flips.py), a far flip (a decode step's) is the likelier cause.
+    cause = next((item for item in causes if item.routing_verdict not in ("near_tie", "not_judged")),
+                 causes[0] if causes else None)
+    if cause is not None:
         reason = "integer ids differ before the first float divergence"
         if cause.routing_verdict in ("near_tie", "not_judged"):
             reason += f" ({'a near tie' if cause.routing_verdict == 'near_tie' else 'not judged'}: "

@@ -105,16 +105,22 @@ LAYER_ONLY = re.compile(r"^layer\d+$")
 # forward, where it repeats `layer<N>`'s last row on a `[batch, seq, hidden]` model but holds the
 # step row (the first token) of a flat `[tokens, hidden]` engine's prefill: the comparator leaves
 # it out.
-_STREAM_STEP_TAG = re.compile(r"^layer\d+_step$")
+# The stream after its attention and its MLP's (or a Mamba layer's mixer's) own output are kept
+# likewise, `layer<N>_attn_step`, `layer<N>_mlp_step` (`layer<N>_mixer_step`): a decode step is
+# judged at the points a prompt is, so that a decode-only bug is named at its sublayer.
+_STREAM_STEP_TAG = re.compile(r"^layer\d+(?:_attn|_mlp|_mixer)?_step$")
 
 
 def stream_step_tag(tag: str) -> bool:
-    """Whether `tag` is a layer's step state, `layer<N>_step` (COMPILEDUMP_LAYER_STEPS steps kept)."""
+    """Whether `tag` is a layer's step state, `layer<N>_step`, or the state after its attention or
+    its MLP's or mixer's output, `layer<N>_attn_step`, `layer<N>_mlp_step`, `layer<N>_mixer_step`
+    (COMPILEDUMP_LAYER_STEPS steps kept)."""
     return _STREAM_STEP_TAG.match(tag) is not None
 
 
 def stream_step_key(key: str) -> bool:
-    """Whether `key` is a step of a layer's step state, `layer<N>_step_<n>`."""
+    """Whether `key` is a step of a layer's step state, `layer<N>_step_<n>` (or of a sublayer's,
+    `layer<N>_mlp_step_<n>`, ...)."""
     split = split_step_key(key)
     return split is not None and stream_step_tag(split[0])
 
@@ -146,7 +152,8 @@ def layer_of(tag: str) -> int | None:
 
 # `instrument(exclude=...)` leaves default tags out by pattern, `{i}` standing for any layer index
 # (the manifest's "exclude" lists the patterns). A tag left out takes along the tags recorded by
-# the same hook: a layer `layer<N>` its step state `layer<N>_step`, a router `<name>_router` its
+# the same hook: a layer `layer<N>` its step state `layer<N>_step` (`layer<N>_mlp` its
+# `layer<N>_mlp_step`, ...), a router `<name>_router` its
 # picks `<name>_topk` and its steps `<name>_step_router`, `<name>_step_topk` (instrument's routers:
 # a layer's MoE `layer<N>`, its attention heads' `layer<N>_attn`, its indexer's `layer<N>_index`).
 ROUTING_SUFFIXES = ("_step_topk", "_step_router", "_topk")  # a router's tags beside `<name>_router`

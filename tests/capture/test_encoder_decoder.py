@@ -173,8 +173,8 @@ def generate(model, inputs: dict, **options):
 def test_generate_s_one_token_decoder_prompt_is_told_and_compared_forward_by_forward(tmp_path):
     """`generate()` feeds the decoder its start token alone, as every decode step: the prompt keys
     hold the last forward's values. A note says so, they are not compared, and `layer<i>_step_0`
-    (the prompt's forward) is: a bug in the first forward only is named there, a bug from the second
-    forward on at `layer1_step_1`, in the decode phase (before: no note, the prompt keys compared as
+    (the prompt's forward) is: a bug of an MLP in the first forward only is named there (at its own
+    output, `layer1_mlp_step_0`), a bug from the second forward on at `layer1_mlp_step_1`, in the decode phase (before: no note, the prompt keys compared as
     the prompt's, so the decode-only bug read as a prefill divergence at `layer1_mlp`)."""
     model = build("bart", seed=2)
     inputs = source("bart", model, seed=2)
@@ -183,7 +183,8 @@ def test_generate_s_one_token_decoder_prompt_is_told_and_compared_forward_by_for
     assert report.exit_status == 0, last
     (pair,) = report.pairs
     assert any("the prompt's call had 1 token" in note for note in pair.notes), pair.notes
-    assert {"layer0_step_0", "layer1_step_0"} <= {record.key for record in pair.keys if record.status == "ok"}
+    assert {"layer0_step_0", "layer1_step_0", "layer1_mlp_step_0", "layer1_attn_step_0"} <= \
+        {record.key for record in pair.keys if record.status == "ok"}
     engine = copy.deepcopy(model)
     calls = [0]
 
@@ -192,7 +193,7 @@ def test_generate_s_one_token_decoder_prompt_is_told_and_compared_forward_by_for
         return out * 1.01 if calls[0] == 1 else None
     engine.model.decoder.layers[1].fc2.register_forward_hook(first_forward_only)
     report, last = compare_run(ref, engine, tmp_path / "bug", lambda: generate(engine, inputs))
-    assert report.exit_status == 1 and report.first_divergence.key == "layer1_step_0", last
+    assert report.exit_status == 1 and report.first_divergence.key == "layer1_mlp_step_0", last
     assert "layer1_mlp" not in {record.key for record in report.pairs[0].keys}  # the last forward's: not compared
     engine = copy.deepcopy(model)
     calls[0] = 0
@@ -202,7 +203,7 @@ def test_generate_s_one_token_decoder_prompt_is_told_and_compared_forward_by_for
         return out * 1.001 if calls[0] > 1 else None
     engine.model.decoder.layers[1].fc2.register_forward_hook(decode_only)
     report, last = compare_run(ref, engine, tmp_path / "decode", lambda: generate(engine, inputs))
-    assert report.exit_status == 1 and report.first_divergence.key == "layer1_step_1", last
+    assert report.exit_status == 1 and report.first_divergence.key == "layer1_mlp_step_1", last
     assert report.first_divergence.phase == "decode"
 
 

@@ -30,6 +30,8 @@ def test_default_taps_capture_what_the_model_computes(dump_dir, name):
                      ("", "_attn", "_mlp") + (("_router", "_topk") if moe else ())}
     step_tags = {f"layer{i}_step_{what}" for i in range(4) for what in ("router", "topk")} if moe else set()
     step_tags |= {f"layer{i}_step" for i in range(4)}  # each layer's state at the logits' token
+    # and after its attention and its MLP's own (moe_layers=4 keeps every MoE block)
+    step_tags |= {f"layer{i}_{part}_step" for i in range(4) for part in ("attn", "mlp")}
     assert set(handle.taps) == expected_tags | step_tags | {"final_norm", "logits", "input_token", "prompt_mask"}
     assert handle.taps["prompt_mask"] == "model:attention_mask"  # _forward passes none: nothing recorded
     assert set(arrays) == expected_tags | {f"{tag}_0" for tag in step_tags} | {"final_norm", "logits_0", "input_token_0"}
@@ -119,15 +121,32 @@ def test_all_rows_keep_every_prompt_position(dump_dir):
 
 
 def test_decode_steps_are_token_gated_and_logits_are_steps(dump_dir):
+    """The prompt's keys are written once; the logits, each layer's state and each MLP's own output
+    (`layer<i>_mlp_step_<n>`), and the stream after its attention (`layer<i>_attn_step_<n>`, what
+    its MLP's norm reads), read here by the test's own hooks, are kept at every forward's last
+    position."""
     model = ex.build_model("llama")
     inputs = ex.Inputs(model.config.vocab_size, steps=3, batch=1)
     compiledump.instrument(model)
+    seen = {i: [] for i in (0, 2)}
+    streams = {i: [] for i in seen}
+    hooks = [model.model.layers[i].mlp.register_forward_hook(lambda _m, _a, out, i=i: seen[i].append(out[0, -1].clone()))
+             for i in seen]
+    hooks += [model.model.layers[i].post_attention_layernorm.register_forward_pre_hook(
+        lambda _m, args, i=i: streams[i].append(args[0][0, -1].clone())) for i in seen]
     cache = ex.DynamicCache(config=model.config)
     with torch.no_grad():
         prefill = model(input_ids=inputs.prompt, **ex.cache_kwargs(model, cache), output_hidden_states=True)
         for n in range(3):
             model(input_ids=inputs.step(n)[:1], **ex.cache_kwargs(model, cache))
+    for hook in hooks:
+        hook.remove()
     arrays, manifest = _load(compiledump.flush())
+    for i, rows in seen.items():
+        assert len(rows) == 4 and manifest["keys"][f"layer{i}_mlp_step_3"]["kind"] == "step"
+        for step, (row, stream) in enumerate(zip(rows, streams[i])):
+            np.testing.assert_allclose(arrays[f"layer{i}_mlp_step_{step}"], row.numpy(), rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(arrays[f"layer{i}_attn_step_{step}"], stream.numpy(), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(arrays["layer0"], prefill.hidden_states[1][0, -1].numpy(), rtol=1e-6, atol=1e-6)
     assert sorted(k for k in arrays if k.startswith("logits")) == ["logits_0", "logits_1", "logits_2", "logits_3"]
     assert manifest["tags"]["layer0"]["drops"] == {"token_gate": 3}
@@ -159,8 +178,10 @@ def test_each_step_records_the_routing_of_its_logits_row(dump_dir):
         row = prompt - 1 if step == 0 else 0
         np.testing.assert_allclose(arrays[f"layer1_step_router_{step}"], logits[row].numpy(), rtol=1e-6, atol=1e-6)
         np.testing.assert_array_equal(arrays[f"layer1_step_topk_{step}"], top[row].numpy())
-    assert not any(key.startswith(("layer3_step_router", "layer3_step_topk")) for key in arrays)
+    assert not any(key.startswith(("layer3_step_router", "layer3_step_topk", "layer3_mlp")) for key in arrays)
     assert manifest["filtered_tags"]["layer3_step_topk"] == "moe_layers"
+    # The MoE block's own output at each step follows the same filter as its prompt rows.
+    assert manifest["filtered_tags"]["layer3_mlp_step"] == "moe_layers" and "layer1_mlp_step_3" in arrays
     # Stored as float32; the reader gives a step of an integer tensor back as int32 ids.
     dump = DumpFile(path, "REF")
     assert dump.members["layer1_step_topk_2"].is_integer and dump.array("layer1_step_topk_2").dtype == np.int32

@@ -59,13 +59,13 @@ def test_exclude_leaves_out_tags_and_what_depends_on_them(dump_dir):
 
     _, full_path, full, full_manifest = run("full")
     handle, kept_path, kept, manifest = run("kept", exclude=patterns)
-    gone = {key for key in full if key.endswith("_mlp") or key == "layer1" or key.startswith("layer1_step_")
-            or "_router" in key or "_topk" in key}
-    assert {"layer0_mlp", "layer1", "layer1_step_1", "layer0_router", "layer1_step_topk_1"} <= gone
+    gone = {key for key in full if key.endswith("_mlp") or "_mlp_step_" in key or key == "layer1"
+            or key.startswith("layer1_step_") or "_router" in key or "_topk" in key}
+    assert {"layer0_mlp", "layer0_mlp_step_1", "layer1", "layer1_step_1", "layer0_router", "layer1_step_topk_1"} <= gone
     assert set(kept) == set(full) - gone and {"layer0", "layer1_attn", "layer0_step_1", "logits_2"} <= set(kept)
     for key in kept:
         np.testing.assert_array_equal(kept[key], full[key], err_msg=key)
-    assert not any(tag.endswith(("_mlp", "_router", "_topk")) for tag in handle.taps)
+    assert not any(tag.endswith(("_mlp", "_mlp_step", "_router", "_topk")) for tag in handle.taps)
     assert "layer1" not in handle.taps and "layer1_step" not in handle.taps and "layer0_step" in handle.taps
     assert manifest["exclude"] == patterns and "exclude" not in full_manifest
 

@@ -29,13 +29,16 @@ PROMPT = 7
 TOKENS = [11, 40, 3, 77]  # teacher-forced decode tokens
 
 
-def _decode_only_bug(model, layer: int, scale: float):
-    """Layer `layer`'s attention output scaled by `scale` in decode forwards only (one token): a bug
-    in a decode-only path (a paged KV cache, a decode attention kernel). Returns the hook."""
+def _decode_only_bug(model, layer: int, scale: float, part: str = "self_attn"):
+    """Layer `layer`'s attention (or `part`'s) output scaled by `scale` in decode forwards only (one
+    token): a bug in a decode-only path (a paged KV cache, a decode attention kernel, a GEMM for one
+    row). Returns the hook."""
     def hook(_module, _args, output):
-        out, *rest = output
-        return (out * scale, *rest) if out.shape[1] == 1 else None  # None: the output stays
-    return model.model.layers[layer].self_attn.register_forward_hook(hook)
+        out, *rest = output if isinstance(output, tuple) else (output,)
+        if out.shape[1] != 1:
+            return None  # None: the output stays
+        return (out * scale, *rest) if isinstance(output, tuple) else out * scale
+    return getattr(model.model.layers[layer], part).register_forward_hook(hook)
 
 
 def _run(model, directory: Path, step_states: bool = True, **settings) -> list:
@@ -69,28 +72,36 @@ def _dump(directory: Path):
     return arrays, json.loads(path.with_suffix(".json").read_text())
 
 
-@pytest.mark.parametrize("dtype, scale", [(torch.float32, 1.01), (torch.bfloat16, 1.5)])
-def test_a_decode_only_bug_in_one_layer_is_named_at_that_layer_and_step(tmp_path, capsys, dtype, scale):
-    """Before: "first divergence: logits_1" (the dump had no layer state of a decode step)."""
+@pytest.mark.parametrize("dtype, scale, part, key", [(torch.float32, 1.01, "self_attn", "layer2_attn_step_1"),
+                                                    (torch.bfloat16, 1.5, "self_attn", "layer2_attn_step_1"),
+                                                    (torch.float32, 1.01, "mlp", "layer2_mlp_step_1"),
+                                                    (torch.bfloat16, 1.5, "mlp", "layer2_mlp_step_1")])
+def test_a_decode_only_bug_in_one_layer_is_named_at_that_layer_and_step(tmp_path, capsys, dtype, scale, part, key):
+    """A decode-only bug is named at its layer, step and sublayer: the stream after attention for an
+    attention bug, the MLP's own output for an MLP bug (before: at the layer's state,
+    `layer2_step_1`, for both; before that, "first divergence: logits_1")."""
     reference = ex.build_model("llama")  # 4 layers, dense
     engine = copy.deepcopy(reference).to(dtype)
-    hook = _decode_only_bug(engine, 2, scale)
+    hook = _decode_only_bug(engine, 2, scale, part)
     _run(reference, tmp_path / "ref")
     _run(engine, tmp_path / "run")
     code = main(["compare", str(tmp_path / "ref"), str(tmp_path / "run"), "--json", str(tmp_path / "r.json")])
     lines, report = capsys.readouterr().out.splitlines(), json.loads((tmp_path / "r.json").read_text())
     first = report["first_divergence"]
-    assert code == 1 and (first["key"], first["layer"], first["step"]) == ("layer2_step_1", 2, 1), lines[-1]
+    assert code == 1 and (first["key"], first["layer"], first["step"]) == (key, 2, 1), lines[-1]
     records = {record["key"]: record for record in report["keys"]}
     assert records["layer1_step_1"]["status"] == "ok" and records["layer3"]["status"] == "ok"  # the prompt is right
-    assert "layer0_step_0" not in records  # the prompt's layer0 holds it
+    if part == "mlp":  # what its MLP read was right
+        assert records["layer2_attn_step_1"]["status"] == "ok"
+    assert "layer0_step_0" not in records and "layer0_mlp_step_0" not in records  # the prompt's layer0 holds it
     # Without the bug: no divergence, every layer's state of every step compared.
     hook.remove()
     _run(engine, tmp_path / "run")
     code = main(["compare", str(tmp_path / "ref"), str(tmp_path / "run"), "--json", str(tmp_path / "r.json")])
     lines, report = capsys.readouterr().out.splitlines(), json.loads((tmp_path / "r.json").read_text())
     compared = {record["key"] for record in report["keys"] if record["status"] == "ok"}
-    assert code == 0 and {f"layer{i}_step_{n}" for i in range(4) for n in range(1, 5)} <= compared, lines[-1]
+    assert code == 0 and {f"layer{i}{part}_step_{n}" for i in range(4) for n in range(1, 5)
+                          for part in ("", "_attn", "_mlp")} <= compared, lines[-1]
 
 
 def test_layer_steps_keeps_the_first_forwards_and_counts_the_rest_as_a_filter(tmp_path):
@@ -103,12 +114,13 @@ def test_layer_steps_keeps_the_first_forwards_and_counts_the_rest_as_a_filter(tm
             for n in (0, 1):
                 np.testing.assert_allclose(arrays[f"layer{i}_step_{n}"], states[n][i + 1][0, -1].numpy(), rtol=1e-6,
                                            atol=1e-6)
-        assert f"layer{i}_step_1" in arrays and f"layer{i}_step_2" not in arrays
-        assert manifest["tags"][f"layer{i}_step_<n>"]["drops"] == {"layer_steps": 3}
+        for part in ("", "_attn", "_mlp"):  # the sublayers' states are kept as many steps
+            assert f"layer{i}{part}_step_1" in arrays and f"layer{i}{part}_step_2" not in arrays
+            assert manifest["tags"][f"layer{i}{part}_step_<n>"]["drops"] == {"layer_steps": 3}
     assert [f"logits_{n}" in arrays for n in range(5)] == [True] * 5  # other steps keep COMPILEDUMP_MAX_STEPS
     warned = states[-1]
     assert not any("layer_steps" in message and "dropped" in message for message in warned), warned  # a filter
-    assert any(message.startswith("compiledump: captures skipped by filters (") and "layer_steps: 12" in message
+    assert any(message.startswith("compiledump: captures skipped by filters (") and "layer_steps: 36" in message
                for message in warned), warned
     # Compared with a run that kept every step: the steps past 2 are one note, not a problem each.
     _run(model, tmp_path / "all")
@@ -119,9 +131,10 @@ def test_layer_steps_keeps_the_first_forwards_and_counts_the_rest_as_a_filter(tm
         (note,) = [note for note in pair.notes if "COMPILEDUMP_LAYER_STEPS (" in note]
         default = cd_config.Config().layer_steps  # (more than the 5 forwards)
         caps = f"REF {default}, RUN 2" if ref == "all" else f"REF 2, RUN {default}"
-        assert note.startswith(f"{side} has 12 layer-state keys at steps past {'RUN' if side == 'REF' else 'REF'}'s "
+        assert note.startswith(f"{side} has 36 layer-state keys at steps past {'RUN' if side == 'REF' else 'REF'}'s "
                                f"COMPILEDUMP_LAYER_STEPS ({caps}): not compared"), note
-        assert {f"layer{i}_step_{n}" for i in range(4) for n in (2, 3, 4)}.isdisjoint(r.key for r in pair.keys)
+        assert {f"layer{i}{part}_step_{n}" for i in range(4) for n in (2, 3, 4)
+                for part in ("", "_attn", "_mlp")}.isdisjoint(r.key for r in pair.keys)
     # 0, or instrument(..., step_states=False): none recorded
     _run(model, tmp_path / "none", layer_steps=0)
     _run(model, tmp_path / "off", step_states=False)
