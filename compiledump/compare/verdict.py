@@ -28,7 +28,7 @@ from .pairing import find_pairs
 from .phases import (
     first_nonfinite,
     gate_length,
-    hybrid_note,
+    first_cautions,
     layer_steps_note,
     mixed_phase_detail,
     mixed_phase_keys,
@@ -179,11 +179,9 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     first = result.first_divergence
     if first is not None and first.metric != "ids":
         limits = records[first.position].limits
-        # Either side's: an instrumented reference beside an engine's hand-written captures.
-        note = hybrid_note([ref.manifest, run.manifest], first.layer, limits.klass if limits is not None else None)
-        if note is not None:
+        for note, caution in first_cautions(ref, run, first.layer, limits.klass if limits is not None else None):
             result.notes.append(note)
-            first.caution = "after layers whose bf16 rounding can exceed the defaults (see the note)"
+            first.caution = first.caution or caution
     if first is not None and (note := layer_steps_note([ref.manifest, run.manifest], first.step, first.key)):
         result.notes.append(note)
     blind_spot = one_row_note(records, result.prefill_divergence, prompt)
