@@ -34,6 +34,9 @@ def test_default_taps_capture_what_the_model_computes(dump_dir, name):
     step_tags |= {f"layer{i}_{part}_step" for i in range(4) for part in ("attn", "mlp")}
     assert set(handle.taps) == expected_tags | step_tags | {"final_norm", "logits", "input_token", "prompt_mask"}
     assert handle.taps["prompt_mask"] == "model:attention_mask"  # _forward passes none: nothing recorded
+    # A step tag is listed where its tag is: the stream after attention is a norm's input
+    assert handle.taps["layer1_attn_step"] == handle.taps["layer1_attn"] == "model.layers.1.post_attention_layernorm:input"
+    assert handle.taps["layer1_mlp_step"] == handle.taps["layer1_mlp"] == "model.layers.1.mlp"
     assert set(arrays) == expected_tags | {f"{tag}_0" for tag in step_tags} | {"final_norm", "logits_0", "input_token_0"}
     # The token the forward fed at the position whose logits logits_0 holds (the prompt's last).
     assert handle.taps["input_token"] == "model.embed_tokens:input"
