@@ -86,6 +86,7 @@ class Value:
     flip: bool | None = None  # a routing flip before it (RoutingLog; None: not logged, compiled engines)
     step: int | None = None
     no_flip: bool = False  # a decode step judged at the prefill defaults: no routing flip can reach it
+    moe_output: bool = False  # an MoE block's output at a decode step (its own norm_diff allowance)
 
 
 @dataclass
@@ -196,10 +197,11 @@ def measure(pair: Pair, ref: str, run: str) -> Pair:
             kept = [row for row in range(len(record.rows.rel_diff)) if row not in (record.excused_rows or ())]
             rel = max((record.rows.rel_diff[row] for row in kept), default=0.0)
             norm = max((record.rows.norm_diff[row] or 0.0 for row in kept), default=0.0)
-        no_flip = record.limits is not None and record.limits.rel_source.endswith("no routing flip")
+        no_flip = record.limits is not None and "no routing flip" in record.limits.rel_source
+        moe_output = record.limits is not None and record.limits.norm_source.endswith("MoE output")
         pair.values.append(Value(record.key, record.layer, record.phase, rel, norm, record.position > first_ids,
                                  after_flip(pair.flips, record.phase, record.layer, record.step), record.step,
-                                 no_flip))
+                                 no_flip, moe_output))
     pair.excused = sum(1 for record in report.keys if record.excused_rows)
     for record in report.keys:
         if record.ids_differ and record.routing is not None:

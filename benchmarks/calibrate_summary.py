@@ -11,18 +11,20 @@ import os
 
 import torch
 
-from compiledump.compare.options import DECODE_LAYER, phase_thresholds
+from compiledump.compare.options import DECODE_LAYER, MOE_STEP_FACTOR, phase_thresholds
 from compiledump.format import spec
 
 
 def _phase(value) -> str:
     """The row a judged value belongs to: prefill, decode-nf (judged at the prefill defaults),
-    decode-layer (a layer's step state, with its allowance) or decode (the other step keys)."""
+    decode-layer (a layer's step state, with its allowance) or decode (the other step keys); an MoE
+    block's output at a step, with twice the thresholds, in decode-nf-moe or decode-layer-moe."""
     if value.phase != "decode":
         return value.phase
+    moe = "-moe" if value.moe_output else ""
     if value.no_flip:
-        return "decode-nf"
-    return "decode-layer" if spec.stream_step_key(value.key) else "decode"
+        return "decode-nf" + moe
+    return "decode-layer" + moe if spec.stream_step_key(value.key) else "decode"
 
 
 def _top(values: list[tuple[float, str]]) -> tuple[float, str]:
@@ -40,7 +42,7 @@ def summarise(pairs: list, bug_layer: int) -> dict:
         # Decode steps are judged at the decode-step defaults (their allowance for routing flips;
         # a layer's state, "decode-layer", its own), or, where no flip can reach them
         # (docs/compare.md), at the prefill defaults: "decode-nf".
-        for phase in ("prefill", "decode", "decode-layer", "decode-nf"):
+        for phase in ("prefill", "decode", "decode-layer", "decode-nf", "decode-layer-moe", "decode-nf-moe"):
             if not members:
                 continue
             judged = [(value, pair) for pair in members for value in pair.values if _phase(value) == phase]
@@ -60,7 +62,9 @@ def summarise(pairs: list, bug_layer: int) -> dict:
                 entry[f"rounding init={init}"] = [max((v.rel for v in subset), default=0.0),
                                                   max((v.norm for v in subset), default=0.0)]
             rel_limit, norm_limit = phase_thresholds(
-                klass, {"decode-nf": "prefill", "decode-layer": DECODE_LAYER}.get(phase, phase))
+                klass, {"decode-nf": "prefill", "decode-layer": DECODE_LAYER}.get(phase.removesuffix("-moe"), phase))
+            if phase.endswith("-moe") and klass != "fp32":
+                rel_limit, norm_limit = rel_limit * MOE_STEP_FACTOR, norm_limit * MOE_STEP_FACTOR
             # The thresholds must clear the rounding noise; above it, the values after a routing
             # flip in a decode step (which no dump records) for the decode defaults.
             top = entry["judged"] if phase.startswith("decode") else entry["rounding"]
@@ -129,7 +133,8 @@ def print_summary(summary: dict, graphs: dict, elapsed: float, args) -> None:
     print("'after flip': a routing flip before the key (the comparator sees it only where ids are recorded).")
     print("'decode-nf': decode steps judged at the prefill defaults (every route recorded, no token's experts")
     print("differing before them: docs/compare.md); 'decode': the other decode steps, with the routing-flip allowance;")
-    print("'decode-layer': the layers' states of those steps (layer<N>_step_<n>), with their own allowance.")
+    print("'decode-layer': the layers' states of those steps (layer<N>_step_<n>, _attn_step, _mlp_step), with")
+    print("their own allowance; '-moe': an MoE block's output at a step (layer<N>_mlp_step_<n>), twice the thresholds.")
     print(f"{'class phase':<14} {'rounding':>19} {'after flip':>19} {'all judged':>19}  "
           f"{'default':>13}  margin (prefill: over rounding; decode: over all)")
     for name, entry in summary["noise"].items():

@@ -72,6 +72,9 @@ class KeyMeasurer:
         self.logits = logits
         self.workspace = workspace
         self.klass = klass  # the pair's class from its float keys (float_class)
+        # The layers whose MLP is an MoE block, by either side's manifest (instrument's `routing`)
+        routings = [(dump.manifest or {}).get("routing") or {} for dump in (ref, run)]
+        self.routed = {i for routing in routings for i in routing.get("routed") or () if isinstance(i, int)}
 
     def record(self, info: KeyInfo, problems: list[Problem], not_comparable: str | None = None,
                no_flip: bool = False) -> KeyRecord:
@@ -89,7 +92,8 @@ class KeyMeasurer:
                            dtype_ref=str(ref_member.read_dtype), dtype_run=str(run_member.read_dtype), sides=sides,
                            limits=self.options.thresholds_for(
                                key, ref_info.source_dtype, run_info.source_dtype,
-                               DECODE_NO_FLIP if no_flip and info.kind == "step" else info.phase, self.klass))
+                               DECODE_NO_FLIP if no_flip and info.kind == "step" else info.phase, self.klass,
+                               moe_output=info.tag.endswith("_mlp_step") and info.layer in self.routed))
         reason = not_comparable or not_comparable_reason(info.kind, ref_info, run_info)
         if reason is not None:
             # Values of different phases or token counts: comparing them could only mislead.

@@ -179,6 +179,13 @@ def threshold_lines(pair: PairResult) -> list[str]:
                   "calibrated decode, no routing flip": f"{use['class']} defaults{computed} for decode steps no routing "
                                                         "flip reaches (every route recorded and none differs so far, "
                                                         "or none to record), calibrated: docs/compare.md",
+                  "calibrated decode, layer state, MoE output": f"{use['class']} decode-step defaults for a layer's "
+                                                                f"state{computed}, twice them for an MoE block's "
+                                                                "output, calibrated: docs/compare.md",
+                  "calibrated decode, no routing flip, MoE output": f"{use['class']} defaults{computed} for decode "
+                                                                    "steps no routing flip reaches, twice them "
+                                                                    "for an MoE block's output, calibrated: "
+                                                                    "docs/compare.md",
                   "legacy": "legacy default: a side has no source dtype (no manifest)",
                   "legacy decode": "legacy decode-step default: a side has no source dtype (no manifest)"}
         if use["rel_source"] == use["norm_source"]:

@@ -110,8 +110,11 @@ def test_a_decode_only_bug_in_a_bf16_engine_is_named_at_its_step(model, tmp_path
             # A layer's state (layer<N>_step_<n>) has its own allowance (twice the logits' norm_diff)
             layer_state = re.fullmatch(r"layer\d+(_attn|_mlp)?_step_\d+", record["key"]) is not None
             allowance = "calibrated decode, layer state" if layer_state else "calibrated decode"
+            # an MoE block's output (every layer of Qwen3-MoE's) has twice the thresholds of its phase
+            moe_output = name == "qwen3_moe" and re.fullmatch(r"layer\d+_mlp_step_\d+", record["key"])
+            moe = ", MoE output" if moe_output else ""
             assert record["threshold_source"] == (allowance if flipped else
-                                                  "calibrated decode, no routing flip"), record["key"]
+                                                  "calibrated decode, no routing flip") + moe, record["key"]
         routing = record.get("routing") or {}
         flipped = flipped or bool(record.get("ids_equal") is False and [
             row for row in routing.get("rows", ()) if row["overlap"] < row["k"]])
@@ -124,7 +127,8 @@ def test_unrecorded_routing_keeps_the_allowance_and_says_what_to_set(model, tmp_
     run_side(engine, tmp_path / "run", tokens, moe_layers=2)
     code, out, report = compare(tmp_path, capsys)
     assert code == 0 and set(sources(report).values()) <= {"calibrated", "calibrated decode",
-                                                           "calibrated decode, layer state"}
+                                                           "calibrated decode, layer state",
+                                                           "calibrated decode, layer state, MoE output"}
     note = next(line for line in out if line.startswith("note: decode steps are judged with the routing-flip"))
     assert "layer(s) 2, 3 is not recorded" in note and "COMPILEDUMP_MOE_LAYERS=4 on both sides" in note
 

@@ -177,6 +177,36 @@ def test_a_layer_state_after_a_possible_routing_flip_has_twice_the_logits_norm_a
     assert (exact.rel_diff, exact.norm_diff) == (1e-8, 1e-5)
 
 
+@pytest.mark.parametrize("phase, rel, norm", [("decode", 4e-1, 2e-1), (DECODE_NO_FLIP, 4e-3, 6e-2)])
+def test_an_moe_block_s_output_at_a_step_has_twice_its_phase_s_thresholds(phase, rel, norm):
+    """Its gate weights move with the router logits and nothing dilutes them: in the calibration it
+    came closest to every allowance (bf16/fp16 after a flip: rel_diff 1.7e-1 against 2e-1, norm_diff
+    9.6e-2 against 1e-1)."""
+    options = CompareOptions()
+    moe = options.thresholds_for("layer3_mlp_step_2", "float32", "bfloat16", phase=phase, moe_output=True)
+    dense = options.thresholds_for("layer3_mlp_step_2", "float32", "bfloat16", phase=phase)
+    assert (moe.rel_diff, moe.norm_diff) == (rel, norm) == (2 * dense.rel_diff, 2 * dense.norm_diff)
+    assert moe.norm_source == dense.norm_source + ", MoE output"
+    # float32 (no rounding flips a gate) and the prompt's MoE output keep theirs
+    exact = options.thresholds_for("layer3_mlp_step_2", "float32", "float32", phase=phase, moe_output=True)
+    prompt = options.thresholds_for("layer3_mlp", "float32", "bfloat16", moe_output=True)
+    assert (exact.norm_diff, prompt.norm_diff) == (1e-5, 3e-2)
+
+
+def test_the_moe_output_allowance_follows_the_manifest_s_routed_layers(tmp_path):
+    """Qwen3-MoE (every layer routed) beside Llama (none): only the MoE blocks' step outputs get it."""
+    for name in ("qwen3_moe", "llama"):
+        reference = ex.build_model(name)
+        engine = copy.deepcopy(reference).to(torch.bfloat16)
+        _run(reference, tmp_path / name / "ref", moe_layers=4)
+        _run(engine, tmp_path / name / "run", moe_layers=4)
+        (pair,) = compare(tmp_path / name / "ref", tmp_path / name / "run").pairs
+        sources = {record.key: record.limits.norm_source for record in pair.keys if record.limits is not None}
+        moe = name == "qwen3_moe"
+        assert sources["layer2_mlp_step_3"].endswith(", MoE output") is moe, sources["layer2_mlp_step_3"]
+        assert not sources["layer2_step_3"].endswith("MoE output") and not sources["layer2_mlp"].endswith("MoE output")
+
+
 def test_a_step_past_the_kept_layer_states_says_how_to_name_its_layer(tmp_path, capsys):
     """COMPILEDUMP_LAYER_STEPS=2 keeps steps 0-1; a bug from decode step 3 on is named at logits_3,
     with a note that names the setting (before, nothing said the layers' states had stopped)."""
