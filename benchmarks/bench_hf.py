@@ -9,7 +9,7 @@ nothing downloaded): two copies with the same weights, one instrumented with the
 both `torch.compile(model.forward, fullgraph=True)` with a StaticCache and a padded decode batch
 of 4. A third copy is instrumented with `step_routing=False` (no `layer<i>_step_router`/
 `_step_topk` captures: 8 fewer per step here), a fourth with `step_states=False` (no
-`layer<i>_step` captures: 4 fewer). After the prefill, the same decode step (same
+`layer<i>_step`, `_attn_step`, `_mlp_step` captures: 12 fewer). After the prefill, the same decode step (same
 position, so the cache never fills) is timed interleaved in one process, one thread. Prints the
 median ms per step, the ratios to the plain model (target <= 1.15) and the number of capture
 calls per step of each.

@@ -88,7 +88,8 @@ def print_verdict_table(column: str, cases, expected, total) -> None:
     print(f"\n| {column} | model | {' | '.join(cases)} |")
     print(f"| --- | --- | {' | '.join('---' for _ in cases)} |")
     for value, name in dict.fromkeys((value, name) for value, name, _ in total):
-        cells = [f"{expected[(value, name, case)]}/{total[(value, name, case)]}" for case in cases]
+        cells = [f"{expected[(value, name, case)]}/{total[(value, name, case)]}" if total[(value, name, case)]
+                 else "-" for case in cases]  # (a case the model has no place for)
         print(f"| {value} | {name} | {' | '.join(cells)} |")
 
 

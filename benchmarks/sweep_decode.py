@@ -1,0 +1,122 @@
+"""Verdicts on decode-only bugs under `instrument()`'s defaults, over random causal LMs.
+
+A decode step runs other code than the prompt's forward (a paged KV cache, a decode attention
+kernel, a GEMM or fused MoE for a few rows, a state-space model's one-step update), so a bug can
+live in decode steps alone. Each model is built from a small config with random weights (nothing
+is downloaded): 4 layers, hidden 64, `initializer_range` as given. A session runs an 8-token prompt
+and 4 decode steps through the model's own cache, teacher-forced. The float32 model is the
+reference; the engine is its bfloat16 copy (an honest pair: every exit 1 is a false divergence), or
+a float32 copy whose layer 1 scales by x1.01, in decode steps only, the first half of the output
+channels of its MLP (a Mamba layer's mixer; expected at `layer1_mlp_step_1`, `layer1_mixer_step_1`)
+or of its attention (expected at `layer1_attn_step_1`, the stream after attention; not for models
+without one). (Half: Gemma 2's and OLMo 2's norm after each sublayer would undo a scale of the
+whole output.) The
+table counts, per model and case, the pairs whose verdict is the expected one, and prints the others.
+
+Usage: python benchmarks/sweep_decode.py [--models llama,...] [--seeds 3] [--inits 0.02,0.1]
+(results in benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+import transformers as T
+
+from harness import judge_cases, print_verdict_table
+
+VOCAB, PROMPT, STEPS = 160, 8, 4
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+              intermediate_size=96, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+# model type: (its config beside COMMON, its layers, the MLP's or mixer's name in a layer, the attention's)
+MODELS = {
+    "llama": ({}, "model.layers", "mlp", "self_attn"),
+    "qwen2": ({}, "model.layers", "mlp", "self_attn"),
+    "gemma2": ({"head_dim": 16}, "model.layers", "mlp", "self_attn"),
+    "phi3": ({}, "model.layers", "mlp", "self_attn"),
+    "olmo2": ({}, "model.layers", "mlp", "self_attn"),
+    "gpt2": ({"n_positions": 64}, "transformer.h", "mlp", "attn"),
+    "qwen3_moe": ({"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}, "model.layers", "mlp",
+                  "self_attn"),
+    "mixtral": ({"num_local_experts": 8, "num_experts_per_tok": 2}, "model.layers", "mlp", "self_attn"),
+    "mamba": ({"state_size": 8, "expand": 2, "conv_kernel": 4}, "backbone.layers", "mixer", None),
+    "falcon_mamba": ({"state_size": 8, "expand": 2, "conv_kernel": 4}, "backbone.layers", "mixer", None),
+}
+CASES = {"honest bf16": None, "decode-only MLP": "layer1_mlp_step_1", "decode-only attention": "layer1_attn_step_1"}
+
+
+def build(name: str, seed: int, init: float) -> torch.nn.Module:
+    config = T.AutoConfig.for_model(name, **{**COMMON, **MODELS[name][0], "initializer_range": init})
+    torch.manual_seed(seed)
+    return T.AutoModelForCausalLM.from_config(config).eval()
+
+
+def session(model, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, VOCAB, (1, PROMPT), generator=generator)
+    steps = torch.randint(3, VOCAB, (STEPS, 1, 1), generator=generator)
+
+    def run():
+        model.decoding = False  # (read by the planted bug)
+        out = model(input_ids=prompt, use_cache=True)
+        model.decoding = True
+        for token in steps:
+            out = model(input_ids=token, cache=out.cache, use_cache=True)
+    return run
+
+
+def engine_for(reference: torch.nn.Module, case: str, name: str) -> torch.nn.Module:
+    if case == "honest bf16":
+        return copy.deepcopy(reference).to(torch.bfloat16)
+    engine = copy.deepcopy(reference)
+    _, layers, mlp, attention = MODELS[name]
+    module = engine.get_submodule(f"{layers}.1.{mlp if case == 'decode-only MLP' else attention}")
+
+    def bug(_module, _args, out):
+        if not engine.decoding:
+            return None
+        # its first half of channels: Gemma 2's and OLMo 2's norm after each sublayer would undo a
+        # scale of the whole output
+        value = out[0] if isinstance(out, tuple) else out
+        half = value.shape[-1] // 2
+        value = torch.cat([value[..., :half] * 1.01, value[..., half:]], -1)
+        return (value, *out[1:]) if isinstance(out, tuple) else value
+    module.register_forward_hook(bug)
+    return engine
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--inits", default="0.02,0.1")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    expected, total = collections.Counter(), collections.Counter()
+    for init in [float(value) for value in args.inits.split(",")]:
+        for name in args.models.split(","):
+            mixer = MODELS[name][2] == "mixer"
+            cases = {case: key.replace("_mlp_", "_mixer_") if mixer and key else key for case, key in CASES.items()
+                     if not (mixer and case == "decode-only attention")}
+            for seed in range(args.seeds):
+                with tempfile.TemporaryDirectory(prefix="compiledump_decode_") as root:
+                    verdicts = judge_cases(build(name, seed, init), lambda model: session(model, seed),
+                                           lambda reference, case: engine_for(reference, case, name), cases,
+                                           Path(root))
+                for case, (good, status, last) in verdicts.items():
+                    total[(init, name, case)] += 1
+                    expected[(init, name, case)] += good
+                    if not good:
+                        print(f"  init {init} {name} seed {seed} {case}: exit {status}: {last}")
+    print_verdict_table("init", CASES, expected, total)
+
+
+if __name__ == "__main__":
+    main()
