@@ -44,7 +44,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "`step_capacity` drops", "max_steps"),
     EnvVar("COMPILEDUMP_LAYER_STEPS", "16", "forwards (decode steps) of which each decoder layer's output, "
            "the stream after its attention and its MLP's output are kept for the token of that forward's logits "
-           "(`layer<N>_step_<n>`, `layer<N>_attn_step_<n>`, `layer<N>_mlp_step_<n>`, which `instrument` records, so "
+           "(`layer<N>_step_<n>`, `layer<N>_attn_step_<n>`, `layer<N>_mlp_step_<n>` or `_mixer_step_<n>`, which "
+           "`instrument` records, so "
            "that a decode-only bug is named at its layer and sublayer); later ones are counted as `layer_steps` (a "
            "filter). `0`: `instrument` records none. Capped by `COMPILEDUMP_MAX_STEPS`", "layer_steps"),
     EnvVar("COMPILEDUMP_ARENA_MB", "256", "device arena size in MiB (all captures of a run); a tag that does "

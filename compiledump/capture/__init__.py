@@ -16,6 +16,7 @@
     indexers.py    a sparse-attention indexer's scores and picks, recorded as routing
     state.py       the one state object and its locks; reset()
     arena.py       the device arena, the control block and the tag registry (slots, regions)
+    step_budget.py how many decode steps the arena keeps of a step tag (the sublayers' share)
     dispatch.py    the kernels of compiledump::capture_v1 (registry lookup, then ops/), eager and export paths
     flush.py       one host copy at flush, sliced into arrays + manifest (format/writer.py writes them)
     collect.py     a snapshot sliced by the registry (commit counter, non-finite words): flush and recover

@@ -24,6 +24,7 @@ from ..ops import register, schemas, variants
 from ..ops.geometry import TOKEN_GATED_KINDS, payload_shape
 from . import layouts, persist
 from .collect import Slot
+from .step_budget import StepBudget
 from .state import warn_once
 
 
@@ -82,6 +83,7 @@ class Runtime:
         self.lock = lock  # the registry lock (capture/state.py)
         self.next_slot = 1  # slot 0 collects captures of tags that found the table full
         self.used_words = 0
+        self.step_budget = StepBudget(cfg.max_steps, cfg.layer_steps, cfg.arena_words, cfg.arena_mb)
         self.overflow_tags: list[str] = []
         self.layout_declared: set[str] = set()  # tags whose call site said how to read a 3-D tensor
         self.host_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -288,11 +290,9 @@ class Runtime:
         return slot.offset, list(slot.payload_shape), slot.capacity
 
     def _allocate(self, slot: Slot, payload: tuple, x: torch.Tensor, source_shape: list | None = None) -> None:
-        capacity = self.config.max_steps if slot.kind == L.KIND_STEP else 1
-        if slot.kind == L.KIND_STEP and spec.stream_step_tag(slot.tag) and 0 < self.config.layer_steps < capacity:
-            # A layer's step state: the first decode steps, where a decode bug first shows (a region
-            # of every layer for every step would crowd the logits out of the arena).
-            capacity, slot.overflow = self.config.layer_steps, "layer_steps"
+        capacity = 1
+        if slot.kind == L.KIND_STEP:  # (a layer's step states keep fewer: capture/step_budget.py)
+            capacity, slot.overflow = self.step_budget.capacity(slot.tag, math.prod(payload))
         words = math.prod(payload) * capacity
         start = -(-self.used_words // L.REGION_ALIGN_WORDS) * L.REGION_ALIGN_WORDS
         slot.source_dtype = str(x.dtype).removeprefix("torch.")
@@ -303,7 +303,7 @@ class Runtime:
             slot.offset = start
             self.used_words = start + words
         if self.live is not None:
-            if slot.offset >= 0:
+            if slot.offset >= 0 and words:  # (a region of no steps: nothing to place, step_budget.py)
                 try:
                     self.live.touch(start, words)
                 except OSError as error:  # the disk is full: the tag gets no region (arena_full)

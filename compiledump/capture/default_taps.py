@@ -22,6 +22,7 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
     unrouted = []  # MoE blocks whose router has none of the ROUTERS names
     no_attn = []  # layers where no module's input is the residual stream after attention
     untapped_moe = []  # layers whose MoE block goes by a name no convention here reads (torchtitan's `moe`)
+    moe_outputs = []  # layers whose `layer<i>_mlp` is an MoE block's output
     ran = layout.real_layers(layers)  # a pipeline stage's share; each keeps its index in the whole model
     handle._first_layer = f"{layers_path}.{ran[0][0]}"
     for i, layer in ran:
@@ -82,6 +83,8 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
                 mlp, mlp_path = getattr(block, last), f"{mlp_path}.{last}"
             # (and its row at each step: a decode-only bug there is named undiluted by the stream)
             handle._add_stream(mlp, f"layer{i}_mlp", mlp_path, moe_filtered=routed)
+            if routed and f"layer{i}_mlp" in handle.taps:
+                moe_outputs.append(i)
         if layout.holds_experts(layer) and (router_name := layout.child(layer, layout.ROUTERS)) is not None:
             router_taps.tap_router(handle, f"layer{i}", prefix, layer, router_name)  # Gemma 4: router and experts beside a dense mlp
         handle._add_stream(layer, f"layer{i}", prefix, read=residual.layer_stream if split else None)
@@ -105,7 +108,7 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
     kinds = mixers.kinds_of(layers, [None if ends.placeholder(layer) else layout.mixer_for_kind(layer)
                                      for layer in layers])
     mixers.declare_mixers({i: kinds[i] for i, _ in ran}, mixers.routing_fact(handle.taps, bool(unrouted),
-                                                                              handle.step_routing))
+                                                                              handle.step_routing, moe_outputs))
     if (norm_path := ends.final_norm_path(layers_path, modules)) is not None:
         handle._add(modules[norm_path], "final_norm", norm_path, "output")
     if (embed_path := ends.token_embedding_path(layers_path, modules)) is not None:

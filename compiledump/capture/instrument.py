@@ -161,7 +161,10 @@ class Instrumented:
     def _add_stream(self, module: torch.nn.Module, tag: str, path: str, side: str = "output",
                     read: Callable | None = None, moe_filtered: bool = False) -> None:
         """Hook `module`'s output (or first input) as `tag` and its step rows as `<tag>_step`
-        (`_stream_capture`)."""
+        (`_stream_capture`), unless `exclude` leaves the steps out (`layer{i}_mlp_step`)."""
+        if self.excludes(f"{tag}_step"):
+            self._add(module, tag, path, side, read=read, moe_filtered=moe_filtered)
+            return
         self._add(module, tag, path, side, capture=self._stream_capture(tag, moe_filtered), read=read)
         self._list_step(tag)
 

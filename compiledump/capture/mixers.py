@@ -7,13 +7,14 @@ linear-attention and state-space layers can exceed the defaults calibrated on at
 Nemotron-H's MoE layers), or the non-attention mixer's name ("linear_attn", "mamba", "conv", or
 the class name of a `self_attn`/`mixer` module that is not softmax attention).
 
-`routing` (`{"routed": [layer indices], "complete": bool}`) tells the comparator whether every
-token-routing decision of the model is recorded as ids: the MoE layers whose router instrument
-tapped, and `complete` false when some MoE block had no router it could tap, a step's routing is
-not recorded (`step_routing=False`), or something else selects per token (a sparse-attention
-indexer, attention heads routed as experts). With every decision recorded and none differing,
-nothing can have flipped a route, and decode steps are judged at the prefill thresholds
-(docs/compare.md, "Default thresholds").
+`routing` (`{"routed": [layer indices], "complete": bool, "moe_outputs": [layer indices]}`) tells
+the comparator whether every token-routing decision of the model is recorded as ids: the MoE
+layers whose router instrument tapped, and `complete` false when some MoE block had no router it
+could tap, a step's routing is not recorded (`step_routing=False`), or something else selects per
+token (a sparse-attention indexer, attention heads routed as experts). With every decision
+recorded and none differing, nothing can have flipped a route, and decode steps are judged at the
+prefill thresholds (docs/compare.md, "Default thresholds"). `moe_outputs`: the layers whose
+`layer<i>_mlp` is an MoE block's output, whose decode steps get the MoE output allowance.
 """
 
 from __future__ import annotations
@@ -79,14 +80,16 @@ def _common_prefix(names: list[str]) -> str:
 _LAYER_TOPK = re.compile(r"layer(\d+)_topk")
 
 
-def routing_fact(taps, unrouted: bool, step_routing: bool) -> dict:
+def routing_fact(taps, unrouted: bool, step_routing: bool, moe_outputs: list[int]) -> dict:
     """The manifest's `routing` from instrument's `taps`: the layers whose router is tapped, and
     whether that is every per-token selection of the model (no MoE block left `unrouted`, no other
-    selection such as an indexer's picks, each step's routing recorded)."""
+    selection such as an indexer's picks, each step's routing recorded); `moe_outputs`, the layers
+    whose `layer<i>_mlp` is an MoE block's output (the comparator's allowance for its steps)."""
     routed = sorted(int(match.group(1)) for tag in taps if (match := _LAYER_TOPK.fullmatch(tag)))
     other = [tag for tag in taps if tag.endswith("_topk") and not _LAYER_TOPK.fullmatch(tag)
              and not tag.endswith("_step_topk")]  # an indexer's picks, attention heads routed as experts
-    return {"routed": routed, "complete": not unrouted and not other and (step_routing or not routed)}
+    return {"routed": routed, "complete": not unrouted and not other and (step_routing or not routed),
+            "moe_outputs": sorted(moe_outputs)}
 
 
 def declare_mixers(mixers: dict[int, str], routing: dict | None = None) -> None:

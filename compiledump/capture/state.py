@@ -40,7 +40,7 @@ class State:
     shards: list = field(default_factory=list)  # declare_shard(): [(compiled regex, ShardSpec)]
     routers: dict = field(default_factory=dict)  # declare_router(): {tag: format.routers.RouterInfo}
     mixers: dict = field(default_factory=dict)  # instrument(): {layer index (str): token mixer kind}
-    routing: dict = field(default_factory=dict)  # instrument(): {"routed": [layers], "complete": bool}
+    routing: dict = field(default_factory=dict)  # instrument(): {"routed": [layers], "complete": bool, ...}
     exclude: list = field(default_factory=list)  # instrument(exclude=...)'s patterns
     export_binding: tuple | None = None  # (arena, ctrl) inputs of a program being exported
     instruments: list = field(default_factory=list)  # instrument() handles not removed

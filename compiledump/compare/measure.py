@@ -72,9 +72,9 @@ class KeyMeasurer:
         self.logits = logits
         self.workspace = workspace
         self.klass = klass  # the pair's class from its float keys (float_class)
-        # The layers whose MLP is an MoE block, by either side's manifest (instrument's `routing`)
+        # The layers whose `layer<i>_mlp` is an MoE block's output, by either side's manifest
         routings = [(dump.manifest or {}).get("routing") or {} for dump in (ref, run)]
-        self.routed = {i for routing in routings for i in routing.get("routed") or () if isinstance(i, int)}
+        self.moe_outputs = {i for routing in routings for i in routing.get("moe_outputs") or () if isinstance(i, int)}
 
     def record(self, info: KeyInfo, problems: list[Problem], not_comparable: str | None = None,
                no_flip: bool = False) -> KeyRecord:
@@ -93,7 +93,7 @@ class KeyMeasurer:
                            limits=self.options.thresholds_for(
                                key, ref_info.source_dtype, run_info.source_dtype,
                                DECODE_NO_FLIP if no_flip and info.kind == "step" else info.phase, self.klass,
-                               moe_output=info.tag.endswith("_mlp_step") and info.layer in self.routed))
+                               moe_output=info.tag.endswith("_mlp_step") and info.layer in self.moe_outputs))
         reason = not_comparable or not_comparable_reason(info.kind, ref_info, run_info)
         if reason is not None:
             # Values of different phases or token counts: comparing them could only mislead.

@@ -7,7 +7,9 @@ other side's tag names: after `--map`, RUN's tags are renamed to match them, `Re
 its COMPILEDUMP_MOE_LAYERS filtered the tag (its manifest's `filtered_tags`: the two settings
 differing, or an older compiledump that filtered more); a layer state's step is past its
 COMPILEDUMP_LAYER_STEPS (its manifest counts them dropped as `layer_steps`, or the setting is 0);
-only one side records the tokens it fed (`input_token`); the other side's router returned its
+the other side recorded no sublayer's decode-step state at all (`layer<i>_attn_step`, `_mlp_step`:
+a compiledump from before them); only one side records the tokens it fed (`input_token`); the
+other side's router returned its
 logits alone and recorded no expert ids (an engine's gate); the steps are shifted (a warm-up
 before the request, or the prompt in chunks: overwrites.py), and a side holds steps of a tag past
 the other side's last. Any other key of one side is a problem:
@@ -43,7 +45,11 @@ class OneSidedKeys:
         self.layer_steps = {side: layer_steps_of(dump.manifest) for side, dump in self.dumps.items()}
         # {reason: {holding side: keys}}: the notes' order (the checks' order is sort's)
         self.explained = {reason: {"REF": [], "RUN": []}
-                          for reason in ("filtered", "layer_steps", "excluded", "fed", "ids", "shifted")}
+                          for reason in ("filtered", "layer_steps", "sublayer_steps", "excluded", "fed", "ids",
+                                         "shifted")}
+        # Whether each side recorded any sublayer's decode-step state (compiledump before 2026-12-06 did not)
+        self.sublayer_steps = {side: any(spec.sublayer_step_tag((spec.split_step_key(key) or ("",))[0])
+                                         for key in dump.members) for side, dump in self.dumps.items()}
 
     def sort(self, info: KeyInfo, rank: str) -> Problem | None:
         """File `info`'s key (one side holds it) under the reason the other side lacks it; its
@@ -56,6 +62,7 @@ class OneSidedKeys:
         reason = ("excluded" if dump.left_out_by(info.tag, self.exclude_patterns[lacking])
                   else "filtered" if info.tag in self.filtered[lacking]
                   else "layer_steps" if self._past_layer_steps(info, dump.manifest, self.layer_steps[lacking])
+                  else "sublayer_steps" if spec.sublayer_step_tag(info.tag) and not self.sublayer_steps[lacking]
                   else "shifted" if self.shifted and self._past_last_step(info, dump)
                   else "fed" if info.tag == FED_TAG
                   else "ids" if gate_without_ids(info.tag, dump, self.tags[lacking]) else None)
@@ -89,6 +96,10 @@ class OneSidedKeys:
         manifests = (self.dumps["REF"].manifest, self.dumps["RUN"].manifest)
         write = {"filtered": lambda side, keys: moe_filter_note(side, keys, *manifests),
                  "layer_steps": lambda side, keys: past_layer_steps_note(side, keys, self.layer_steps),
+                 "sublayer_steps": lambda side, keys: (
+                     f"{side} holds {len(keys)} sublayer decode-step keys ({preview(keys, 3)}) and {other_side(side)} "
+                     "none (recorded by a compiledump from before they were, or with step_states=False): not "
+                     "compared; record both sides with the same version to judge each step's sublayers"),
                  "excluded": lambda side, keys: excluded_note(side, keys, self.exclude_patterns),
                  "fed": lambda side, keys: None if self.shifted else one_sided_fed_note(side, keys),
                  "ids": one_sided_ids_note,

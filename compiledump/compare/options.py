@@ -43,7 +43,8 @@ DEFAULT_STEP_THRESHOLDS: dict[str, tuple[float, float]] = {
 DEFAULT_LAYER_STEP_NORM = 1e-1
 DECODE_LAYER = "decode_layer"
 
-# An MoE block's output at a decode step (`layer<N>_mlp_step_<n>` of a routed layer) is no residual
+# An MoE block's output at a decode step (`layer<N>_mlp_step_<n>` of a layer in the manifest's
+# `routing.moe_outputs`; not Gemma 4's dense `mlp` beside its router) is no residual
 # stream: the gate weights move with the router logits (more near a tie, whether or not an expert
 # flips) and nothing dilutes them. In the calibration it came closest to the allowance of every key
 # (bf16/fp16 after a flip: rel_diff 1.7e-1 against 2e-1, norm_diff 9.6e-2 against 1e-1; bf16 with

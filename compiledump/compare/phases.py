@@ -12,10 +12,12 @@ as a divergence that is not one.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 from ..format.keys import KeyInfo, order_key_infos
 from ..format.reader import Dump, preview
+from ..format import spec
 from ..format.spec import NOT_RECURRENT_MIXERS
 
 RECORD_KINDS = ("record", "record_once")
@@ -256,33 +258,34 @@ def unrecorded_routing_note(ref: Dump, run: Dump) -> str | None:
             "judged at the prefill thresholds, which catch a decode-only bug of a few percent")
 
 
-def first_cautions(ref: Dump, run: Dump, layer: int | None, klass: str | None) -> list[tuple[str, str]]:
-    """(note, caution) for a float first divergence at `layer` in precision class `klass` that may
-    be noise: after a hybrid model's recurrent layers, after MoE layers whose routing is not
-    recorded. Either side's manifest says so (an instrumented reference beside an engine's
-    hand-written captures)."""
+def first_cautions(ref: Dump, run: Dump, key: str, layer: int | None, klass: str | None) -> list[tuple[str, str]]:
+    """(note, caution) for a float first divergence `key` at `layer` in precision class `klass`
+    that may be noise: after a hybrid model's recurrent layers, after MoE layers whose routing is
+    not recorded (the final norm and the logits come after every layer). Either side's manifest
+    says so (an instrumented reference beside an engine's hand-written captures)."""
     found = []
     if (note := hybrid_note([ref.manifest, run.manifest], layer, klass)) is not None:
         found.append((note, "after layers whose bf16 rounding can exceed the defaults (see the note)"))
-    if (note := unrecorded_flip_note(ref, run, layer, klass)) is not None:
+    after_layers = key == "final_norm" or (spec.split_step_key(key) or ("",))[0] == "logits"
+    if (note := unrecorded_flip_note(ref, run, math.inf if layer is None and after_layers else layer, klass)):
         found.append((note, "after MoE layers whose routing is not recorded (see the note)"))
     return found
 
 
-def unrecorded_flip_note(ref: Dump, run: Dump, layer: int | None, klass: str | None) -> str | None:
-    """A caution when a low-precision pair first diverges at or after an MoE layer whose expert ids
-    the MoE layer filter left out: a near-tie routing flip there moves the stream by as much as a
-    small bug, and without the ids nothing can tell them apart."""
-    sides = [_unrecorded_routing(dump) for dump in (ref, run)]
-    if layer is None or klass in (None, "fp32") or None in sides:
+def unrecorded_flip_note(ref: Dump, run: Dump, layer: float | None, klass: str | None) -> str | None:
+    """A caution when a low-precision pair first diverges at or after (`layer`: math.inf for a key
+    after every layer) an MoE layer whose expert ids the MoE layer filter left out, on either side
+    that can say (an engine whose gates record logits alone cannot): a near-tie routing flip there
+    moves the stream by as much as a small bug, and without the ids nothing can tell them apart."""
+    filtered = set().union(*(known for dump in (ref, run) if (known := _unrecorded_routing(dump)) is not None))
+    before = sorted(i for i in filtered if layer is not None and i <= layer)
+    if klass in (None, "fp32") or not before:
         return None
-    before = sorted(i for i in set(sides[0]) | set(sides[1]) if i <= layer)
-    if not before:
-        return None
-    return (f"the first divergence (layer {layer}) is at or after MoE layer(s) {preview([str(i) for i in before], 4)} "
+    where = f"layer {layer}" if layer != math.inf else "after the layers"
+    return (f"the first divergence ({where}) is at or after MoE layer(s) {preview([str(i) for i in before], 4)} "
             f"whose expert ids are not recorded (COMPILEDUMP_MOE_LAYERS): in {klass} a near-tie routing flip there "
             "moves the stream as a small bug does, and cannot be told from one; set COMPILEDUMP_MOE_LAYERS="
-            f"{max(set(sides[0]) | set(sides[1])) + 1} on both sides to judge their routing")
+            f"{max(filtered) + 1} on both sides to judge their routing")
 
 
 def layer_steps_note(manifests: list, step: int | None, key: str) -> str | None:

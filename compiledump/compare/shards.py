@@ -157,7 +157,9 @@ class MergedDump(Dump):
             merged["mixers"] = {i: kind for manifest in manifests for i, kind in (manifest.get("mixers") or {}).items()}
             routings = [manifest.get("routing") or {} for manifest in manifests]
             merged["routing"] = {"routed": sorted(i for routing in routings for i in routing.get("routed", [])),
-                                 "complete": all(routing.get("complete", False) for routing in routings)}
+                                 "complete": all(routing.get("complete", False) for routing in routings),
+                                 "moe_outputs": sorted(i for routing in routings
+                                                       for i in routing.get("moe_outputs", []))}
             merged["tags"] = {tag: entry for manifest in manifests for tag, entry in (manifest.get("tags") or {}).items()}
             merged["filtered_tags"] = {tag: entry for manifest in manifests
                                        for tag, entry in (manifest.get("filtered_tags") or {}).items()}

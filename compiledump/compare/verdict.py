@@ -179,7 +179,7 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     first = result.first_divergence
     if first is not None and first.metric != "ids":
         limits = records[first.position].limits
-        for note, caution in first_cautions(ref, run, first.layer, limits.klass if limits is not None else None):
+        for note, caution in first_cautions(ref, run, first.key, first.layer, limits.klass if limits else None):
             result.notes.append(note)
             first.caution = first.caution or caution
     if first is not None and (note := layer_steps_note([ref.manifest, run.manifest], first.step, first.key)):

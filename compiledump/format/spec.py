@@ -118,6 +118,14 @@ def stream_step_tag(tag: str) -> bool:
     return _STREAM_STEP_TAG.match(tag) is not None
 
 
+_SUBLAYER_STEP_TAG = re.compile(r"^layer\d+_(?:attn|mlp|mixer)_step$")
+
+
+def sublayer_step_tag(tag: str) -> bool:
+    """Whether `tag` is a sublayer's step state, `layer<N>_attn_step`, `_mlp_step`, `_mixer_step`."""
+    return _SUBLAYER_STEP_TAG.match(tag) is not None
+
+
 def stream_step_key(key: str) -> bool:
     """Whether `key` is a step of a layer's step state, `layer<N>_step_<n>` (or of a sublayer's,
     `layer<N>_mlp_step_<n>`, ...)."""

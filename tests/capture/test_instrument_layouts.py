@@ -297,6 +297,9 @@ def test_gemma4_s_router_beside_its_dense_mlp_and_afmoe_s_pre_mlp_norm(dump_dir)
     np.testing.assert_allclose(arrays["layer1_router"], np.log(probabilities.numpy()), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(arrays["layer1_topk"], top.numpy())
     assert handle.taps["layer1_router"].endswith("layers.1.router") and "layer1_mlp" in arrays  # the dense MLP
+    # ... which is no MoE block's output: its decode steps get no MoE output allowance (a review found
+    # the routed layers' list taken for it: its dense layer<i>_mlp_step_<n> got twice the thresholds)
+    assert manifest["routing"]["routed"] == [0, 1, 2, 3] and manifest["routing"]["moe_outputs"] == []
     # Under the default MoE filter the dense MLP stays at every layer; the router beside it does not
     compiledump.reset()
     compiledump.configure(dir=str(dump_dir / "filtered"), moe_layers=2)
@@ -321,6 +324,7 @@ def test_gemma4_s_router_beside_its_dense_mlp_and_afmoe_s_pre_mlp_norm(dump_dir)
     hook.remove()
     np.testing.assert_allclose(arrays["layer2_attn"], norm_inputs[0][0, -1].numpy(), rtol=1e-6, atol=1e-6)
     assert manifest["routers"]["layer2_router"]["score"] == "sigmoid"  # its expert_bias, on the MoE block
+    assert manifest["routing"]["moe_outputs"] == [1, 2, 3]  # (layer 0 is dense)
 
 
 def test_a_layer_that_runs_twice_in_one_forward_is_named_once(dump_dir):

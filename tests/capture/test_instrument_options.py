@@ -81,6 +81,23 @@ def test_exclude_leaves_out_tags_and_what_depends_on_them(dump_dir):
         assert {record.key for record in pair.keys} == compared - gone
 
 
+def test_exclude_leaves_out_a_sublayer_s_steps_alone(dump_dir):
+    """`exclude=("layer{i}_mlp_step",)` keeps each MLP's prompt rows and leaves out its decode steps
+    only (before, the pattern was refused though the error listed the tag as attached)."""
+    model = ex.build_model("llama")
+    inputs = ex.Inputs(model.config.vocab_size, steps=2, batch=1)
+    handle = compiledump.instrument(model, exclude=("layer{i}_mlp_step",))
+    cache = ex.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=inputs.prompt, **ex.cache_kwargs(model, cache))
+        model(input_ids=inputs.step(0)[:1], **ex.cache_kwargs(model, cache))
+    handle.remove()
+    arrays, manifest = _load(compiledump.flush())
+    assert {"layer1_mlp", "layer1_attn_step_1", "layer1_step_1"} <= arrays.keys()
+    assert not any("_mlp_step" in key for key in arrays) and "layer1_mlp_step" not in handle.taps
+    assert manifest["exclude"] == ["layer{i}_mlp_step"]
+
+
 def test_exclude_patterns_must_match_a_tag(dump_dir):
     model = ex.build_model("llama")
     with pytest.raises(ValueError, match=r"'layer{i}_router', 'layer9' match no tag attached \(tags: .*layer{i}_mlp"):

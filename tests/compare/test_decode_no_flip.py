@@ -71,9 +71,11 @@ def test_the_manifest_says_whether_every_route_is_recorded(model, tmp_path):
     run_side(model, tmp_path / "nosteps", [5], moe_layers=4, step_routing=False)
     facts = {name: json.loads(next((tmp_path / name).glob("*.json")).read_text())["routing"]
              for name in ("moe", "dense", "nosteps")}
-    assert facts == {"moe": {"routed": [0, 1, 2, 3], "complete": True},  # layers 2-3 then filtered (below)
-                     "dense": {"routed": [], "complete": True},  # nothing routes: nothing can flip
-                     "nosteps": {"routed": [0, 1, 2, 3], "complete": False}}  # a step's own routing unseen
+    # moe_outputs: the layers whose layer<i>_mlp is an MoE block's (the filter keeps layers 0-1's)
+    assert facts == {"moe": {"routed": [0, 1, 2, 3], "complete": True, "moe_outputs": [0, 1, 2, 3]},
+                     "dense": {"routed": [], "complete": True, "moe_outputs": []},  # nothing routes: nothing can flip
+                     "nosteps": {"routed": [0, 1, 2, 3], "complete": False,  # a step's own routing unseen
+                                 "moe_outputs": [0, 1, 2, 3]}}
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3_moe"])

@@ -57,7 +57,8 @@ def test_the_manifest_names_each_layer_s_mixer_and_routing_and_a_recovered_dump_
     want = {"0": "linear_attn", "1": "attention", "2": "linear_attn", "3": "attention"}
     assert _mixers(dump_dir) == want
     # Qwen3-Next's MoE layers are routed (its router tapped), nothing else selects per token.
-    routing = {"routed": [0, 1, 2, 3], "complete": True}
+    # (no MoE output recorded: exclude left out every layer<i>_mlp)
+    routing = {"routed": [0, 1, 2, 3], "complete": True, "moe_outputs": []}
     assert _routing(dump_dir) == routing
     (manifest,) = dump_dir.glob("*.json")
     assert json.loads(manifest.read_text())["exclude"] == ["layer{i}_mlp"]

@@ -226,3 +226,51 @@ def test_a_step_past_the_kept_layer_states_says_how_to_name_its_layer(tmp_path, 
     assert code == 1 and lines[-1].startswith("first divergence: logits_3 (step 3)"), lines[-1]
     assert any(line.startswith("note: each layer's state at a decode step is kept for the first 2 forwards "
                                "(COMPILEDUMP_LAYER_STEPS=2, steps 0-1); step 3 is past them") for line in lines), lines
+
+
+def test_the_sublayers_step_states_leave_the_logits_their_room(tmp_path):
+    """The sublayers' step states take at most an eighth of the arena (capture/step_budget.py):
+    past it later layers keep none, warned once and counted as `layer_steps`, and the logits, whose
+    region is claimed last, are kept. Before, this Llama (hidden 1024, a 1 MiB arena) lost every
+    `logits_<n>` to `arena_full` (an 80-layer, 8192-wide model with the default arena did too)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=1000, hidden_size=1024, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    with warnings.catch_warnings(record=True) as caught:  # (the flush's own are in states[-1])
+        warnings.simplefilter("always")
+        states = _run(model, tmp_path / "small", arena_mb=1, max_steps=64)
+    arrays, manifest = _dump(tmp_path / "small")
+    assert {f"logits_{n}" for n in range(5)} <= arrays.keys()  # kept
+    assert {f"layer0_{part}_step_{n}" for part in ("attn", "mlp") for n in range(5)} <= arrays.keys()
+    assert not any(key.startswith(("layer1_mlp_step", "layer3_attn_step")) for key in arrays)
+    assert {f"layer{i}_step_4" for i in range(4)} <= arrays.keys()  # each layer's state names its layer
+    assert manifest["tags"]["layer3_mlp_step_<n>"]["drops"] == {"layer_steps": 5}
+    (warned,) = [str(w.message) for w in caught if "fill their share of the arena" in str(w.message)]
+    assert "from 'layer1_attn_step' on" in warned and "COMPILEDUMP_ARENA_MB=1" in warned
+    np.testing.assert_allclose(arrays["layer0_step_2"], states[2][1][0, -1].numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_a_dump_from_before_the_sublayer_steps_is_one_note_not_a_problem_per_key(tmp_path):
+    """A reference recorded before the sublayers' step states existed (simulated: those members
+    and their manifest entries removed) against a new run: one note, no problems (a review found
+    32 `extra_in_run` problems for a 4-layer model and 4 steps)."""
+    model = ex.build_model("llama")
+    _run(model, tmp_path / "old")
+    _run(model, tmp_path / "new")
+    npz = next((tmp_path / "old").glob("*.npz"))
+    sublayer = lambda key: "_attn_step" in key or "_mlp_step" in key  # noqa: E731
+    with np.load(npz) as data:
+        kept = {key: data[key] for key in data.files if not sublayer(key)}
+    np.savez(npz, **kept)
+    manifest = json.loads(npz.with_suffix(".json").read_text())
+    for field in ("keys", "tags"):
+        manifest[field] = {key: entry for key, entry in manifest[field].items() if not sublayer(key)}
+    npz.with_suffix(".json").write_text(json.dumps(manifest))
+    report = compare(tmp_path / "old", tmp_path / "new")
+    (pair,) = report.pairs
+    assert report.exit_status == 0 and pair.problems == [], pair.problems
+    (note,) = [note for note in pair.notes if "sublayer decode-step keys" in note]
+    assert note.startswith("RUN holds 32 sublayer decode-step keys (") and "REF none" in note, note

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +27,8 @@ CONFIG = dict(vocab_size=160, hidden_size=64, num_hidden_layers=4, num_attention
 
 
 def _dump(model, directory, moe_layers: int) -> str:
+    """An 8-token prompt and 4 teacher-forced steps; a Hugging Face model, or an engine of
+    examples/vllm_style_engine.py (flat tokens, gates that return their logits alone)."""
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, 160, (1, 8), generator=generator)
     steps = torch.randint(3, 160, (4, 1, 1), generator=generator)
@@ -32,9 +36,12 @@ def _dump(model, directory, moe_layers: int) -> str:
     compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory), moe_layers=moe_layers)))
     handle = compiledump.instrument(model)
     with torch.no_grad():
-        out = model(input_ids=prompt, use_cache=True)
-        for token in steps:
-            out = model(input_ids=token, cache=out.cache, use_cache=True)
+        if hasattr(model, "generate") and not hasattr(model, "config"):
+            model.generate(prompt[0], [int(token) for token in steps.flatten()])
+        else:
+            out = model(input_ids=prompt, use_cache=True)
+            for token in steps:
+                out = model(input_ids=token, cache=out.cache, use_cache=True)
     handle.remove()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -64,6 +71,21 @@ def test_a_divergence_after_unrecorded_routing_says_so_and_how_to_judge_it(tmp_p
     report = compare(_dump(reference, tmp_path / "ref4", 4), _dump(engine, tmp_path / "run4", 4))
     assert report.exit_status == 0 and report.pairs[0].first_id_mismatch.key == "layer2_topk", \
         format_report(report)[-1]
+
+
+def test_an_engine_whose_gates_record_no_ids_gets_the_caution_from_the_reference(tmp_path, models):
+    """A vLLM-style engine's gates return their logits alone: its manifest cannot say which
+    routing is recorded, the reference's can (a review found no caution there)."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "vllm_style_engine.py"
+    spec = importlib.util.spec_from_file_location("vllm_style_engine_unrecorded", example)
+    engines = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(engines)
+    reference, _ = models
+    engine = engines.ForCausalLM(reference).eval().to(torch.bfloat16)
+    report = compare(_dump(reference, tmp_path / "ref", 2), _dump(engine, tmp_path / "run", 2))
+    first = report.first_divergence
+    assert report.exit_status == 1 and first.key == "layer2", format_report(report)[-1]
+    assert first.caution == "after MoE layers whose routing is not recorded (see the note)"
 
 
 def test_a_float32_divergence_after_unrecorded_routing_has_no_caution(tmp_path, models):
