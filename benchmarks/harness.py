@@ -9,9 +9,11 @@ Ratios are computed per round, then the median ratio is reported.
 
 from __future__ import annotations
 
+import collections
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -80,6 +82,29 @@ def judge_cases(reference, run_on, engine_for, cases: dict, root: Path) -> dict[
             report.exit_status == 1 and report.first_divergence.key == key
         verdicts[case] = (expected, report.exit_status, last)
     return verdicts
+
+
+def sweep_grid(column: str, values: list, names: list[str], seeds: int, build, run_on, engine_for, cases,
+               table_cases: dict) -> None:
+    """A verdict sweep over (`column` value, model, seed): the reference `build(name, seed, value)`
+    against each case's engine `engine_for(reference, case, name)`, each running `run_on(model,
+    seed)` (judge_cases, in a scratch directory removed after); every pair whose verdict is not the
+    expected one printed, then the table of `table_cases` (print_verdict_table). `cases(name)`: the
+    model's cases, {case: the key its bug is expected at, None for an honest pair}."""
+    expected, total = collections.Counter(), collections.Counter()
+    for value in values:
+        for name in names:
+            for seed in range(seeds):
+                with tempfile.TemporaryDirectory(prefix="compiledump_sweep_") as root:
+                    verdicts = judge_cases(build(name, seed, value), lambda model: run_on(model, seed),
+                                           lambda reference, case: engine_for(reference, case, name), cases(name),
+                                           Path(root))
+                for case, (good, status, last) in verdicts.items():
+                    total[(value, name, case)] += 1
+                    expected[(value, name, case)] += good
+                    if not good:
+                        print(f"  {column} {value} {name} seed {seed} {case}: exit {status}: {last}")
+    print_verdict_table(column, table_cases, expected, total)
 
 
 def print_verdict_table(column: str, cases, expected, total) -> None:

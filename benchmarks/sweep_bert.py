@@ -18,10 +18,8 @@ Usage: python benchmarks/sweep_bert.py [--models bert,roberta,...] [--seeds 3] [
 from __future__ import annotations
 
 import argparse
-import collections
 import copy
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -30,7 +28,7 @@ import transformers as T
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-from harness import judge_cases, print_verdict_table  # noqa: E402
+from harness import sweep_grid  # noqa: E402
 from helpers.hf_dump import scale_output  # noqa: E402  (the tests' planted bug)
 
 VOCAB, PROMPT, STEPS, LAYERS = 160, 6, 3, 4
@@ -87,19 +85,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    expected, total = collections.Counter(), collections.Counter()
-    for init in [float(value) for value in args.inits.split(",")]:
-        for name in args.models.split(","):
-            for seed in range(args.seeds):
-                with tempfile.TemporaryDirectory(prefix="compiledump_bert_") as root:
-                    verdicts = judge_cases(build(name, seed, init), lambda model: session(model, seed), engine_for,
-                                           CASES, Path(root))
-                for case, (good, status, last) in verdicts.items():
-                    total[(init, name, case)] += 1
-                    expected[(init, name, case)] += good
-                    if not good:
-                        print(f"  init {init} {name} seed {seed} {case}: exit {status}: {last}")
-    print_verdict_table("init", CASES, expected, total)
+    sweep_grid("init", [float(value) for value in args.inits.split(",")], args.models.split(","), args.seeds, build,
+               session, lambda reference, case, _name: engine_for(reference, case), lambda _name: CASES, CASES)
 
 
 if __name__ == "__main__":

@@ -20,16 +20,13 @@ Usage: python benchmarks/sweep_decode.py [--models llama,...] [--seeds 3] [--ini
 from __future__ import annotations
 
 import argparse
-import collections
 import copy
-import tempfile
 import warnings
-from pathlib import Path
 
 import torch
 import transformers as T
 
-from harness import judge_cases, print_verdict_table
+from harness import sweep_grid
 
 VOCAB, PROMPT, STEPS = 160, 8, 4
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
@@ -99,23 +96,16 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    expected, total = collections.Counter(), collections.Counter()
-    for init in [float(value) for value in args.inits.split(",")]:
-        for name in args.models.split(","):
-            mixer = MODELS[name][2] == "mixer"
-            cases = {case: key.replace("_mlp_", "_mixer_") if mixer and key else key for case, key in CASES.items()
-                     if not (mixer and case == "decode-only attention")}
-            for seed in range(args.seeds):
-                with tempfile.TemporaryDirectory(prefix="compiledump_decode_") as root:
-                    verdicts = judge_cases(build(name, seed, init), lambda model: session(model, seed),
-                                           lambda reference, case: engine_for(reference, case, name), cases,
-                                           Path(root))
-                for case, (good, status, last) in verdicts.items():
-                    total[(init, name, case)] += 1
-                    expected[(init, name, case)] += good
-                    if not good:
-                        print(f"  init {init} {name} seed {seed} {case}: exit {status}: {last}")
-    print_verdict_table("init", CASES, expected, total)
+    sweep_grid("init", [float(value) for value in args.inits.split(",")], args.models.split(","), args.seeds, build,
+               session, engine_for, cases_of, CASES)
+
+
+def cases_of(name: str) -> dict:
+    """A model's cases: a Mamba layer's mixer in place of the MLP, and no attention."""
+    if MODELS[name][2] != "mixer":
+        return CASES
+    return {case: key and key.replace("_mlp_", "_mixer_") for case, key in CASES.items()
+            if case != "decode-only attention"}
 
 
 if __name__ == "__main__":

@@ -19,10 +19,8 @@ Usage: python benchmarks/sweep_seq2seq.py [--models t5,mt5,umt5,longt5,pop2piano
 from __future__ import annotations
 
 import argparse
-import collections
 import copy
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -31,7 +29,7 @@ import transformers as T
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-from harness import judge_cases, print_verdict_table  # noqa: E402
+from harness import sweep_grid  # noqa: E402
 from helpers.hf_dump import scale_output  # noqa: E402  (the tests' planted bug)
 
 VOCAB, SOURCE, PROMPT, STEPS = 160, 12, 4, 3
@@ -92,20 +90,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    expected = collections.Counter()
-    total = collections.Counter()
-    for factor in [float(f) for f in args.factors.split(",")]:
-        for name in args.models.split(","):
-            for seed in range(args.seeds):
-                with tempfile.TemporaryDirectory(prefix="compiledump_seq2seq_") as root:
-                    verdicts = judge_cases(build(name, seed, factor), lambda model: session(model, seed), engine_for,
-                                           CASES, Path(root))
-                for case, (good, status, last) in verdicts.items():
-                    total[(factor, name, case)] += 1
-                    expected[(factor, name, case)] += good
-                    if not good:
-                        print(f"  factor {factor} {name} seed {seed} {case}: exit {status}: {last}")
-    print_verdict_table("factor", CASES, expected, total)
+    sweep_grid("factor", [float(f) for f in args.factors.split(",")], args.models.split(","), args.seeds, build,
+               session, lambda reference, case, _name: engine_for(reference, case), lambda _name: CASES, CASES)
 
 
 if __name__ == "__main__":
