@@ -166,13 +166,8 @@ class Instrumented:
             self._add(module, tag, path, side, read=read, moe_filtered=moe_filtered)
             return
         self._add(module, tag, path, side, capture=self._stream_capture(tag, moe_filtered), read=read)
-        self._list_step(tag)
-
-    def _list_step(self, tag: str) -> None:
-        """List a decoder layer's (or sublayer's) `<tag>_step` in `taps` where `tag` is attached
-        and `_stream_capture` keeps its steps."""
-        if self.step_states and STATE.config.layer_steps and tag in self.taps:
-            self.taps[f"{tag}_step"] = self.taps[tag]  # (where `tag` is: an input's path says `:input`)
+        if self.step_states and STATE.config.layer_steps and tag in self.taps:  # (listed where `tag` is)
+            self.taps[f"{tag}_step"] = self.taps[tag]
 
     def _track_shape(self, path: str, layer: torch.nn.Module) -> None:
         hidden_of = residual.hidden_states_reader(layer)  # vLLM's and SGLang's layers take positions first
