@@ -104,6 +104,9 @@ class KeyRecord:
     reason: str | None = None  # status not_comparable: why
     rows: RowMetrics | None = None  # all-rows keys: per token row
     divergent_rows: list[int] | None = None
+    # A decode step's rel_diff/norm_diff taken relative to the median REF row of this prompt key
+    # (measure.py _against_prompt_rows): the step's own row was smaller.
+    scale_from: str | None = None
     routing: Routing | None = None  # ids that differ: near tie or divergence (compare/routing.py)
     # Token rows not judged because a routing flip in an earlier ids key reaches them (flips.py),
     # that ids key, and the metric/value that crossed in those rows (flips.excuse_flips).
@@ -174,6 +177,8 @@ class KeyRecord:
             if self.rows is not None:
                 out.update(all_rows=True, row_count=len(self.rows.rel_diff), row_rel_diff=self.rows.rel_diff,
                            row_norm_diff=self.rows.norm_diff, divergent_rows=self.divergent_rows or [])
+            if self.scale_from is not None:
+                out.update(scale_from=self.scale_from)
             out.update(logits=self.logits, margin_analysis=self.margin_analysis)
             if self.metric is not None:
                 out.update(metric=self.metric, value=self.value)

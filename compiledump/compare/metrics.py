@@ -220,12 +220,14 @@ class RowMetrics:
         return max(values) if values else None
 
 
-def compare_rows(ref: np.ndarray, run: np.ndarray, chunk: int = CHUNK_ELEMENTS) -> RowMetrics:
+def compare_rows(ref: np.ndarray, run: np.ndarray, chunk: int = CHUNK_ELEMENTS,
+                 floor: float | None = None) -> RowMetrics:
     """rel_diff and norm_diff of each row (axis 0) of two arrays of equal shape, in float64,
     converting at most about ``chunk`` elements per side at a time. A row's error is taken
     relative to the larger of its own norm and the median REF row norm (docs/compare.md, "All
     rows"): rounding noise follows the scale of what a row was computed from, so a row that is
-    small by cancellation (8 router logits near zero) would otherwise read as a large error."""
+    small by cancellation (8 router logits near zero) would otherwise read as a large error.
+    ``floor``: that median's square given instead (a decode step's row against its prompt's rows)."""
     x = np.asarray(ref).reshape(ref.shape[0], -1)
     y = np.asarray(run).reshape(x.shape)
     step = max(1, chunk // max(1, x.shape[1]))
@@ -239,7 +241,8 @@ def compare_rows(ref: np.ndarray, run: np.ndarray, chunk: int = CHUNK_ELEMENTS) 
         d = a - b
         xx, yy, dd = (np.einsum("ij,ij->i", u, u) for u in (a, b, d))
         sums.extend(zip(xx.tolist(), yy.tolist(), dd.tolist()))
-    floor = float(np.median([row_xx for row_xx, _, _ in sums])) if sums else 0.0  # a squared norm
+    if floor is None:
+        floor = float(np.median([row_xx for row_xx, _, _ in sums])) if sums else 0.0  # a squared norm
     rel: list[float] = []
     norm: list[float | None] = []
     for row_xx, row_yy, row_dd in sums:
@@ -247,6 +250,14 @@ def compare_rows(ref: np.ndarray, run: np.ndarray, chunk: int = CHUNK_ELEMENTS) 
         rel.append(row_dd / total if total > 0 else 0.0)
         norm.append(norm_diff_of(row_xx, row_yy, floor))
     return RowMetrics(rel, norm)
+
+
+def median_row_square(rows: np.ndarray) -> float:
+    """The median squared norm of the rows (axis 0) of ``rows``, over their finite positions: the
+    scale ``compare_rows`` takes a row's error relative to when the row is smaller."""
+    x = np.asarray(rows, dtype=np.float64).reshape(rows.shape[0], -1)
+    x = np.where(np.isfinite(x), x, 0.0)
+    return float(np.median(np.einsum("ij,ij->i", x, x))) if x.shape[0] else 0.0
 
 
 def _dot(a: np.ndarray, b: np.ndarray) -> float:

@@ -4,6 +4,7 @@ compared in: from the manifest, or inferred from key names and dtypes for files 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -139,6 +140,14 @@ def router_key_for(key: str, step: bool = False) -> str | None:
     if parts is None or not parts[0].endswith("_topk"):
         return None
     return spec.step_key(parts[0][: -len("topk")] + "router", parts[1])
+
+
+def prompt_tag_for_step(tag: str) -> str | None:
+    """The prompt's tag at the point a step tag records: ``layer3_step_router`` -> ``layer3_router``,
+    ``layer3_attn_step`` -> ``layer3_attn``, ``layer3_step`` -> ``layer3``; None for a tag without
+    ``_step`` (a step's ``logits``)."""
+    twin = re.sub(r"_step(?=_|$)", "", tag, count=1)
+    return twin if twin != tag else None
 
 
 def chosen(key: str | None) -> str:

@@ -125,3 +125,58 @@ def test_a_row_small_by_cancellation_is_judged_at_the_keys_scale(tmp_path, capsy
         record = {r["key"]: r for r in report["keys"]}["layer1_router"]
         assert record["divergent_rows"] == expected and code == (1 if expected else 0)
         assert record["row_rel_diff"] == pytest.approx(row_metrics(rows, run_rows)[0], rel=1e-9)
+
+
+def _step_router_pair(tmp_path, rows, steps, run_steps, prompt_fields):
+    """A dump pair holding layer 1's prompt router logits `rows` (REF and RUN alike) and its step
+    router logits `steps` (REF) / `run_steps` (RUN), no ids beside them: judged as float32 step keys."""
+    def side(step_rows):
+        return [factory.Capture("layer1_router", rows, "record", "layer1_router")] + [
+            factory.Capture(f"layer1_step_router_{n}", row, "step", "layer1_step_router", n)
+            for n, row in enumerate(step_rows)]
+    fields = {"layer1_router": {"tokens": len(rows), "phase": "prefill", **prompt_fields}}
+    return write_pair(tmp_path, side(steps), side(run_steps), "float32", "float32", key_fields=fields)
+
+
+@pytest.mark.parametrize("width", [8, 13])
+def test_a_steps_row_small_by_cancellation_is_judged_at_the_prompts_scale(tmp_path, capsys, width):
+    """A decode step holds one token's row: its 8 router logits can nearly cancel as a prompt
+    row's can. Judged against its own norm alone, the same row read as divergent at step 0 (which
+    repeats the prompt's last row) and as within the thresholds in the all-rows prompt key
+    (sweep_routing: 4 honest bf16 MoE pairs). A step row is judged relative to the larger of its
+    own norm and the median REF row of the prompt's all-rows key at the same point; a typical
+    row's bug and a small row's 5 % error still diverge, and without an all-rows prompt key
+    nothing changes."""
+    rng = np.random.default_rng(14)
+    rows = rng.standard_normal((9, width)).astype(np.float32)
+    rows[-1] *= 0.02  # the prompt's last token: small by cancellation
+    steps = np.stack([rows[-1], rng.standard_normal(width) * 3, rng.standard_normal(width) * 0.02]).astype(np.float32)
+    noise = lambda shape: (rng.standard_normal(shape) * 1e-5).astype(np.float32)  # noqa: E731  the same absolute error
+    run_rows, run_steps = rows + noise(rows.shape), steps + noise(steps.shape)
+    run_steps[0] = run_rows[-1]
+    expected_rel, expected_norm = row_metrics(rows, run_rows)
+    m2 = np.median(np.sum(rows.astype(np.float64) ** 2, axis=1))
+    for n in (0, 2):  # alone, far over the fp32 thresholds
+        assert rel_diff(steps[n], run_steps[n]) > 1e-8 or norm_diff(steps[n], run_steps[n]) > 1e-5
+    code, _, report = compare_json(capsys, *_step_router_pair(tmp_path / "all", rows, steps, run_steps, {"rows": "all"}))
+    keys = {r["key"]: r for r in report["keys"]}
+    assert code == 0 and [keys[f"layer1_step_router_{n}"]["divergent"] for n in range(3)] == [False] * 3
+    # Step 0 reads as the prompt's last row does; each step as numpy's row rule with the prompt's median.
+    assert keys["layer1_step_router_0"]["rel_diff"] == pytest.approx(expected_rel[-1], rel=1e-9)
+    assert keys["layer1_step_router_0"]["norm_diff"] == pytest.approx(expected_norm[-1], rel=1e-9)
+    x, y = steps[2].astype(np.float64), run_steps[2].astype(np.float64)
+    assert keys["layer1_step_router_2"]["rel_diff"] == pytest.approx(
+        np.sum((x - y) ** 2) / max(x @ x + y @ y, 2 * m2), rel=1e-9)
+    assert keys["layer1_step_router_2"]["norm_diff"] == pytest.approx(
+        abs(np.linalg.norm(y) - np.linalg.norm(x)) / max(np.linalg.norm(x), np.sqrt(m2)), rel=1e-9)
+    assert keys["layer1_step_router_2"]["scale_from"] == "layer1_router" and "scale_from" not in keys[
+        "layer1_step_router_1"]  # a typical row keeps its own norm
+    # Bugs: a typical row scaled by 1.001, the small row off by 5 %.
+    for n, scale in ((1, 1.001), (2, 1.05)):
+        bad = run_steps.copy()
+        bad[n] = steps[n] * scale
+        code, _, report = compare_json(capsys, *_step_router_pair(tmp_path / f"bug{n}", rows, steps, bad, {"rows": "all"}))
+        assert code == 1 and report["first_divergence"]["key"] == f"layer1_step_router_{n}"
+    # The prompt key holds its last row only (one-row mode): the step keeps its own norm.
+    code, _, report = compare_json(capsys, *_step_router_pair(tmp_path / "one", rows[-1], steps, run_steps, {}))
+    assert code == 1 and report["first_divergence"]["key"] == "layer1_step_router_0"
