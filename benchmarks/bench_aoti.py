@@ -15,12 +15,11 @@ kernel still runs and counts them, as in an engine. Prints which implementation 
 from __future__ import annotations
 
 import argparse
-import tempfile
 from pathlib import Path
 
 import torch
 
-from harness import interleaved, machine, median, ratio
+from harness import interleaved, machine, median, ratio, scratch_dir
 
 
 def main(argv=None) -> None:
@@ -39,7 +38,7 @@ def main(argv=None) -> None:
     from compiledump.ops import native, schemas
     from compiledump.demo.model import NO_DUMP, ModelConfig, TinyMoE
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench-aoti-"))
+    tmp = Path(scratch_dir(prefix="bench-aoti-"))
     cfg = ModelConfig(layers=args.layers, dim=args.dim, ffn=2 * args.dim, captures_per_layer=5)
     compiledump.configure(dir=str(tmp / "dump"), tokens=7, moe_layers=args.layers, arena_mb=args.arena_mb)
     batch = 4

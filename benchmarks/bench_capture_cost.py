@@ -14,11 +14,10 @@ Prints which capture path ran (`compiledump.inspect`'s words: native or python).
 from __future__ import annotations
 
 import argparse
-import tempfile
 
 import torch
 
-from harness import interleaved, machine, median, ratio
+from harness import interleaved, machine, median, ratio, scratch_dir
 
 
 def _body(x: torch.Tensor, w: torch.Tensor, dump, captures: int) -> torch.Tensor:
@@ -47,7 +46,7 @@ def main(argv=None) -> None:
     import compiledump
     from compiledump.ops import native, register
 
-    compiledump.configure(dir=tempfile.mkdtemp(prefix="bench-capture-"), max_steps=4, moe_layers=10**6)
+    compiledump.configure(dir=scratch_dir(prefix="bench-capture-"), max_steps=4, moe_layers=10**6)
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(8, 4, 64, generator=g), torch.randn(64, 64, generator=g) / 8
     plain = torch.compile(lambda x, w: _body(x, w, None, args.captures), fullgraph=True)

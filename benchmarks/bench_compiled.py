@@ -22,9 +22,8 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 
-from harness import interleaved, machine, median, ratio
+from harness import interleaved, machine, median, ratio, scratch_dir
 
 BENCH = dict(layers=8, dim=1024, hc_mult=4, experts=8, top_k=2, vocab=32000, ffn=256, captures_per_layer=4)
 BATCH = 8
@@ -41,7 +40,7 @@ def _child(mode: str, rounds: int, steps: int, threads: int) -> dict:
 
     cfg = ModelConfig(**BENCH)
     if mode in ("enabled", "memory"):
-        compiledump.configure(dir=tempfile.mkdtemp(prefix="bench-compiled-"), moe_layers=cfg.layers)
+        compiledump.configure(dir=scratch_dir(prefix="bench-compiled-"), moe_layers=cfg.layers)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab, (BATCH,), generator=g)
     state = torch.randn(cfg.layers, BATCH, cfg.dim, generator=g)

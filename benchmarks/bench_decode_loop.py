@@ -17,10 +17,9 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
-from harness import load_debug_dump, machine
+from harness import load_debug_dump, machine, scratch_dir
 
 BENCH = dict(layers=8, dim=1024, hc_mult=4, experts=8, top_k=2, vocab=32000, ffn=256, captures_per_layer=4)
 BATCH = 8
@@ -33,7 +32,7 @@ def _child(side: str, steps: int) -> dict:
     from compiledump.demo.model import ModelConfig, TinyMoE
 
     cfg = ModelConfig(**BENCH)
-    tmp = tempfile.mkdtemp(prefix="bench-loop-")
+    tmp = scratch_dir(prefix="bench-loop-")
     if side == "compiledump":
         import compiledump as dump
 

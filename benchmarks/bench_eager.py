@@ -12,11 +12,10 @@ Prints the median microseconds per call and the compiledump/seed ratio.
 from __future__ import annotations
 
 import argparse
-import tempfile
 
 import torch
 
-from harness import interleaved, load_debug_dump, machine, median
+from harness import interleaved, load_debug_dump, machine, median, scratch_dir
 
 
 def main(argv=None) -> None:
@@ -30,7 +29,7 @@ def main(argv=None) -> None:
 
     import compiledump
 
-    tmp = tempfile.mkdtemp(prefix="bench-eager-")
+    tmp = scratch_dir(prefix="bench-eager-")
     compiledump.configure(dir=f"{tmp}/cd", max_steps=1 << 30 // 32000, moe_layers=8)
     seed = load_debug_dump(f"{tmp}/seed", moe_layers=8)
     g = torch.Generator().manual_seed(0)

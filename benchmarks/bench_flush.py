@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from harness import interleaved, machine, median
+from harness import interleaved, machine, median, scratch_dir
 
 STEPS, HIDDEN_TAGS, DIM, VOCAB, BATCH = 64, 32, 1024, 32000, 8
 
@@ -31,7 +30,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     import compiledump
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench-flush-"))
+    tmp = Path(scratch_dir(prefix="bench-flush-"))
     compiledump.configure(dir=str(tmp / "cd"), max_steps=STEPS)
     g = torch.Generator().manual_seed(0)
     host = {}

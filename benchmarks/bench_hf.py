@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 
 import torch
 
-from harness import REPO, interleaved, machine, median, ratio
+from harness import REPO, interleaved, machine, median, ratio, scratch_dir
 
 sys.path.insert(0, str(REPO / "examples"))
 
@@ -48,7 +47,7 @@ def main(argv=None) -> None:
     # tokens=0: the token gate off, so every decode capture is written (the heavier case; with
     # the gate on, decode captures only count a drop), every MoE layer kept; the logits steps
     # past max_steps are counted drops.
-    compiledump.configure(dir=tempfile.mkdtemp(prefix="bench-hf-"), max_steps=4, tokens=0, moe_layers=1000)
+    compiledump.configure(dir=scratch_dir(prefix="bench-hf-"), max_steps=4, tokens=0, moe_layers=1000)
     model = build_model(args.model)
     inputs = Inputs(model.config.vocab_size, steps=1, batch=args.batch)
     sides = {"plain": copy.deepcopy(model), "instrumented": model, "no step routing": copy.deepcopy(model),

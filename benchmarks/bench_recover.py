@@ -17,10 +17,9 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
-from harness import machine, median
+from harness import machine, median, scratch_dir
 
 STEPS = 256
 BENCH = dict(layers=8, dim=1024, hc_mult=4, experts=8, top_k=2, vocab=32000, ffn=256, captures_per_layer=4)
@@ -63,7 +62,7 @@ def main(argv=None) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPILEDUMP_") or k == "COMPILEDUMP_NATIVE"}
     recover_s, flush_s, keys, tags = [], [], 0, 0
     for _ in range(args.rounds):
-        directory = tempfile.mkdtemp(prefix="bench-recover-")
+        directory = scratch_dir(prefix="bench-recover-")
         subprocess.run([sys.executable, __file__, "--child", directory], env=env, check=True)
         start = time.perf_counter()
         results, errors = recover_directory(directory)
@@ -72,7 +71,7 @@ def main(argv=None) -> None:
         keys = results[0].keys
         with open(str(results[0].npz).replace(".npz", ".json")) as handle:
             tags = len(json.load(handle)["tags"])
-        out = subprocess.run([sys.executable, __file__, "--child", tempfile.mkdtemp(prefix="bench-flush-"),
+        out = subprocess.run([sys.executable, __file__, "--child", scratch_dir(prefix="bench-flush-"),
                               "--flush"], env=env, check=True, capture_output=True, text=True).stdout
         flush_s.append(float(out.split("FLUSH_S")[1].split()[0]))
     print(f"machine: {machine()}")

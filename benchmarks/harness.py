@@ -9,8 +9,10 @@ Ratios are computed per round, then the median ratio is reported.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -33,6 +35,20 @@ def load_debug_dump(dump_dir, tokens: int = 0, moe_layers: int = 2, max_rows: in
     from helpers.seed import load_debug_dump as load
 
     return load(DEBUG_DUMP, dump_dir, tokens, moe_layers, max_rows)
+
+
+def scratch_dir(prefix: str) -> str:
+    """A new temporary directory for a benchmark's dumps, removed when the process exits. Capture is
+    switched off first, so that compiledump's own exit flush does not write the dump back."""
+    path = tempfile.mkdtemp(prefix=prefix)
+
+    def remove() -> None:
+        import compiledump
+
+        compiledump.configure(dir=None)
+        shutil.rmtree(path, ignore_errors=True)
+    atexit.register(remove)
+    return path
 
 
 def interleaved(cases: dict, rounds: int = 15, calls: int = 1000, warmup: int = 2) -> dict[str, list[float]]:

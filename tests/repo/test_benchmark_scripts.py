@@ -2,6 +2,7 @@
 bug included), so its arguments and its use of the library cannot break unseen. Its numbers live in
 RESULTS.md, not here."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -47,3 +48,17 @@ def test_sweep_engines_prints_its_verdict_table(tmp_path):
     (row,) = [line.split() for line in lines[lines.index(header) + 1:] if line.startswith("qwen3_moe ")]
     assert row[:5] == ["qwen3_moe", "vllm", "bfloat16", "2", "renormalize"]
     assert [int(value) for value in row[5:9]] == [2, 0, 2, 0] and row[9:] == ["layer0_mlp", "2"]
+
+
+def test_a_timing_benchmark_leaves_no_scratch_directory(tmp_path):
+    """The timing benchmarks dump into scratch directories of their own (harness.scratch_dir):
+    removed at exit, and not written back by compiledump's exit flush (each one used to leave a
+    directory in /tmp per run)."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ind")}
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "bench_eager.py"), "--rounds", "1", "--calls", "5"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "compiledump record_ids" in out.stdout
+    assert sorted(path.name for path in scratch.iterdir()) == []
