@@ -198,6 +198,8 @@ class KeyMeasurer:
         rows = None
         if info.all_rows and x.ndim == 2 and x.shape == y.shape:
             rows = compare_rows(x, y, chunk=self.options.chunk_elements)
+            if info.kind != "step" and not spec.masked_scores(info.tag):  # its steps' scale, not read again
+                self._prompt_scales.setdefault(info.key, (rows.scale, x.shape[-1]))
         if info.kind == "step" and rows is None and floats.nonfinite_mismatch == 0:
             floats, scale_from = self._against_prompt_rows(floats, x, y, info.tag)
             record = replace(record, scale_from=scale_from)
@@ -240,17 +242,17 @@ class KeyMeasurer:
 
     def _prompt_row_scale(self, key: str, width: int) -> float | None:
         """The median squared norm of REF's rows of prompt key ``key`` when it is an all-rows
-        float key `[tokens, width]` (read once per key); None otherwise."""
+        float key `[tokens, width]` (kept when the key was measured, else read once); None otherwise."""
         if key not in self._prompt_scales:
             info, member = self.ref.infos.get(key), self.ref.members.get(key)
             scale = None
             if info is not None and info.all_rows and member is not None and not member.is_integer \
                     and len(member.shape) == 2 and not spec.masked_scores(info.tag):
-                try:
-                    rows = _whole(self.ref, key)
-                    scale = median_row_square(rows) if rows.ndim == 2 else None
-                except (OSError, ValueError, zipfile.BadZipFile, EOFError):
-                    scale = None  # unreadable or several replicas: the step keeps its own norm
+                try:  # of a merged REF, one rank's copy (router logits are replicated, not split)
+                    rows = np.asarray(self.ref.replicas(key)[0].whole())
+                    scale = median_row_square(rows, self.options.chunk_elements) if rows.ndim == 2 else None
+                except (OSError, ValueError, IndexError, zipfile.BadZipFile, EOFError):
+                    scale = None  # unreadable: the step keeps its own norm
             self._prompt_scales[key] = (scale, member.shape[-1] if member is not None and member.shape else None)
         scale, prompt_width = self._prompt_scales[key]
         return scale if prompt_width == width and scale else None

@@ -209,6 +209,7 @@ class RowMetrics:
 
     rel_diff: list[float]
     norm_diff: list[float | None]
+    scale: float = 0.0  # the squared norm m² a smaller row was judged relative to
 
     @property
     def max_rel_diff(self) -> float:
@@ -226,8 +227,9 @@ def compare_rows(ref: np.ndarray, run: np.ndarray, chunk: int = CHUNK_ELEMENTS,
     converting at most about ``chunk`` elements per side at a time. A row's error is taken
     relative to the larger of its own norm and the median REF row norm (docs/compare.md, "All
     rows"): rounding noise follows the scale of what a row was computed from, so a row that is
-    small by cancellation (8 router logits near zero) would otherwise read as a large error.
-    ``floor``: that median's square given instead (a decode step's row against its prompt's rows)."""
+    small by cancellation (8 router logits near zero) would otherwise read as a large error (the
+    lower median for an even count). ``floor``: that median's square given instead (a decode
+    step's row against its prompt's rows); the result's ``scale`` is the one used."""
     x = np.asarray(ref).reshape(ref.shape[0], -1)
     y = np.asarray(run).reshape(x.shape)
     step = max(1, chunk // max(1, x.shape[1]))
@@ -242,22 +244,35 @@ def compare_rows(ref: np.ndarray, run: np.ndarray, chunk: int = CHUNK_ELEMENTS,
         xx, yy, dd = (np.einsum("ij,ij->i", u, u) for u in (a, b, d))
         sums.extend(zip(xx.tolist(), yy.tolist(), dd.tolist()))
     if floor is None:
-        floor = float(np.median([row_xx for row_xx, _, _ in sums])) if sums else 0.0  # a squared norm
+        floor = lower_median([row_xx for row_xx, _, _ in sums])  # a squared norm
     rel: list[float] = []
     norm: list[float | None] = []
     for row_xx, row_yy, row_dd in sums:
         total = max(row_xx + row_yy, 2 * floor)
         rel.append(row_dd / total if total > 0 else 0.0)
         norm.append(norm_diff_of(row_xx, row_yy, floor))
-    return RowMetrics(rel, norm)
+    return RowMetrics(rel, norm, floor)
 
 
-def median_row_square(rows: np.ndarray) -> float:
-    """The median squared norm of the rows (axis 0) of ``rows``, over their finite positions: the
-    scale ``compare_rows`` takes a row's error relative to when the row is smaller."""
-    x = np.asarray(rows, dtype=np.float64).reshape(rows.shape[0], -1)
-    x = np.where(np.isfinite(x), x, 0.0)
-    return float(np.median(np.einsum("ij,ij->i", x, x))) if x.shape[0] else 0.0
+def lower_median(values) -> float:
+    """The median of ``values``, the lower of the middle two for an even count (0 for none): of a
+    prompt's 2 rows, one an attention sink's, the other's, not their mean."""
+    ordered = sorted(values)
+    return float(ordered[(len(ordered) - 1) // 2]) if ordered else 0.0
+
+
+def median_row_square(rows: np.ndarray, chunk: int = CHUNK_ELEMENTS) -> float:
+    """The (lower) median squared norm of the rows (axis 0) of ``rows`` over their finite
+    positions, converting about ``chunk`` elements at a time: the scale ``compare_rows`` takes a
+    row's error relative to when the row is smaller."""
+    x = np.asarray(rows).reshape(rows.shape[0], -1)
+    step = max(1, chunk // max(1, x.shape[1]))
+    squares: list[float] = []
+    for start in range(0, x.shape[0], step):
+        a = x[start:start + step].astype(np.float64)
+        a = np.where(np.isfinite(a), a, 0.0)
+        squares.extend(np.einsum("ij,ij->i", a, a).tolist())
+    return lower_median(squares)
 
 
 def _dot(a: np.ndarray, b: np.ndarray) -> float:

@@ -180,3 +180,78 @@ def test_a_steps_row_small_by_cancellation_is_judged_at_the_prompts_scale(tmp_pa
     # The prompt key holds its last row only (one-row mode): the step keeps its own norm.
     code, _, report = compare_json(capsys, *_step_router_pair(tmp_path / "one", rows[-1], steps, run_steps, {}))
     assert code == 1 and report["first_divergence"]["key"] == "layer1_step_router_0"
+
+
+def test_a_two_row_prompt_with_a_sink_row_does_not_hide_a_decode_only_bug(tmp_path, capsys):
+    """The median of an even count is the lower middle row's: of a 2-token prompt whose first row
+    is an attention sink's (50x the norm), the other row's, not their mean, which would have
+    taken every step's error relative to the sink and hidden a 30 % decode-only bug (a review's
+    finding). The same rule holds for the prompt key's own rows (numpy reference)."""
+    rng = np.random.default_rng(0)
+    prompt = rng.standard_normal((2, 64)).astype(np.float32)
+    prompt[0] *= 50.0
+    steps = [rng.standard_normal(64).astype(np.float32) for _ in range(3)]
+    bad = [step.copy() for step in steps]
+    bad[1] = steps[1] + 0.3 * rng.standard_normal(64).astype(np.float32)
+    run_prompt = prompt + (rng.standard_normal(prompt.shape) * 1e-3).astype(np.float32)
+
+    def side(rows, step_rows):
+        return [factory.Capture("layer3", rows, "record", "layer3")] + [
+            factory.Capture(f"layer3_step_{n}", row, "step", "layer3_step", n) for n, row in enumerate(step_rows)]
+
+    def manifest(captures):
+        out = factory.manifest_for(captures, key_fields={"layer3": {"rows": "all", "tokens": 2, "phase": "prefill"}})
+        out["routing"] = {"complete": True, "routed": []}  # dense: a step is judged at the prompt's thresholds
+        return out
+    ref, run = side(prompt, steps), side(run_prompt, bad)
+    code, _, report = compare_json(capsys, *write_pair(tmp_path, ref, run, ref_manifest=manifest(ref),
+                                                       run_manifest=manifest(run)))
+    assert code == 1 and report["first_divergence"]["key"] == "layer3_step_1"
+    record = {r["key"]: r for r in report["keys"]}["layer3"]
+    assert record["row_rel_diff"] == pytest.approx(row_metrics(prompt, run_prompt)[0], rel=1e-9)
+    assert record["row_norm_diff"] == pytest.approx(row_metrics(prompt, run_prompt)[1], rel=1e-9)
+
+
+def test_a_merged_reference_gives_its_steps_the_prompts_scale(tmp_path):
+    """Tensor parallelism replicates router logits on every rank: a REF merged from 2 ranks holds
+    the prompt key twice, and its decode steps are judged at the prompt's row scale as a single
+    process's are (one rank's copy; a review found the steps kept their own norm there)."""
+    rng = np.random.default_rng(14)
+    rows = rng.standard_normal((9, 8)).astype(np.float32)
+    rows[-1] *= 0.02
+    steps = np.stack([rows[-1], rng.standard_normal(8) * 0.02]).astype(np.float32)
+    noise = lambda shape: (rng.standard_normal(shape) * 1e-5).astype(np.float32)  # noqa: E731
+    run_rows, run_steps = rows + noise(rows.shape), steps + noise(steps.shape)
+    up = rng.standard_normal(16).astype(np.float32)
+
+    def side(prompt, step_rows, part=None):
+        return [factory.Capture("layer0_up", up if part is None else np.array_split(up, 2)[part], "record", "layer0_up"),
+                factory.Capture("layer1_router", prompt, "record", "layer1_router")] + [
+            factory.Capture(f"layer1_step_router_{n}", row, "step", "layer1_step_router", n)
+            for n, row in enumerate(step_rows)]
+    fields = {"layer1_router": {"tokens": 9, "phase": "prefill", "rows": "all"}}
+    run = side(run_rows, run_steps)
+    run_path = factory.write_compiledump(tmp_path / "run", run, rank="x", pid=5, manifest=factory.manifest_for(
+        run, "x", 5, source_dtype="float32", key_fields=fields))
+    for rank in range(2):
+        captures = side(rows, steps, rank)
+        manifest = factory.manifest_for(captures, rank, pid=1000 + rank, source_dtype="float32", key_fields=fields)
+        manifest["world_size"], manifest["parallel"] = 2, {"tp_rank": rank, "tp_size": 2}
+        manifest["keys"]["layer0_up"]["shard"] = {"dim": 0, "how": "concat", "group": "tp"}
+        factory.write_compiledump(tmp_path / "ref", captures, rank, 1000 + rank, manifest=manifest)
+    report = cmp.compare(tmp_path / "ref", run_path)
+    keys = {record.key: record for record in report.keys}
+    assert report.exit_status == 0
+    assert [keys[f"layer1_step_router_{n}"].scale_from for n in range(2)] == ["layer1_router"] * 2
+
+
+@pytest.mark.parametrize("count", [1, 2, 7, 10])
+def test_median_row_square_is_the_lower_median_in_any_chunk(count):
+    from compiledump.compare.metrics import median_row_square
+
+    rng = np.random.default_rng(count)
+    rows = (rng.standard_normal((count, 26)) * rng.uniform(0.1, 3.0, (count, 1)))[:, ::2].astype(np.float32)
+    rows[0, 3] = np.inf  # non-finite positions count as 0
+    squares = np.sort(np.sum(np.where(np.isfinite(rows), rows, 0.0).astype(np.float64) ** 2, axis=1))
+    for chunk in (1, 13, 40, 1 << 20):
+        assert median_row_square(rows, chunk) == pytest.approx(squares[(count - 1) // 2], rel=1e-12)

@@ -20,10 +20,12 @@ def norm_diff(x, y) -> float:
 def row_metrics(x, y) -> tuple[list[float], list[float]]:
     """Per-row rel_diff and norm_diff of two ``[rows, dim]`` arrays as an all-rows key is judged:
     each row's error relative to the larger of its own REF norm and the median REF row norm
-    (``|x_i - y_i|^2 / max(|x_i|^2 + |y_i|^2, 2 m^2)`` and ``| |y_i| - |x_i| | / max(|x_i|, m)``)."""
+    (``|x_i - y_i|^2 / max(|x_i|^2 + |y_i|^2, 2 m^2)`` and ``| |y_i| - |x_i| | / max(|x_i|, m)``; the
+    lower median for an even number of rows)."""
     x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
     nx, ny = np.linalg.norm(x, axis=1), np.linalg.norm(y, axis=1)
-    m = np.sqrt(np.median(nx ** 2))
+    squares = np.sort(nx ** 2)
+    m = np.sqrt(squares[(len(squares) - 1) // 2])  # the lower median for an even count
     rel = np.sum((x - y) ** 2, axis=1) / np.maximum(nx ** 2 + ny ** 2, 2 * m ** 2)
     norm = np.abs(ny - nx) / np.maximum(nx, m)
     return rel.tolist(), norm.tolist()
