@@ -178,6 +178,40 @@ def hybrid_note(manifests: list, layer: int | None, klass: str | None) -> str | 
             "an fp32 engine run to localise a bug of a few percent (docs/compare.md, \"Hybrid models\")")
 
 
+def _hyper_connection_layers(manifest) -> dict[int, int]:
+    """{layer: hc_mult} of the decoder layers whose state a side stored as the mean over hyper-
+    connection streams: `layer<N>` read from `[tokens, hc_mult, hidden]` (manifest source_shape)."""
+    keys = manifest.get("keys") if isinstance(manifest, dict) else None
+    found = {}
+    for key, entry in (keys or {}).items():
+        source, shape = (entry.get("source_shape"), entry.get("shape")) if isinstance(entry, dict) else (None, None)
+        if spec.LAYER_ONLY.match(key) and isinstance(source, list) and isinstance(shape, list) and len(source) == 3 \
+                and len(shape) < 3 and shape and shape[-1] == source[-1] and isinstance(source[1], int) \
+                and 2 <= source[1] <= 8:
+            found[int(key[len("layer"):])] = source[1]
+    return found
+
+
+def hyper_connection_note(manifests: list, layer: int | None, klass: str | None) -> str | None:
+    """A caution when a low-precision pair first diverges at or after a layer whose residual is
+    several hyper-connection streams (DeepSeek-V4's mHC): the weights that mix the streams are
+    computed from them, the dump holds their mean, and honest bf16 rounding crossed the defaults
+    in tiny random models where no other MoE model's did (docs/compare.md, "Hybrid models")."""
+    if layer is None or klass in (None, "fp32"):
+        return None
+    streams = {}
+    for manifest in manifests:
+        streams.update(_hyper_connection_layers(manifest))
+    before = sorted(i for i in streams if i <= layer)
+    if not before:
+        return None
+    return (f"the first divergence (layer {layer}) is at or after {len(before)} layer(s) whose residual is "
+            f"{streams[before[0]]} hyper-connection streams (first: layer {before[0]}; stored as their mean): the "
+            f"weights that mix them are computed from the streams, and in {klass} their honest rounding can exceed "
+            "the defaults (seen with random weights), so a small crossing there may be noise; compare an fp32 engine "
+            "run to localise a bug of a few percent (docs/compare.md, \"Hybrid models\")")
+
+
 _FILTERS = {"moe_layers": "COMPILEDUMP_MOE_LAYERS"}
 
 
@@ -260,12 +294,15 @@ def unrecorded_routing_note(ref: Dump, run: Dump) -> str | None:
 
 def first_cautions(ref: Dump, run: Dump, key: str, layer: int | None, klass: str | None) -> list[tuple[str, str]]:
     """(note, caution) for a float first divergence `key` at `layer` in precision class `klass`
-    that may be noise: after a hybrid model's recurrent layers, after MoE layers whose routing is
+    that may be noise: after a hybrid model's recurrent layers or hyper-connection streams, after
+    MoE layers whose routing is
     not recorded (the final norm and the logits come after every layer). Either side's manifest
     says so (an instrumented reference beside an engine's hand-written captures)."""
     found = []
-    if (note := hybrid_note([ref.manifest, run.manifest], layer, klass)) is not None:
-        found.append((note, "after layers whose bf16 rounding can exceed the defaults (see the note)"))
+    for note in (hybrid_note([ref.manifest, run.manifest], layer, klass),
+                 hyper_connection_note([ref.manifest, run.manifest], layer, klass)):
+        if note is not None:
+            found.append((note, "after layers whose bf16 rounding can exceed the defaults (see the note)"))
     after_layers = key == "final_norm" or (spec.split_step_key(key) or ("",))[0] == "logits"
     if (note := unrecorded_flip_note(ref, run, math.inf if layer is None and after_layers else layer, klass)):
         found.append((note, "after MoE layers whose routing is not recorded (see the note)"))
