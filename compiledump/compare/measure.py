@@ -11,18 +11,19 @@ from dataclasses import replace
 import numpy as np
 
 from ..format import spec
-from ..format.keys import KeyInfo, index_ids_key_for, prompt_tag_for_step, router_key_for, step_ids_key_for
+from ..format.keys import KeyInfo, index_ids_key_for, router_key_for, step_ids_key_for
 from ..format.reader import Dump, Member
 from ..format.routers import RouterInfo
 from .cut import add_cut_rows
 from .facts import SideFacts
 from .key_record import KeyRecord
 from .merged_ranks import measure_merged
-from .metrics import RowMetrics, Workspace, compare_float_arrays, compare_id_arrays, compare_rows, median_row_square
+from .metrics import RowMetrics, Workspace, compare_float_arrays, compare_id_arrays, compare_rows
 from .options import DECODE_NO_FLIP, PRECISION_ORDER, CompareOptions, Thresholds, judged_class, pair_class
 from .phases import not_comparable_reason
 from .report import Problem
 from .routing import judge_routing, top_k_counterexample
+from .step_scale import StepScales
 
 
 def logits_tags(infos: list[KeyInfo], members: dict[str, Member]) -> set[str]:
@@ -75,7 +76,7 @@ class KeyMeasurer:
         # The layers whose `layer<i>_mlp` is an MoE block's output, by either side's manifest
         routings = [(dump.manifest or {}).get("routing") or {} for dump in (ref, run)]
         self.moe_outputs = {i for routing in routings for i in routing.get("moe_outputs") or () if isinstance(i, int)}
-        self._prompt_scales: dict[str, tuple[float | None, int | None]] = {}  # prompt_row_scale's, by prompt key
+        self.step_scales = StepScales(ref, options.chunk_elements)  # a decode step's row at its prompt's scale
 
     def record(self, info: KeyInfo, problems: list[Problem], not_comparable: str | None = None,
                no_flip: bool = False) -> KeyRecord:
@@ -198,10 +199,9 @@ class KeyMeasurer:
         rows = None
         if info.all_rows and x.ndim == 2 and x.shape == y.shape:
             rows = compare_rows(x, y, chunk=self.options.chunk_elements)
-            if info.kind != "step" and not spec.masked_scores(info.tag):  # its steps' scale, not read again
-                self._prompt_scales.setdefault(info.key, (rows.scale, x.shape[-1]))
+            self.step_scales.remember(info, rows.scale, x.shape[-1])
         if info.kind == "step" and rows is None and floats.nonfinite_mismatch == 0:
-            floats, scale_from = self._against_prompt_rows(floats, x, y, info.tag)
+            floats, scale_from = self.step_scales.floored(floats, x, y, info.tag)
             record = replace(record, scale_from=scale_from)
         record = replace(record, threshold=limits.rel_diff, limits=limits, floats=floats, rows=rows,
                          logits=want_margins, margin_analysis=step_logits)
@@ -219,43 +219,6 @@ class KeyMeasurer:
             record = replace(record, argmax_equal=floats.margins.ref.argmax == floats.margins.run.argmax,
                              near_tie_epsilon=self.options.near_tie_epsilon(floats.margins.ref.top1))
         return record
-
-    def _against_prompt_rows(self, floats, x: np.ndarray, y: np.ndarray, tag: str):
-        """A decode step's ``floats`` (one token's row) with rel_diff and norm_diff taken as an
-        all-rows key takes each of its rows: relative to the larger of the row's own norm and the
-        median REF row of the prompt's key at the same point (``layer3_router`` for
-        ``layer3_step_router_<n>``), when that key holds every prompt row of the same width. The
-        same row (step 0 repeats the prompt's last) then reads the same in both: one token's 8
-        router logits that nearly cancel are no divergence at a step either (docs/compare.md,
-        "All rows"). Returns the floats and the prompt key when it lowered either metric."""
-        prompt = prompt_tag_for_step(tag)
-        scale = self._prompt_row_scale(prompt, x.size) if prompt is not None else None
-        if scale is None:
-            return floats, None
-        row = compare_rows(x.reshape(1, -1), y.reshape(1, -1), floor=scale)
-        rel, norm = row.rel_diff[0], row.norm_diff[0]
-        lower_norm = norm is not None and (floats.norm_diff is None or norm < floats.norm_diff)
-        if not (rel < floats.rel_diff or lower_norm):
-            return floats, None
-        return replace(floats, rel_diff=min(rel, floats.rel_diff),
-                       norm_diff=norm if lower_norm else floats.norm_diff), prompt
-
-    def _prompt_row_scale(self, key: str, width: int) -> float | None:
-        """The median squared norm of REF's rows of prompt key ``key`` when it is an all-rows
-        float key `[tokens, width]` (kept when the key was measured, else read once); None otherwise."""
-        if key not in self._prompt_scales:
-            info, member = self.ref.infos.get(key), self.ref.members.get(key)
-            scale = None
-            if info is not None and info.all_rows and member is not None and not member.is_integer \
-                    and len(member.shape) == 2 and not spec.masked_scores(info.tag):
-                try:  # of a merged REF, one rank's copy (router logits are replicated, not split)
-                    rows = np.asarray(self.ref.replicas(key)[0].whole())
-                    scale = median_row_square(rows, self.options.chunk_elements) if rows.ndim == 2 else None
-                except (OSError, ValueError, IndexError, zipfile.BadZipFile, EOFError):
-                    scale = None  # unreadable: the step keeps its own norm
-            self._prompt_scales[key] = (scale, member.shape[-1] if member is not None and member.shape else None)
-        scale, prompt_width = self._prompt_scales[key]
-        return scale if prompt_width == width and scale else None
 
     def _weighs_by_cut(self, info: KeyInfo) -> bool:
         """Whether ``info``'s ids come from a router declared with a sparsemixer ``cut`` (PhiMoE's),
