@@ -85,6 +85,10 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
             handle._add_stream(mlp, f"layer{i}_mlp", mlp_path, moe_filtered=routed)
             if routed and f"layer{i}_mlp" in handle.taps:
                 moe_outputs.append(i)
+            if (shared := layout.child(layer, layout.SHARED_MLPS)) not in (None, block_name):
+                # Granite's dense MLP beside its MoE block, the two outputs summed: its own tag, or a
+                # bug there would be missed (the block's output holds none of it)
+                handle._add_stream(layer.get_submodule(shared), f"layer{i}_shared_mlp", f"{prefix}.{shared}")
         if layout.holds_experts(layer) and (router_name := layout.child(layer, layout.ROUTERS)) is not None:
             router_taps.tap_router(handle, f"layer{i}", prefix, layer, router_name)  # Gemma 4: router and experts beside a dense mlp
         handle._add_stream(layer, f"layer{i}", prefix, read=residual.layer_stream if split else None)

@@ -41,7 +41,11 @@ MIXERS = ("self_attn", "linear_attn", "mamba", "mixer", "self_attention", "conv"
 RECURRENT_MIXERS = ("linear_attn", "mamba", "conv", "mlstm_layer", "mamba_decoder")
 MLP_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward", "ffn", "fc2",  # MPT; OPT's MLP ends in the layer's fc2
               "mlp_block",  # RecurrentGemma
-              "DenseReluDense")  # T5's family (Switch Transformers': `mlp`), inside its last sublayer
+              "DenseReluDense",  # T5's family (Switch Transformers': `mlp`), inside its last sublayer
+              "shared_mlp")  # Granite-MoE hybrid's dense layers (no `block_sparse_moe`)
+# A dense MLP beside a layer's MoE block whose output the layer adds to the block's (Granite-MoE
+# shared, hybrid and SWA: `block_sparse_moe(x) + shared_mlp(x)`): recorded as `layer<i>_shared_mlp`.
+SHARED_MLPS = ("shared_mlp",)
 # The decoder layers' list (`layers`; the GPT-2 family's `h`, MPT's `blocks`, T5's `block`; a
 # `ModuleDict` keyed by layer index too: torchtitan's, mistral-inference's).
 LAYER_LISTS = ("layers", "h", "blocks", "block",

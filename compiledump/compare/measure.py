@@ -95,7 +95,7 @@ class KeyMeasurer:
                            limits=self.options.thresholds_for(
                                key, ref_info.source_dtype, run_info.source_dtype,
                                DECODE_NO_FLIP if no_flip and info.kind == "step" else info.phase, self.klass,
-                               moe_output=info.tag.endswith("_mlp_step") and info.layer in self.moe_outputs))
+                               moe_output=info.tag == f"layer{info.layer}_mlp_step" and info.layer in self.moe_outputs))
         reason = not_comparable or not_comparable_reason(info.kind, ref_info, run_info)
         if reason is not None:
             # Values of different phases or token counts: comparing them could only mislead.

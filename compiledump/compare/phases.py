@@ -299,13 +299,14 @@ def first_cautions(ref: Dump, run: Dump, key: str, layer: int | None, klass: str
     not recorded (the final norm and the logits come after every layer). Either side's manifest
     says so (an instrumented reference beside an engine's hand-written captures)."""
     found = []
+    # The one a setting can remove first: the verdict line carries the first caution only
+    after_layers = key == "final_norm" or (spec.split_step_key(key) or ("",))[0] == "logits"
+    if (note := unrecorded_flip_note(ref, run, math.inf if layer is None and after_layers else layer, klass)):
+        found.append((note, "after MoE layers whose routing is not recorded (see the note)"))
     for note in (hybrid_note([ref.manifest, run.manifest], layer, klass),
                  hyper_connection_note([ref.manifest, run.manifest], layer, klass)):
         if note is not None:
             found.append((note, "after layers whose bf16 rounding can exceed the defaults (see the note)"))
-    after_layers = key == "final_norm" or (spec.split_step_key(key) or ("",))[0] == "logits"
-    if (note := unrecorded_flip_note(ref, run, math.inf if layer is None and after_layers else layer, klass)):
-        found.append((note, "after MoE layers whose routing is not recorded (see the note)"))
     return found
 
 

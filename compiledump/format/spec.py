@@ -108,7 +108,7 @@ LAYER_ONLY = re.compile(r"^layer\d+$")
 # The stream after its attention and its MLP's (or a Mamba layer's mixer's) own output are kept
 # likewise, `layer<N>_attn_step`, `layer<N>_mlp_step` (`layer<N>_mixer_step`): a decode step is
 # judged at the points a prompt is, so that a decode-only bug is named at its sublayer.
-_STREAM_STEP_TAG = re.compile(r"^layer\d+(?:_attn|_mlp|_mixer)?_step$")
+_STREAM_STEP_TAG = re.compile(r"^layer\d+(?:_attn|_mlp|_shared_mlp|_mixer)?_step$")
 
 
 def stream_step_tag(tag: str) -> bool:
@@ -118,11 +118,12 @@ def stream_step_tag(tag: str) -> bool:
     return _STREAM_STEP_TAG.match(tag) is not None
 
 
-_SUBLAYER_STEP_TAG = re.compile(r"^layer\d+_(?:attn|mlp|mixer)_step$")
+_SUBLAYER_STEP_TAG = re.compile(r"^layer\d+_(?:attn|mlp|shared_mlp|mixer)_step$")
 
 
 def sublayer_step_tag(tag: str) -> bool:
-    """Whether `tag` is a sublayer's step state, `layer<N>_attn_step`, `_mlp_step`, `_mixer_step`."""
+    """Whether `tag` is a sublayer's step state, `layer<N>_attn_step`, `_mlp_step`, `_mixer_step`
+    (`_shared_mlp_step`: Granite's dense MLP beside its MoE block)."""
     return _SUBLAYER_STEP_TAG.match(tag) is not None
 
 

@@ -196,3 +196,22 @@ def test_a_bf16_divergence_in_a_hyper_connection_model_carries_the_caution(tmp_p
     dump_prefill(engine, tmp_path / "llama_run", ids % 200, "all")
     report = compare(tmp_path / "llama_ref", tmp_path / "llama_run")
     assert report.exit_status == 1 and "caution" not in format_report(report)[-1]
+
+
+def test_the_verdict_line_carries_the_caution_a_setting_can_remove_first():
+    """A hybrid model (Granite-MoE hybrid's Mamba layers) whose layer-2 routing the MoE layer filter
+    left out: both notes, and the verdict line's one caution is the unrecorded routing's, which
+    COMPILEDUMP_MOE_LAYERS removes (a new user's audit: the line blamed the Mamba layers while the
+    honest pair's crossing came from an unrecorded near tie, exit 0 with the setting)."""
+    from types import SimpleNamespace
+    from compiledump.compare.phases import first_cautions
+
+    manifest = {"mixers": {"0": "mamba", "1": "attention", "2": "mamba", "3": "attention"},
+                "routing": {"routed": [0, 1, 2, 3], "complete": True},
+                "filtered_tags": {"layer2_topk": "moe_layers", "layer3_topk": "moe_layers"}}
+    dump = SimpleNamespace(manifest=manifest, members={"layer0_topk": 0, "layer1_topk": 0})
+    found = first_cautions(dump, dump, "layer2", 2, "bf16")
+    assert [caution for _, caution in found] == [
+        "after MoE layers whose routing is not recorded (see the note)",
+        "after layers whose bf16 rounding can exceed the defaults (see the note)"]
+    assert "COMPILEDUMP_MOE_LAYERS=4" in found[0][0] and "mamba" in found[1][0]
