@@ -41,6 +41,7 @@ from .phases import (
     unrecorded_routing_note,
 )
 from .rename import RenamedDump
+from .jumps import earlier_jump
 from .key_record import KeyRecord
 from .report import ArgmaxFlip, DecodeMargins, Divergence, PairResult, Problem, Report
 from .routing import describe_routing
@@ -179,7 +180,8 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     first = result.first_divergence
     if first is not None and first.metric != "ids":
         limits = records[first.position].limits
-        for note, caution in first_cautions(ref, run, first.key, first.layer, limits.klass if limits else None):
+        klass = limits.klass if limits else None
+        for note, caution in earlier_jump(records, first, klass) + first_cautions(ref, run, first.key, first.layer, klass):
             result.notes.append(note)
             first.caution = first.caution or caution
     if first is not None and (note := layer_steps_note([ref.manifest, run.manifest], first.step, first.key)):
