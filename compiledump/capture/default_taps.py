@@ -91,7 +91,8 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
                 handle._add_stream(layer.get_submodule(shared), f"layer{i}_shared_mlp", f"{prefix}.{shared}")
         if layout.holds_experts(layer) and (router_name := layout.child(layer, layout.ROUTERS)) is not None:
             router_taps.tap_router(handle, f"layer{i}", prefix, layer, router_name)  # Gemma 4: router and experts beside a dense mlp
-        handle._add_stream(layer, f"layer{i}", prefix, read=residual.layer_stream if split else None)
+        handle._add_stream(layer, f"layer{i}", prefix,
+                           read=residual.altup_active(layer) or (residual.layer_stream if split else None))
     if hf_configs.has_tower(handle.model) and encoder is None and not ends.placeholder(layers[0]):
         # A vision-language (or audio) model merges the tower's features into the first layer's
         # input, the image rows, which the layers' one-row tags never see: every prompt row of it.

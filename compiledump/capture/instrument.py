@@ -171,6 +171,8 @@ class Instrumented:
 
     def _track_shape(self, path: str, layer: torch.nn.Module) -> None:
         hidden_of = residual.hidden_states_reader(layer)  # vLLM's and SGLang's layers take positions first
+        if (active := residual.altup_active(layer)) is not None:  # Gemma 3n: its active AltUp stream
+            hidden_of = (lambda read: lambda args, kwargs: active(read(args, kwargs)))(hidden_of)
 
         def pre_hook(_module, args, kwargs):
             if STATE.config.active:

@@ -34,6 +34,19 @@ def hidden_states_reader(layer: torch.nn.Module):
     return lambda args, kwargs: args[at] if len(args) > at else kwargs.get("hidden_states")
 
 
+def altup_active(layer: torch.nn.Module):
+    """`stack -> stack[active]` for a layer that passes an AltUp stack `[altup_num_inputs, batch,
+    seq, hidden]` from layer to layer (Gemma 3n: its `altup` corrects the predictions; the active
+    one is the stream the next layer's attention reads), None for any other layer. Read as it
+    is, the stack looked like `[batch, seq, hc_mult, hidden]` of one token, which the token gate
+    dropped at every call: Gemma 3n's `layer<i>` was never recorded."""
+    config = getattr(layer, "config", None)
+    index = getattr(config, "altup_active_idx", None)
+    if not isinstance(getattr(layer, "altup", None), torch.nn.Module) or not isinstance(index, int):
+        return None
+    return lambda stack: stack[index] if isinstance(stack, torch.Tensor) and stack.dim() == 4 else stack
+
+
 def first_input(args: tuple, kwargs: dict):
     """A module's first input, positional or not."""
     return args[0] if args else next(iter(kwargs.values()), None)
