@@ -37,7 +37,7 @@ class StepBudget:
             self.sublayer_room -= capacity * step_words
             if capacity < self.layer_steps and not self.limited:
                 self.limited = True
-                warn_once(f"the sublayers' decode-step states (layer<i>_attn_step, _mlp_step) fill their share of "
+                warn_once(f"the sublayers' decode-step states (layer<i>_attn_step, _mlp_step, ...) fill their share of "
                           f"the arena (an eighth of COMPILEDUMP_ARENA_MB={self.arena_mb}) from {tag!r} on: later "
                           f"layers keep fewer of their steps or none (their layer's state layer<i>_step still names "
                           "the layer; counted as layer_steps). Raise COMPILEDUMP_ARENA_MB to keep them")

@@ -6,18 +6,25 @@ orders of magnitude at once. The fp32 threshold (rel_diff 1e-8, about 0.014 % re
 far above the noise, so a 1 % bug diluted into the residual stream (a query projection's, seen in
 the stream after attention at 2e-5 to 9e-5 relative L2) passes there and the verdict names the next
 key that is not diluted (the router, the MLP, or a later layer's) with the stream as its last good.
-A key before the first divergence whose rel_diff is ``JUMP`` times every value before it in its
-phase and within ``JUMP`` of its threshold, after which every key up to the first divergence stays
-above that, is where the values jump: the verdict says so (a new
+A stream key before the first divergence whose rel_diff is ``JUMP`` times every stream key's
+before it in its phase and within ``JUMP`` of its threshold, after which every stream key up to the
+first divergence stays above that, is where the values jump: the verdict says so (a new
 user's bug-injection audit of 44 transformers models: attention bugs named at `layer1_router`,
 `layer1_mlp` or `layer2_mlp` with `last good: layer1_attn`)."""
 
 from __future__ import annotations
 
+import math
+import re
+
 from .key_record import KeyRecord
 from .report import Divergence
 
 JUMP = 100.0  # in rel_diff: 10 times in relative L2
+# The residual stream's keys, along which rounding grows gradually (a layer's state, the stream
+# after its attention, at a prompt or a step): a router's 8 logits that nearly cancel can read
+# 1000 times the keys before them honestly, so no other key can be where the values jump.
+_STREAM = re.compile(r"^(?:layer\d+(?:_attn)?(?:_step)?|input_embeds|encoder_output)$")
 
 
 def _size(record: KeyRecord) -> float | None:
@@ -32,16 +39,16 @@ def earlier_jump(records: list[KeyRecord], first: Divergence, klass: str | None)
     phase's values jump; else nothing."""
     if klass != "fp32" or first.metric not in ("rel_diff", "norm_diff"):
         return []
-    phase = [(record, size) for record in records[:first.position + 1]
-             if record.phase == first.phase and record.step == first.step
-             and (size := _size(record)) is not None]
+    stream = [(record, size) for record in records[:first.position]
+              if record.phase == first.phase and record.step == first.step and _STREAM.match(record.tag)
+              and (size := _size(record)) is not None] + [(records[first.position], math.inf)]
     jump, before = None, 0.0
-    for index, (record, size) in enumerate(phase[1:-1], start=1):  # (a jump needs keys before it)
-        baseline = max(value for _, value in phase[:index])
+    for index, (record, size) in enumerate(stream[1:-1], start=1):  # (a jump needs keys before it)
+        baseline = max(value for _, value in stream[:index])
         # Within JUMP of its threshold, so that the onset of rounding noise after keys both sides
         # computed alike (0 to 1e-13) is none: between there and the threshold only one jump fits.
         if size >= record.limits.rel_diff / JUMP and size >= JUMP * baseline \
-                and all(value > JUMP * baseline for _, value in phase[index:]):
+                and all(value > JUMP * baseline for _, value in stream[index:]):
             jump, before = (record, size), baseline
             break
     if jump is None:

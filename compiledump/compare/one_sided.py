@@ -8,7 +8,7 @@ its COMPILEDUMP_MOE_LAYERS filtered the tag (its manifest's `filtered_tags`: the
 differing, or an older compiledump that filtered more); a layer state's step is past its
 COMPILEDUMP_LAYER_STEPS (its manifest counts them dropped as `layer_steps`, or the setting is 0);
 the other side recorded no sublayer's decode-step state at all (`layer<i>_attn_step`, `_mlp_step`:
-a compiledump from before them); only one side records the tokens it fed (`input_token`); the
+a compiledump from before them), or no Granite shared MLP (`layer<i>_shared_mlp`: likewise); only one side records the tokens it fed (`input_token`); the
 other side's router returned its
 logits alone and recorded no expert ids (an engine's gate); the steps are shifted (a warm-up
 before the request, or the prompt in chunks: overwrites.py), and a side holds steps of a tag past
@@ -45,11 +45,14 @@ class OneSidedKeys:
         self.layer_steps = {side: layer_steps_of(dump.manifest) for side, dump in self.dumps.items()}
         # {reason: {holding side: keys}}: the notes' order (the checks' order is sort's)
         self.explained = {reason: {"REF": [], "RUN": []}
-                          for reason in ("filtered", "layer_steps", "sublayer_steps", "excluded", "fed", "ids",
-                                         "shifted")}
+                          for reason in ("filtered", "layer_steps", "sublayer_steps", "shared_mlp", "excluded", "fed",
+                                         "ids", "shifted")}
         # Whether each side recorded any sublayer's decode-step state (compiledump before 2026-12-06 did not)
         self.sublayer_steps = {side: any(spec.sublayer_step_tag((spec.split_step_key(key) or ("",))[0])
                                          for key in dump.members) for side, dump in self.dumps.items()}
+        # Whether each side recorded Granite's shared MLP (compiledump before 2026-12-06 did not)
+        self.shared_mlps = {side: any(spec.shared_mlp_tag((spec.split_step_key(key) or (key,))[0])
+                                      for key in dump.members) for side, dump in self.dumps.items()}
 
     def sort(self, info: KeyInfo, rank: str) -> Problem | None:
         """File `info`'s key (one side holds it) under the reason the other side lacks it; its
@@ -63,6 +66,7 @@ class OneSidedKeys:
                   else "filtered" if info.tag in self.filtered[lacking]
                   else "layer_steps" if self._past_layer_steps(info, dump.manifest, self.layer_steps[lacking])
                   else "sublayer_steps" if spec.sublayer_step_tag(info.tag) and not self.sublayer_steps[lacking]
+                  else "shared_mlp" if spec.shared_mlp_tag(info.tag) and not self.shared_mlps[lacking]
                   else "shifted" if self.shifted and self._past_last_step(info, dump)
                   else "fed" if info.tag == FED_TAG
                   else "ids" if gate_without_ids(info.tag, dump, self.tags[lacking]) else None)
@@ -100,6 +104,10 @@ class OneSidedKeys:
                      f"{side} holds {len(keys)} sublayer decode-step keys ({preview(keys, 3)}) and {other_side(side)} "
                      "none (recorded by a compiledump from before they were, or with step_states=False): not "
                      "compared; record both sides with the same version to judge each step's sublayers"),
+                 "shared_mlp": lambda side, keys: (
+                     f"{side} holds {len(keys)} keys of the dense MLP beside an MoE block ({preview(keys, 3)}) and "
+                     f"{other_side(side)} none (recorded by a compiledump from before they were): not compared; "
+                     "record both sides with the same version to judge them"),
                  "excluded": lambda side, keys: excluded_note(side, keys, self.exclude_patterns),
                  "fed": lambda side, keys: None if self.shifted else one_sided_fed_note(side, keys),
                  "ids": one_sided_ids_note,

@@ -160,7 +160,12 @@ def recovered_note(side: str, dump: Dump) -> str | None:
             "where that process stopped")
 
 
-def hybrid_note(manifests: list, layer: int | None, klass: str | None) -> str | None:
+def _where(layer: float) -> str:
+    """`layer 3`, or `after the layers` for a key after every layer (math.inf: the final norm, logits)."""
+    return f"layer {layer}" if layer != math.inf else "after the layers"
+
+
+def hybrid_note(manifests: list, layer: float | None, klass: str | None) -> str | None:
     """A caution when a low-precision pair first diverges at or after a linear-attention or
     state-space layer (the first of `manifests` with `mixers`, which `instrument` writes): their
     honest bf16 rounding can exceed the defaults calibrated on attention models (docs/compare.md)."""
@@ -172,7 +177,7 @@ def hybrid_note(manifests: list, layer: int | None, klass: str | None) -> str | 
     if not recurrent:
         return None
     kinds = ", ".join(sorted({kind for _, kind in recurrent}))
-    return (f"the first divergence (layer {layer}) is at or after {len(recurrent)} layer(s) whose token mixer is not "
+    return (f"the first divergence ({_where(layer)}) is at or after {len(recurrent)} layer(s) whose token mixer is not "
             f"attention ({kinds}; first: layer {recurrent[0][0]}): in {klass} their honest rounding can exceed the "
             "defaults (seen with random weights of larger scale), so a small crossing there may be noise; compare "
             "an fp32 engine run to localise a bug of a few percent (docs/compare.md, \"Hybrid models\")")
@@ -192,7 +197,7 @@ def _hyper_connection_layers(manifest) -> dict[int, int]:
     return found
 
 
-def hyper_connection_note(manifests: list, layer: int | None, klass: str | None) -> str | None:
+def hyper_connection_note(manifests: list, layer: float | None, klass: str | None) -> str | None:
     """A caution when a low-precision pair first diverges at or after a layer whose residual is
     several hyper-connection streams (DeepSeek-V4's mHC): the weights that mix the streams are
     computed from them, the dump holds their mean, and honest bf16 rounding crossed the defaults
@@ -205,7 +210,7 @@ def hyper_connection_note(manifests: list, layer: int | None, klass: str | None)
     before = sorted(i for i in streams if i <= layer)
     if not before:
         return None
-    return (f"the first divergence (layer {layer}) is at or after {len(before)} layer(s) whose residual is "
+    return (f"the first divergence ({_where(layer)}) is at or after {len(before)} layer(s) whose residual is "
             f"{streams[before[0]]} hyper-connection streams (first: layer {before[0]}; stored as their mean): the "
             f"weights that mix them are computed from the streams, and in {klass} their honest rounding can exceed "
             "the defaults (seen with random weights), so a small crossing there may be noise; compare an fp32 engine "
@@ -301,10 +306,11 @@ def first_cautions(ref: Dump, run: Dump, key: str, layer: int | None, klass: str
     found = []
     # The one a setting can remove first: the verdict line carries the first caution only
     after_layers = key == "final_norm" or (spec.split_step_key(key) or ("",))[0] == "logits"
-    if (note := unrecorded_flip_note(ref, run, math.inf if layer is None and after_layers else layer, klass)):
+    at = math.inf if layer is None and after_layers else layer
+    if (note := unrecorded_flip_note(ref, run, at, klass)):
         found.append((note, "after MoE layers whose routing is not recorded (see the note)"))
-    for note in (hybrid_note([ref.manifest, run.manifest], layer, klass),
-                 hyper_connection_note([ref.manifest, run.manifest], layer, klass)):
+    for note in (hybrid_note([ref.manifest, run.manifest], at, klass),
+                 hyper_connection_note([ref.manifest, run.manifest], at, klass)):
         if note is not None:
             found.append((note, "after layers whose bf16 rounding can exceed the defaults (see the note)"))
     return found
@@ -319,8 +325,7 @@ def unrecorded_flip_note(ref: Dump, run: Dump, layer: float | None, klass: str |
     before = sorted(i for i in filtered if layer is not None and i <= layer)
     if klass in (None, "fp32") or not before:
         return None
-    where = f"layer {layer}" if layer != math.inf else "after the layers"
-    return (f"the first divergence ({where}) is at or after MoE layer(s) {preview([str(i) for i in before], 4)} "
+    return (f"the first divergence ({_where(layer)}) is at or after MoE layer(s) {preview([str(i) for i in before], 4)} "
             f"whose expert ids are not recorded (COMPILEDUMP_MOE_LAYERS): in {klass} a near-tie routing flip there "
             "moves the stream as a small bug does, and cannot be told from one; set COMPILEDUMP_MOE_LAYERS="
             f"{max(filtered) + 1} on both sides to judge their routing")

@@ -127,6 +127,15 @@ def sublayer_step_tag(tag: str) -> bool:
     return _SUBLAYER_STEP_TAG.match(tag) is not None
 
 
+_SHARED_MLP_TAG = re.compile(r"^layer\d+_shared_mlp(?:_step)?$")
+
+
+def shared_mlp_tag(tag: str) -> bool:
+    """Whether `tag` is Granite's dense MLP beside an MoE block, `layer<N>_shared_mlp` (or its
+    steps'), which `instrument` records since 2026-12-06."""
+    return _SHARED_MLP_TAG.match(tag) is not None
+
+
 def stream_step_key(key: str) -> bool:
     """Whether `key` is a step of a layer's step state, `layer<N>_step_<n>` (or of a sublayer's,
     `layer<N>_mlp_step_<n>`, ...)."""

@@ -105,3 +105,25 @@ def test_the_shared_mlp_at_a_step_has_a_dense_mlps_thresholds(tmp_path):
     assert "MoE output" in limits["layer1_mlp_step_1"].rel_source
     assert "MoE output" not in limits["layer1_shared_mlp_step_1"].rel_source
     assert limits["layer1_shared_mlp_step_1"].rel_diff * 2 == limits["layer1_mlp_step_1"].rel_diff
+
+
+def test_an_older_dump_without_the_shared_mlp_gets_one_note(tmp_path):
+    """A reference recorded before `layer<i>_shared_mlp` existed against a new run: one note, no
+    problem per key (a review: 12 `extra_in_run` problems for 4 layers)."""
+    from helpers import dumpfactory as factory
+
+    rng = np.random.default_rng(0)
+    common = [factory.Capture(f"layer{i}_mlp", rng.standard_normal(16).astype(np.float32), "record", f"layer{i}_mlp")
+              for i in range(2)]
+    common += [factory.Capture(f"layer{i}_mlp_step_{n}", rng.standard_normal(16).astype(np.float32), "step",
+                               f"layer{i}_mlp_step", n) for i in range(2) for n in range(2)]  # (an older one had these)
+    shared = [factory.Capture(f"layer{i}_shared_mlp", rng.standard_normal(16).astype(np.float32), "record",
+                              f"layer{i}_shared_mlp") for i in range(2)]
+    shared += [factory.Capture(f"layer{i}_shared_mlp_step_{n}", rng.standard_normal(16).astype(np.float32), "step",
+                               f"layer{i}_shared_mlp_step", n) for i in range(2) for n in range(2)]
+    report = compare(*factory.write_pair(tmp_path, common, common + shared))
+    lines = format_report(report)
+    assert report.exit_status == 0 and not [p for p in report.problems if p.kind == "extra_in_run"], lines
+    (note,) = [line for line in lines if "dense MLP beside an MoE block" in line]
+    # (step 0 of a stream step is never compared: the prompt's last row)
+    assert note.startswith("note: RUN holds 4 keys of the dense MLP beside an MoE block") and "REF none" in note

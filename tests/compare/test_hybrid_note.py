@@ -215,3 +215,21 @@ def test_the_verdict_line_carries_the_caution_a_setting_can_remove_first():
         "after MoE layers whose routing is not recorded (see the note)",
         "after layers whose bf16 rounding can exceed the defaults (see the note)"]
     assert "COMPILEDUMP_MOE_LAYERS=4" in found[0][0] and "mamba" in found[1][0]
+
+
+@pytest.mark.parametrize("key", ["final_norm", "logits_3"])
+def test_a_divergence_after_every_layer_gets_the_models_caution_too(key):
+    """The final norm and the logits come after every layer: a hybrid model's or a hyper-connection
+    model's caution applies there as the unrecorded routing's does (a review: they had none)."""
+    from types import SimpleNamespace
+    from compiledump.compare.phases import first_cautions
+
+    hybrid = SimpleNamespace(manifest={"mixers": {"0": "mamba", "1": "attention"}}, members={})
+    found = first_cautions(hybrid, hybrid, key, None, "bf16")
+    assert [caution for _, caution in found] == ["after layers whose bf16 rounding can exceed the defaults (see the note)"]
+    assert found[0][0].startswith("the first divergence (after the layers) is at or after 1 layer(s)")
+    streams = SimpleNamespace(manifest={"keys": {"layer0": {"source_shape": [7, 4, 64], "shape": [64]}}}, members={})
+    (found,) = first_cautions(streams, streams, key, None, "bf16")
+    assert "4 hyper-connection streams" in found[0]
+    assert first_cautions(streams, streams, key, None, "fp32") == []
+    assert first_cautions(streams, streams, "input_token_0", None, "bf16") == []  # before the layers

@@ -37,8 +37,8 @@ def _chain(rng, sizes, dtype="float32", tmp_path=None):
 
 
 @pytest.mark.parametrize("sizes, jump", [
-    ([1e-7, 2e-7, 9e-5, 8e-5, 6e-4], "layer1_mlp"),    # a jump of x2e5 in rel_diff, crossing at layer2_attn
-    ([0.0, 0.0, 9e-5, 8e-5, 6e-4], "layer1_mlp"),      # bitwise equal before it: the first key that differs
+    ([1e-7, 2e-7, 9e-5, 8e-5, 6e-4], "layer1"),        # a jump of x1e5 in the stream, crossing at layer2_attn
+    ([0.0, 0.0, 9e-5, 8e-5, 6e-4], "layer1"),          # bitwise equal before it: the first stream key that differs
     ([1e-7, 3e-5, 4e-5, 2e-5, 6e-4], "layer1_attn"),   # the last jump before the crossing
     ([1e-7, 2e-7, 3e-7, 2e-7, 6e-4], None),            # the crossing is the jump: nothing to add
     ([1e-7, 9e-5, 2e-7, 2e-7, 6e-4], None),            # back to the noise after it: no trail, no jump
@@ -57,11 +57,30 @@ def test_the_verdict_says_where_fp32_values_jump_before_the_first_crossing(tmp_p
     assert first.caution == CAUTION.format(jump) and lines[-1].endswith(f"caution: {CAUTION.format(jump)}")
     index = ["layer0", "layer1_attn", "layer1_mlp", "layer1", "layer2_attn"].index(jump)
     (note,) = [line for line in lines if line.startswith(f"note: {jump} is within its thresholds")]
-    before = max(values[:index])
+    before = max(value for i, value in enumerate(values[:index]) if i != 2)  # the stream's (not layer1_mlp)
     assert values[index] >= JUMP * before and all(value > JUMP * before for value in values[index:])
     assert values[index] >= 1e-8 / JUMP
     assert (f"{values[index] / before:.0f} times the largest before it" if before else "every key before it equal") \
         in note
+
+
+def test_a_router_that_nearly_cancels_right_before_a_named_bug_is_no_jump(tmp_path):
+    """Only the stream's keys can be where the values jump: one token's 8 router logits that
+    nearly cancel read far above the keys before them honestly (a review: the caution blamed the
+    router right before a correctly named MLP bug)."""
+    rng = np.random.default_rng(5)
+    tags = ["layer0", "layer1_attn", "layer1_router", "layer1_mlp"]
+    ref = [factory.Capture(tag, rng.standard_normal(8 if "router" in tag else 64).astype(np.float32), "record", tag)
+           for tag in tags]
+    run = [factory.Capture(c.key, (c.array * (1 + 1e-7 * rng.standard_normal(c.array.shape))).astype(np.float32),
+                           "record", c.tag) for c in ref]
+    run[2] = factory.Capture("layer1_router", (ref[2].array + 2e-5 * rng.standard_normal(8)).astype(np.float32),
+                             "record", "layer1_router")  # 1e-10 and more: far above the stream's 1e-14
+    run[3] = factory.Capture("layer1_mlp", (ref[3].array * 1.01).astype(np.float32), "record", "layer1_mlp")
+    report = compare(*factory.write_pair(tmp_path, ref, run, "float32", "float32"))
+    values = {record.key: record.floats.rel_diff for record in report.keys}
+    assert 1e-10 < values["layer1_router"] < 1e-8 and values["layer1_attn"] < 1e-12
+    assert report.first_divergence.key == "layer1_mlp" and report.first_divergence.caution is None
 
 
 def test_a_low_precision_pair_gets_no_jump_note(tmp_path):
