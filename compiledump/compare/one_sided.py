@@ -27,6 +27,12 @@ from .phases import exclude_patterns, layer_steps_of, moe_layers_of
 from .report import Problem
 
 
+# Tag families a compiledump from before 2026-12-06 did not record: a side holding no key of one
+# lacks it by version (the sublayers' decode-step states also by step_states=False), each such key
+# of the other side one note per family, not a problem.
+NEWER_FAMILIES = {"sublayer_steps": spec.sublayer_step_tag, "shared_mlp": spec.shared_mlp_tag}
+
+
 class OneSidedKeys:
     """Sorts the keys held by one side of a pair (`sort`), then writes their notes (`notes`).
     `captured`: each side's `phases.not_captured` fact; `shifted`: the two sides' steps are
@@ -45,14 +51,12 @@ class OneSidedKeys:
         self.layer_steps = {side: layer_steps_of(dump.manifest) for side, dump in self.dumps.items()}
         # {reason: {holding side: keys}}: the notes' order (the checks' order is sort's)
         self.explained = {reason: {"REF": [], "RUN": []}
-                          for reason in ("filtered", "layer_steps", "sublayer_steps", "shared_mlp", "excluded", "fed",
-                                         "ids", "shifted")}
-        # Whether each side recorded any sublayer's decode-step state (compiledump before 2026-12-06 did not)
-        self.sublayer_steps = {side: any(spec.sublayer_step_tag((spec.split_step_key(key) or ("",))[0])
-                                         for key in dump.members) for side, dump in self.dumps.items()}
-        # Whether each side recorded Granite's shared MLP (compiledump before 2026-12-06 did not)
-        self.shared_mlps = {side: any(spec.shared_mlp_tag((spec.split_step_key(key) or (key,))[0])
-                                      for key in dump.members) for side, dump in self.dumps.items()}
+                          for reason in ("filtered", "layer_steps", *NEWER_FAMILIES, "excluded", "fed", "ids",
+                                         "shifted")}
+        # The NEWER_FAMILIES each side recorded any key of
+        self.families = {side: {family for family, member_of in NEWER_FAMILIES.items()
+                                if any(member_of((spec.split_step_key(key) or (key,))[0]) for key in dump.members)}
+                         for side, dump in self.dumps.items()}
 
     def sort(self, info: KeyInfo, rank: str) -> Problem | None:
         """File `info`'s key (one side holds it) under the reason the other side lacks it; its
@@ -62,11 +66,12 @@ class OneSidedKeys:
         dump = self.dumps[lacking]
         if info.key in dump.bad_members or info.key in dump.excluded:
             return None
+        newer = next((family for family, member_of in NEWER_FAMILIES.items()
+                      if member_of(info.tag) and family not in self.families[lacking]), None)
         reason = ("excluded" if dump.left_out_by(info.tag, self.exclude_patterns[lacking])
                   else "filtered" if info.tag in self.filtered[lacking]
                   else "layer_steps" if self._past_layer_steps(info, dump.manifest, self.layer_steps[lacking])
-                  else "sublayer_steps" if spec.sublayer_step_tag(info.tag) and not self.sublayer_steps[lacking]
-                  else "shared_mlp" if spec.shared_mlp_tag(info.tag) and not self.shared_mlps[lacking]
+                  else newer if newer is not None
                   else "shifted" if self.shifted and self._past_last_step(info, dump)
                   else "fed" if info.tag == FED_TAG
                   else "ids" if gate_without_ids(info.tag, dump, self.tags[lacking]) else None)
