@@ -261,20 +261,6 @@ def lower_median(values) -> float:
     return float(ordered[(len(ordered) - 1) // 2]) if ordered else 0.0
 
 
-def median_row_square(rows: np.ndarray, chunk: int = CHUNK_ELEMENTS) -> float:
-    """The (lower) median squared norm of the rows (axis 0) of ``rows`` over their finite
-    positions, converting about ``chunk`` elements at a time: the scale ``compare_rows`` takes a
-    row's error relative to when the row is smaller."""
-    x = np.asarray(rows).reshape(rows.shape[0], -1)
-    step = max(1, chunk // max(1, x.shape[1]))
-    squares: list[float] = []
-    for start in range(0, x.shape[0], step):
-        a = x[start:start + step].astype(np.float64)
-        a = np.where(np.isfinite(a), a, 0.0)
-        squares.extend(np.einsum("ij,ij->i", a, a).tolist())
-    return lower_median(squares)
-
-
 def _dot(a: np.ndarray, b: np.ndarray) -> float:
     # einsum's own loop rather than BLAS: multi-threaded OpenBLAS dot products measured 1-6 s
     # instead of 0.8 s for the benchmark on a loaded 2-core box, and a single-threaded loop sums in

@@ -15,7 +15,7 @@ import numpy as np
 from ..format import spec
 from ..format.keys import KeyInfo, prompt_tag_for_step
 from ..format.reader import Dump
-from .metrics import FloatMetrics, compare_rows, median_row_square
+from .metrics import FloatMetrics, compare_rows
 
 
 class StepScales:
@@ -58,7 +58,9 @@ class StepScales:
                     and len(member.shape) == 2 and not spec.masked_scores(info.tag):
                 try:  # of a merged REF, one rank's copy (router logits are replicated, not split)
                     rows = np.asarray(self.ref.replicas(key)[0].whole())
-                    scale = median_row_square(rows, self.chunk) if rows.ndim == 2 else None
+                    # (the scale compare_rows takes, as for the key itself; read here only where the
+                    # key was not measured row by row)
+                    scale = compare_rows(rows, rows, self.chunk).scale if rows.ndim == 2 else None
                 except (OSError, ValueError, IndexError, zipfile.BadZipFile, EOFError):
                     scale = None  # unreadable: the step keeps its own norm
             self._scales[key] = (scale, member.shape[-1] if member is not None and member.shape else None)

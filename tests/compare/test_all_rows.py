@@ -246,12 +246,10 @@ def test_a_merged_reference_gives_its_steps_the_prompts_scale(tmp_path):
 
 
 @pytest.mark.parametrize("count", [1, 2, 7, 10])
-def test_median_row_square_is_the_lower_median_in_any_chunk(count):
-    from compiledump.compare.metrics import median_row_square
-
+def test_the_row_scale_is_the_lower_median_in_any_chunk(count):
     rng = np.random.default_rng(count)
     rows = (rng.standard_normal((count, 26)) * rng.uniform(0.1, 3.0, (count, 1)))[:, ::2].astype(np.float32)
     rows[0, 3] = np.inf  # non-finite positions count as 0
     squares = np.sort(np.sum(np.where(np.isfinite(rows), rows, 0.0).astype(np.float64) ** 2, axis=1))
     for chunk in (1, 13, 40, 1 << 20):
-        assert median_row_square(rows, chunk) == pytest.approx(squares[(count - 1) // 2], rel=1e-12)
+        assert compare_rows(rows, rows, chunk).scale == pytest.approx(squares[(count - 1) // 2], rel=1e-12)
