@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import re
 
+from ..format import spec
 from .key_record import KeyRecord
 from .report import Divergence
 
@@ -24,7 +25,7 @@ JUMP = 100.0  # in rel_diff: 10 times in relative L2
 # The residual stream's keys, along which rounding grows gradually (a layer's state, the stream
 # after its attention, at a prompt or a step): a router's 8 logits that nearly cancel can read
 # 1000 times the keys before them honestly, so no other key can be where the values jump.
-_STREAM = re.compile(r"^(?:layer\d+(?:_attn)?(?:_step)?|input_embeds|encoder_output)$")
+_STREAM = re.compile(rf"^(?:layer\d+(?:_attn)?(?:_step)?|{spec.INPUT_EMBEDS_TAG}|{spec.ENCODER_OUTPUT_TAG})$")
 
 
 def _size(record: KeyRecord) -> float | None:

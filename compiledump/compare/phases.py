@@ -165,6 +165,11 @@ def _where(layer: float) -> str:
     return f"layer {layer}" if layer != math.inf else "after the layers"
 
 
+# The end of a model caution's note (hybrid_note, hyper_connection_note): what the user can do.
+_MAY_BE_NOISE = ("so a small crossing there may be noise; compare an fp32 engine run to localise a bug of a few "
+                 "percent (docs/compare.md, \"Hybrid models\")")
+
+
 def hybrid_note(manifests: list, layer: float | None, klass: str | None) -> str | None:
     """A caution when a low-precision pair first diverges at or after a linear-attention or
     state-space layer (the first of `manifests` with `mixers`, which `instrument` writes): their
@@ -179,8 +184,7 @@ def hybrid_note(manifests: list, layer: float | None, klass: str | None) -> str 
     kinds = ", ".join(sorted({kind for _, kind in recurrent}))
     return (f"the first divergence ({_where(layer)}) is at or after {len(recurrent)} layer(s) whose token mixer is not "
             f"attention ({kinds}; first: layer {recurrent[0][0]}): in {klass} their honest rounding can exceed the "
-            "defaults (seen with random weights of larger scale), so a small crossing there may be noise; compare "
-            "an fp32 engine run to localise a bug of a few percent (docs/compare.md, \"Hybrid models\")")
+            f"defaults (seen with random weights of larger scale), {_MAY_BE_NOISE}")
 
 
 def _hyper_connection_layers(manifest) -> dict[int, int]:
@@ -213,8 +217,7 @@ def hyper_connection_note(manifests: list, layer: float | None, klass: str | Non
     return (f"the first divergence ({_where(layer)}) is at or after {len(before)} layer(s) whose residual is "
             f"{streams[before[0]]} hyper-connection streams (first: layer {before[0]}; stored as their mean): the "
             f"weights that mix them are computed from the streams, and in {klass} their honest rounding can exceed "
-            "the defaults (seen with random weights), so a small crossing there may be noise; compare an fp32 engine "
-            "run to localise a bug of a few percent (docs/compare.md, \"Hybrid models\")")
+            f"the defaults (seen with random weights), {_MAY_BE_NOISE}")
 
 
 _FILTERS = {"moe_layers": "COMPILEDUMP_MOE_LAYERS"}
