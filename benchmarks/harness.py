@@ -123,6 +123,27 @@ def sweep_grid(column: str, values: list, names: list[str], seeds: int, build, r
     print_verdict_table(column, table_cases, expected, total)
 
 
+def sweep_main(doc: str, models, column: str, flag: str, default: str, build, run_on, engine_for, cases,
+               table_cases: dict) -> None:
+    """A verdict sweep's command line (its script's `doc` describes it): --models (`models`),
+    --seeds (3) and --`flag` (comma-separated `column` values, `default`), then sweep_grid with the
+    other arguments, on one thread and with warnings off."""
+    import argparse
+    import warnings
+
+    import torch
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--models", default=",".join(models))
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument(f"--{flag}", default=default)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    sweep_grid(column, [float(value) for value in getattr(args, flag).split(",")], args.models.split(","), args.seeds,
+               build, run_on, engine_for, cases, table_cases)
+
+
 def print_verdict_table(column: str, cases, expected, total) -> None:
     """The Markdown table of a verdict sweep: a row per (`column` value, model), a cell per case,
     "expected/pairs" from the counters keyed (value, model, case)."""

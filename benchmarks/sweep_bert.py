@@ -17,10 +17,8 @@ Usage: python benchmarks/sweep_bert.py [--models bert,roberta,...] [--seeds 3] [
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -28,7 +26,7 @@ import transformers as T
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-from harness import sweep_grid  # noqa: E402
+from harness import sweep_main  # noqa: E402
 from helpers.hf_dump import scale_output  # noqa: E402  (the tests' planted bug)
 
 VOCAB, PROMPT, STEPS, LAYERS = 160, 6, 3, 4
@@ -78,15 +76,8 @@ def engine_for(reference: torch.nn.Module, case: str) -> torch.nn.Module:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--inits", default="0.02,0.1")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore")
-    sweep_grid("init", [float(value) for value in args.inits.split(",")], args.models.split(","), args.seeds, build,
-               session, lambda reference, case, _name: engine_for(reference, case), lambda _name: CASES, CASES)
+    sweep_main(__doc__, MODELS, "init", "inits", "0.02,0.1", build, session,
+               lambda reference, case, _name: engine_for(reference, case), lambda _name: CASES, CASES)
 
 
 if __name__ == "__main__":

@@ -19,14 +19,12 @@ Usage: python benchmarks/sweep_decode.py [--models llama,...] [--seeds 3] [--ini
 
 from __future__ import annotations
 
-import argparse
 import copy
-import warnings
 
 import torch
 import transformers as T
 
-from harness import sweep_grid
+from harness import sweep_main
 
 VOCAB, PROMPT, STEPS = 160, 8, 4
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
@@ -89,15 +87,7 @@ def engine_for(reference: torch.nn.Module, case: str, name: str) -> torch.nn.Mod
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--inits", default="0.02,0.1")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore")
-    sweep_grid("init", [float(value) for value in args.inits.split(",")], args.models.split(","), args.seeds, build,
-               session, engine_for, cases_of, CASES)
+    sweep_main(__doc__, MODELS, "init", "inits", "0.02,0.1", build, session, engine_for, cases_of, CASES)
 
 
 def cases_of(name: str) -> dict:
