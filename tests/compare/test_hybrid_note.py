@@ -116,19 +116,25 @@ def test_the_note_names_the_recurrent_layers_at_or_before_the_divergence(layer, 
     assert hybrid_note([{}, None], 1, "bf16") is None
 
 
+def _broken(reference, ids, root: Path, plant, dtypes=(torch.bfloat16, torch.float32)):
+    """(dtype, report, report lines) of `reference` (dumped once, every row) against its copy in
+    each of `dtypes` broken by `plant(engine)`."""
+    dump_prefill(reference, root / "ref", ids, "all")
+    for dtype in dtypes:
+        engine = copy.deepcopy(reference).to(dtype)
+        with torch.no_grad():
+            plant(engine)
+        dump_prefill(engine, root / str(dtype), ids, "all")
+        report = compare(root / "ref", root / str(dtype))
+        yield dtype, report, format_report(report)
+
+
 def test_a_bf16_divergence_in_a_hybrid_model_carries_the_caution(dump_dir, tmp_path):
     """An engine with a bug in layer 2 (a Gated DeltaNet layer): exit 1 there, with the caution on
     the verdict line and the note; the fp32 engine with the same bug has neither."""
-    reference = _qwen3_next(3)
     ids = torch.randint(3, 211, (1, 7), generator=torch.Generator().manual_seed(4))
-    dump_prefill(reference, tmp_path / "ref", ids, "all")
-    for dtype in (torch.bfloat16, torch.float32):
-        engine = copy.deepcopy(reference).to(dtype)
-        with torch.no_grad():
-            engine.model.layers[2].linear_attn.out_proj.weight.mul_(1.3)
-        dump_prefill(engine, tmp_path / str(dtype), ids, "all")
-        report = compare(tmp_path / "ref", tmp_path / str(dtype))
-        lines = format_report(report)
+    for dtype, report, lines in _broken(_qwen3_next(3), ids, tmp_path,
+                                        lambda engine: engine.model.layers[2].linear_attn.out_proj.weight.mul_(1.3)):
         assert report.exit_status == 1 and report.first_divergence.layer == 2, lines[-1]
         cautioned = "caution: after layers whose bf16 rounding can exceed the defaults" in lines[-1]
         assert cautioned == (dtype == torch.bfloat16)
@@ -171,31 +177,21 @@ def test_a_bf16_divergence_in_a_hyper_connection_model_carries_the_caution(tmp_p
     honest bf16 pairs crossed the defaults in 5 of 200 random models in sweep_routing, the six other
     MoE models' in none of 1200: benchmarks/RESULTS.md); the fp32 engine with the same bug has
     none, nor has an attention model's bf16 divergence."""
-    reference = _deepseek_v4(3)
+    def experts_x105(engine):
+        for parameter in engine.model.layers[1].mlp.experts.parameters():
+            parameter.mul_(1.05)
     ids = torch.randint(3, 211, (1, 7), generator=torch.Generator().manual_seed(4))
-    dump_prefill(reference, tmp_path / "ref", ids, "all")
-    for dtype in (torch.bfloat16, torch.float32):
-        engine = copy.deepcopy(reference).to(dtype)
-        with torch.no_grad():
-            for parameter in engine.model.layers[1].mlp.experts.parameters():
-                parameter.mul_(1.05)
-        dump_prefill(engine, tmp_path / str(dtype), ids, "all")
-        report = compare(tmp_path / "ref", tmp_path / str(dtype))
-        lines = format_report(report)
+    for dtype, report, lines in _broken(_deepseek_v4(3), ids, tmp_path, experts_x105):
         assert report.exit_status == 1 and report.first_divergence.layer == 1, lines[-1]
         cautioned = "caution: after layers whose bf16 rounding can exceed the defaults" in lines[-1]
         assert cautioned == (dtype == torch.bfloat16), lines[-1]
         assert any("whose residual is 4 hyper-connection streams (first: layer 0" in line for line in lines) == (
             dtype == torch.bfloat16)
     from helpers.hf_example import ex
-    llama = ex.build_model("llama")
-    dump_prefill(llama, tmp_path / "llama_ref", ids % 200, "all")
-    engine = copy.deepcopy(llama).to(torch.bfloat16)
-    with torch.no_grad():
-        engine.model.layers[1].mlp.down_proj.weight.mul_(1.3)
-    dump_prefill(engine, tmp_path / "llama_run", ids % 200, "all")
-    report = compare(tmp_path / "llama_ref", tmp_path / "llama_run")
-    assert report.exit_status == 1 and "caution" not in format_report(report)[-1]
+    ((_, report, lines),) = _broken(ex.build_model("llama"), ids % 200, tmp_path / "llama",
+                                    lambda engine: engine.model.layers[1].mlp.down_proj.weight.mul_(1.3),
+                                    dtypes=(torch.bfloat16,))
+    assert report.exit_status == 1 and "caution" not in lines[-1]
 
 
 def test_the_verdict_line_carries_the_caution_a_setting_can_remove_first():
