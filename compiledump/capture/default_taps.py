@@ -24,6 +24,9 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
     untapped_moe = []  # layers whose MoE block goes by a name no convention here reads (torchtitan's `moe`)
     moe_outputs = []  # layers whose `layer<i>_mlp` is an MoE block's output
     ran = layout.real_layers(layers)  # a pipeline stage's share; each keeps its index in the whole model
+    moe_model = any(_routes(layer) for _, layer in ran)
+    kinds = mixers.kinds_of(layers, [None if ends.placeholder(layer) else layout.mixer_for_kind(layer)
+                                     for layer in layers])
     handle._first_layer = f"{layers_path}.{ran[0][0]}"
     for i, layer in ran:
         prefix = f"{layers_path}.{i}"
@@ -54,15 +57,21 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
         elif block_name not in (None, mixer_name):
             # (not a layer of one mixer, Mamba's or Nemotron-H's MoE `mixer`: `layer<i>` is the stream after it)
             no_attn.append(prefix)
-        elif block_name is None and mixer is not None:
-            # A layer of one mixer and no MLP (Mamba's, Nemotron-H's): its mixer's own output, as a
-            # dense layer's MLP's, where a bug shows undiluted by the residual stream (of Zamba's
-            # hybrid layers, whose `mamba_decoder` returns the stream itself, its `mamba`)
+        beside_mlp = block_name is not None
+        if mixer is not None and mixer_name != block_name and (not beside_mlp or kinds[i] == mixers.ATTENTION):
+            # The token mixer's own output, as the MLP's: a bug there shows undiluted by the residual
+            # stream, which `layer<i>_attn` holds (a 5 % attention bug read 0.4-0.96 of the bf16
+            # thresholds there, 1.4-1.8 here). Of a layer with an MLP, softmax attention's only (a
+            # linear-attention mixer's own bf16 rounding exceeds the defaults: honest Qwen3-Next
+            # pairs exited 1 there), and in an MoE model only where COMPILEDUMP_MOE_LAYERS keeps the
+            # routing: attention mixes in every token, and a near-tie flip of another token's
+            # unrecorded routing moved it past the thresholds (honest PhiMoE pairs exited 1).
+            # Of Zamba's hybrid layers, whose `mamba_decoder` returns the stream itself, its `mamba`.
             own, own_path = mixer, f"{prefix}.{mixer_name}"
             if mixer_name == "mamba_decoder":
                 own, own_path = getattr(mixer, "mamba", None), f"{own_path}.mamba"
             if isinstance(own, torch.nn.Module):  # (what it returns, or writes into an `output` argument)
-                handle._add_stream(own, f"layer{i}_mixer", own_path)
+                handle._add_stream(own, f"layer{i}_mixer", own_path, moe_filtered=beside_mlp and moe_model)
         if block_name is None and (unread := layout.child(layer, layout.UNREAD_MOE_BLOCKS)) is not None:
             untapped_moe.append(f"{prefix}.{unread}")
         if block_name is not None:
@@ -110,8 +119,6 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
                       "(torchtitan's: its router returns top scores and ids, not logits): no layer<i>_mlp, _router or "
                       f"_topk there. Add the block's output with taps={{'layer{{i}}_mlp': '{layers_path}.{{i}}.moe'}} "
                       "(and its expert ids, an integer output, under a tag of their own)", RuntimeWarning, stacklevel=4)
-    kinds = mixers.kinds_of(layers, [None if ends.placeholder(layer) else layout.mixer_for_kind(layer)
-                                     for layer in layers])
     mixers.declare_mixers({i: kinds[i] for i, _ in ran}, mixers.routing_fact(handle.taps, bool(unrouted),
                                                                               handle.step_routing, moe_outputs))
     if (norm_path := ends.final_norm_path(layers_path, modules)) is not None:
@@ -134,6 +141,15 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
             handle.taps[spec.PROMPT_MASK_TAG] = f"{base_path}:attention_mask"
     if (head_path := ends.logits_path(modules, layers_path)) is not None:
         handle._add(modules[head_path], "logits", head_path, "output", capture=logits_capture(handle))
+
+
+def _routes(layer) -> bool:
+    """Whether `layer` routes tokens to experts (an MoE block with a router, or one that routes)."""
+    name = layout.mlp_block(layer)
+    if name is None:
+        return layout.holds_experts(getattr(layer, "mixer", None)) or layout.holds_experts(layer)
+    block = layer.get_submodule(name)
+    return layout.child(block, layout.ROUTERS) is not None or layout.routes_tokens(block)
 
 
 # The model-level tags a verdict needs, where they were looked for and what is lost without each. (A

@@ -218,12 +218,13 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
                step_states: bool = True, exclude: tuple[str, ...] | list[str] = ()) -> Instrumented:
     """Attach capture points to `model`'s modules; returns a handle with `.remove()`.
 
-    With `defaults`, a decoder-only causal LM gets, per layer i, `layer<i>_attn` (the residual
-    stream after attention), `layer<i>_router` and `layer<i>_topk` (MoE layers), `layer<i>_mlp` and
-    `layer<i>` (COMPILEDUMP_MOE_LAYERS keeps an MoE layer's router, ids and `_mlp` only below it;
-    `_attn`, a dense layer's `_mlp` and `layer<i>` at every layer); then `final_norm`, and the
-    logits of the last position as steps (`logits_<n>`: one per forward, prefill included), with the
-    routing of that position in each MoE layer the MoE layer filter keeps
+    With `defaults`, a decoder-only causal LM gets, per layer i, `layer<i>_mixer` (attention's own
+    output; a Mamba layer's mixer's), `layer<i>_attn` (the residual stream after attention),
+    `layer<i>_router` and `layer<i>_topk` (MoE layers), `layer<i>_mlp` and `layer<i>`
+    (COMPILEDUMP_MOE_LAYERS keeps an MoE layer's router, ids and `_mlp`, and an MoE model's
+    `_mixer`, only below it; `_attn`, a dense layer's `_mlp` and `layer<i>` at every layer); then
+    `final_norm`, and the logits of the last position as steps (`logits_<n>`: one per forward,
+    prefill included), with the routing of that position in each MoE layer the MoE layer filter keeps
     (`layer<i>_step_router_<n>`, `layer<i>_step_topk_<n>`: two captures per such layer and forward,
     which `step_routing=False` leaves out; without them the comparator cannot tell a decode step's
     routing flip from a bug), and each layer's output, the stream after its attention and its MLP's

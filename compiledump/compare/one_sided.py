@@ -8,11 +8,11 @@ its COMPILEDUMP_MOE_LAYERS filtered the tag (its manifest's `filtered_tags`: the
 differing, or an older compiledump that filtered more); a layer state's step is past its
 COMPILEDUMP_LAYER_STEPS (its manifest counts them dropped as `layer_steps`, or the setting is 0);
 the other side recorded no sublayer's decode-step state at all (`layer<i>_attn_step`, `_mlp_step`:
-a compiledump from before them), or no Granite shared MLP (`layer<i>_shared_mlp`: likewise); only one side records the tokens it fed (`input_token`); the
-other side's router returned its
-logits alone and recorded no expert ids (an engine's gate); the steps are shifted (a warm-up
-before the request, or the prompt in chunks: overwrites.py), and a side holds steps of a tag past
-the other side's last. Any other key of one side is a problem:
+a compiledump from before them), or no Granite shared MLP (`layer<i>_shared_mlp`: likewise), or no
+token mixer's own output (`layer<i>_mixer`: attention's, likewise); only one side records the tokens
+it fed (`input_token`); the other side's router returned its logits alone and recorded no expert
+ids (an engine's gate); the steps are shifted (a warm-up before the request, or the prompt in
+chunks: overwrites.py), and a side holds steps of a tag past the other side's last. Any other key of one side is a problem:
 `missing_in_run` or `extra_in_run` (docs/compare.md).
 """
 
@@ -30,7 +30,8 @@ from .report import Problem
 # Tag families a compiledump from before 2026-12-06 did not record: a side holding no key of one
 # lacks it by version (the sublayers' decode-step states also by step_states=False), each such key
 # of the other side one note per family, not a problem.
-NEWER_FAMILIES = {"sublayer_steps": spec.sublayer_step_tag, "shared_mlp": spec.shared_mlp_tag}
+NEWER_FAMILIES = {"sublayer_steps": spec.sublayer_step_tag, "shared_mlp": spec.shared_mlp_tag,
+                  "mixer": spec.mixer_tag}
 
 
 class OneSidedKeys:
@@ -113,6 +114,10 @@ class OneSidedKeys:
                      f"{side} holds {len(keys)} keys of the dense MLP beside an MoE block ({preview(keys, 3)}) and "
                      f"{other_side(side)} none (recorded by a compiledump from before they were): not compared; "
                      "record both sides with the same version to judge them"),
+                 "mixer": lambda side, keys: (
+                     f"{side} holds {len(keys)} keys of a token mixer's own output ({preview(keys, 3)}) and "
+                     f"{other_side(side)} none (attention's, recorded by a compiledump from before it was): not "
+                     "compared; record both sides with the same version to judge them"),
                  "excluded": lambda side, keys: excluded_note(side, keys, self.exclude_patterns),
                  "fed": lambda side, keys: None if self.shifted else one_sided_fed_note(side, keys),
                  "ids": one_sided_ids_note,

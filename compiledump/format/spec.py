@@ -136,6 +136,16 @@ def shared_mlp_tag(tag: str) -> bool:
     return _SHARED_MLP_TAG.match(tag) is not None
 
 
+_MIXER_TAG = re.compile(r"^layer\d+_mixer(?:_step)?$")
+
+
+def mixer_tag(tag: str) -> bool:
+    """Whether `tag` is a token mixer's own output, `layer<N>_mixer` (or its steps'), which
+    `instrument` records of softmax attention beside an MLP since 2026-12-06 (the thirtieth
+    session; of a layer without an MLP before)."""
+    return _MIXER_TAG.match(tag) is not None
+
+
 def stream_step_key(key: str) -> bool:
     """Whether `key` is a step of a layer's step state, `layer<N>_step_<n>` (or of a sublayer's,
     `layer<N>_mlp_step_<n>`, ...)."""

@@ -119,13 +119,13 @@ def test_the_layers_are_found_and_each_tag_is_what_it_names(tmp_path, model_type
 @pytest.mark.parametrize("model_type", ["bert", "megatron-bert", "ctrl"])
 def test_an_honest_pair_exits_0_and_bugs_are_named_where_they_start(tmp_path, model_type):
     """A float32 reference and its bfloat16 copy exit 0; a x1.01 scale of layer 1's MLP or of its
-    attention is named at `layer1_mlp` or `layer1_attn`."""
+    attention is named at `layer1_mlp` or at attention's own output, `layer1_mixer`."""
     reference = build(model_type, seed=1, init=0.1)
     ref = dump_run(reference, tmp_path / "ref", session(reference, seed=1))
     honest = copy.deepcopy(reference).to(torch.bfloat16)
     report, last = compare_run(ref, honest, tmp_path / "honest", session(honest, seed=1))
     assert report.exit_status == 0, last
-    for where, key in (("mlp", "layer1_mlp"), ("attention", "layer1_attn")):
+    for where, key in (("mlp", "layer1_mlp"), ("attention", "layer1_mixer")):
         engine = copy.deepcopy(reference)
         layer = layers_of(engine)[1]
         attention = getattr(layer, "multi_head_attention", None) or layer.attention.self

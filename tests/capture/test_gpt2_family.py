@@ -156,7 +156,7 @@ def test_a_decode_only_bug_is_named_at_its_layer_and_step(tmp_path, name):
     report, last = compare_run(ref, engine, tmp_path / "run", run)
     first = report.first_divergence
     # (GPT-J's attention and MLP read the same input, in parallel: no stream after attention)
-    good = "layer1_step_1" if name == "gptj" else "layer2_attn_step_1"
+    good = "layer2_mixer_step_1" if name == "gptj" else "layer2_attn_step_1"
     assert report.exit_status == 1 and (first.key, first.step, first.last_good) == ("layer2_mlp_step_1", 1, good), last
 
 

@@ -112,14 +112,14 @@ def test_a_bug_behind_swapped_keys_is_still_found(tmp_path):
 def test_a_wrong_indexer_is_found_where_its_picks_change_attention(tmp_path):
     """An engine whose layer-1 indexer drops one of its 4 heads: its scores are shown, not judged, and
     the run's score error widens the near-tie epsilon (as a router's noise does), so the bug is found
-    where the keys it swapped change `layer1_attn` at tokens no other swap reaches: 4 of these 5 seeds
-    (seed 1 exits 0; docs/compare.md says so)."""
+    where the keys it swapped change attention's output, `layer1_mixer`, at tokens no other swap
+    reaches: 4 of these 5 seeds (seed 1 exits 0; docs/compare.md says so)."""
     def drop_head(engine):
         with torch.no_grad():
             engine.model.layers[1].self_attn.indexer.weights_proj.weight[0] = 0
 
     found = [_pair(tmp_path, seed, "all", bug=drop_head) for seed in range(5)]
-    named = [report.exit_status == 1 and report.first_divergence.key == "layer1_attn" for report in found]
+    named = [report.exit_status == 1 and report.first_divergence.key == "layer1_mixer" for report in found]
     assert sum(named) >= 4 and all(report.exit_status in (0, 1) for report in found), named
 
 

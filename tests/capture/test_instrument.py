@@ -27,11 +27,11 @@ def test_default_taps_capture_what_the_model_computes(dump_dir, name):
     handle.remove()
     moe = name != "llama"
     expected_tags = {f"layer{i}{suffix}" for i in range(4) for suffix in
-                     ("", "_attn", "_mlp") + (("_router", "_topk") if moe else ())}
+                     ("", "_mixer", "_attn", "_mlp") + (("_router", "_topk") if moe else ())}
     step_tags = {f"layer{i}_step_{what}" for i in range(4) for what in ("router", "topk")} if moe else set()
     step_tags |= {f"layer{i}_step" for i in range(4)}  # each layer's state at the logits' token
-    # and after its attention and its MLP's own (moe_layers=4 keeps every MoE block)
-    step_tags |= {f"layer{i}_{part}_step" for i in range(4) for part in ("attn", "mlp")}
+    # and after its attention, attention's own output and its MLP's (moe_layers=4 keeps every MoE block)
+    step_tags |= {f"layer{i}_{part}_step" for i in range(4) for part in ("mixer", "attn", "mlp")}
     assert set(handle.taps) == expected_tags | step_tags | {"final_norm", "logits", "input_token", "prompt_mask"}
     assert handle.taps["prompt_mask"] == "model:attention_mask"  # _forward passes none: nothing recorded
     # A step tag is listed where its tag is: the stream after attention is a norm's input

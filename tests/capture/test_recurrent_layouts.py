@@ -53,6 +53,10 @@ PLACES = {
 }
 # Sequential layers whose stream after the mixer is a norm's input: layer<i> = layer<i>_attn + layer<i>_mlp
 SEQUENTIAL = ("rwkv", "falcon_h1", "recurrent_gemma", "xlstm", "modernbert-decoder")
+# The layers whose softmax attention sits beside an MLP, and its child (its own output is
+# `layer<i>_mixer`); not RWKV's time mixing, xLSTM's or Falcon-H1's (attention summed with Mamba)
+ATTENTION_BESIDE_MLP = {"recurrent_gemma": {2: "temporal_block"}, "biogpt": dict.fromkeys(range(4), "self_attn"),
+                        "modernbert-decoder": dict.fromkeys(range(4), "attn")}
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -107,6 +111,9 @@ def own_reading(model, name):
             or getattr(layer, "mixer", None)
         if mixer is not None and not any(hasattr(layer, n) for n in ("mlp", "feed_forward")):
             hooks.append(mixer.register_forward_hook(lambda _m, _a, out, i=i: keep_first(i, out)))
+        elif (attention := ATTENTION_BESIDE_MLP.get(name, {}).get(i)) is not None:  # softmax attention's own output
+            hooks.append(layer.get_submodule(attention).register_forward_hook(
+                lambda _m, _a, out, i=i: keep_first(i, out)))
     for layer in layers:
         mlp = next((getattr(layer, n) for n in ("mlp", "feed_forward", "mlp_block", "ffn", "fc2") if hasattr(layer, n)),
                    None)

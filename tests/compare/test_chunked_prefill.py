@@ -57,9 +57,9 @@ def test_a_chunked_prompt_is_named_with_its_fix(tmp_path, capsys, model, chunks)
            f"it ran the prompt in {k + 1} forwards (chunked prefill), or a shorter request before" in line, line
     assert "--max-num-batched-tokens at least the prompt length" in line and "--chunked-prefill-size -1" in line
     assert not report["problems"], report["problems"]  # RUN's extra steps: one note
-    # 16 per step: logits, input_token, each of 4 layers' state and stream after attention, and the
-    # two MoE layers COMPILEDUMP_MOE_LAYERS keeps: router logits, ids, MoE output
-    assert any(line.startswith(f"note: RUN holds {16 * k} step keys past the other side's last step") for line in lines)
+    # 18 per step: logits, input_token, each of 4 layers' state and stream after attention, and the
+    # two MoE layers COMPILEDUMP_MOE_LAYERS keeps: router logits, ids, MoE output, attention's output
+    assert any(line.startswith(f"note: RUN holds {18 * k} step keys past the other side's last step") for line in lines)
     assert report["pairs"][0]["fed_tokens_differ"] is None
     assert {record["status"] for record in report["keys"]} == {"not_comparable"}
 

@@ -96,7 +96,7 @@ def test_a_decode_only_bug_in_a_bf16_engine_is_named_at_its_step(model, tmp_path
     # Named at layer 0, at the stream after its attention at the step, where a position bug starts
     # (before the twenty-eighth session at the layer's state; before that at the step's logits
     # alone; Qwen3-MoE's at the step's router logits, which came first in the layer).
-    named = "layer0_attn_step_1"
+    named = "layer0_mixer_step_1"  # attention's own output
     assert (first["key"], first["threshold"]) == (named, 2e-3)  # bf16's prefill default
     if name == "llama":
         assert any(line.startswith("thresholds: float32 vs bfloat16 -> rel_diff <= 2e-03") and

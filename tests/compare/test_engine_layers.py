@@ -83,8 +83,8 @@ def test_an_honest_engine_records_the_residual_stream_and_its_logits(tmp_path, c
     assert any(line.startswith("note: only REF recorded the tokens its steps fed (5 input_token_<n>") for line in lines)
 
 
-@pytest.mark.parametrize("bug, key", [("norm_eps", "layer1_mlp"), ("rope_base", "layer0_attn"),
-                                      ("decode_position", "layer0_attn_step_1")])
+@pytest.mark.parametrize("bug, key", [("norm_eps", "layer1_mlp"), ("rope_base", "layer0_mixer"),
+                                      ("decode_position", "layer0_mixer_step_1")])
 def test_an_engine_bug_is_named_where_it_starts(tmp_path, capsys, bug, key):
     pair(tmp_path, "llama", bug=bug)
     code, lines, report = compare(tmp_path, capsys)

@@ -72,14 +72,15 @@ def _dump(directory: Path):
     return arrays, json.loads(path.with_suffix(".json").read_text())
 
 
-@pytest.mark.parametrize("dtype, scale, part, key", [(torch.float32, 1.01, "self_attn", "layer2_attn_step_1"),
-                                                    (torch.bfloat16, 1.5, "self_attn", "layer2_attn_step_1"),
+@pytest.mark.parametrize("dtype, scale, part, key", [(torch.float32, 1.01, "self_attn", "layer2_mixer_step_1"),
+                                                    (torch.bfloat16, 1.5, "self_attn", "layer2_mixer_step_1"),
                                                     (torch.float32, 1.01, "mlp", "layer2_mlp_step_1"),
                                                     (torch.bfloat16, 1.5, "mlp", "layer2_mlp_step_1")])
 def test_a_decode_only_bug_in_one_layer_is_named_at_that_layer_and_step(tmp_path, capsys, dtype, scale, part, key):
-    """A decode-only bug is named at its layer, step and sublayer: the stream after attention for an
-    attention bug, the MLP's own output for an MLP bug (before: at the layer's state,
-    `layer2_step_1`, for both; before that, "first divergence: logits_1")."""
+    """A decode-only bug is named at its layer, step and sublayer: attention's own output for an
+    attention bug (before the thirtieth session: the stream after attention), the MLP's own output
+    for an MLP bug (before: at the layer's state, `layer2_step_1`, for both; before that, "first
+    divergence: logits_1")."""
     reference = ex.build_model("llama")  # 4 layers, dense
     engine = copy.deepcopy(reference).to(dtype)
     hook = _decode_only_bug(engine, 2, scale, part)
@@ -101,7 +102,7 @@ def test_a_decode_only_bug_in_one_layer_is_named_at_that_layer_and_step(tmp_path
     lines, report = capsys.readouterr().out.splitlines(), json.loads((tmp_path / "r.json").read_text())
     compared = {record["key"] for record in report["keys"] if record["status"] == "ok"}
     assert code == 0 and {f"layer{i}{part}_step_{n}" for i in range(4) for n in range(1, 5)
-                          for part in ("", "_attn", "_mlp")} <= compared, lines[-1]
+                          for part in ("", "_mixer", "_attn", "_mlp")} <= compared, lines[-1]
 
 
 def test_layer_steps_keeps_the_first_forwards_and_counts_the_rest_as_a_filter(tmp_path):
@@ -114,13 +115,13 @@ def test_layer_steps_keeps_the_first_forwards_and_counts_the_rest_as_a_filter(tm
             for n in (0, 1):
                 np.testing.assert_allclose(arrays[f"layer{i}_step_{n}"], states[n][i + 1][0, -1].numpy(), rtol=1e-6,
                                            atol=1e-6)
-        for part in ("", "_attn", "_mlp"):  # the sublayers' states are kept as many steps
+        for part in ("", "_mixer", "_attn", "_mlp"):  # the sublayers' states are kept as many steps
             assert f"layer{i}{part}_step_1" in arrays and f"layer{i}{part}_step_2" not in arrays
             assert manifest["tags"][f"layer{i}{part}_step_<n>"]["drops"] == {"layer_steps": 3}
     assert [f"logits_{n}" in arrays for n in range(5)] == [True] * 5  # other steps keep COMPILEDUMP_MAX_STEPS
     warned = states[-1]
     assert not any("layer_steps" in message and "dropped" in message for message in warned), warned  # a filter
-    assert any(message.startswith("compiledump: captures skipped by filters (") and "layer_steps: 36" in message
+    assert any(message.startswith("compiledump: captures skipped by filters (") and "layer_steps: 48" in message
                for message in warned), warned
     # Compared with a run that kept every step: the steps past 2 are one note, not a problem each.
     _run(model, tmp_path / "all")
@@ -131,10 +132,10 @@ def test_layer_steps_keeps_the_first_forwards_and_counts_the_rest_as_a_filter(tm
         (note,) = [note for note in pair.notes if "COMPILEDUMP_LAYER_STEPS (" in note]
         default = cd_config.Config().layer_steps  # (more than the 5 forwards)
         caps = f"REF {default}, RUN 2" if ref == "all" else f"REF 2, RUN {default}"
-        assert note.startswith(f"{side} has 36 layer-state keys at steps past {'RUN' if side == 'REF' else 'REF'}'s "
+        assert note.startswith(f"{side} has 48 layer-state keys at steps past {'RUN' if side == 'REF' else 'REF'}'s "
                                f"COMPILEDUMP_LAYER_STEPS ({caps}): not compared"), note
         assert {f"layer{i}{part}_step_{n}" for i in range(4) for n in (2, 3, 4)
-                for part in ("", "_attn", "_mlp")}.isdisjoint(r.key for r in pair.keys)
+                for part in ("", "_mixer", "_attn", "_mlp")}.isdisjoint(r.key for r in pair.keys)
     # 0, or instrument(..., step_states=False): none recorded
     _run(model, tmp_path / "none", layer_steps=0)
     _run(model, tmp_path / "off", step_states=False)
@@ -244,24 +245,26 @@ def test_the_sublayers_step_states_leave_the_logits_their_room(tmp_path):
         states = _run(model, tmp_path / "small", arena_mb=1, max_steps=64)
     arrays, manifest = _dump(tmp_path / "small")
     assert {f"logits_{n}" for n in range(5)} <= arrays.keys()  # kept
-    assert {f"layer0_{part}_step_{n}" for part in ("attn", "mlp") for n in range(5)} <= arrays.keys()
-    assert not any(key.startswith(("layer1_mlp_step", "layer3_attn_step")) for key in arrays)
+    # (room for two sublayer tags of 16 steps: layer 0's attention output and stream after it)
+    assert {f"layer0_{part}_step_{n}" for part in ("mixer", "attn") for n in range(5)} <= arrays.keys()
+    assert not any(key.startswith(("layer0_mlp_step", "layer1_mixer_step", "layer3_attn_step")) for key in arrays)
     assert {f"layer{i}_step_4" for i in range(4)} <= arrays.keys()  # each layer's state names its layer
     assert manifest["tags"]["layer3_mlp_step_<n>"]["drops"] == {"layer_steps": 5}
     (warned,) = [str(w.message) for w in caught if "fill their share of the arena" in str(w.message)]
-    assert "from 'layer1_attn_step' on" in warned and "COMPILEDUMP_ARENA_MB=1" in warned
+    assert "from 'layer0_mlp_step' on" in warned and "COMPILEDUMP_ARENA_MB=1" in warned
     np.testing.assert_allclose(arrays["layer0_step_2"], states[2][1][0, -1].numpy(), rtol=1e-6, atol=1e-6)
 
 
 def test_a_dump_from_before_the_sublayer_steps_is_one_note_not_a_problem_per_key(tmp_path):
     """A reference recorded before the sublayers' step states existed (simulated: those members
-    and their manifest entries removed) against a new run: one note, no problems (a review found
-    32 `extra_in_run` problems for a 4-layer model and 4 steps)."""
+    and their manifest entries removed, attention's own output too, which came later) against a new
+    run: one note, no problems (a review found 32 `extra_in_run` problems for a 4-layer model and 4
+    steps)."""
     model = ex.build_model("llama")
     _run(model, tmp_path / "old")
     _run(model, tmp_path / "new")
     npz = next((tmp_path / "old").glob("*.npz"))
-    sublayer = lambda key: "_attn_step" in key or "_mlp_step" in key  # noqa: E731
+    sublayer = lambda key: "_attn_step" in key or "_mlp_step" in key or "_mixer" in key  # noqa: E731
     with np.load(npz) as data:
         kept = {key: data[key] for key in data.files if not sublayer(key)}
     np.savez(npz, **kept)
@@ -273,4 +276,5 @@ def test_a_dump_from_before_the_sublayer_steps_is_one_note_not_a_problem_per_key
     (pair,) = report.pairs
     assert report.exit_status == 0 and pair.problems == [], pair.problems
     (note,) = [note for note in pair.notes if "sublayer decode-step keys" in note]
-    assert note.startswith("RUN holds 32 sublayer decode-step keys (") and "REF none" in note, note
+    # 4 layers x 4 steps x (the stream after attention, the MLP's and attention's own output)
+    assert note.startswith("RUN holds 48 sublayer decode-step keys (") and "REF none" in note, note
