@@ -8,7 +8,7 @@ and 4 decode steps through the model's own cache, teacher-forced. The float32 mo
 reference; the engine is its bfloat16 copy (an honest pair: every exit 1 is a false divergence), or
 a float32 copy whose layer 1 scales by x1.01, in decode steps only, the first half of the output
 channels of its MLP (a Mamba layer's mixer; expected at `layer1_mlp_step_1`, `layer1_mixer_step_1`)
-or of its attention (expected at `layer1_attn_step_1`, the stream after attention; not for models
+or of its attention (expected at `layer1_mixer_step_1`, attention's own output; not for models
 without one). (Half: Gemma 2's and OLMo 2's norm after each sublayer would undo a scale of the
 whole output.) The
 table counts, per model and case, the pairs whose verdict is the expected one, and prints the others.
@@ -43,7 +43,7 @@ MODELS = {
     "mamba": ({"state_size": 8, "expand": 2, "conv_kernel": 4}, "backbone.layers", "mixer", None),
     "falcon_mamba": ({"state_size": 8, "expand": 2, "conv_kernel": 4}, "backbone.layers", "mixer", None),
 }
-CASES = {"honest bf16": None, "decode-only MLP": "layer1_mlp_step_1", "decode-only attention": "layer1_attn_step_1"}
+CASES = {"honest bf16": None, "decode-only MLP": "layer1_mlp_step_1", "decode-only attention": "layer1_mixer_step_1"}
 
 
 def build(name: str, seed: int, init: float) -> torch.nn.Module:

@@ -58,7 +58,8 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
             # (not a layer of one mixer, Mamba's or Nemotron-H's MoE `mixer`: `layer<i>` is the stream after it)
             no_attn.append(prefix)
         beside_mlp = block_name is not None
-        if mixer is not None and mixer_name != block_name and (not beside_mlp or kinds[i] == mixers.ATTENTION):
+        alone = block_name is None and attn_input is None  # a layer of one mixer (Mamba's)
+        if mixer is not None and mixer_name != block_name and (alone or beside_mlp and kinds[i] == mixers.ATTENTION):
             # The token mixer's own output, as the MLP's: a bug there shows undiluted by the residual
             # stream, which `layer<i>_attn` holds (a 5 % attention bug read 0.4-0.96 of the bf16
             # thresholds there, 1.4-1.8 here). Of a layer with an MLP, softmax attention's only (a
@@ -67,10 +68,11 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
             # routing: attention mixes in every token, and a near-tie flip of another token's
             # unrecorded routing moved it past the thresholds (honest PhiMoE pairs exited 1).
             # Of Zamba's hybrid layers, whose `mamba_decoder` returns the stream itself, its `mamba`.
-            own, own_path = mixer, f"{prefix}.{mixer_name}"
+            own_name = _attention_output(mixer, mixer_name) if beside_mlp else mixer_name
             if mixer_name == "mamba_decoder":
-                own, own_path = getattr(mixer, "mamba", None), f"{own_path}.mamba"
-            if isinstance(own, torch.nn.Module):  # (what it returns, or writes into an `output` argument)
+                own_name = f"{mixer_name}.mamba" if layout.child(mixer, ("mamba",)) else None
+            own, own_path = layer.get_submodule(own_name) if own_name else None, f"{prefix}.{own_name}"
+            if own is not None:  # (what it returns, or writes into an `output` argument)
                 handle._add_stream(own, f"layer{i}_mixer", own_path, moe_filtered=beside_mlp and moe_model)
         if block_name is None and (unread := layout.child(layer, layout.UNREAD_MOE_BLOCKS)) is not None:
             untapped_moe.append(f"{prefix}.{unread}")
@@ -144,12 +146,29 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
 
 
 def _routes(layer) -> bool:
-    """Whether `layer` routes tokens to experts (an MoE block with a router, or one that routes)."""
+    """Whether `layer` routes tokens to experts: an MoE block with a router, or one that routes
+    (Nemotron-H's MoE `mixer`; Gemma 4's router and experts beside its dense `mlp`)."""
+    if layout.holds_experts(getattr(layer, "mixer", None)) or layout.holds_experts(layer):
+        return True
     name = layout.mlp_block(layer)
-    if name is None:
-        return layout.holds_experts(getattr(layer, "mixer", None)) or layout.holds_experts(layer)
-    block = layer.get_submodule(name)
-    return layout.child(block, layout.ROUTERS) is not None or layout.routes_tokens(block)
+    block = layer.get_submodule(name) if name is not None else None
+    return block is not None and (layout.child(block, layout.ROUTERS) is not None or layout.routes_tokens(block))
+
+
+def _attention_output(mixer, name: str) -> str | None:
+    """The path, relative to the layer, of the module whose output is attention's own, before the
+    residual add: `name` (the mixer), or inside a mixer that adds the residual itself."""
+    if layout.child(mixer, ("self",)) is not None and isinstance(getattr(getattr(mixer, "output", None), "dense", None),
+                                                               torch.nn.Module):
+        return f"{name}.output.dense"  # BERT's family: its `output` adds the residual and normalises
+    if name.endswith("norm_attn_norm") and layout.child(mixer, ("attn",)) is not None:
+        return f"{name}.attn"  # DBRX's norms around attention: it returns the residual first
+    if layout.child(mixer, ("attention",)) is not None and layout.child(mixer, ("layer_norm",)) is not None:
+        return f"{name}.attention"  # Pix2Struct's sublayer: norm, attention, residual add
+    if residual.defers_residual(mixer):  # Bloom's: takes the residual and adds it after its projection
+        last = layout.last_projection(mixer)
+        return f"{name}.{last}" if last is not None else None
+    return name
 
 
 # The model-level tags a verdict needs, where they were looked for and what is lost without each. (A

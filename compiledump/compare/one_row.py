@@ -41,7 +41,7 @@ def one_row_note(records: list[KeyRecord], first: Divergence | None,
     layer = key.layer if key.layer is not None else -1
     crossed = (last_ok is not None and last_ok.layer is not None and layer > last_ok.layer) or (
         last_ok is None and layer >= 1)
-    if not (layer >= 1 and (key.tag.endswith("_attn") or crossed)):
+    if not (layer >= 1 and (key.tag.endswith(("_attn", "_mixer")) or crossed)):
         return None  # no attention between the last good key and this one: the last token's own path
     seen = next((r for r in reversed(before) if r.status == "ok" and r.rows is not None), None)
     since = (f"whose rows were last seen agreeing at {seen.key} (every row)" if seen is not None

@@ -126,7 +126,7 @@ def test_an_honest_bf16_pair_whose_block_picks_past_the_top_k_of_its_logits_exit
 
 
 @pytest.mark.parametrize("bug, dtype, key", [
-    ("attention x1.01 at layer 1", torch.float32, "layer1_attn"),
+    ("attention x1.01 at layer 1", torch.float32, "layer1_mixer"),  # attention's own output
     ("experts' weights not renormalised", torch.bfloat16, "layer0_mlp"),
     ("layer 2's experts x1.01 from the first decode step on", torch.float32, "layer2_step_1"),
 ])
