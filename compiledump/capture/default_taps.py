@@ -31,9 +31,7 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
     for i, layer in ran:
         prefix = f"{layers_path}.{i}"
         handle._track_shape(prefix, layer)
-        block_name = layout.mlp_block(layer)
-        if block_name is None and layout.holds_experts(getattr(layer, "mixer", None)):
-            block_name = "mixer"  # Nemotron-H: one block per layer, an MoE one in its MoE layers
+        block_name = _block_name(layer)
         mixer_name = layout.part(layer, layout.MIXERS)
         mixer = layer.get_submodule(mixer_name) if mixer_name else None
         heads = getattr(mixer, "experts", None)
@@ -67,10 +65,7 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
             # pairs exited 1 there), and in an MoE model only where COMPILEDUMP_MOE_LAYERS keeps the
             # routing: attention mixes in every token, and a near-tie flip of another token's
             # unrecorded routing moved it past the thresholds (honest PhiMoE pairs exited 1).
-            # Of Zamba's hybrid layers, whose `mamba_decoder` returns the stream itself, its `mamba`.
-            own_name = _attention_output(mixer, mixer_name) if beside_mlp else mixer_name
-            if mixer_name == "mamba_decoder":
-                own_name = f"{mixer_name}.mamba" if layout.child(mixer, ("mamba",)) else None
+            own_name = _own_output(mixer, mixer_name, beside_mlp)
             own, own_path = layer.get_submodule(own_name) if own_name else None, f"{prefix}.{own_name}"
             if own is not None:  # (what it returns, or writes into an `output` argument)
                 handle._add_stream(own, f"layer{i}_mixer", own_path, moe_filtered=beside_mlp and moe_model)
@@ -85,7 +80,7 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
                 unrouted.append((f"{prefix}.{block_name}", block))
             # A dense MLP's output at every layer; an MoE block's only where its routing is kept
             # (COMPILEDUMP_MOE_LAYERS): a flip the filter hid would read as the block's divergence.
-            routed = router_name is not None or layout.routes_tokens(block)  # (Gemma 4's mlp beside experts: dense)
+            routed = _block_routes(block)  # (Gemma 4's mlp beside experts: dense)
             mlp, mlp_path = block, f"{prefix}.{block_name}"
             last = None if routed or not residual.defers_residual(block) else layout.last_projection(block)
             if last is not None:
@@ -145,14 +140,32 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
         handle._add(modules[head_path], "logits", head_path, "output", capture=logits_capture(handle))
 
 
-def _routes(layer) -> bool:
-    """Whether `layer` routes tokens to experts: an MoE block with a router, or one that routes
-    (Nemotron-H's MoE `mixer`; Gemma 4's router and experts beside its dense `mlp`)."""
-    if layout.holds_experts(getattr(layer, "mixer", None)) or layout.holds_experts(layer):
-        return True
+def _block_name(layer) -> str | None:
+    """The path, relative to `layer`, of its MLP block (hf_layout.mlp_block), or Nemotron-H's
+    `mixer`, one block per layer, an MoE one in its MoE layers."""
     name = layout.mlp_block(layer)
-    block = layer.get_submodule(name) if name is not None else None
-    return block is not None and (layout.child(block, layout.ROUTERS) is not None or layout.routes_tokens(block))
+    return "mixer" if name is None and layout.holds_experts(getattr(layer, "mixer", None)) else name
+
+
+def _block_routes(block) -> bool:
+    """Whether an MLP block routes tokens to experts: it has a router, or holds experts."""
+    return layout.child(block, layout.ROUTERS) is not None or layout.routes_tokens(block)
+
+
+def _routes(layer) -> bool:
+    """Whether `layer` routes tokens to experts: its MLP block does, or it holds experts beside a
+    dense `mlp` (Gemma 4)."""
+    name = _block_name(layer)
+    return layout.holds_experts(layer) or (name is not None and _block_routes(layer.get_submodule(name)))
+
+
+def _own_output(mixer, name: str, beside_mlp: bool) -> str | None:
+    """The path, relative to the layer, of the module whose output is the token mixer `name`'s own,
+    before the residual add: of Zamba's hybrid layers, whose `mamba_decoder` returns the stream
+    itself, its `mamba`; beside an MLP, attention's (`_attention_output`); else the mixer."""
+    if name == "mamba_decoder":
+        return f"{name}.mamba" if layout.child(mixer, ("mamba",)) else None
+    return _attention_output(mixer, name) if beside_mlp else name
 
 
 def _attention_output(mixer, name: str) -> str | None:

@@ -12,8 +12,8 @@ a compiledump from before them), or no Granite shared MLP (`layer<i>_shared_mlp`
 token mixer's own output (`layer<i>_mixer`: attention's, likewise); only one side records the tokens
 it fed (`input_token`); the other side's router returned its logits alone and recorded no expert
 ids (an engine's gate); the steps are shifted (a warm-up before the request, or the prompt in
-chunks: overwrites.py), and a side holds steps of a tag past the other side's last. Any other key of one side is a problem:
-`missing_in_run` or `extra_in_run` (docs/compare.md).
+chunks: overwrites.py), and a side holds steps of a tag past the other side's last. Any other key
+of one side is a problem: `missing_in_run` or `extra_in_run` (docs/compare.md).
 """
 
 from __future__ import annotations
