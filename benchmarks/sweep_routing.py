@@ -30,7 +30,7 @@ and near ties").
 
 Usage: python benchmarks/sweep_routing.py [--seeds 100] [--models qwen3_moe,mixtral,deepseek_v3,...]
        [--rows one,all] [--tokens 7] [--engine-bug none|no_bias|no_groups|experts_x1.05|cut_x2] [--hidden 64] [--layers 4]
-       [--init 0.1] [--verbose]
+       [--init 0.1] [--expert-width N] [--verbose]
 (about 30 seconds for the defaults on a 2-core CPU box; results in benchmarks/RESULTS.md).
 """
 
@@ -142,11 +142,16 @@ MODEL_TYPES = {"deepseek_v3_grouped": "deepseek_v3", "minimax_m3_vl": "minimax_m
 BIASED = ("deepseek_v3_grouped", "minimax_m2", "ernie4_5_moe", "deepseek_v4", "afmoe", "axk2", "laguna", "kolibri1",
           "lfm2_moe", "nemotron_h", "ergo", "kolibri1_1", "minimax_m3_vl")
 BIAS_STD = 0.02  # about the spread of the sigmoid scores of these random routers
+# The fields of an expert's (and a shared expert's) intermediate width, which --expert-width sets.
+EXPERT_WIDTHS = ("moe_intermediate_size", "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size")
+EXPERT_WIDTH: int | None = None
 
 
 def build(model: str, seed: int) -> torch.nn.Module:
     """The float32 model ``model`` with random weights from ``seed``, eval mode."""
     fields = {**COMMON, **CONFIGS[model]}
+    if EXPERT_WIDTH is not None:  # --expert-width: every expert and shared expert that wide
+        fields.update({name: EXPERT_WIDTH for name in EXPERT_WIDTHS if name in fields})
     for name, value in fields.items():  # per-layer patterns (layer_types, ...) repeated to --layers
         if isinstance(value, list) and len(value) != COMMON["num_hidden_layers"]:
             fields[name] = (value * COMMON["num_hidden_layers"])[:COMMON["num_hidden_layers"]]
@@ -232,12 +237,17 @@ def main() -> int:
                              "pair is then wrong, and exit 1 is the detection (default none: every pair honest)")
     parser.add_argument("--hidden", type=int, default=COMMON["hidden_size"], help="hidden size (default 64)")
     parser.add_argument("--layers", type=int, default=COMMON["num_hidden_layers"], help="decoder layers (default 4)")
+    parser.add_argument("--expert-width", type=int, default=None,
+                        help="every expert's (and shared expert's) intermediate width, where the config names one "
+                             "(default: each model's own, 48: a real model's are 1024-2048 wide)")
     parser.add_argument("--init", type=float, default=COMMON["initializer_range"],
                         help="initializer_range (default 0.1)")
     parser.add_argument("--verbose", action="store_true", help="print the report of every pair that exits 1")
     args = parser.parse_args()
     # Larger or deeper models than the tiny default: is it the worst case for the bf16 defaults?
     COMMON.update(hidden_size=args.hidden, num_hidden_layers=args.layers, initializer_range=args.init)
+    global EXPERT_WIDTH
+    EXPERT_WIDTH = args.expert_width
     torch.set_num_threads(1)
     started = time.perf_counter()
     counts: dict[tuple[str, str], collections.Counter] = {}

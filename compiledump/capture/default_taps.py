@@ -91,6 +91,12 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
             handle._add_stream(mlp, f"layer{i}_mlp", mlp_path, moe_filtered=routed)
             if routed and f"layer{i}_mlp" in handle.taps:
                 moe_outputs.append(i)
+            if routed and (inner := layout.child(block, layout.SHARED_EXPERTS)) is not None:
+                # Its shared expert, which every token runs: a bug there is diluted in the block's
+                # output by the routed experts' (a bf16 x1.05 one read 0.4 of the thresholds and
+                # exited 0). As an MoE internal, under COMPILEDUMP_MOE_LAYERS.
+                handle._add_stream(block.get_submodule(inner), f"layer{i}_shared_mlp",
+                                   f"{prefix}.{block_name}.{inner}", moe_filtered=True)
             if (shared := layout.child(layer, layout.SHARED_MLPS)) not in (None, block_name):
                 # Granite's dense MLP beside its MoE block, the two outputs summed: its own tag, or a
                 # bug there would be missed (the block's output holds none of it)

@@ -46,6 +46,10 @@ MLP_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward", "ffn", "fc2",  # MPT; O
 # A dense MLP beside a layer's MoE block whose output the layer adds to the block's (Granite-MoE
 # shared, hybrid and SWA: `block_sparse_moe(x) + shared_mlp(x)`): recorded as `layer<i>_shared_mlp`.
 SHARED_MLPS = ("shared_mlp",)
+# A shared expert inside an MoE block, which every token runs and whose output the block adds to the
+# routed experts' (Qwen2-MoE's and Qwen3-Next's `shared_expert`, the DeepSeek family's, GLM-4-MoE's
+# and ERNIE 4.5's `shared_experts`, Hunyuan V1's `shared_mlp`): recorded as `layer<i>_shared_mlp`.
+SHARED_EXPERTS = ("shared_expert", "shared_experts", "shared_mlp")
 # The decoder layers' list (`layers`; the GPT-2 family's `h`, MPT's `blocks`, T5's `block`; a
 # `ModuleDict` keyed by layer index too: torchtitan's, mistral-inference's).
 LAYER_LISTS = ("layers", "h", "blocks", "block",

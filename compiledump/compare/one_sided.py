@@ -8,7 +8,7 @@ its COMPILEDUMP_MOE_LAYERS filtered the tag (its manifest's `filtered_tags`: the
 differing, or an older compiledump that filtered more); a layer state's step is past its
 COMPILEDUMP_LAYER_STEPS (its manifest counts them dropped as `layer_steps`, or the setting is 0);
 the other side recorded no sublayer's decode-step state at all (`layer<i>_attn_step`, `_mlp_step`:
-a compiledump from before them), or no Granite shared MLP (`layer<i>_shared_mlp`: likewise), or no
+a compiledump from before them), or no shared MLP or expert (`layer<i>_shared_mlp`: likewise), or no
 token mixer's own output (`layer<i>_mixer`: attention's, likewise); only one side records the tokens
 it fed (`input_token`); the other side's router returned its logits alone and recorded no expert
 ids (an engine's gate); the steps are shifted (a warm-up before the request, or the prompt in
@@ -111,7 +111,7 @@ class OneSidedKeys:
                      "none (recorded by a compiledump from before they were, or with step_states=False): not "
                      "compared; record both sides with the same version to judge each step's sublayers"),
                  "shared_mlp": lambda side, keys: (
-                     f"{side} holds {len(keys)} keys of the dense MLP beside an MoE block ({preview(keys, 3)}) and "
+                     f"{side} holds {len(keys)} keys of a shared MLP or expert of an MoE layer ({preview(keys, 3)}) and "
                      f"{other_side(side)} none (recorded by a compiledump from before they were): not compared; "
                      "record both sides with the same version to judge them"),
                  "mixer": lambda side, keys: (

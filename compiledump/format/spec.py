@@ -123,7 +123,7 @@ _SUBLAYER_STEP_TAG = re.compile(r"^layer\d+_(?:attn|mlp|shared_mlp|mixer)_step$"
 
 def sublayer_step_tag(tag: str) -> bool:
     """Whether `tag` is a sublayer's step state, `layer<N>_attn_step`, `_mlp_step`, `_mixer_step`
-    (`_shared_mlp_step`: Granite's dense MLP beside its MoE block)."""
+    (`_shared_mlp_step`: Granite's dense MLP beside its MoE block, or a shared expert inside it)."""
     return _SUBLAYER_STEP_TAG.match(tag) is not None
 
 
@@ -131,8 +131,8 @@ _SHARED_MLP_TAG = re.compile(r"^layer\d+_shared_mlp(?:_step)?$")
 
 
 def shared_mlp_tag(tag: str) -> bool:
-    """Whether `tag` is Granite's dense MLP beside an MoE block, `layer<N>_shared_mlp` (or its
-    steps'), which `instrument` records since 2026-12-06."""
+    """Whether `tag` is Granite's dense MLP beside an MoE block or a shared expert inside one,
+    `layer<N>_shared_mlp` (or its steps'), which `instrument` records since 2026-12-06."""
     return _SHARED_MLP_TAG.match(tag) is not None
 
 

@@ -124,6 +124,6 @@ def test_an_older_dump_without_the_shared_mlp_gets_one_note(tmp_path):
     report = compare(*factory.write_pair(tmp_path, common, common + shared))
     lines = format_report(report)
     assert report.exit_status == 0 and not [p for p in report.problems if p.kind == "extra_in_run"], lines
-    (note,) = [line for line in lines if "dense MLP beside an MoE block" in line]
+    (note,) = [line for line in lines if "shared MLP or expert of an MoE layer" in line]
     # (step 0 of a stream step is never compared: the prompt's last row)
-    assert note.startswith("note: RUN holds 4 keys of the dense MLP beside an MoE block") and "REF none" in note
+    assert note.startswith("note: RUN holds 4 keys of a shared MLP or expert of an MoE layer") and "REF none" in note
