@@ -143,7 +143,8 @@ BIASED = ("deepseek_v3_grouped", "minimax_m2", "ernie4_5_moe", "deepseek_v4", "a
           "lfm2_moe", "nemotron_h", "ergo", "kolibri1_1", "minimax_m3_vl")
 BIAS_STD = 0.02  # about the spread of the sigmoid scores of these random routers
 # The fields of an expert's (and a shared expert's) intermediate width, which --expert-width sets.
-EXPERT_WIDTHS = ("moe_intermediate_size", "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size")
+EXPERT_WIDTHS = ("moe_intermediate_size", "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size",
+                 "shared_intermediate_size")
 EXPERT_WIDTH: int | None = None
 
 
@@ -238,8 +239,10 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=COMMON["hidden_size"], help="hidden size (default 64)")
     parser.add_argument("--layers", type=int, default=COMMON["num_hidden_layers"], help="decoder layers (default 4)")
     parser.add_argument("--expert-width", type=int, default=None,
-                        help="every expert's (and shared expert's) intermediate width, where the config names one "
-                             "(default: each model's own, 48: a real model's are 1024-2048 wide)")
+                        help=f"the experts' and shared experts' intermediate width, where the config has one of "
+                             f"{', '.join(EXPERT_WIDTHS)} (not Mixtral's, MiniMax's or Granite's experts, whose "
+                             "width is intermediate_size; default: each model's own, mostly 48; a real model's are "
+                             "1024-2048 wide)")
     parser.add_argument("--init", type=float, default=COMMON["initializer_range"],
                         help="initializer_range (default 0.1)")
     parser.add_argument("--verbose", action="store_true", help="print the report of every pair that exits 1")

@@ -9,6 +9,7 @@
     hf_ends.py     what sits around the layers: token embedding, final norm, head, base model (and PP placeholders)
     residual.py    where a layer keeps the residual stream (vLLM/SGLang: two parts, added by the next norm)
     router_taps.py the hooks on a model's routers: what a router returns, what instrument records of it
+    shared_experts.py an MoE block's shared expert, recorded as the block adds it (gated; a TP partial sum)
     hf_routers.py  which Hugging Face routers select how (the rules instrument declares)
     layouts.py     how record reads a tensor (layout=, rows=)
     routers.py     declare_router: how a router that is not a plain top-k selects, for compare

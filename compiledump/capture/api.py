@@ -324,6 +324,11 @@ def _runtime_for(device: torch.device, tag: str) -> Runtime:
     return rt
 
 
+def moe_filter_keeps(tag: str) -> bool:
+    """Whether the MoE layer filter (COMPILEDUMP_MOE_LAYERS) keeps `tag`, as `record` would."""
+    return _wants_moe(tag, STATE.config.moe_layers)
+
+
 def _wants_moe(tag: str, moe_layers: int) -> bool:
     """The MoE layer filter: tags `layer<N>_<x>` are kept only for N < moe_layers (a bare
     `layer<N>` always)."""

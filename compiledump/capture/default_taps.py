@@ -2,7 +2,8 @@
 residual stream after attention, the router and its ids, the MLP block's and the layer's output
 (and the layer's state at each forward's last position); the final norm, the logits, the fed
 token and the request row's attention mask. Where a Hugging Face (or vLLM/SGLang) model keeps
-each module is capture/hf_layout.py's; what is recorded of a router is capture/router_taps.py's."""
+each module is capture/hf_layout.py's; what is recorded of a router is capture/router_taps.py's,
+of an MoE block's shared expert capture/shared_experts.py's."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from ..format import spec
 from . import api, hf_configs, hf_ends as ends, hf_layout as layout, indexers, mixers, residual, router_taps, routers
+from . import shared_experts
 from .state import warn_once
 
 
@@ -91,12 +93,8 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
             handle._add_stream(mlp, f"layer{i}_mlp", mlp_path, moe_filtered=routed)
             if routed and f"layer{i}_mlp" in handle.taps:
                 moe_outputs.append(i)
-            if routed and (inner := layout.child(block, layout.SHARED_EXPERTS)) is not None:
-                # Its shared expert, which every token runs: a bug there is diluted in the block's
-                # output by the routed experts' (a bf16 x1.05 one read 0.4 of the thresholds and
-                # exited 0). As an MoE internal, under COMPILEDUMP_MOE_LAYERS.
-                handle._add_stream(block.get_submodule(inner), f"layer{i}_shared_mlp",
-                                   f"{prefix}.{block_name}.{inner}", moe_filtered=True)
+            if routed:  # its shared expert, undiluted by the routed experts' output
+                shared_experts.tap_shared_expert(handle, i, mlp_path, layer, block)
             if (shared := layout.child(layer, layout.SHARED_MLPS)) not in (None, block_name):
                 # Granite's dense MLP beside its MoE block, the two outputs summed: its own tag, or a
                 # bug there would be missed (the block's output holds none of it)

@@ -131,8 +131,9 @@ class Instrumented:
 
     def _add(self, module: torch.nn.Module, tag: str, path: str, side: str, capture: Callable | None = None,
              read: Callable | None = None, moe_filtered: bool = True):
-        """Hook `module`'s output, or its first input (side "input"); or what `read` makes of them.
-        `moe_filtered`: whether COMPILEDUMP_MOE_LAYERS applies to `tag` (api.record_unfiltered)."""
+        """Hook `module`'s output, or its first input (side "input"); or what `read` makes of them
+        (side "call": `read(args, kwargs, output)`, the whole call's). `moe_filtered`: whether
+        COMPILEDUMP_MOE_LAYERS applies to `tag` (api.record_unfiltered)."""
         if self.excludes(tag):
             return
         if capture is None and side == "input" and isinstance(module, torch.nn.Embedding):
@@ -154,7 +155,7 @@ class Instrumented:
                 if STATE.config.active:
                     if output is None and written is not None:  # it wrote its result into `output`
                         output = written(args, kwargs)
-                    capture(read(output) if read else output)
+                    capture(read(args, kwargs, output) if side == "call" else read(output) if read else output)
             self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
         self.taps[tag] = f"{path}:input" if side == "input" else path
 

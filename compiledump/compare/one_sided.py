@@ -8,12 +8,12 @@ its COMPILEDUMP_MOE_LAYERS filtered the tag (its manifest's `filtered_tags`: the
 differing, or an older compiledump that filtered more); a layer state's step is past its
 COMPILEDUMP_LAYER_STEPS (its manifest counts them dropped as `layer_steps`, or the setting is 0);
 the other side recorded no sublayer's decode-step state at all (`layer<i>_attn_step`, `_mlp_step`:
-a compiledump from before them), or no shared MLP or expert (`layer<i>_shared_mlp`: likewise), or no
-token mixer's own output (`layer<i>_mixer`: attention's, likewise); only one side records the tokens
-it fed (`input_token`); the other side's router returned its logits alone and recorded no expert
-ids (an engine's gate); the steps are shifted (a warm-up before the request, or the prompt in
-chunks: overwrites.py), and a side holds steps of a tag past the other side's last. Any other key
-of one side is a problem: `missing_in_run` or `extra_in_run` (docs/compare.md).
+a compiledump from before them), or no shared MLP or expert (`layer<i>_shared_mlp`: likewise, or a
+fused one), or no token mixer's own output (`layer<i>_mixer`: attention's, likewise); only one side
+records the tokens it fed (`input_token`); the other side's router returned its logits alone and
+recorded no expert ids (an engine's gate); the steps are shifted (a warm-up before the request, or
+the prompt in chunks: overwrites.py), and a side holds steps of a tag past the other side's last.
+Any other key of one side is a problem: `missing_in_run` or `extra_in_run` (docs/compare.md).
 """
 
 from __future__ import annotations
@@ -112,8 +112,9 @@ class OneSidedKeys:
                      "compared; record both sides with the same version to judge each step's sublayers"),
                  "shared_mlp": lambda side, keys: (
                      f"{side} holds {len(keys)} keys of a shared MLP or expert of an MoE layer ({preview(keys, 3)}) and "
-                     f"{other_side(side)} none (recorded by a compiledump from before they were): not compared; "
-                     "record both sides with the same version to judge them"),
+                     f"{other_side(side)} none (recorded by a compiledump from before they were, or an engine that "
+                     "runs the shared expert inside its fused experts: SGLang's num_fused_shared_experts): not "
+                     "compared; record both sides with the same version to judge them"),
                  "mixer": lambda side, keys: (
                      f"{side} holds {len(keys)} keys of a token mixer's own output ({preview(keys, 3)}) and "
                      f"{other_side(side)} none (attention's, recorded by a compiledump from before it was): not "
