@@ -36,8 +36,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "prompt, stored as `[tokens, dim]`); `record(..., rows=...)` overrides it per call", "rows"),
     EnvVar("COMPILEDUMP_MOE_LAYERS", "2", "keep `layer<N>_<x>` tags of `record`, `record_ids` and "
            "`record_step(..., moe_filtered=True)` only for N below this (a bare `layer<N>` always; of `instrument`'s "
-           "tags an MoE layer's `_router`, `_topk`, step routing and MoE block `_mlp`, not `_attn` or a dense "
-           "layer's `_mlp`)", "moe_layers"),
+           "tags an MoE layer's `_router`, `_topk`, step routing, MoE block `_mlp` and shared expert `_shared_mlp`, "
+           "not `_attn` or a dense layer's `_mlp`). A layer index, as debug_dump.py's: where a model's first MoE "
+           "layer is at or past it (DeepSeek-V3's and GLM-4.5's first three layers are dense) `instrument` warns, "
+           "naming the value that keeps its first MoE layers (`5` for DeepSeek-V3 at the default)", "moe_layers"),
     EnvVar("COMPILEDUMP_MAX_ROWS", "1", "`record_step` is skipped (counted as `rows_gate`) while the last "
            "`set_rows` value exceeds this", "max_rows"),
     EnvVar("COMPILEDUMP_MAX_STEPS", "256", "steps kept per `record_step` tag; later ones are counted as "

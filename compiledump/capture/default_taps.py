@@ -14,7 +14,7 @@ import torch
 from ..format import spec
 from . import api, hf_configs, hf_ends as ends, hf_layout as layout, indexers, mixers, residual, router_taps, routers
 from . import shared_experts
-from .state import warn_once
+from .state import STATE, warn_once
 
 
 def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: str | None) -> None:
@@ -114,6 +114,7 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
         # decides every decoder step, and an encoder bug would read as the decoder's first layer
         handle._add(modules[encoder], spec.ENCODER_OUTPUT_TAG, encoder, "output", capture=once_capture(handle))
     _warn_untapped(layers_path, ran[0][1], unrouted, no_attn)
+    _warn_moe_filtered([i for i, layer in ran if _routes(layer)], ran[0][0])
     if untapped_moe:
         warnings.warn(f"compiledump.instrument: {len(untapped_moe)} MoE block(s) ({', '.join(untapped_moe[:3])}"
                       f"{', ...' if len(untapped_moe) > 3 else ''}) follow no router convention compiledump reads "
@@ -142,6 +143,22 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
             handle.taps[spec.PROMPT_MASK_TAG] = f"{base_path}:attention_mask"
     if (head_path := ends.logits_path(modules, layers_path)) is not None:
         handle._add(modules[head_path], "logits", head_path, "output", capture=logits_capture(handle))
+
+
+def _warn_moe_filtered(moe_layers: list[int], first_layer: int) -> None:
+    """Warn when COMPILEDUMP_MOE_LAYERS, which keeps the MoE internals of layers below it, keeps
+    none of this model's MoE layers (DeepSeek-V3's and GLM-4.5's first three layers are dense):
+    nothing of its routing would be recorded, silently. Not on a pipeline stage that does not
+    hold the model's first layer (another stage's filter keeps them), nor with the setting 0."""
+    limit = STATE.config.moe_layers
+    if moe_layers and first_layer == 0 and 0 < limit <= moe_layers[0]:
+        keep = moe_layers[0] + limit
+        warnings.warn(f"compiledump.instrument: the model's first MoE layer is layer {moe_layers[0]}, at or past "
+                      f"COMPILEDUMP_MOE_LAYERS={limit} (MoE internals are kept for layers below it): no router "
+                      "logits, expert ids, MoE block or shared-expert outputs are recorded, and the comparator "
+                      f"cannot tell a routing flip from a bug. Set COMPILEDUMP_MOE_LAYERS={keep} (or "
+                      f"compiledump.configure(moe_layers={keep})) to keep its first {limit} MoE layers",
+                      RuntimeWarning, stacklevel=4)
 
 
 def _block_name(layer) -> str | None:

@@ -256,3 +256,44 @@ def test_an_engine_gate_returning_logits_and_none_records_the_logits_only(dump_d
     np.testing.assert_array_equal(arrays["layer0_router"], seen[0].numpy())  # every row: router_rows="all"
     np.testing.assert_array_equal(arrays["layer1_router"], seen[1].numpy())
     assert not any("topk" in key or "step_router" in key for key in arrays), sorted(arrays)
+
+
+def _deepseek_v3(first_dense: int) -> torch.nn.Module:
+    import transformers
+
+    config = transformers.AutoConfig.for_model(
+        "deepseek_v3", vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=5, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=64, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=first_dense, n_group=1, topk_group=1,
+        kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def _filter_warnings(model) -> list[str]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiledump.instrument(model).remove()
+    return [str(w.message) for w in caught if "first MoE layer" in str(w.message)]
+
+
+def test_a_model_whose_moe_layers_all_lie_past_the_moe_filter_is_warned(dump_dir):
+    """DeepSeek-V3's (and GLM-4.5's) first three layers are dense: under the default
+    COMPILEDUMP_MOE_LAYERS=2 nothing of its routing was recorded, and nothing said so."""
+    model = _deepseek_v3(first_dense=3)
+    (message,) = _filter_warnings(model)
+    assert "first MoE layer is layer 3, at or past COMPILEDUMP_MOE_LAYERS=2" in message
+    assert "COMPILEDUMP_MOE_LAYERS=5" in message and "configure(moe_layers=5)" in message
+    compiledump.configure(moe_layers=5)  # the fix it names: layers 3 and 4 recorded
+    assert _filter_warnings(model) == []
+    compiledump.instrument(model)
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 160, (1, 7), generator=torch.Generator().manual_seed(1)))
+    arrays, _ = _load(compiledump.flush())
+    assert {"layer3_router", "layer3_topk", "layer4_topk", "layer3_shared_mlp"} <= set(arrays)
+    compiledump.configure(moe_layers=0)  # nothing of the MoE layers wanted, as said
+    assert _filter_warnings(model) == []
+    compiledump.configure(moe_layers=2)
+    assert _filter_warnings(_deepseek_v3(first_dense=1)) == []  # layer 1 kept
