@@ -240,9 +240,10 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=COMMON["num_hidden_layers"], help="decoder layers (default 4)")
     parser.add_argument("--expert-width", type=int, default=None,
                         help=f"the experts' and shared experts' intermediate width, where the config has one of "
-                             f"{', '.join(EXPERT_WIDTHS)} (not Mixtral's, MiniMax's or Granite's experts, whose "
-                             "width is intermediate_size; default: each model's own, mostly 48; a real model's are "
-                             "1024-2048 wide)")
+                             f"{', '.join(EXPERT_WIDTHS)} (every shared expert here; routed experts whose width is "
+                             "intermediate_size or the like keep theirs: Mixtral's, MiniMax's, MiniMax-M3-VL's, "
+                             "gpt-oss', PhiMoE's, Granite's, DBRX's; default: each model's own, mostly 48; a real "
+                             "model's are 1024-2048 wide)")
     parser.add_argument("--init", type=float, default=COMMON["initializer_range"],
                         help="initializer_range (default 0.1)")
     parser.add_argument("--verbose", action="store_true", help="print the report of every pair that exits 1")

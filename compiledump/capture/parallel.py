@@ -116,6 +116,13 @@ def declare_shard(tags: str, dim: int | None = None, how: str = "concat", group:
     return spec
 
 
+def withdraw_shard(tags: str) -> None:
+    """Drop the declarations whose pattern is `tags` (instrument's own, of a model instrumented
+    before: its tags may mean other values in this one)."""
+    with STATE.lock:
+        STATE.shards[:] = [(compiled, spec) for compiled, spec in STATE.shards if spec.pattern != tags]
+
+
 def shard_for(tag: str) -> ShardSpec | None:
     """The last declaration whose pattern matches `tag`, or None."""
     with STATE.lock:

@@ -13,7 +13,8 @@ What is recorded is what the block adds, the same on every engine: Qwen2-MoE's s
 which Hugging Face and SGLang apply after the shared expert and vLLM inside it (`expert_gate`),
 is applied to the recorded value where the engine applies it outside; under tensor parallelism,
 where vLLM and SGLang leave the shared expert's output a partial sum for the block to all-reduce
-(`reduce_results=False`), the tag is declared a sum across the `tp` group (docs/multi-rank.md).
+(`reduce_results=False`), the tag is declared a sum across the `tp` group (docs/multi-rank.md),
+whose rank and size the down projection says where `set_parallel` was not given them.
 """
 
 from __future__ import annotations
@@ -34,29 +35,37 @@ def tap_shared_expert(handle, i: int, path: str, layer: torch.nn.Module, block: 
     gated = gate is not None and layout.child(shared, ("expert_gate",)) is None
     handle._add_stream(shared, tag, f"{path}.{name}", "call" if gated else "output",
                        read=_gated(getattr(block, gate), tag) if gated else None, moe_filtered=True)
-    if _partial_sum(shared):
-        parallel.declare_shard(rf"{tag}(?:_step)?", how="sum", group="tp")
+    pattern = rf"{tag}(?:_step)?"
+    parallel.withdraw_shard(pattern)  # (a model instrumented before: its own declaration)
+    if (down := _partial_sum(shared)) is not None:
+        parallel.declare_shard(pattern, how="sum", group="tp")
+        groups = parallel.get_parallel()
+        if "tp_rank" not in groups and isinstance(rank := getattr(down, "tp_rank", None), int):
+            # compare orders and sums the ranks' shares by tp_rank: the engine's own
+            parallel.set_parallel(**{**groups, "tp_rank": rank, "tp_size": down.tp_size})
 
 
 def _gated(gate: torch.nn.Module, tag: str):
-    """The shared expert's output as the block adds it, `sigmoid(gate(x)) * output`, its gate
-    run again on the same input (where the tag is kept: a [tokens, 1] projection)."""
+    """The shared expert's output as the block adds it, `sigmoid(gate(x)) * output`, the gate's
+    forward run again on the same input (where the tag is kept: a [tokens, 1] projection)."""
     def read(args, kwargs, output):
         if not api.moe_filter_keeps(tag) or not residual.is_float(output):
             return output  # (filtered: nothing recorded)
-        logits = gate(residual.first_input(args, kwargs))
+        # (its forward, not the module: the gate's hooks, a user's tap among them, ran once already)
+        logits = gate.forward(residual.first_input(args, kwargs))
         logits = logits[0] if isinstance(logits, (tuple, list)) else logits  # (a linear layer returning its bias)
         return torch.sigmoid(logits) * output
     return read
 
 
-def _partial_sum(shared: torch.nn.Module) -> bool:
-    """Whether the shared expert's output is this rank's partial sum: its down projection is a
+def _partial_sum(shared: torch.nn.Module) -> torch.nn.Module | None:
+    """The shared expert's down projection where its output is this rank's partial sum: a
     row-parallel linear layer of a tensor-parallel group that leaves the all-reduce to the block
-    (vLLM's and SGLang's `reduce_results=False`)."""
+    (vLLM's and SGLang's `reduce_results=False`); else None."""
     down = getattr(shared, "down_proj", None)
     if not isinstance(down, torch.nn.Module):
         last = layout.last_projection(shared)
         down = getattr(shared, last) if last is not None else None
-    return down is not None and getattr(down, "reduce_results", True) is False \
+    partial = down is not None and getattr(down, "reduce_results", True) is False \
         and isinstance(getattr(down, "tp_size", 1), int) and getattr(down, "tp_size", 1) > 1
+    return down if partial else None

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import transformers
 
 import compiledump
+from compiledump.capture import parallel
 from compiledump.compare import compare, format_report
 from helpers.hf_dump import dump_run, load_dump
 
@@ -148,21 +149,58 @@ def test_a_shared_expert_gated_inside_it_pairs_with_one_gated_in_the_block(tmp_p
     assert report.exit_status == 0 and "layer0_shared_mlp" in {record.key for record in report.keys}, lines[-1]
 
 
-def test_a_tensor_parallel_ranks_partial_shared_expert_is_declared_a_sum(tmp_path):
+@pytest.mark.parametrize("given", [None, {"tp_rank": 0, "tp_size": 2, "dp_rank": 1}])
+def test_a_tensor_parallel_ranks_partial_shared_expert_is_declared_a_sum(tmp_path, given):
     """vLLM and SGLang build shared experts with `reduce_results=False`: under tensor parallelism
-    each rank's output is a partial sum, all-reduced after the block adds the routed experts'."""
+    each rank's output is a partial sum, all-reduced after the block adds the routed experts'. The
+    ranks' order is the engine's own where `set_parallel` was not given one (a review: otherwise
+    every key was `shard_incomplete`, exit 3)."""
     model = build("glm4_moe", 0)
     for layer in model.model.layers[1:]:
         down = layer.mlp.shared_experts.down_proj
-        down.reduce_results, down.tp_size = False, 2
-    compiledump.set_parallel(tp_rank=0, tp_size=2)
+        down.reduce_results, down.tp_size, down.tp_rank = False, 2, 1
+    compiledump.reset()
+    compiledump.configure(dir=str(tmp_path))
     try:
-        arrays, manifest = load_dump(dump_run(model, tmp_path, session(model)))
+        if given is not None:
+            compiledump.set_parallel(**given)
+        handle = compiledump.instrument(model)
+        assert compiledump.get_parallel() == (given or {"tp_rank": 1, "tp_size": 2})
+        with torch.no_grad():
+            session(model)()
+        handle.remove()
+        _, manifest = load_dump(compiledump.flush())
     finally:
         compiledump.reset()
     for key in ("layer1_shared_mlp", "layer1_shared_mlp_step_1"):
         assert manifest["keys"][key]["shard"] == {"dim": None, "how": "sum", "group": "tp"}
     assert "shard" not in manifest["keys"]["layer1_mlp"]
+
+
+def test_a_model_instrumented_after_a_tensor_parallel_one_declares_no_shard():
+    """A review: the declaration outlived the model it was made for."""
+    engine = build("glm4_moe", 0)
+    for layer in engine.model.layers[1:]:
+        down = layer.mlp.shared_experts.down_proj
+        down.reduce_results, down.tp_size, down.tp_rank = False, 2, 0
+    compiledump.reset()
+    try:
+        compiledump.instrument(engine).remove()
+        assert parallel.shard_for("layer1_shared_mlp_step") is not None
+        compiledump.instrument(build("glm4_moe", 0)).remove()  # its shared experts are whole
+        assert parallel.shard_for("layer1_shared_mlp") is None and parallel.shard_for("layer1_shared_mlp_step") is None
+    finally:
+        compiledump.reset()
+
+
+def test_the_gates_hooks_run_once_when_its_output_is_applied(tmp_path):
+    """The gate's forward is run again on the expert's input, not the module: a user's tap on it
+    was written twice per forward (a review: "written again after the prompt", exit 3)."""
+    model = build("qwen2_moe", 0)
+    calls = []
+    model.model.layers[1].mlp.shared_expert_gate.register_forward_hook(lambda *_: calls.append(1))
+    arrays, _ = load_dump(dump_run(model, tmp_path, session(model), taps={"layer1_seg": "model.layers.1.mlp.shared_expert_gate"}))
+    assert len(calls) == 4 and "layer1_shared_mlp" in arrays and "layer1_seg" in arrays  # a prompt and 3 steps
 
 
 def test_a_layer_with_both_a_shared_mlp_beside_its_block_and_one_inside_records_the_layers(tmp_path):
