@@ -26,7 +26,8 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
     untapped_moe = []  # layers whose MoE block goes by a name no convention here reads (torchtitan's `moe`)
     moe_outputs = []  # layers whose `layer<i>_mlp` is an MoE block's output
     ran = layout.real_layers(layers)  # a pipeline stage's share; each keeps its index in the whole model
-    moe_model = any(_routes(layer) for _, layer in ran)
+    moe_layers = [i for i, layer in ran if _routes(layer)]
+    moe_model = bool(moe_layers)
     kinds = mixers.kinds_of(layers, [None if ends.placeholder(layer) else layout.mixer_for_kind(layer)
                                      for layer in layers])
     handle._first_layer = f"{layers_path}.{ran[0][0]}"
@@ -93,12 +94,12 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
             handle._add_stream(mlp, f"layer{i}_mlp", mlp_path, moe_filtered=routed)
             if routed and f"layer{i}_mlp" in handle.taps:
                 moe_outputs.append(i)
-            if routed:  # its shared expert, undiluted by the routed experts' output
-                shared_experts.tap_shared_expert(handle, i, mlp_path, layer, block)
             if (shared := layout.child(layer, layout.SHARED_MLPS)) not in (None, block_name):
                 # Granite's dense MLP beside its MoE block, the two outputs summed: its own tag, or a
                 # bug there would be missed (the block's output holds none of it)
                 handle._add_stream(layer.get_submodule(shared), f"layer{i}_shared_mlp", f"{prefix}.{shared}")
+            elif routed:  # its shared expert, undiluted by the routed experts' output (one tag a layer)
+                shared_experts.tap_shared_expert(handle, i, mlp_path, block)
         if layout.holds_experts(layer) and (router_name := layout.child(layer, layout.ROUTERS)) is not None:
             router_taps.tap_router(handle, f"layer{i}", prefix, layer, router_name)  # Gemma 4: router and experts beside a dense mlp
         handle._add_stream(layer, f"layer{i}", prefix,
@@ -114,7 +115,7 @@ def add_default_taps(handle, layers_path: str, layers, modules: dict, encoder: s
         # decides every decoder step, and an encoder bug would read as the decoder's first layer
         handle._add(modules[encoder], spec.ENCODER_OUTPUT_TAG, encoder, "output", capture=once_capture(handle))
     _warn_untapped(layers_path, ran[0][1], unrouted, no_attn)
-    _warn_moe_filtered([i for i, layer in ran if _routes(layer)], ran[0][0])
+    _warn_moe_filtered(moe_layers, ran[0][0])
     if untapped_moe:
         warnings.warn(f"compiledump.instrument: {len(untapped_moe)} MoE block(s) ({', '.join(untapped_moe[:3])}"
                       f"{', ...' if len(untapped_moe) > 3 else ''}) follow no router convention compiledump reads "

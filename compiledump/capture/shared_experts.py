@@ -24,12 +24,12 @@ import torch
 from . import api, hf_layout as layout, parallel, residual
 
 
-def tap_shared_expert(handle, i: int, path: str, layer: torch.nn.Module, block: torch.nn.Module) -> None:
+def tap_shared_expert(handle, i: int, path: str, block: torch.nn.Module) -> None:
     """Record the shared expert of layer `i`'s MoE block `block` (at `path`), where it has one,
     as `layer<i>_shared_mlp` (with its step rows)."""
     name = layout.child(block, layout.SHARED_EXPERTS)
-    if name is None or layout.child(layer, layout.SHARED_MLPS) not in (None, path.rsplit(".", 1)[-1]):
-        return  # (Granite's shared MLP beside the block is the layer's `layer<i>_shared_mlp`)
+    if name is None:
+        return
     shared, tag = block.get_submodule(name), f"layer{i}_shared_mlp"
     gate = layout.child(block, ("shared_expert_gate",))
     gated = gate is not None and layout.child(shared, ("expert_gate",)) is None
@@ -66,6 +66,6 @@ def _partial_sum(shared: torch.nn.Module) -> torch.nn.Module | None:
     if not isinstance(down, torch.nn.Module):
         last = layout.last_projection(shared)
         down = getattr(shared, last) if last is not None else None
-    partial = down is not None and getattr(down, "reduce_results", True) is False \
-        and isinstance(getattr(down, "tp_size", 1), int) and getattr(down, "tp_size", 1) > 1
+    tp_size = getattr(down, "tp_size", 1)
+    partial = getattr(down, "reduce_results", True) is False and isinstance(tp_size, int) and tp_size > 1
     return down if partial else None

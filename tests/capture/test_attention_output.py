@@ -19,7 +19,8 @@ import torch
 import transformers
 
 from compiledump.compare import compare, format_report
-from helpers.hf_dump import dump_run, load_dump
+from helpers.hf_dump import dump_run, load_dump, prompt_then_steps
+from helpers.hf_models import from_config
 
 SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=64, num_experts=4, num_local_experts=4,
@@ -28,17 +29,11 @@ IDS = torch.randint(3, 160, (1, 9), generator=torch.Generator().manual_seed(3))
 
 
 def build(kind: str, seed: int, init: float = 0.02, **extra) -> transformers.PreTrainedModel:
-    config = transformers.AutoConfig.for_model(kind, **SMALL, initializer_range=init, **extra)
-    torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+    return from_config(kind, seed, **SMALL, initializer_range=init, **extra)
 
 
 def session(model):
-    def run():
-        out = model(input_ids=IDS, use_cache=True)
-        for token in (5, 17, 42):
-            out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
-    return run
+    return prompt_then_steps(model, IDS)
 
 
 @pytest.mark.parametrize("kind, kept", [("llama", [0, 1, 2, 3]), ("olmoe", [0, 1])])
@@ -61,9 +56,7 @@ def test_attention_output_is_recorded_before_the_stream_after_it(tmp_path, kind,
 
 
 def _tiny(kind: str, **fields):
-    config = transformers.AutoConfig.for_model(kind, vocab_size=160, max_position_embeddings=64, **fields)
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+    return from_config(kind, 0, vocab_size=160, max_position_embeddings=64, **fields)
 
 
 RESIDUAL_ADDING = {  # attention modules that add the residual themselves, and where their own output is

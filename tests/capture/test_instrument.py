@@ -259,15 +259,14 @@ def test_an_engine_gate_returning_logits_and_none_records_the_logits_only(dump_d
 
 
 def _deepseek_v3(first_dense: int) -> torch.nn.Module:
-    import transformers
+    from helpers.hf_models import from_config
 
-    config = transformers.AutoConfig.for_model(
-        "deepseek_v3", vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=5, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=64, n_routed_experts=4, n_shared_experts=1,
-        num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=first_dense, n_group=1, topk_group=1,
-        kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8)
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+    return from_config(
+        "deepseek_v3", 0, vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, n_routed_experts=4,
+        n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=first_dense,
+        n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=16, head_dim=8)
 
 
 def _filter_warnings(model) -> list[str]:

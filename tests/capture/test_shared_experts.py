@@ -21,7 +21,8 @@ import transformers
 import compiledump
 from compiledump.capture import parallel
 from compiledump.compare import compare, format_report
-from helpers.hf_dump import dump_run, load_dump
+from helpers.hf_dump import dump_run, load_dump, prompt_then_steps
+from helpers.hf_models import from_config
 
 SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=64, num_experts=4, n_routed_experts=4,
@@ -33,17 +34,11 @@ MODELS = {"qwen2_moe": ("shared_expert", [0, 1, 2, 3]), "glm4_moe": ("shared_exp
 
 
 def build(kind: str, seed: int, init: float = 0.02, **extra) -> transformers.PreTrainedModel:
-    config = transformers.AutoConfig.for_model(kind, **{**SMALL, **extra}, initializer_range=init)
-    torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+    return from_config(kind, seed, **{**SMALL, **extra}, initializer_range=init)
 
 
 def session(model):
-    def run():
-        out = model(input_ids=IDS, use_cache=True)
-        for token in (5, 17, 42):
-            out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
-    return run
+    return prompt_then_steps(model, IDS)
 
 
 def last_row(tensor: torch.Tensor) -> np.ndarray:
@@ -205,12 +200,9 @@ def test_the_gates_hooks_run_once_when_its_output_is_applied(tmp_path):
 
 def test_a_layer_with_both_a_shared_mlp_beside_its_block_and_one_inside_records_the_layers(tmp_path):
     """A review: both hooks wrote `layer<i>_shared_mlp`, interleaving the step rows."""
-    config = transformers.AutoConfig.for_model("granitemoeshared", vocab_size=160, hidden_size=64, intermediate_size=48,
-                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                               num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48,
-                                               max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = from_config("granitemoeshared", 0, vocab_size=160, hidden_size=64, intermediate_size=48,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                        num_experts_per_tok=2, shared_intermediate_size=48, max_position_embeddings=64)
     for layer in model.model.layers:
         block = layer.block_sparse_moe
         block.shared_experts = copy.deepcopy(layer.shared_mlp)

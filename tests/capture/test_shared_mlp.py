@@ -15,7 +15,8 @@ import torch
 import transformers
 
 from compiledump.compare import compare, format_report
-from helpers.hf_dump import dump_run, load_dump
+from helpers.hf_dump import dump_run, load_dump, prompt_then_steps
+from helpers.hf_models import from_config
 
 SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, num_local_experts=8, num_experts_per_tok=2,
@@ -25,17 +26,10 @@ SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_la
 def granite(kind: str, seed: int, init: float = 0.02) -> transformers.PreTrainedModel:
     extra = dict(layer_types=["mamba", "attention"] * 2, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
                  mamba_n_groups=1) if kind == "granitemoehybrid" else {}
-    config = transformers.AutoConfig.for_model(kind, **SMALL, **extra, initializer_range=init)
-    torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+    return from_config(kind, seed, **SMALL, **extra, initializer_range=init)
 
 
-def session(model, ids):
-    def run():
-        out = model(input_ids=ids, use_cache=True)
-        for token in (5, 17, 42):
-            out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
-    return run
+session = prompt_then_steps
 
 
 IDS = torch.randint(3, 160, (1, 9), generator=torch.Generator().manual_seed(3))
@@ -62,11 +56,9 @@ def test_the_shared_mlp_is_recorded_beside_the_moe_block(tmp_path, kind):
 
 
 def test_a_hybrid_models_dense_layer_has_its_shared_mlp_as_its_mlp(tmp_path):
-    config = transformers.AutoConfig.for_model("granitemoehybrid", **{**SMALL, "num_local_experts": 0},
-                                               layer_types=["mamba", "attention"] * 2, mamba_n_heads=8,
-                                               mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = from_config("granitemoehybrid", 0, **{**SMALL, "num_local_experts": 0},
+                        layer_types=["mamba", "attention"] * 2, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+                        mamba_n_groups=1)
     assert model.model.layers[1].block_sparse_moe is None
     got = []
     hook = model.model.layers[1].shared_mlp.register_forward_hook(lambda _m, _a, out: got.append(out[0, -1].clone()))

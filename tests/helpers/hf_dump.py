@@ -68,6 +68,16 @@ def dump_run(model: torch.nn.Module, directory: Path, run, **options) -> str:
         return compiledump.flush()
 
 
+def prompt_then_steps(model: torch.nn.Module, ids: torch.Tensor, tokens=(5, 17, 42)):
+    """A run for `dump_run`: the prompt `ids` through `model` with a KV cache, then one decode step
+    per token of `tokens`."""
+    def run():
+        out = model(input_ids=ids, use_cache=True)
+        for token in tokens:
+            out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    return run
+
+
 def compare_run(reference: str, model: torch.nn.Module, directory: Path, run):
     """`run()` dumped as `dump_run` dumps it and compared with the dump at `reference` (the
     comparison's warnings ignored: the tests read its report); the report and its last line."""

@@ -74,3 +74,13 @@ def glm5_next_text(index_topk: int = 8, seed: int = 0, init: float = 0.02):
         eos_token_id=2, mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
     torch.manual_seed(seed)
     return transformers.AutoModel.from_config(config).eval()
+
+
+def from_config(kind: str, seed: int, **fields) -> transformers.PreTrainedModel:
+    """Model type `kind` built from a config of `fields`, its weights drawn after
+    `torch.manual_seed(seed)`, in eval mode."""
+    import torch
+
+    config = transformers.AutoConfig.for_model(kind, **fields)
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
