@@ -89,6 +89,15 @@ def _no_leaked_buffer_hooks():
         del hooks[key]
 
 
+def _put_back_settings(before) -> None:
+    after = compiledump.get_config()
+    if after == before:
+        return
+    if any(getattr(after, f) != getattr(before, f) for f in cd_config.ARENA_FIELDS):
+        compiledump.reset()
+    compiledump.configure(**dataclasses.asdict(before))
+
+
 @pytest.fixture(autouse=True)
 def _no_leaked_settings():
     """Put back the settings a test found. A test that configures (moe_layers=3, tokens=7, ...)
@@ -98,12 +107,18 @@ def _no_leaked_settings():
     (which an existing arena cannot take back), its state is reset first."""
     before = compiledump.get_config()
     yield
-    after = compiledump.get_config()
-    if after == before:
-        return
-    if any(getattr(after, f) != getattr(before, f) for f in cd_config.ARENA_FIELDS):
-        compiledump.reset()
-    compiledump.configure(**dataclasses.asdict(before))
+    _put_back_settings(before)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_leaked_module_settings():
+    """The same for a test file: a module-scoped fixture sets up before any test's own check
+    records what it found, so what it configures was invisible there (test_aot.py's `packages`
+    left tokens=7 behind, and a later file's 9-token prompt was skipped by the token gate: a CI
+    failure that depended on which xdist worker ran which file after which)."""
+    before = compiledump.get_config()
+    yield
+    _put_back_settings(before)
 
 
 @pytest.fixture
