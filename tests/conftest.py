@@ -110,6 +110,34 @@ def _no_leaked_settings():
     _put_back_settings(before)
 
 
+def _process_state() -> dict:
+    return {"COMPILEDUMP_* environment": {k: v for k, v in os.environ.items() if k.startswith("COMPILEDUMP_")},
+            "torch default dtype": torch.get_default_dtype(), "grad mode": torch.is_grad_enabled(),
+            "set_parallel": compiledump.get_parallel()}
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_process_state():
+    """Fail a test that leaves process-wide state changed (an environment variable set without
+    monkeypatch, the default dtype, grad mode, `set_parallel` without a reset), and put it back:
+    otherwise a later test of the same xdist worker fails or passes by which file ran before it."""
+    before = _process_state()
+    yield
+    after = _process_state()
+    leaked = [name for name in before if after[name] != before[name]]
+    if not leaked:
+        return
+    for key in set(after["COMPILEDUMP_* environment"]) - set(before["COMPILEDUMP_* environment"]):
+        del os.environ[key]
+    os.environ.update(before["COMPILEDUMP_* environment"])
+    torch.set_default_dtype(before["torch default dtype"])
+    torch.set_grad_enabled(before["grad mode"])
+    if after["set_parallel"] != before["set_parallel"]:
+        compiledump.reset()
+    pytest.fail("the test left process-wide state changed: " + "; ".join(
+        f"{name} {before[name]!r} -> {after[name]!r}" for name in leaked), pytrace=False)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _no_leaked_module_settings():
     """The same for a test file: a module-scoped fixture sets up before any test's own check
