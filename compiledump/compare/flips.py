@@ -258,3 +258,20 @@ def _excuse(records: list[KeyRecord], index: int, judged: KeyRecord, reached: di
     records[index] = judged
     for key in by:
         excused.setdefault(key, []).append(records[index].key)
+
+
+def argmax_flip_kind(record: KeyRecord, margin: float, epsilon: float) -> str:
+    """``near-tie`` (reference margin below epsilon), ``after-routing-flip`` (the step's token
+    went to other experts in an earlier layer without a divergence: its logits are not judged,
+    above), ``within-thresholds`` (the step's logits stay within the decode-step
+    defaults of a low-precision class, which an unrecorded routing flip of the decoded token
+    reaches: docs/compare.md) or ``divergence``."""
+    if margin < epsilon:
+        return "near-tie"
+    if record.status in ("after_near_tie", "after_unjudged"):
+        return "after-routing-flip"
+    limits = record.limits
+    if (not record.divergent and limits is not None and limits.rel_source.endswith(" decode")
+            and limits.norm_source.endswith(" decode")):
+        return "within-thresholds"
+    return "divergence"

@@ -55,8 +55,9 @@ def earlier_jump(records: list[KeyRecord], first: Divergence, klass: str | None)
     if jump is None:
         return []
     record, size = jump
-    how = f"{size / before:.0f} times the largest before it" if before > 0 else "every key before it equal"
-    return [(f"{record.key} is within its thresholds, but its rel_diff {size:.2e} is {how} along the residual "
+    how = (f"is {size / before:.0f} times the largest before it" if before > 0
+           else "comes after keys equal on both sides")
+    return [(f"{record.key} is within its thresholds, but its rel_diff {size:.2e} {how} along the residual "
              f"stream in this phase, and every stream key after it up to {first.key} stays above that: fp32 "
              f"rounding grows gradually, so the divergence "
              f"likely starts at or before {record.key} (a change there diluted below the threshold), not at "

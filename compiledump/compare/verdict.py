@@ -12,8 +12,9 @@ from pathlib import Path
 from ..format import spec
 from ..format.keys import chosen, order_key_infos
 from ..format.reader import Dump, DumpError, rank_sort_key
+from .decode_first import decode_before_prompt_layer, decode_first_note, earlier_decode_layer
 from .flat_steps import flat_step_zero
-from .flips import excuse_flips
+from .flips import argmax_flip_kind, excuse_flips
 from .inputs import after_fed_difference, first_fed_difference, step_zero_in_prompt
 from .measure import KeyMeasurer, float_class, logits_tags
 from .metrics import Workspace
@@ -286,10 +287,14 @@ def analyse_pair(pair: PairResult) -> None:
         epsilon = flip.near_tie_epsilon
         pair.first_argmax_flip = ArgmaxFlip(
             step=flip.step, key=flip.key, tag=flip.tag, rank=pair.rank,
-            kind=_flip_kind(flip, ref_top.margin, epsilon), margin_ref=ref_top.margin,
+            kind=argmax_flip_kind(flip, ref_top.margin, epsilon), margin_ref=ref_top.margin,
             margin_run=run_top.margin, argmax_ref=ref_top.argmax, argmax_run=run_top.argmax, epsilon=epsilon,
             position=flip.position)
     float_first = pair.prefill_divergence or pair.decode_divergence
+    earlier = decode_before_prompt_layer(floats, pair.prefill_divergence)
+    if earlier is not None:
+        float_first = _divergence(*earlier)
+        pair.notes.append(decode_first_note(pair.prefill_divergence, float_first))
     # The same experts in another order change no token's experts: no root cause; nor can a flip
     # only at tokens after every token a prefill key diverges at (causal attention).
     causes = [item for item in pair.id_mismatches if float_first is not None
@@ -328,7 +333,12 @@ def analyse_pair(pair: PairResult) -> None:
 
 def _can_cause(ids: Divergence, float_first: Divergence | None) -> bool:
     """Whether the ids mismatch `ids` can explain `float_first`: some token's experts changed
-    (not only their order) at or before a token where it diverges (an all-rows key's rows)."""
+    (not only their order) at or before a token where it diverges (an all-rows key's rows), in
+    its layer or an earlier one (a prompt's flip at a later layer cannot reach a decode step's
+    earlier layer)."""
+    if float_first is not None and ids.layer is not None and float_first.layer is not None \
+            and ids.layer > float_first.layer:
+        return False
     if ids.routing is None:
         return True
     flipped = ids.routing.flipped_rows
@@ -337,23 +347,6 @@ def _can_cause(ids: Divergence, float_first: Divergence | None) -> bool:
     if float_first is None or not float_first.divergent_rows or ids.step is not None or float_first.step is not None:
         return True
     return min(flipped) <= max(float_first.divergent_rows)
-
-
-def _flip_kind(record: KeyRecord, margin: float, epsilon: float) -> str:
-    """``near-tie`` (reference margin below epsilon), ``after-routing-flip`` (the step's token
-    went to other experts in an earlier layer without a divergence: its logits are not judged,
-    compare/flips.py), ``within-thresholds`` (the step's logits stay within the decode-step
-    defaults of a low-precision class, which an unrecorded routing flip of the decoded token
-    reaches: docs/compare.md) or ``divergence``."""
-    if margin < epsilon:
-        return "near-tie"
-    if record.status in ("after_near_tie", "after_unjudged"):
-        return "after-routing-flip"
-    limits = record.limits
-    if (not record.divergent and limits is not None and limits.rel_source.endswith(" decode")
-            and limits.norm_source.endswith(" decode")):
-        return "within-thresholds"
-    return "divergence"
 
 
 def _ids_text(record: KeyRecord) -> str:
@@ -382,7 +375,8 @@ def build_report(ref: str, run: str, options: CompareOptions, pairs: list[PairRe
     def by_position(item: Divergence) -> tuple:
         return (item.position, rank_sort_key(item.rank))
 
-    first = earliest("first_divergence", by_position)
+    first = earlier_decode_layer(earliest("first_divergence", by_position),
+                                 [pair.first_divergence for pair in pairs], by_position)
     root_cause = None
     if first is not None:
         root_cause = next(pair for pair in pairs if pair.rank == first.rank).root_cause

@@ -61,7 +61,7 @@ def test_the_verdict_says_where_fp32_values_jump_before_the_first_crossing(tmp_p
     before = max(value for i, value in enumerate(values[:index]) if i != 2)  # the stream's (not layer1_mlp)
     assert values[index] >= JUMP * before and all(value > JUMP * before for value in values[index:])
     assert values[index] >= 1e-8 / JUMP
-    assert (f"{values[index] / before:.0f} times the largest before it" if before else "every key before it equal") \
+    assert (f"{values[index] / before:.0f} times the largest before it" if before else "comes after keys equal on both sides") \
         in note
 
 
