@@ -40,6 +40,13 @@ MODELS = {
     "qwen3_moe": ({"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}, "model.layers", "mlp",
                   "self_attn"),
     "mixtral": ({"num_local_experts": 8, "num_experts_per_tok": 2}, "model.layers", "mlp", "self_attn"),
+    # MoE layers from layer 1 with a shared expert (recorded as layer<i>_shared_mlp) and MLA attention
+    "deepseek_v3": ({"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+                     "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "kv_lora_rank": 16, "q_lora_rank": 16,
+                     "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "head_dim": 8},
+                    "model.layers", "mlp", "self_attn"),
+    "qwen2_moe": ({"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 32}, "model.layers", "mlp", "self_attn"),
     "mamba": ({"state_size": 8, "expand": 2, "conv_kernel": 4}, "backbone.layers", "mixer", None),
     "falcon_mamba": ({"state_size": 8, "expand": 2, "conv_kernel": 4}, "backbone.layers", "mixer", None),
 }

@@ -263,12 +263,18 @@ def not_captured_note(facts: dict[str, dict | None]) -> str | None:
     return "not captured: " + "; ".join(parts) if parts else None
 
 
-def routing_recorded(ref: Dump, run: Dump) -> bool:
-    """Whether both sides recorded every routing decision of the model as ids: their manifest's
-    ``routing`` (``instrument``'s) says complete, and no routed layer's ids were filtered out
-    (COMPILEDUMP_MOE_LAYERS). Then, while every ids key agrees, no route can have flipped, and a
-    decode step needs no allowance for one (docs/compare.md, "Default thresholds")."""
-    return all(_unrecorded_routing(dump) == [] for dump in (ref, run))
+def routing_recorded_below(ref: Dump, run: Dump) -> float:
+    """The layers below which both sides recorded every routing decision of the model as ids:
+    their manifest's ``routing`` (``instrument``'s) says complete, and the first routed layer
+    whose ids were filtered out (COMPILEDUMP_MOE_LAYERS) is this one (``math.inf``: none; 0 where
+    a side cannot say). While every ids key agrees, no route before it can have flipped, and a
+    decode step's key of an earlier layer needs no allowance for one: its state depends on the
+    fed token and on its own and earlier layers' caches only (docs/compare.md, "Default
+    thresholds"). A key of no layer (the logits) needs every layer's routing."""
+    sides = [_unrecorded_routing(dump) for dump in (ref, run)]
+    if None in sides:
+        return 0
+    return min(sides[0] + sides[1], default=math.inf)
 
 
 def _unrecorded_routing(dump: Dump) -> list[int] | None:
@@ -294,10 +300,11 @@ def unrecorded_routing_note(ref: Dump, run: Dump) -> str | None:
     if None in sides or not any(sides):
         return None
     layers = sorted(set(sides[0]) | set(sides[1]))
-    return (f"decode steps are judged with the routing-flip allowance of the decode-step defaults: the routing of "
-            f"layer(s) {preview([str(i) for i in layers], 4)} is not recorded (COMPILEDUMP_MOE_LAYERS); with "
-            f"COMPILEDUMP_MOE_LAYERS={layers[-1] + 1} on both sides, steps before any differing expert ids are "
-            "judged at the prefill thresholds, which catch a decode-only bug of a few percent")
+    return (f"decode steps' keys from layer {layers[0]} on (and their logits) are judged with the routing-flip "
+            f"allowance of the decode-step defaults: the routing of layer(s) {preview([str(i) for i in layers], 4)} "
+            f"is not recorded (COMPILEDUMP_MOE_LAYERS); with COMPILEDUMP_MOE_LAYERS={layers[-1] + 1} on both sides, "
+            "steps before any differing expert ids are judged at the prefill thresholds, which catch a decode-only "
+            "bug of a few percent")
 
 
 def first_cautions(ref: Dump, run: Dump, key: str, layer: int | None, klass: str | None) -> list[tuple[str, str]]:

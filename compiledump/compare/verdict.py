@@ -38,7 +38,7 @@ from .phases import (
     not_comparable_reason,
     prompt_length,
     recovered_note,
-    routing_recorded,
+    routing_recorded_below,
     unrecorded_routing_note,
 )
 from .rename import RenamedDump
@@ -125,8 +125,10 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     fed = None if shifted else first_fed_difference(ref, run, ordered)
     flat_zero, flat_notes = flat_step_zero(ref, run, renamed)  # a flat engine's step-0 routing: a prompt row
     notes.extend(flat_notes)
-    # Every routing decision recorded on both sides: until some ids differ, no route has flipped.
-    no_flip = routing_recorded(ref, run)
+    # Every routing decision up to a layer recorded on both sides: until some ids differ, no route
+    # has flipped that a decode step's key of that layer can depend on.
+    recorded_below = routing_recorded_below(ref, run)
+    no_flip = recorded_below > 0
     captured = {"REF": not_captured(ref), "RUN": not_captured(run)}
     # keys one side holds: a note per reason, or a problem
     one_sided = OneSidedKeys(ref, run, captured, bool(shifted))
@@ -150,10 +152,11 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
         elif chunked and (key in again or not_comparable_reason(info.kind, ref.infos.get(key, info),
                                                                 run.infos.get(key, info))):
             refused = chunked  # its prompt keys hold the first chunk
-        records.append(measurer.record(info, problems, refused, no_flip))
+        unflipped = no_flip and (recorded_below == math.inf or (info.layer is not None and info.layer < recorded_below))
+        records.append(measurer.record(info, problems, refused, unflipped))
         if records[-1].divergent and info.step in unseen and records[-1].floats is not None \
                 and records[-1].limits.klass != "fp32":  # (fp32 routing does not flip honestly)
-            records[-1] = measurer.record(info, problems, unseen[info.step], no_flip)  # (picked.py)
+            records[-1] = measurer.record(info, problems, unseen[info.step], unflipped)  # (picked.py)
         no_flip = no_flip and not records[-1].routes_flipped
     for position, record in enumerate(records):
         record.position = position
