@@ -147,7 +147,8 @@ DROP_FIXES = {
     "arena_full": "raise COMPILEDUMP_ARENA_MB (now {arena_mb}), or keep fewer rows: rows=\"one\" for all-rows "
                   "records, instrument(..., router_rows=\"one\") for its router logits, fewer decode steps of each "
                   "layer's states (COMPILEDUMP_LAYER_STEPS, now {layer_steps})",
-    "shape_changed": "later calls had another shape than the first kept one; give each shape its own tag",
+    "shape_changed": "later calls had another shape than the first kept one; give each shape its own tag (a "
+                     "step tag numbers its keys by its kept calls: the later ones hold later forwards' values)",
     "step_capacity": "raise COMPILEDUMP_MAX_STEPS (now {max_steps})",
     "tag_table_full": "raise COMPILEDUMP_MAX_TAGS (now {max_tags})",
     "row_out_of_range": "the row set_gather_rows names does not exist in those batches",

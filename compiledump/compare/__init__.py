@@ -5,7 +5,7 @@ reading files (``compiledump.format.reader``, ``.keys``), pairing the two sides 
 sharded ranks in :mod:`.shards`, renaming RUN keys with ``--map`` in :mod:`.rename`; :mod:`.view` is the base of the views of one side: renamed, unpadded, with derived ids), thresholds per
 precision class (:mod:`.options`), which values can be compared at all and what was not captured
 (:mod:`.phases`; prompt values a later forward replaced, :mod:`.overwrites`; decode steps fed
-different tokens, :mod:`.inputs`; a flat engine's step-0 routing, :mod:`.flat_steps`; a request row its attention mask pads, :mod:`.padding`; prompt calls of different lengths that may be of the same prompt (a prefix cache's tail, a padded prefill), :mod:`.prefix_cache`; what one-row mode cannot see, :mod:`.one_row`; ids an engine's
+different tokens, :mod:`.inputs`; step tags a dropped call renumbered, :mod:`.step_drops`; a flat engine's step-0 routing, :mod:`.flat_steps`; a request row its attention mask pads, :mod:`.padding`; prompt calls of different lengths that may be of the same prompt (a prefix cache's tail, a padded prefill), :mod:`.prefix_cache`; what one-row mode cannot see, :mod:`.one_row`; ids an engine's
 gates did not give, :mod:`.picked`; keys one side holds,
 :mod:`.one_sided`), per-key metrics (:mod:`.metrics`, :mod:`.measure`, :mod:`.merged_ranks`, :mod:`.step_scale`), whether
 differing expert ids are a near tie (:mod:`.routing`, with :mod:`.selection`, :mod:`.softmax_bias` and :mod:`.cut`) and

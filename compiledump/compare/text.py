@@ -11,6 +11,7 @@ from .overwrites import CHUNKED, SHIFTED, WRITTEN_AGAIN, written_again_lines
 from .phases import fix_hint, tokens_text
 from .report import Divergence, PairResult, Report
 from .routing import describe_routing
+from .step_drops import STEP_DROPS
 from .table import fmt_value, format_table, rows_text, worst_rank_text
 
 
@@ -100,7 +101,7 @@ def format_report(report: Report, table: str = "all") -> list[str]:
         prefix = f"rank {pair.rank} " if many else ""
         lines.extend(f"{prefix}{line}" for line in threshold_lines(pair))
         for line in (not_comparable_line(pair), *written_again_lines(pair.not_comparable), fed_tokens_line(pair),
-                     *unseen_flip_lines(pair)):
+                     *unseen_flip_lines(pair), *step_drops_lines(pair)):
             if line is not None:
                 lines.append(f"{prefix}{line}")
     if report.problems:
@@ -222,10 +223,20 @@ def unseen_flip_lines(pair: PairResult) -> list[str]:
     by_step: dict[int, list] = {}
     for record in pair.not_comparable:
         if record.kind == "step" and (fed is None or record.reason != fed.reason()) \
-                and not (record.reason or "").startswith((SHIFTED, CHUNKED)):
+                and not (record.reason or "").startswith((SHIFTED, CHUNKED, STEP_DROPS)):
             by_step.setdefault(record.step, []).append(record)
     return [f"not comparable: decode step {step} ({', '.join(r.key for r in refused)}): {refused[0].reason}"
             for step, refused in sorted(by_step.items())]
+
+
+def step_drops_lines(pair: PairResult) -> list[str]:
+    """A line per step tag whose keys a dropped call renumbered (compare/step_drops.py)."""
+    by_tag: dict[str, list] = {}
+    for record in pair.not_comparable:
+        if (record.reason or "").startswith(STEP_DROPS):
+            by_tag.setdefault(record.tag, []).append(record)
+    return [f"not comparable: the {len(refused)} step keys of {tag}: {refused[0].reason}"
+            for tag, refused in by_tag.items()]
 
 
 def not_comparable_line(pair: PairResult) -> str | None:

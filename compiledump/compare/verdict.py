@@ -14,6 +14,7 @@ from ..format.keys import chosen, order_key_infos
 from ..format.reader import Dump, DumpError, rank_sort_key
 from .decode_first import decode_before_prompt_layer, decode_first_note, earlier_decode_layer
 from .flat_steps import flat_step_zero
+from .step_drops import shifted_step_tags
 from .flips import argmax_flip_kind, excuse_flips
 from .inputs import after_fed_difference, first_fed_difference, step_zero_in_prompt
 from .measure import KeyMeasurer, float_class, logits_tags
@@ -130,6 +131,7 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     recorded_below = routing_recorded_below(ref, run)
     no_flip = recorded_below > 0
     captured = {"REF": not_captured(ref), "RUN": not_captured(run)}
+    step_drops = shifted_step_tags(ref, run)  # step tags a dropped call renumbered (step_drops.py)
     # keys one side holds: a note per reason, or a problem
     one_sided = OneSidedKeys(ref, run, captured, bool(shifted))
     for info in ordered:
@@ -142,7 +144,8 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
             records.append(measurer.not_compared(info))
             continue
         if key not in run.members or key not in ref.members:
-            problems.extend(problem for problem in (one_sided.sort(info, rank),) if problem is not None)
+            if not (info.kind == "step" and info.tag in step_drops):  # (its tag's line says why)
+                problems.extend(problem for problem in (one_sided.sort(info, rank),) if problem is not None)
             continue
         # From the step where greedy decoding fed the sides different tokens on, their values
         # cannot be compared (inputs.py).
@@ -152,6 +155,7 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
         elif chunked and (key in again or not_comparable_reason(info.kind, ref.infos.get(key, info),
                                                                 run.infos.get(key, info))):
             refused = chunked  # its prompt keys hold the first chunk
+        refused = refused or (step_drops.get(info.tag) if info.kind == "step" else None)
         unflipped = no_flip and (recorded_below == math.inf or (info.layer is not None and info.layer < recorded_below))
         records.append(measurer.record(info, problems, refused, unflipped))
         if records[-1].divergent and info.step in unseen and records[-1].floats is not None \

@@ -1,0 +1,109 @@
+"""A step tag whose numbering a dropped call shifted is not compared (compare/step_drops.py).
+
+`record_step` numbers a tag's keys by its kept calls: a call dropped as `shape_changed` (a step's
+expert ids of a top-1 forward among top-2 ones) claims no index, so the tag's later keys hold later
+forwards' values. A helper's audit: an engine using top-1 at decode step 3 only had its
+`layer1_step_topk_3` hold step 4's ids, and a bf16 verdict named step 4."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import compiledump
+from compiledump import config as cd_config
+from compiledump.compare import compare, format_report
+from helpers.hf_dump import load_dump
+from helpers.hf_example import ex
+
+STEPS = 6
+IDS = [[3, 7], [7, 3], [5, 2], [6, 1], [7, 1], [4, 3]]  # a step's top-2 expert ids
+
+
+def _session(directory, top1_at: int | None, seed: int = 0) -> str:
+    """record_step of a [1, 2] ids row and of 1-D logits per decode step; at step `top1_at` the
+    ids row is [1, 1] (a top-1 forward: dropped as shape_changed)."""
+    rng = np.random.default_rng(seed)
+    compiledump.reset()
+    compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory))))
+    for step in range(STEPS):
+        ids = IDS[step][:1] if step == top1_at else IDS[step]
+        compiledump.record_step("layer1_step_topk", torch.tensor([ids], dtype=torch.int32))
+        compiledump.record_step("logits", torch.from_numpy(rng.standard_normal(50).astype(np.float32)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        path = compiledump.flush()
+    compiledump.reset()
+    return path
+
+
+def test_the_dump_itself_numbers_a_step_tag_by_its_kept_calls(tmp_path):
+    """What the comparator reads: the drop is counted, and the keys after it hold later steps (the
+    behaviour record_step documents; the seed numbered every call it kept alike)."""
+    arrays, manifest = load_dump(_session(tmp_path, top1_at=3))
+    assert manifest["tags"]["layer1_step_topk_<n>"]["drops"] == {"shape_changed": 1}
+    assert arrays["layer1_step_topk_3"].tolist() == IDS[4] and "layer1_step_topk_5" not in arrays
+
+
+@pytest.mark.parametrize("side", ["run", "ref"])
+def test_a_step_tag_with_a_dropped_call_is_not_compared_and_says_why(tmp_path, side):
+    dropped, other = _session(tmp_path / side, top1_at=3), _session(tmp_path / "other", top1_at=None)
+    ref, run = (other, dropped) if side == "run" else (dropped, other)
+    report = compare(ref, run)
+    lines = format_report(report)
+    refused = [record.key for record in report.not_comparable]
+    assert refused == [f"layer1_step_topk_{n}" for n in range(5)], refused
+    (line,) = [line for line in lines if line.startswith("not comparable: the 5 step keys of layer1_step_topk: "
+                                                         "step numbering shifted")]
+    assert f"{side.upper()} dropped 1 call(s) of the step tag layer1_step_topk (shape_changed=1)" in line
+    assert "give each shape its own tag" in line
+    # No divergence is made of the shifted ids, and the missing layer1_step_topk_5 is no problem of its own.
+    assert report.first_divergence is None and report.exit_status == 3, lines[-1]
+    assert not any(problem.key == "layer1_step_topk_5" for problem in report.problems)
+    assert {record.key for record in report.keys if record.status == "ok"} >= {f"logits_{n}" for n in range(STEPS)}
+
+
+def test_a_top1_decode_step_in_a_moe_engine_is_named_at_its_step(tmp_path):
+    """Qwen3-MoE from config; the engine's layer-1 router keeps one expert at decode step 3 (its
+    step ids [1, 1]: dropped). The verdict names step 3's MoE output, not the shifted ids' step 4."""
+    from transformers import DynamicCache
+
+    reference = ex.build_model("qwen3_moe")
+    engine = copy.deepcopy(reference)
+    gate, calls = engine.model.layers[1].mlp.gate, []
+    forward = gate.forward
+
+    def top1_at_step_3(hidden):
+        logits, weights, ids = forward(hidden)
+        calls.append(None)
+        if len(calls) == 4:  # the prompt's forward, then decode steps 1, 2, 3
+            return logits, weights[:, :1], ids[:, :1]
+        return logits, weights, ids
+    gate.forward = top1_at_step_3
+    prompt = torch.randint(0, reference.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(3))
+    paths = []
+    for name, model in (("ref", reference), ("run", engine)):
+        compiledump.reset()
+        compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(tmp_path / name))))
+        handle = compiledump.instrument(model)
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=prompt, cache=cache, use_cache=True)
+            for token in (11, 40, 3, 77, 5):
+                model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True)
+        handle.remove()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            paths.append(compiledump.flush())
+        compiledump.reset()
+    report = compare(*paths)
+    lines = format_report(report)
+    first = report.first_divergence
+    assert (first.key, first.step) == ("layer1_mlp_step_3", 3), lines[-1]
+    assert any(line.startswith("not comparable: the 5 step keys of layer1_step_topk: step numbering shifted: RUN")
+               for line in lines), lines
