@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..format.keys import chosen
 from .facts import SideFacts
 from .metrics import FloatMetrics, IdMetrics, RowMetrics
 from .options import Thresholds
@@ -132,6 +133,15 @@ class KeyRecord:
         """Some token went to other experts (not only the same ones in another order), or the ids
         differ where no routing analysis can tell."""
         return self.routing_differs and (self.routing is None or bool(self.routing.flipped_rows))
+
+    def ids_text(self) -> str:
+        """``expert ids differ in 1/7 rows``."""
+        ids = self.ids
+        if ids.ids_equal:  # a sparsemixer's weights (compare/cut.py)
+            total = ids.total_elements // max(self.routing.rows[0].k, 1)
+            return f"expert weights differ in {len(self.routing.rows)}/{total} rows, the ids equal"
+        noun = "picked keys" if chosen(self.key) == "keys" else "expert ids"
+        return f"{noun} differ in {ids.mismatched_rows}/{ids.rows} rows" if ids.rows is not None else "ids differ"
 
     @property
     def metric_kind(self) -> str | None:

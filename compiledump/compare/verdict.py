@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..format import spec
-from ..format.keys import chosen, order_key_infos
+from ..format.keys import order_key_infos
 from ..format.reader import Dump, DumpError, rank_sort_key
 from .decode_first import decode_before_prompt_layer, decode_first_note, earlier_decode_layer
 from .flat_steps import flat_step_zero
@@ -225,6 +225,9 @@ def _divergence(record: KeyRecord, last_good: KeyRecord | None) -> Divergence:
         if ids.ids_equal and record.routing is not None and record.routing.rows:  # a sparsemixer's weights
             first = record.routing.rows[0]
             divergence = replace(divergence, row=first.row, overlap=first.k, k=first.k)
+        elif record.routing is not None and record.routing.flipped_rows:  # not a row that only reorders
+            flip = next(row for row in record.routing.rows if row.row == record.routing.flipped_rows[0])
+            divergence = replace(divergence, row=flip.row, overlap=flip.overlap)
     return divergence
 
 
@@ -266,7 +269,7 @@ def analyse_pair(pair: PairResult) -> None:
         if consequence:
             # Every row it cannot judge is one an earlier unjudged flip reaches: that flip's
             # problem already says so.
-            pair.notes.append(f"{record.key}: {_ids_text(record)}: {describe_routing(record.routing)}")
+            pair.notes.append(f"{record.key}: {record.ids_text()}: {describe_routing(record.routing)}")
         elif verdict == "not_judged":
             routing = record.routing
             # Rows the reference's logits do not cover (one-row mode keeps the last row only), in a
@@ -279,10 +282,10 @@ def analyse_pair(pair: PairResult) -> None:
             reached = (f"; nor are the {len(keys)} float keys after it that cross a threshold only at or after "
                        f"those tokens: {shown}" if keys else "")
             pair.problems.append(Problem(
-                "ids_not_judged", pair.rank, f"{_ids_text(record)}: {describe_routing(routing)} by itself"
+                "ids_not_judged", pair.rank, f"{record.ids_text()}: {describe_routing(routing)} by itself"
                 f"{reached}{hint}", record.key))
         elif verdict == "near_tie":
-            pair.notes.append(f"{record.key}: {_ids_text(record)}: {describe_routing(record.routing)}")
+            pair.notes.append(f"{record.key}: {record.ids_text()}: {describe_routing(record.routing)}")
         if keys and verdict == "near_tie":
             pair.notes.append(f"{record.key}: the tokens its near tie routed elsewhere (and, from the next layer "
                               f"on, the tokens after them) are not judged in the {len(keys)} keys after it that "
@@ -354,16 +357,6 @@ def _can_cause(ids: Divergence, float_first: Divergence | None) -> bool:
     if float_first is None or not float_first.divergent_rows or ids.step is not None or float_first.step is not None:
         return True
     return min(flipped) <= max(float_first.divergent_rows)
-
-
-def _ids_text(record: KeyRecord) -> str:
-    """``expert ids differ in 1/7 rows``."""
-    ids = record.ids
-    if ids.ids_equal:  # a sparsemixer's weights (compare/cut.py)
-        total = ids.total_elements // max(record.routing.rows[0].k, 1)
-        return f"expert weights differ in {len(record.routing.rows)}/{total} rows, the ids equal"
-    noun = "picked keys" if chosen(record.key) == "keys" else "expert ids"
-    return f"{noun} differ in {ids.mismatched_rows}/{ids.rows} rows" if ids.rows is not None else "ids differ"
 
 
 def _nan_last(value: float | None) -> float:

@@ -105,3 +105,4 @@ def test_a_prompt_routing_flip_after_the_named_layer_is_no_root_cause(tmp_path):
     assert report.prefill_divergence.layer == 2 and report.first_id_mismatch.key == "layer2_topk", lines
     assert report.first_divergence.key == "layer1_step_1", lines
     assert report.root_cause is None, lines
+

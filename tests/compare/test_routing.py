@@ -228,3 +228,21 @@ def test_without_router_keys_the_pair_class_decides(tmp_path):
     loose = compare(*write_pair(tmp_path / "b", ref, run, "bfloat16", all_rows=False))
     assert loose.exit_status == 3 and loose.id_mismatches[0].routing.verdict == "not_judged"
     assert "REF has no layer0_router" in loose.id_mismatches[0].routing.rows[0].reason
+
+
+def test_an_ids_line_names_the_first_row_whose_experts_changed(tmp_path):
+    """A helper's audit: the ids line cited row 0, whose experts were only reordered ("row 0,
+    overlap 2/2: a divergence"), where row 2's had changed. Synthetic fp32 dumps."""
+    rng = np.random.default_rng(3)
+    ids = np.array([[1, 5], [2, 6], [3, 7]], dtype=np.int32)
+    ref = [factory.Capture("layer0_topk", ids, "ids", "layer0_topk"),
+           factory.Capture("layer0", rng.standard_normal(32).astype(np.float32) + 0.5, "record", "layer0")]
+    changed = ids.copy()
+    changed[0] = changed[0, ::-1]  # the same experts in another order
+    changed[2, 1] = 4  # another expert
+    run = [factory.Capture("layer0_topk", changed, "ids", "layer0_topk"), ref[1]]
+    report = compare(*map(str, factory.write_pair(tmp_path, ref, run)))
+    lines = format_report(report)
+    (line,) = [line for line in lines if line.startswith("ids: layer0_topk")]
+    assert "(row 2, overlap 1/2)" in line, line
+    assert (report.first_divergence.key, report.first_divergence.row) == ("layer0_topk", 2), lines[-1]
