@@ -7,27 +7,58 @@ prompt's divergence at a later layer cannot explain it: the bug sits at or befor
 step's layer, and its effect on the prompt stayed within the thresholds up to there (bf16
 rounding; in one-row mode, a bug at other tokens than the last). A helper's audit: a wrong
 attention scale in Gemma 2's layer 1 was named at layer 3's MLP while decode step 1 read 2.7
-times the threshold at layer 1.
+times the threshold at layer 1. The prompt's keys after its layers (`final_norm`, its logits)
+count as after every layer.
+
+That holds only while both sides fed the step the same token. Where both record the tokens fed
+(`input_token_<n>`), the steps after a difference are refused before this runs; where they do not
+(a hand-instrumented engine, flat-id engines), greedy decoding after an argmax flip at step s feeds
+the sides different tokens from step s + 1, and every layer of those steps differs whatever the
+prompt's bug was: only steps up to the first argmax flip are read (`fed_alike_through`).
 """
 
 from __future__ import annotations
 
+import math
+
+from ..format import spec
+from .inputs import FED_TAG
 from .key_record import KeyRecord
-from .report import Divergence
+from .report import ArgmaxFlip, Divergence
 
 
-def decode_before_prompt_layer(floats: list[KeyRecord], prefill: Divergence | None
+def fed_alike_through(records: list[KeyRecord], flip: ArgmaxFlip | None) -> float:
+    """The last decode step the two sides are known to have fed the same token: every step where
+    both recorded the tokens fed (a difference refuses the steps after it), else the first argmax
+    flip's step (greedy decoding feeds each side its own argmax after it), else every step."""
+    if any(record.tag == FED_TAG and record.status == "ok" for record in records) or flip is None:
+        return math.inf
+    return flip.step
+
+
+def prompt_layer(prefill: Divergence) -> float | None:
+    """The layer of the prompt's first divergence; a key after every layer (`final_norm`, the
+    prompt's logits) is past all of them; None for one before them or of no layer."""
+    if prefill.layer is not None:
+        return prefill.layer
+    after_layers = prefill.key == "final_norm" or (spec.split_step_key(prefill.key) or ("",))[0] == "logits" \
+        or prefill.key == "logits"
+    return math.inf if after_layers else None
+
+
+def decode_before_prompt_layer(floats: list[KeyRecord], prefill: Divergence | None, fed_alike: float
                                ) -> tuple[KeyRecord, KeyRecord | None] | None:
-    """The first decode key of one pair's float keys (in key order) that diverges at a layer
-    before the prompt's first divergence ``prefill``, and the last decode key judged good before
-    it; None when there is none."""
-    if prefill is None or prefill.layer is None:
+    """The first decode key of one pair's float keys (in key order) at a step up to ``fed_alike``
+    that diverges at a layer before the prompt's first divergence ``prefill``, and the last decode
+    key judged good before it; None when there is none."""
+    layer = prompt_layer(prefill) if prefill is not None else None
+    if layer is None:
         return None
     last_good = None
     for record in floats:
-        if record.phase != "decode":
+        if record.phase != "decode" or record.step is None or record.step > fed_alike:
             continue
-        if record.divergent and record.layer is not None and record.layer < prefill.layer:
+        if record.divergent and record.layer is not None and record.layer < layer:
             return record, last_good
         if record.status == "ok":
             last_good = record
@@ -35,18 +66,21 @@ def decode_before_prompt_layer(floats: list[KeyRecord], prefill: Divergence | No
 
 
 def decode_first_note(prefill: Divergence, decode: Divergence) -> str:
-    return (f"the prompt's keys first diverge at {prefill.key} (layer {prefill.layer}), after the layer decode step "
-            f"{decode.step} diverges at ({decode.key}, layer {decode.layer}): a layer's decode state depends on the "
-            f"prompt only through its own and earlier layers' caches, so the first divergence named is the decode "
-            f"step's (the bug's effect on the prompt stayed within the thresholds before layer {prefill.layer})")
+    where = f"layer {prefill.layer}" if prefill.layer is not None else "after the layers"
+    return (f"the prompt's keys first diverge at {prefill.key} ({where}), a later layer than decode step "
+            f"{decode.step}'s first divergence ({decode.key}, layer {decode.layer}): a layer's decode state depends on "
+            f"the fed token and on the prompt only through its own and earlier layers' caches, so the first "
+            f"divergence named is the decode step's (the bug's effect on the prompt stayed within the thresholds "
+            f"up to there)")
 
 
 def earlier_decode_layer(first: Divergence | None, pairs_first: list[Divergence | None], order) -> Divergence | None:
     """Across ranks, as within a pair: ``first`` (the earliest in key order) unless it is a prompt's
-    and some rank's first divergence is a decode step's at an earlier layer (the earliest of those
-    by ``order``)."""
-    if first is None or first.phase != "prefill" or first.layer is None:
+    and some rank's first divergence is a decode step's float key at an earlier layer (the earliest
+    of those by ``order``): a rank's own rule already kept to the steps fed alike."""
+    layer = prompt_layer(first) if first is not None and first.phase == "prefill" else None
+    if layer is None:
         return first
     earlier = [item for item in pairs_first if item is not None and item.phase == "decode"
-               and item.layer is not None and item.layer < first.layer]
+               and item.metric not in ("ids", "argmax") and item.layer is not None and item.layer < layer]
     return min(earlier, key=order) if earlier else first

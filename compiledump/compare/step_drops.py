@@ -7,9 +7,12 @@ such as a step's expert ids of a top-1 forward among top-2 ones; `row_out_of_ran
 row missing from that batch), claims no index, so from it on the tag's key `<n>` holds a later
 forward's value: compared with the other side's `<n>`, a difference reads as a divergence at the
 wrong step (a helper's audit: a decode-only top-1 at step 3 was named at `layer1_step_topk_4`).
-The manifest counts such drops per tag but not at which step, so the tag's steps are not compared,
-and one line says why. Drops outside the request (`suspended` inside profiling(), `rows_gate` for
-a batch above COMPILEDUMP_MAX_ROWS) are no forward of it and shift nothing.
+The manifest counts such drops per tag but not at which step, so the tag's steps are not compared
+(all of them: a drop at the last call would have shifted nothing), and one line says why. Drops
+meant to skip forwards that are not the request's (`suspended` inside profiling(), `rows_gate`
+for a warm-up batch above COMPILEDUMP_MAX_ROWS) are left alone: every step tag skips those alike
+(a wider batch *during* the request, another request joining, would shift every step tag of that
+side; docs/compare.md says so).
 """
 
 from __future__ import annotations
@@ -26,16 +29,29 @@ def shifted_step_tags(ref: Dump, run: Dump) -> dict[str, str]:
     counts shifting drops of (the first side that has some names them)."""
     out: dict[str, str] = {}
     for side, dump in (("REF", ref), ("RUN", run)):
-        for entry in ((dump.manifest or {}).get("tags") or {}).values():
+        for entry in (entry for manifest in _manifests(dump) for entry in (manifest.get("tags") or {}).values()):
             if not isinstance(entry, dict) or entry.get("kind") != "step" or not isinstance(entry.get("tag"), str):
                 continue
             drops = {why: count for why, count in (entry.get("drops") or {}).items()
                      if why in SHIFTING and isinstance(count, int) and count > 0}
-            if drops and entry["tag"] not in out:
+            tag = dump.seen_as(entry["tag"])  # (--map renames RUN's tags)
+            if drops and tag not in out:
                 counts = ", ".join(f"{why}={count}" for why, count in sorted(drops.items()))
-                out[entry["tag"]] = (
-                    f"{STEP_DROPS}: {side} dropped {sum(drops.values())} call(s) of the step tag {entry['tag']} "
+                out[tag] = (
+                    f"{STEP_DROPS}: {side} dropped {sum(drops.values())} call(s) of the step tag {tag} "
                     f"({counts}); its keys are numbered by its kept calls, so from the first dropped one on its "
                     f"<n> holds a later forward's value (fix: give each shape its own tag"
                     + ("; a gather row every decode batch has" if "row_out_of_range" in drops else "") + ")")
     return out
+
+
+def _manifests(dump: Dump) -> list[dict]:
+    """The manifests of the ranks a side was merged from (shards.py keeps the first rank's tags in
+    the merged one: another rank's drops would go unseen), else its own."""
+    inner = dump
+    while hasattr(inner, "inner"):  # views: renamed, unpadded, with derived ids
+        inner = inner.inner
+    ranked = getattr(inner, "ranked", None)
+    if ranked:
+        return [member.manifest for _, member in ranked if member.manifest is not None]
+    return [dump.manifest] if dump.manifest is not None else []

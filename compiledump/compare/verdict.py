@@ -12,7 +12,7 @@ from pathlib import Path
 from ..format import spec
 from ..format.keys import order_key_infos
 from ..format.reader import Dump, DumpError, rank_sort_key
-from .decode_first import decode_before_prompt_layer, decode_first_note, earlier_decode_layer
+from .decode_first import decode_before_prompt_layer, decode_first_note, earlier_decode_layer, fed_alike_through
 from .flat_steps import flat_step_zero
 from .step_drops import shifted_step_tags
 from .flips import argmax_flip_kind, excuse_flips
@@ -227,7 +227,7 @@ def _divergence(record: KeyRecord, last_good: KeyRecord | None) -> Divergence:
             divergence = replace(divergence, row=first.row, overlap=first.k, k=first.k)
         elif record.routing is not None and record.routing.flipped_rows:  # not a row that only reorders
             flip = next(row for row in record.routing.rows if row.row == record.routing.flipped_rows[0])
-            divergence = replace(divergence, row=flip.row, overlap=flip.overlap)
+            divergence = replace(divergence, row=flip.row, overlap=flip.overlap, k=flip.k)
     return divergence
 
 
@@ -301,14 +301,15 @@ def analyse_pair(pair: PairResult) -> None:
             margin_run=run_top.margin, argmax_ref=ref_top.argmax, argmax_run=run_top.argmax, epsilon=epsilon,
             position=flip.position)
     float_first = pair.prefill_divergence or pair.decode_divergence
-    earlier = decode_before_prompt_layer(floats, pair.prefill_divergence)
+    fed_alike = fed_alike_through(records, pair.first_argmax_flip)  # (decode_first.py)
+    earlier = decode_before_prompt_layer(floats, pair.prefill_divergence, fed_alike)
     if earlier is not None:
         float_first = _divergence(*earlier)
         pair.notes.append(decode_first_note(pair.prefill_divergence, float_first))
     # The same experts in another order change no token's experts: no root cause; nor can a flip
     # only at tokens after every token a prefill key diverges at (causal attention).
     causes = [item for item in pair.id_mismatches if float_first is not None
-              and item.position < float_first.position and _can_cause(item, float_first)]
+              and item.position < float_first.position and _can_cause(item, float_first, fed_alike)]
     # One that is a divergence by itself (far from any tie) before near ties: a near tie explains
     # only what it reaches (compare/flips.py), a far flip (a decode step's) is the likelier cause.
     cause = next((item for item in causes if item.routing_verdict not in ("near_tie", "not_judged")),
@@ -341,13 +342,13 @@ def analyse_pair(pair: PairResult) -> None:
         )
 
 
-def _can_cause(ids: Divergence, float_first: Divergence | None) -> bool:
+def _can_cause(ids: Divergence, float_first: Divergence | None, fed_alike: float) -> bool:
     """Whether the ids mismatch `ids` can explain `float_first`: some token's experts changed
     (not only their order) at or before a token where it diverges (an all-rows key's rows), in
     its layer or an earlier one (a prompt's flip at a later layer cannot reach a decode step's
-    earlier layer)."""
+    earlier layer, at a step both sides fed alike)."""
     if float_first is not None and ids.layer is not None and float_first.layer is not None \
-            and ids.layer > float_first.layer:
+            and ids.layer > float_first.layer and (float_first.step or 0) <= fed_alike:
         return False
     if ids.routing is None:
         return True

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+import pytest
 import torch
 
 from compiledump.compare import compare, format_report
@@ -106,3 +107,55 @@ def test_a_prompt_routing_flip_after_the_named_layer_is_no_root_cause(tmp_path):
     assert report.first_divergence.key == "layer1_step_1", lines
     assert report.root_cause is None, lines
 
+
+
+def test_greedy_decoding_without_the_fed_tokens_is_read_up_to_the_first_argmax_flip(tmp_path):
+    """A review: where neither side records the tokens it fed (exclude=("input_token",): an engine
+    instrumented by hand), a prompt bug at layer 3 that flips the next token makes every layer of
+    the greedy steps after it differ; those steps say nothing of where the bug is, and before the
+    fix `layer0_mixer_step_3` was named. Steps after the first argmax flip are not read."""
+    reference = _llama()
+    engine = copy.deepcopy(reference)
+    engine.model.layers[3].mlp.register_forward_hook(lambda _m, _a, out: out * 3.0)
+
+    def greedy(model):
+        def run():
+            out = model(input_ids=IDS, use_cache=True)
+            for _ in range(3):
+                out = model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=out.past_key_values,
+                            use_cache=True)
+        return run
+    ref = dump_run(reference, tmp_path / "ref", greedy(reference), exclude=("input_token",))
+    run = dump_run(engine, tmp_path / "run", greedy(engine), exclude=("input_token",))
+    report = compare(ref, run)
+    lines = format_report(report)
+    assert report.first_argmax_flip is not None and report.first_argmax_flip.kind == "divergence", lines
+    assert any(record.divergent and record.layer == 0 and record.step > report.first_argmax_flip.step
+               for record in report.pairs[0].keys), "the steps after the flip differ from layer 0 on"
+    assert report.first_divergence.key == "layer3_mlp", lines[-1]
+
+
+def _synthetic(prompt_bug: str) -> tuple[list, list]:
+    """fp32 dumps of 4 layers, `final_norm` and 2 steps of each layer's state; RUN with `prompt_bug`'s
+    key and `layer1_step_1` scaled by 1.05."""
+    from helpers.dumpfactory import Capture, scaled
+
+    rng = np.random.default_rng(2)
+    ref = [Capture(f"layer{i}", rng.standard_normal(32).astype(np.float32) + 0.5, "record", f"layer{i}")
+           for i in range(4)]
+    ref.append(Capture("final_norm", rng.standard_normal(32).astype(np.float32) + 0.5, "record", "final_norm"))
+    for step in (1, 2):
+        ref += [Capture(f"layer{i}_step_{step}", rng.standard_normal(32).astype(np.float32) + 0.5, "step",
+                        f"layer{i}_step", step) for i in range(4)]
+    return ref, scaled(scaled(ref, prompt_bug, 1.05), "layer1_step_1", 1.05)
+
+
+@pytest.mark.parametrize("prompt_bug", ["layer3", "final_norm"])
+def test_a_prompt_divergence_after_the_layers_counts_as_after_every_layer(tmp_path, prompt_bug):
+    """A review: a prompt that first diverges at `final_norm` (no layer) kept its place before a
+    decode step diverging at layer 1."""
+    from helpers.dumpfactory import write_pair
+
+    report = compare(*map(str, write_pair(tmp_path, *_synthetic(prompt_bug))))
+    assert report.prefill_divergence.key == prompt_bug
+    assert report.first_divergence.key == "layer1_step_1", format_report(report)[-1]

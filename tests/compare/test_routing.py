@@ -246,3 +246,17 @@ def test_an_ids_line_names_the_first_row_whose_experts_changed(tmp_path):
     (line,) = [line for line in lines if line.startswith("ids: layer0_topk")]
     assert "(row 2, overlap 1/2)" in line, line
     assert (report.first_divergence.key, report.first_divergence.row) == ("layer0_topk", 2), lines[-1]
+
+
+def test_the_named_rows_overlap_is_out_of_its_own_distinct_ids(tmp_path):
+    """A review: rows with different numbers of distinct ids (an indexer's -1 padding) printed the
+    changed row's overlap out of the first mismatching row's k ("overlap 3/2")."""
+    rng = np.random.default_rng(0)
+    ref_ids = np.array([[5, -1, -1, -1], [1, 2, 3, 4], [7, 2, 3, 4]], np.int32)
+    run_ids = np.array([[-1, 5, -1, -1], [1, 2, 3, 4], [7, 2, 3, 6]], np.int32)  # row 0 reordered, row 2 changed
+    layer0 = factory.Capture("layer0", rng.standard_normal(16).astype(np.float32), "record", "layer0")
+    ref = [layer0, factory.Capture("layer1_topk", ref_ids, "ids", "layer1_topk")]
+    run = [layer0, factory.Capture("layer1_topk", run_ids, "ids", "layer1_topk")]
+    report = compare(*map(str, factory.write_pair(tmp_path, ref, run)))
+    first = report.first_divergence
+    assert (first.row, first.overlap, first.k) == (2, 3, 4), format_report(report)[-1]

@@ -380,3 +380,20 @@ def test_a_step_of_ids_stays_ids_on_a_merged_side(tmp_path, bad_rank):
     else:
         assert report.exit_status == 1 and record.divergent and record.merge.worst_rank == str(bad_rank)
         assert report.first_divergence.key == "layer0_step_topk_1"
+
+
+@pytest.mark.parametrize("drop_rank", [0, 1])
+def test_a_step_drop_on_any_rank_of_a_merged_side_is_seen(tmp_path, drop_rank):
+    """A review: the merged manifest keeps the first rank's `tags`, so a step tag's dropped call on
+    rank 1 went unseen by compare/step_drops.py and its shifted steps were compared."""
+    ref = reference_captures(np.random.default_rng(7))
+    ref_path = factory.write_compiledump(tmp_path / "ref", ref, rank="x", pid=1)
+
+    def edit(rank, manifest):
+        if rank == drop_rank:
+            manifest["tags"]["logits_shard_<n>"]["drops"] = {"row_out_of_range": 1}
+    write_sharded(tmp_path / "run", ref, edit=edit)
+    report = cmp.compare(ref_path, tmp_path / "run")
+    assert {record.key for record in report.not_comparable} == {f"logits_shard_{n}" for n in range(2)}
+    assert any(line.startswith("not comparable: the 2 step keys of logits_shard: step numbering shifted: RUN")
+               for line in cmp.format_report(report))

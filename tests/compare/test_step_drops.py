@@ -107,3 +107,23 @@ def test_a_top1_decode_step_in_a_moe_engine_is_named_at_its_step(tmp_path):
     assert (first.key, first.step) == ("layer1_mlp_step_3", 3), lines[-1]
     assert any(line.startswith("not comparable: the 5 step keys of layer1_step_topk: step numbering shifted: RUN")
                for line in lines), lines
+
+
+def test_a_renamed_step_tag_with_a_dropped_call_is_not_compared(tmp_path):
+    """A review: with `--map` the drop was sought under RUN's own tag name, and the renamed tag's
+    shifted keys were compared (exit 1)."""
+    from compiledump.compare import CompareOptions
+
+    ref = _session(tmp_path / "ref", top1_at=None)
+    compiledump.reset()
+    compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(tmp_path / "run"))))
+    for step in range(STEPS):
+        ids = IDS[step][:1] if step == 3 else IDS[step]
+        compiledump.record_step("blk1_step_topk", torch.tensor([ids], dtype=torch.int32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        run = compiledump.flush()
+    compiledump.reset()
+    report = compare(ref, run, CompareOptions(maps=[(r"^blk(\d+)_step_topk$", r"layer\1_step_topk")]))
+    assert [record.key for record in report.not_comparable] == [f"layer1_step_topk_{n}" for n in range(5)]
+    assert report.first_divergence is None, format_report(report)[-1]
