@@ -27,13 +27,21 @@ from .key_record import KeyRecord
 from .report import ArgmaxFlip, Divergence
 
 
-def fed_alike_through(records: list[KeyRecord], flip: ArgmaxFlip | None) -> float:
-    """The last decode step the two sides are known to have fed the same token: every step where
-    both recorded the tokens fed (a difference refuses the steps after it), else the first argmax
-    flip's step (greedy decoding feeds each side its own argmax after it), else every step."""
-    if any(record.tag == FED_TAG and record.status == "ok" for record in records) or flip is None:
-        return math.inf
-    return flip.step
+def fed_alike_through(records: list[KeyRecord], flip: ArgmaxFlip | None, step_zero_in_prompt: bool) -> float:
+    """The last decode step the two sides are known to have fed the same token. Where both
+    recorded the tokens fed, the step before the first whose tokens are not seen equal; else
+    greedy decoding feeds each side its own argmax after an argmax flip: the first flip's step, or
+    none (-1) when the prompt's own logits flipped and step 0 is the first decode forward (fed by
+    them; with `instrument`'s steps, step 0 is the prompt's last position and its flip counts);
+    else every step."""
+    fed = sorted((record.step, record.status == "ok") for record in records
+                 if record.tag == FED_TAG and record.kind == "step" and record.step is not None)
+    if fed:
+        return next((step - 1 for step, ok in fed if not ok), math.inf)
+    if not step_zero_in_prompt and any(record.kind != "step" and "logits" in record.tag and record.argmax_equal is False
+                                       for record in records):
+        return -1
+    return math.inf if flip is None else flip.step
 
 
 def prompt_layer(prefill: Divergence) -> float | None:

@@ -301,7 +301,7 @@ def analyse_pair(pair: PairResult) -> None:
             margin_run=run_top.margin, argmax_ref=ref_top.argmax, argmax_run=run_top.argmax, epsilon=epsilon,
             position=flip.position)
     float_first = pair.prefill_divergence or pair.decode_divergence
-    fed_alike = fed_alike_through(records, pair.first_argmax_flip)  # (decode_first.py)
+    fed_alike = fed_alike_through(records, pair.first_argmax_flip, pair.step_zero_in_prompt)  # (decode_first.py)
     earlier = decode_before_prompt_layer(floats, pair.prefill_divergence, fed_alike)
     if earlier is not None:
         float_first = _divergence(*earlier)

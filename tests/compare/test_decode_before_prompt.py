@@ -159,3 +159,67 @@ def test_a_prompt_divergence_after_the_layers_counts_as_after_every_layer(tmp_pa
     report = compare(*map(str, write_pair(tmp_path, *_synthetic(prompt_bug))))
     assert report.prefill_divergence.key == prompt_bug
     assert report.first_divergence.key == "layer1_step_1", format_report(report)[-1]
+
+
+@pytest.mark.parametrize("prompt_bug", ["layer3", "final_norm"])
+def test_steps_fed_by_a_flipped_prompt_argmax_are_not_read(tmp_path, prompt_bug):
+    """A review: where steps count from the first decode forward (a hand-instrumented engine that
+    records no input_token), the prompt's own logits feed step 0; their argmax flipped, so every
+    layer of every step differs, and `layer0_hidden_0` was named before the prompt's bug.
+    Synthetic fp32 dumps."""
+    from helpers.dumpfactory import Capture, write_pair
+
+    rng = np.random.default_rng(3)
+
+    def vec():
+        return (rng.standard_normal(32) + 0.5).astype(np.float32)
+
+    def logits():
+        values = rng.standard_normal(50).astype(np.float32)
+        values[7] = values.max() + 4
+        return values
+    ref, run = [], []
+    for name, kind, step in [(f"layer{i}", "record", None) for i in range(4)] + [("final_norm", "record", None)]:
+        value = vec()
+        ref.append(Capture(name, value, kind, name))
+        broken = name == prompt_bug or (prompt_bug == "layer3" and name == "final_norm")
+        run.append(Capture(name, value * (1.5 if broken else 1.0), kind, name))
+    prompt_logits = logits()
+    flipped = prompt_logits.copy()
+    flipped[9] = prompt_logits.max() + 2  # RUN's prompt picks another token
+    ref.append(Capture("logits", prompt_logits, "record_once", "logits"))
+    run.append(Capture("logits", flipped, "record_once", "logits"))
+    for step in range(3):  # fed another token from step 0 on: every layer differs
+        for i in range(4):
+            value = vec()
+            ref.append(Capture(f"layer{i}_hidden_{step}", value, "step", f"layer{i}_hidden", step))
+            run.append(Capture(f"layer{i}_hidden_{step}", value + rng.standard_normal(32).astype(np.float32), "step",
+                               f"layer{i}_hidden", step))
+    report = compare(*map(str, write_pair(tmp_path, ref, run)))
+    assert report.first_divergence.key == prompt_bug, format_report(report)[-1]
+
+
+def test_recorded_fed_tokens_count_only_up_to_the_first_step_not_seen_equal(tmp_path):
+    """A review: one equal `input_token` key switched the guard off even where the later ones
+    differed without refusing anything (two ids per step: no one token to read); a prompt bug at
+    layer 3 had `layer0_mlp_step_1` named. Synthetic fp32 dumps."""
+    from helpers.dumpfactory import Capture, write_pair
+
+    rng = np.random.default_rng(3)
+    ref, run = [], []
+    for i in range(4):
+        value = (rng.standard_normal(32) + 0.5).astype(np.float32)
+        ref.append(Capture(f"layer{i}", value, "record", f"layer{i}"))
+        run.append(Capture(f"layer{i}", value * (1.5 if i == 3 else 1.0), "record", f"layer{i}"))
+    for step in range(4):
+        tokens = np.array([3, 4], np.int32)
+        ref.append(Capture(f"input_token_{step}", tokens, "step", "input_token", step))
+        run.append(Capture(f"input_token_{step}", np.array([3, 9 if step else 4], np.int32), "step", "input_token",
+                           step))
+        for i in range(4):
+            value = (rng.standard_normal(32) + 0.5).astype(np.float32)
+            other = value + (rng.standard_normal(32).astype(np.float32) if step else 0) * (1.5 if i == 3 else 1.0)
+            ref.append(Capture(f"layer{i}_mlp_step_{step}", value, "step", f"layer{i}_mlp_step", step))
+            run.append(Capture(f"layer{i}_mlp_step_{step}", other, "step", f"layer{i}_mlp_step", step))
+    report = compare(*map(str, write_pair(tmp_path, ref, run)))
+    assert report.first_divergence.key == "layer3", format_report(report)[-1]
