@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import math
 
-from ..format import spec
 from .inputs import FED_TAG
 from .key_record import KeyRecord
+from .phases import after_the_layers
 from .report import ArgmaxFlip, Divergence
 
 
@@ -49,9 +49,7 @@ def prompt_layer(prefill: Divergence) -> float | None:
     prompt's logits) is past all of them; None for one before them or of no layer."""
     if prefill.layer is not None:
         return prefill.layer
-    after_layers = prefill.key == "final_norm" or (spec.split_step_key(prefill.key) or ("",))[0] == "logits" \
-        or prefill.key == "logits"
-    return math.inf if after_layers else None
+    return math.inf if after_the_layers(prefill.key) or prefill.key == "logits" else None
 
 
 def decode_before_prompt_layer(floats: list[KeyRecord], prefill: Divergence | None, fed_alike: float

@@ -307,6 +307,11 @@ def unrecorded_routing_note(ref: Dump, run: Dump) -> str | None:
             "bug of a few percent")
 
 
+def after_the_layers(key: str) -> bool:
+    """Whether `key` (a key of no layer) comes after every layer: the final norm, a step's logits."""
+    return key == "final_norm" or (spec.split_step_key(key) or ("",))[0] == "logits"
+
+
 def first_cautions(ref: Dump, run: Dump, key: str, layer: int | None, klass: str | None) -> list[tuple[str, str]]:
     """(note, caution) for a float first divergence `key` at `layer` in precision class `klass`
     that may be noise: after a hybrid model's recurrent layers or hyper-connection streams, after
@@ -315,8 +320,7 @@ def first_cautions(ref: Dump, run: Dump, key: str, layer: int | None, klass: str
     says so (an instrumented reference beside an engine's hand-written captures)."""
     found = []
     # The one a setting can remove first: the verdict line carries the first caution only
-    after_layers = key == "final_norm" or (spec.split_step_key(key) or ("",))[0] == "logits"
-    at = math.inf if layer is None and after_layers else layer
+    at = math.inf if layer is None and after_the_layers(key) else layer
     if (note := unrecorded_flip_note(ref, run, at, klass)):
         found.append((note, "after MoE layers whose routing is not recorded (see the note)"))
     for note in (hybrid_note([ref.manifest, run.manifest], at, klass),

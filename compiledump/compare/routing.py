@@ -377,4 +377,3 @@ def describe_routing(routing: Routing) -> str:
         reasons = sorted({row.reason for row in routing.rows if not row.judged and row.row in rows})
         parts.append(f"row{'s' if len(rows) > 1 else ''} {_row_list(rows)} not judged ({'; '.join(reasons)})")
     return "; ".join(parts) + f"; not a divergence in the {routing.klass} class"
-

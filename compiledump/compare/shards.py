@@ -139,6 +139,9 @@ class MergedDump(Dump):
             merged = shape
         return merged
 
+    def rank_manifests(self) -> list[dict]:
+        return [dump.manifest for _, dump in self.ranked if dump.manifest is not None]
+
     def _manifest(self) -> dict | None:
         manifests = [dump.manifest for _, dump in self.ranked if dump.manifest is not None]
         if not manifests:

@@ -25,11 +25,11 @@ SHIFTING = ("shape_changed", "row_out_of_range")
 
 
 def shifted_step_tags(ref: Dump, run: Dump) -> dict[str, str]:
-    """{step tag: why its keys are not comparable} for the step tags either side's manifest
-    counts shifting drops of (the first side that has some names them)."""
+    """{step tag: why its keys are not comparable} for the step tags either side's manifests (every
+    rank's, on a merged side) count shifting drops of (the first side that has some names them)."""
     out: dict[str, str] = {}
     for side, dump in (("REF", ref), ("RUN", run)):
-        for entry in (entry for manifest in _manifests(dump) for entry in (manifest.get("tags") or {}).values()):
+        for entry in (entry for manifest in dump.rank_manifests() for entry in (manifest.get("tags") or {}).values()):
             if not isinstance(entry, dict) or entry.get("kind") != "step" or not isinstance(entry.get("tag"), str):
                 continue
             drops = {why: count for why, count in (entry.get("drops") or {}).items()
@@ -44,14 +44,3 @@ def shifted_step_tags(ref: Dump, run: Dump) -> dict[str, str]:
                     + ("; a gather row every decode batch has" if "row_out_of_range" in drops else "") + ")")
     return out
 
-
-def _manifests(dump: Dump) -> list[dict]:
-    """The manifests of the ranks a side was merged from (shards.py keeps the first rank's tags in
-    the merged one: another rank's drops would go unseen), else its own."""
-    inner = dump
-    while hasattr(inner, "inner"):  # views: renamed, unpadded, with derived ids
-        inner = inner.inner
-    ranked = getattr(inner, "ranked", None)
-    if ranked:
-        return [member.manifest for _, member in ranked if member.manifest is not None]
-    return [dump.manifest] if dump.manifest is not None else []

@@ -14,7 +14,6 @@ from ..format.keys import order_key_infos
 from ..format.reader import Dump, DumpError, rank_sort_key
 from .decode_first import decode_before_prompt_layer, decode_first_note, earlier_decode_layer, fed_alike_through
 from .flat_steps import flat_step_zero
-from .step_drops import shifted_step_tags
 from .flips import argmax_flip_kind, excuse_flips
 from .inputs import after_fed_difference, first_fed_difference, step_zero_in_prompt
 from .measure import KeyMeasurer, float_class, logits_tags
@@ -48,6 +47,7 @@ from .key_record import KeyRecord
 from .report import ArgmaxFlip, DecodeMargins, Divergence, PairResult, Problem, Report
 from .routing import describe_routing
 from .selection import UNKNOWN_RULE
+from .step_drops import shifted_step_tags
 
 
 class NoCommonKeys(DumpError):
@@ -129,7 +129,7 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     # Every routing decision up to a layer recorded on both sides: until some ids differ, no route
     # has flipped that a decode step's key of that layer can depend on.
     recorded_below = routing_recorded_below(ref, run)
-    no_flip = recorded_below > 0
+    no_flip = True  # no ids differ so far
     captured = {"REF": not_captured(ref), "RUN": not_captured(run)}
     step_drops = shifted_step_tags(ref, run)  # step tags a dropped call renumbered (step_drops.py)
     # keys one side holds: a note per reason, or a problem

@@ -29,6 +29,9 @@ class DumpView(Dump):
     def seen_as(self, tag: str) -> str:
         return self.inner.seen_as(tag)
 
+    def rank_manifests(self) -> list[dict]:
+        return self.inner.rank_manifests()
+
     def left_out_by(self, tag: str, patterns: list[str]) -> str | None:
         """`inner`'s answer: a view that keeps `inner`'s names keeps what its patterns left out."""
         return self.inner.left_out_by(tag, patterns)

@@ -148,6 +148,10 @@ class Dump:
         """This side's own tag `tag` as the comparator names it (``--map`` renames RUN's)."""
         return tag
 
+    def rank_manifests(self) -> list[dict]:
+        """The manifest of each file this side was read from (a merged side's keeps rank 0's tags)."""
+        return [self.manifest] if self.manifest is not None else []
+
     def left_out_by(self, tag: str, patterns: list[str]) -> str | None:
         """The first of ``patterns`` (this side's ``instrument(exclude=...)``) that left ``tag`` out,
         ``tag`` named as the comparator sees this side (``--map`` renames RUN's); or None."""
@@ -228,10 +232,8 @@ class DumpFile(Dump):
                 try:
                     archive = zipfile.ZipFile(handle)
                 except (zipfile.BadZipFile, EOFError, ValueError) as exc:
-                    raise DumpError(
-                        f"{self.label} {self.path}: not a readable .npz archive "
-                        f"(truncated or not a zip file: {exc})"
-                    ) from None
+                    raise DumpError(f"{self.label} {self.path}: not a readable .npz archive "
+                                    f"(truncated or not a zip file: {exc})") from None
                 with archive:
                     infos = archive.infolist()
                     npy_members = [info for info in infos if info.filename.endswith(".npy")]

@@ -25,6 +25,7 @@ from transformers import DynamicCache
 import compiledump
 from compiledump import config as cd_config
 from compiledump.cli import main
+from helpers.hf_dump import change_call
 from helpers.hf_example import ex
 
 
@@ -152,16 +153,8 @@ def test_a_decode_only_moe_bug_before_the_filtered_layers_is_named_under_the_def
     in layers 2-3 can need."""
     tokens = torch.randint(0, model.config.vocab_size, (STEPS,), generator=torch.Generator().manual_seed(4)).tolist()
     engine = copy.deepcopy(model).to(torch.bfloat16)
-    gate, calls = engine.model.layers[1].mlp.gate, []
-    forward = gate.forward
-
-    def second_expert_low_at_step_3(hidden):
-        logits, weights, ids = forward(hidden)
-        calls.append(None)
-        if len(calls) == 4:  # the prompt's forward, then decode steps 1, 2, 3
-            weights = torch.stack([weights[:, 0], weights[:, 1] * 0.7], -1)
-        return logits, weights, ids
-    gate.forward = second_expert_low_at_step_3
+    change_call(engine.model.layers[1].mlp.gate, 4,  # the prompt's forward, then decode steps 1, 2, 3
+                lambda logits, weights, ids: (logits, torch.stack([weights[:, 0], weights[:, 1] * 0.7], -1), ids))
     run_side(model, tmp_path / "ref", tokens, moe_layers=2)
     run_side(engine, tmp_path / "run", tokens, moe_layers=2)
     code, out, report = compare(tmp_path, capsys)

@@ -18,7 +18,7 @@ import torch
 import compiledump
 from compiledump import config as cd_config
 from compiledump.compare import compare, format_report
-from helpers.hf_dump import load_dump
+from helpers.hf_dump import change_call, dump_run, load_dump, prompt_then_steps
 from helpers.hf_example import ex
 
 STEPS = 6
@@ -71,37 +71,13 @@ def test_a_step_tag_with_a_dropped_call_is_not_compared_and_says_why(tmp_path, s
 def test_a_top1_decode_step_in_a_moe_engine_is_named_at_its_step(tmp_path):
     """Qwen3-MoE from config; the engine's layer-1 router keeps one expert at decode step 3 (its
     step ids [1, 1]: dropped). The verdict names step 3's MoE output, not the shifted ids' step 4."""
-    from transformers import DynamicCache
-
     reference = ex.build_model("qwen3_moe")
     engine = copy.deepcopy(reference)
-    gate, calls = engine.model.layers[1].mlp.gate, []
-    forward = gate.forward
-
-    def top1_at_step_3(hidden):
-        logits, weights, ids = forward(hidden)
-        calls.append(None)
-        if len(calls) == 4:  # the prompt's forward, then decode steps 1, 2, 3
-            return logits, weights[:, :1], ids[:, :1]
-        return logits, weights, ids
-    gate.forward = top1_at_step_3
+    change_call(engine.model.layers[1].mlp.gate, 4,  # the prompt's forward, then decode steps 1, 2, 3
+                lambda logits, weights, ids: (logits, weights[:, :1], ids[:, :1]))
     prompt = torch.randint(0, reference.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(3))
-    paths = []
-    for name, model in (("ref", reference), ("run", engine)):
-        compiledump.reset()
-        compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(tmp_path / name))))
-        handle = compiledump.instrument(model)
-        cache = DynamicCache(config=model.config)
-        with torch.no_grad():
-            model(input_ids=prompt, cache=cache, use_cache=True)
-            for token in (11, 40, 3, 77, 5):
-                model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True)
-        handle.remove()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            paths.append(compiledump.flush())
-        compiledump.reset()
-    report = compare(*paths)
+    report = compare(*(dump_run(model, tmp_path / name, prompt_then_steps(model, prompt, (11, 40, 3, 77, 5)))
+                       for name, model in (("ref", reference), ("run", engine))))
     lines = format_report(report)
     first = report.first_divergence
     assert (first.key, first.step) == ("layer1_mlp_step_3", 3), lines[-1]

@@ -54,6 +54,18 @@ def scale_output(module: torch.nn.Module, factor: float = 1.01, unless=None):
     return module.register_forward_hook(hook)
 
 
+def change_call(module: torch.nn.Module, call: int, change) -> None:
+    """Plant a bug in one forward: `module`'s `call`-th call (from 1) returns `change(*its outputs)`
+    (a router's `(logits, weights, ids)` at one decode step: the prompt's forward is call 1)."""
+    forward, calls = module.forward, []
+
+    def changed(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        calls.append(None)
+        return change(*out) if len(calls) == call else out
+    module.forward = changed
+
+
 def dump_run(model: torch.nn.Module, directory: Path, run, **options) -> str:
     """`run()` with `model` instrumented (`options` as `instrument` takes them), every setting at its
     default and the dump in `directory`; the dump's path."""
