@@ -31,7 +31,7 @@ from ..ops import layout as L
 from ..ops import register, schemas
 from . import dispatch, layouts, mixers, persist, routers, signals
 from .arena import Runtime
-from .flush import dump_stem, flush, flush_at_exit, flush_on_signal, process_fields, remove_live_files
+from .flush import dump_stem, flush, flush_at_exit, flush_if_changed, flush_on_signal, process_fields, remove_live_files
 from .state import STATE
 
 __all__ = ["clear", "configure", "dump_stem", "flush", "get_config", "init", "prepare_kernels", "record", "record_ids",
@@ -63,8 +63,13 @@ def configure(**settings) -> _config.Config:
             raise RuntimeError(
                 f"compiledump.configure: {sorted(changed)} cannot change after the arena was created"
             )
+        if STATE.config.active and not new.active:
+            # Capture ends here: what it captured since the last flush goes to the directory it was
+            # captured for now (at exit capture is off, and nothing would write it).
+            flush_if_changed()
+        else:
+            rt.flushed_ctrl = None  # a new directory (or settings) gets its dump at exit
         rt.config = new
-        rt.flushed_ctrl = None  # a new directory (or settings) gets its dump at exit
         if new.fixed_tokens:
             rt.prompt_tokens = new.fixed_tokens
         if new.max_rows != STATE.config.max_rows:

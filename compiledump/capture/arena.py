@@ -50,9 +50,10 @@ class Runtime:
         self.table_bound = register.native_owns_capture(device.type)
         self.native_table = self.table_bound and not (device.type == "cpu" and register.use_triton_on_cpu())
         self.live: persist.LiveFiles | None = None
-        # The file stem and control block the last flush wrote, None since a clear(): capture/flush.py's
-        # exit flush does not rewrite a dump nothing was captured into since (one moved away stays away).
-        self.flushed_ctrl: tuple[str, bytes] | None = None
+        # The file stem, control block and declarations the last flush wrote, None since a clear():
+        # capture/flush.py's exit flush does not rewrite a dump nothing was captured into since (one
+        # moved away stays away).
+        self.flushed_ctrl: tuple[str, bytes, str] | None = None
         # Plain (non-inference) tensors even if the first capture runs under inference_mode:
         # the host must be able to update them later outside it.
         with torch.inference_mode(False), torch.no_grad():

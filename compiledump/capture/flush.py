@@ -49,9 +49,32 @@ def process_fields() -> dict:
             "pid": os.getpid(), "world_size": _world_size()}
 
 
+# (directory, rank, pid) -> the stem this process writes there: chosen once, kept across reset().
+_CLAIMED: dict[tuple[str, str, int], str] = {}
+
+
 def dump_stem() -> str:
-    """File stem of this process's dump: `compiledump_rank<R>_pid<P>`."""
-    return spec.dump_stem(_rank(), os.getpid())
+    """File stem of this process's dump: `compiledump_rank<R>_pid<P>`, or `..._pid<P>_<n>` where the
+    dump directory already holds files of that name that another process left (a container's
+    process restarted with the same pid, or a replica with the same rank and pid in another pid
+    namespace): its dump, or its crash-proof files awaiting `compiledump recover`, are never
+    overwritten or removed."""
+    rank, pid, directory = _rank(), os.getpid(), STATE.config.dir
+    if not directory:
+        return spec.dump_stem(rank, pid)
+    key = (os.path.abspath(directory), rank, pid)
+    stem = _CLAIMED.get(key)
+    if stem is None:
+        copy = 1
+        while _taken(directory, spec.dump_stem(rank, pid, copy)):
+            copy += 1
+        stem = _CLAIMED[key] = spec.dump_stem(rank, pid, copy)
+    return stem
+
+
+def _taken(directory: str, stem: str) -> bool:
+    return any(os.path.lexists(os.path.join(directory, stem + suffix))
+               for suffix in (".npz", ".json", spec.LIVE_SUFFIX))
 
 
 def flush() -> str | None:
@@ -98,8 +121,9 @@ def _flush(wait_for_captures: bool, unless_unchanged: bool = False) -> str | Non
             arena, ctrl = rt.snapshot(private=private)
             # Every capture claims a counter in the control block: an unchanged one (and no
             # clear() or configure() since) means the last dump written holds everything, unless
-            # its file name changed (the rank became known).
-            written = (dump_stem(), ctrl.tobytes())
+            # its file name changed (the rank became known) or the host-side declarations the
+            # manifest carries did (a filtered tag, set_parallel, declare_shard, declare_router).
+            written = (dump_stem(), ctrl.tobytes(), _declarations(rt))
             if unless_unchanged and written == rt.flushed_ctrl:
                 return None
             arrays, manifest = _collect(rt, arena, ctrl)
@@ -110,6 +134,8 @@ def _flush(wait_for_captures: bool, unless_unchanged: bool = False) -> str | Non
                 st.lock.release()
         _warn_drops(manifest)
         path = writer.write_dump(st.config.dir, written[0], arrays, manifest)
+        if rt.live is not None:
+            rt.live.note_stem(written[0])
         rt.flushed_ctrl = written
         st.dumps_written += 1
         return str(path)
@@ -117,6 +143,14 @@ def _flush(wait_for_captures: bool, unless_unchanged: bool = False) -> str | Non
         if got_flush_lock:
             _flush_depth -= 1
             STATE.flush_lock.release()
+
+
+def _declarations(rt: Runtime) -> str:
+    """What the manifest says that no capture counts: compared by the flushes that skip an
+    unchanged dump."""
+    st = STATE
+    return repr((sorted(st.filtered_tags.items()), sorted(st.parallel_groups.items()), st.shards,
+                 sorted(st.routers.items()), st.mixers, st.routing, st.exclude, rt.prompt_tokens))
 
 
 def _collect(rt: Runtime, arena: np.ndarray, ctrl: np.ndarray) -> tuple[dict, dict]:
@@ -201,14 +235,25 @@ def _warn_never_kept(manifest: dict) -> None:
         RuntimeWarning, stacklevel=4)
 
 
+def flush_if_changed() -> str | None:
+    """Flush unless nothing was captured or declared since the last flush: its dump is complete,
+    and rewriting it would bring back files the program moved or removed."""
+    return _flush(wait_for_captures=True, unless_unchanged=True)
+
+
 def flush_at_exit() -> None:
     """The atexit hook: flush, say on stderr when nothing (or not everything instrumented) was
     captured, and never turn interpreter exit into a traceback storm."""
     try:
-        # Not again when nothing was captured since the last flush: its dump is complete, and
-        # rewriting it would bring back files the program moved or removed.
-        _flush(wait_for_captures=True, unless_unchanged=True)
-        remove_live_files()  # the dump is complete
+        flush_if_changed()
+        rt = STATE.runtime
+        if STATE.config.active or rt is None or rt.flushed_ctrl is not None or not rt.slots:
+            remove_live_files()  # the dump is complete
+        else:  # capture was switched off and no flush wrote what it had: its crash-proof files keep it
+            where = (f"kept in {rt.live.path} (`compiledump recover {rt.live.path.parent}` writes the dump)"
+                     if rt.live is not None else "lost (they were in memory only)")
+            print(f"[compiledump] captures made before capture was switched off were never flushed: {where}",
+                  file=sys.stderr, flush=True)
         note = silence_note()
         if note is not None:
             print(f"[compiledump] {note}", file=sys.stderr, flush=True)

@@ -13,7 +13,8 @@ dump; the flush at normal exit removes them.
 - `ctrl.i32`: the control block (ops/layout.py);
 - `journal.jsonl`: one JSON object per line, appended with single `write` calls: `start` (who
   writes: pid, rank, device, config, sizes), then `slot`, `region`, `prompt` and `overflow`
-  events as the registry changes, and `exception`/`signal` when the process is dying of one;
+  events as the registry changes, `stem` when a flush wrote under another file name, and
+  `exception`/`signal` when the process is dying of one;
 - `fault.txt`: Python's faulthandler report, if the process crashed in native code (only when
   no faulthandler was enabled before: compiledump does not take over one the user set up).
 
@@ -36,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..ops import layout as L
 from ..ops import variants
 from ..format.spec import (
     JOURNAL_VERSION,
@@ -49,6 +51,17 @@ from .recover import process_start_time
 from .state import warn_once
 
 
+def _own(live: Path) -> bool:
+    """Whether `live` is this process's own directory (its journal starts with this pid and
+    process start time)."""
+    try:
+        first = (live / LIVE_JOURNAL).read_bytes().split(b"\n", 1)[0]
+        start = json.loads(first)
+    except (OSError, ValueError):
+        return False  # no journal yet: another process may be creating it
+    return start.get("pid") == os.getpid() and start.get("start_time") == process_start_time(os.getpid())
+
+
 def open_live(directory: str, stem: str, device: torch.device, arena_words: int, ctrl_words: int,
               start: dict) -> LiveFiles | None:
     """The process's crash-proof files, or None (with one warning) where they cannot be made:
@@ -56,7 +69,6 @@ def open_live(directory: str, stem: str, device: torch.device, arena_words: int,
     try:
         return LiveFiles(directory, stem, device, arena_words, ctrl_words, start)
     except (OSError, RuntimeError, ValueError) as error:
-        shutil.rmtree(Path(directory) / f"{stem}{LIVE_SUFFIX}", ignore_errors=True)
         warn_once(f"crash-proof capture is off: cannot map the arena in {directory} ({error}); a crash will "
                   "lose what was not flushed. Set COMPILEDUMP_PERSIST=0 to silence this")
         return None
@@ -68,9 +80,20 @@ class LiveFiles:
     def __init__(self, directory: str, stem: str, device: torch.device, arena_words: int, ctrl_words: int,
                  start: dict):
         self.path = Path(directory) / f"{stem}{LIVE_SUFFIX}"
-        if self.path.exists():  # this pid's own leftovers (a runtime created again): replaced
-            shutil.rmtree(self.path)
-        self.path.mkdir(parents=True)
+        self.stem = stem  # the dump's file stem, journaled when a flush changes it (note_stem)
+        if self.path.exists():
+            if not _own(self.path):  # capture/flush.py dump_stem chose a free stem: another process's now
+                raise FileExistsError(f"{self.path} holds another process's crash-proof files")
+            shutil.rmtree(self.path)  # this process's own, of a runtime created again: replaced
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.mkdir()  # not exist_ok: of two processes racing for one stem, one gets an error here
+        try:
+            self._open(device, arena_words, ctrl_words, start)
+        except BaseException:
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise
+
+    def _open(self, device: torch.device, arena_words: int, ctrl_words: int, start: dict) -> None:
         self.device = device
         # A child forked after this shares the mapping (MAP_SHARED) but not the files' ownership:
         # only this process journals into them or removes them.
@@ -101,9 +124,10 @@ class LiveFiles:
         if not faulthandler.is_enabled():
             self._fault = open(self.path / LIVE_FAULT, "w")  # noqa: SIM115 - open for the process's life
             faulthandler.enable(file=self._fault, all_threads=True)
-        self.write({"event": "start", "journal_version": JOURNAL_VERSION, "pid": os.getpid(),
+        self._append({"event": "start", "journal_version": JOURNAL_VERSION, "pid": os.getpid(),
                     "start_time": process_start_time(os.getpid()), "host": socket.gethostname(),
                     "device": str(device), "arena_words": arena_words, "ctrl_words": ctrl_words,
+                    "control_layout": L.CONTROL_LAYOUT,
                     "created_unix": time.time(), **start})
 
     def touch(self, start: int, words: int) -> None:
@@ -118,7 +142,23 @@ class LiveFiles:
         """Append one event: a single `write` call, so a kill leaves it whole or absent (a torn
         last line is ignored by recover)."""
         if self._journal is not None and os.getpid() == self.owner:
-            os.write(self._journal, (json.dumps(event, separators=(",", ":")) + "\n").encode())
+            try:
+                self._append(event)
+            except OSError as error:  # a full disk (the mapped files' blocks are reserved): never the model's error
+                warn_once(f"cannot append to the crash-proof journal {self.path / LIVE_JOURNAL} ({error.strerror}): "
+                          "after a crash, `compiledump recover` may miss what was registered from now on; flush() and "
+                          "the flush at exit still write everything")
+
+    def _append(self, event: dict) -> None:
+        os.write(self._journal, (json.dumps(event, separators=(",", ":")) + "\n").encode())
+
+    def note_stem(self, stem: str) -> None:
+        """Journal the stem a flush wrote under when it is not the directory's (the rank became
+        known after the files were made): recover then writes that name, replacing the flushed
+        dump instead of leaving a second, older file of the same process beside it."""
+        if stem != self.stem:
+            self.stem = stem
+            self.write({"event": "stem", "stem": stem})
 
     def remove(self) -> None:
         """Close and delete the directory (after a complete flush at exit); in a forked child,

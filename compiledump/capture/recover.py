@@ -98,7 +98,26 @@ def read_journal(live: Path) -> tuple[dict, list[dict], bool]:
     if events[0].get("journal_version", 0) > spec.JOURNAL_VERSION:
         raise RecoverError(f"{live}: journal version {events[0]['journal_version']} is newer than this compiledump "
                            f"reads ({spec.JOURNAL_VERSION}); upgrade compiledump")
+    _check_control_layout(live, events[0])
     return events[0], events[1:], torn
+
+
+def _check_control_layout(live: Path, start: dict) -> None:
+    """Refuse a control block laid out otherwise than this compiledump reads it (files a process
+    of another version left): its counters would be read as other counters, and the dump written
+    from them would be garbage. The files are left as they are, for the version that wrote them."""
+    layout = start.get("control_layout")
+    if layout is None:  # journals before the field: the block's size still tells most layouts apart
+        max_tags = start.get("config", {}).get("max_tags")
+        expected = L.control_words(max_tags) if isinstance(max_tags, int) else None
+        if expected is None or start.get("ctrl_words") == expected:
+            return
+        layout = f"of {start.get('ctrl_words')} words for {max_tags} tags"
+    elif layout == L.CONTROL_LAYOUT:
+        return
+    raise RecoverError(f"{live}: written by compiledump {start.get('compiledump_version') or '(unknown version)'}, "
+                       f"whose control block layout ({layout}) is not this version's ({L.CONTROL_LAYOUT}); recover it "
+                       "with the version that wrote it. Nothing was changed")
 
 
 def running(start: dict) -> bool:
@@ -161,7 +180,9 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
     if arena.size < used:
         raise RecoverError(f"{live}: arena file of {arena.size} words, regions up to {used}")
     got = collect(slots, overflow, arena, ctrl, prompt)
-    stem = live.name[: -len(spec.LIVE_SUFFIX)]
+    # The name the process's last flush wrote under (its rank became known), else the directory's.
+    stem = next((event["stem"] for event in reversed(events) if event.get("event") == "stem"),
+                live.name[: -len(spec.LIVE_SUFFIX)])
     # The faulthandler report outlives the directory: its stack is what a crash's user reads next.
     kept_report = live.parent / f"{stem}{FAULT_SUFFIX}"
     fault = fault_report(live)

@@ -44,7 +44,8 @@ NOT_RECURRENT_MIXERS = (MIXER_ATTENTION, MIXER_NONE)
 STEM_PREFIX = "compiledump"
 LEGACY_STEM_PREFIX = "deepinfer_layers"
 DUMP_GLOBS = (f"{STEM_PREFIX}_rank*_pid*.npz", f"{LEGACY_STEM_PREFIX}_rank*_pid*.npz")
-DUMP_NAME = re.compile(rf"^(?:{STEM_PREFIX}|{LEGACY_STEM_PREFIX})_rank(?P<rank>.+?)_pid(?P<pid>\d+)\.npz$")
+DUMP_NAME = re.compile(
+    rf"^(?:{STEM_PREFIX}|{LEGACY_STEM_PREFIX})_rank(?P<rank>.+?)_pid(?P<pid>\d+)(?:_(?P<copy>\d+))?\.npz$")
 
 
 # Crash-proof capture (capture/persist.py writes, capture/recover.py reads): a running process's
@@ -57,9 +58,12 @@ LIVE_FAULT = "fault.txt"
 JOURNAL_VERSION = 1
 
 
-def dump_stem(rank: str, pid: int) -> str:
-    """The file stem of one process's dump."""
-    return f"{STEM_PREFIX}_rank{rank}_pid{pid}"
+def dump_stem(rank: str, pid: int, copy: int = 1) -> str:
+    """The file stem of one process's dump; `copy` > 1 for a later process of the same rank and pid
+    writing into the same directory (a restarted container's, or a replica in another pid
+    namespace): `<stem>_<copy>`, so that it never overwrites the earlier one's files."""
+    stem = f"{STEM_PREFIX}_rank{rank}_pid{pid}"
+    return stem if copy == 1 else f"{stem}_{copy}"
 
 
 # `record_step(tag)` writes keys `<tag>_<n>`, n = 0, 1, 2, ... without leading zeros.

@@ -1,0 +1,159 @@
+"""What a dead process left is never destroyed by the next one, nor by a version that cannot read
+it, and a flush writes what the manifest must say even when no capture changed.
+
+A restarted container's process, or a replica in another pid namespace, can have the same rank
+and pid as the process whose dump or crash-proof files are already in the directory. Simulated
+here by rewriting a real leftover's journal to this process's pid with another process's start
+time (what such a process would find).
+"""
+
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import compiledump
+from compiledump import cli
+from compiledump.capture import flush as flush_module
+from compiledump.capture import persist
+from compiledump.capture.flush import flush_at_exit
+from compiledump.capture.recover import read_journal, recover_directory, recover_live
+from compiledump.capture.state import STATE
+from compiledump.format import spec
+from compiledump.format.reader import collect_dumps
+
+
+def _rewrite_start(live: Path, **fields) -> None:
+    journal = live / spec.LIVE_JOURNAL
+    lines = journal.read_text().splitlines()
+    start = {**json.loads(lines[0]), **fields}
+    start = {k: v for k, v in start.items() if v is not None}
+    journal.write_text("\n".join([json.dumps(start), *lines[1:]]) + "\n")
+
+
+def _leftover_of_an_earlier_process(directory: Path, values) -> Path:
+    """`<stem of this process>.live` with `values` recorded as steps, left by a "dead" process
+    that had this pid (another start time)."""
+    for x in values:
+        compiledump.record_step("s", x)
+    live = STATE.runtime.live.path
+    kept = directory.parent / "kept.live"
+    shutil.copytree(live, kept)
+    compiledump.reset()  # this process forgets them; the copy is the dead process's
+    flush_module._CLAIMED.clear()  # and the file name: it was never this process's
+    shutil.move(kept, live)
+    start, _, _ = read_journal(live)
+    _rewrite_start(live, start_time=start["start_time"] - 1)
+    return live
+
+
+def test_a_later_process_with_the_same_pid_never_removes_or_overwrites_the_earlier_ones_files(dump_dir):
+    g = torch.Generator().manual_seed(0)
+    earlier = [torch.randn(3, 17, generator=g) for _ in range(3)]
+    live = _leftover_of_an_earlier_process(dump_dir, earlier)
+    base = live.name.removesuffix(spec.LIVE_SUFFIX)
+    # A dump the earlier process flushed before it died, under the same name.
+    (dump_dir / f"{base}.json").write_text("{}")
+
+    mine = torch.randn(5, 17, generator=g)[:, ::1]
+    compiledump.record_step("s", mine)
+    path = Path(compiledump.flush())
+    assert path.name == f"{base}_2.npz" and live.is_dir() and (dump_dir / f"{base}.json").read_text() == "{}"
+    assert STATE.runtime.live.path.name == f"{base}_2{spec.LIVE_SUFFIX}"
+    with np.load(path) as data:
+        np.testing.assert_array_equal(data["s_0"], mine[0].numpy())
+    flush_at_exit()  # this process's exit: its own crash-proof files go, the earlier one's stay
+    assert live.is_dir() and not (dump_dir / f"{base}_2{spec.LIVE_SUFFIX}").exists()
+
+    (dump_dir / f"{base}.json").unlink()
+    results, errors = recover_directory(dump_dir)
+    assert errors == [] and [r.npz.name for r in results] == [f"{base}.npz"]
+    with np.load(results[0].npz) as data:
+        for n, x in enumerate(earlier):
+            np.testing.assert_array_equal(data[f"s_{n}"], x[0].numpy())
+    # Both files are rank x's; the reader names the one it leaves out.
+    assert spec.DUMP_NAME.match(path.name).group("rank") == "x"
+    chosen, duplicates = collect_dumps(dump_dir, "RUN")
+    assert sorted([chosen["x"].name, *(d.path.name for d in duplicates)]) == [f"{base}.npz", f"{base}_2.npz"]
+
+
+def test_the_stem_a_flush_wrote_under_is_the_one_recover_writes(dump_dir, monkeypatch):
+    """The rank became known after the crash-proof files were made (init_process_group after the
+    first capture): the flush writes rank 0's name, and so does recover after a kill."""
+    monkeypatch.delenv("RANK", raising=False)
+    compiledump.record_step("s", torch.randn(2, 9))
+    live = STATE.runtime.live.path
+    assert "_rankx_" in live.name
+    monkeypatch.setenv("RANK", "0")
+    flushed = Path(compiledump.flush())
+    assert "_rank0_" in flushed.name
+    compiledump.record_step("s", torch.randn(2, 9))  # after the flush, then the process is killed
+    STATE.runtime = None  # "killed": nothing of this process touches the files again
+    result = recover_live(live, force=True)
+    assert result.npz == flushed and sorted(np.load(flushed).files) == ["s_0", "s_1"]
+    assert sorted(p.name for p in dump_dir.glob("*.npz")) == [flushed.name]
+
+
+@pytest.mark.parametrize("start_fields", [
+    {"control_layout": 7013},
+    # A journal from before the field: a block of another size for its max_tags.
+    {"control_layout": None, "ctrl_words": 8 + 1025 * 13},
+], ids=["another_layout", "older_journal"])
+def test_recover_refuses_a_control_block_of_another_layout_and_changes_nothing(dump_dir, capsys, start_fields):
+    compiledump.record_step("s", torch.randn(2, 9))
+    live = STATE.runtime.live.path
+    STATE.runtime = None
+    _rewrite_start(live, compiledump_version="0.0.1", **start_fields)
+    before = sorted((p.name, p.stat().st_size) for p in live.iterdir())
+    results, errors = recover_directory(dump_dir, force=True)
+    assert results == [] and len(errors) == 1 and "layout" in errors[0] and "0.0.1" in errors[0]
+    assert sorted((p.name, p.stat().st_size) for p in live.iterdir()) == before
+    assert not list(dump_dir.glob("*.npz"))
+    assert cli.main(["recover", "--force", str(dump_dir)]) == 2
+    assert "recover it with the version that wrote it" in capsys.readouterr().err and live.is_dir()
+
+
+def test_a_full_disk_for_the_journal_warns_and_never_fails_the_model(dump_dir, monkeypatch):
+    compiledump.record("early", torch.randn(2, 8))
+
+    def full(self, event):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(persist.LiveFiles, "_append", full)
+    x = torch.randn(2, 8)
+    with pytest.warns(RuntimeWarning, match="cannot append to the crash-proof journal.*No space left"):
+        compiledump.record("late", x)
+    compiledump.record_step("later", x)  # warned once
+    with np.load(compiledump.flush()) as data:
+        np.testing.assert_array_equal(data["late"], x[-1].numpy())
+        assert "later_0" in data.files and "early" in data.files
+
+
+def test_switching_capture_off_writes_what_it_captured(dump_dir):
+    x = torch.randn(3, 11)
+    compiledump.record("a", x)
+    compiledump.record_step("s", x)
+    live = STATE.runtime.live.path
+    compiledump.configure(dir=None)
+    (written,) = dump_dir.glob("*.npz")
+    with np.load(written) as data:
+        np.testing.assert_array_equal(data["a"], x[-1].numpy())
+        np.testing.assert_array_equal(data["s_0"], x[0].numpy())
+    flush_at_exit()  # capture is off; the dump holds everything, so the crash-proof files go
+    assert not live.exists() and list(dump_dir.glob("*.npz")) == [written]
+
+
+def test_the_exit_flush_writes_declarations_made_after_the_last_flush(dump_dir):
+    compiledump.record("layer0_mlp", torch.randn(3, 8))
+    compiledump.flush()
+    compiledump.set_parallel(tp_rank=1, tp_size=2)
+    compiledump.declare_shard("layer0_mlp", dim=-1)
+    flush_at_exit()
+    manifest = json.loads(next(dump_dir.glob("*.json")).read_text())
+    assert manifest["parallel"]["tp_rank"] == 1
+    assert manifest["keys"]["layer0_mlp"]["shard"]["how"] == "concat"
