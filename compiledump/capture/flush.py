@@ -20,6 +20,7 @@ from ..ops.register import KERNEL_LOCK
 from ..version import __version__
 from . import collect, mixers, parallel, routers
 from .arena import Runtime
+from .recover import ctrl_digest
 from .state import STATE, warn_once
 
 _flush_depth = 0  # flushes in progress that hold STATE.flush_lock (changed only by its owner)
@@ -135,7 +136,7 @@ def _flush(wait_for_captures: bool, unless_unchanged: bool = False) -> str | Non
         _warn_drops(manifest)
         path = writer.write_dump(st.config.dir, written[0], arrays, manifest)
         if rt.live is not None:
-            rt.live.note_stem(written[0])
+            rt.live.note_flush(written[0], ctrl_digest(np.frombuffer(written[1], dtype=np.int32)))
         rt.flushed_ctrl = written
         st.dumps_written += 1
         return str(path)

@@ -13,8 +13,8 @@ dump; the flush at normal exit removes them.
 - `ctrl.i32`: the control block (ops/layout.py);
 - `journal.jsonl`: one JSON object per line, appended with single `write` calls: `start` (who
   writes: pid, rank, device, config, sizes), then `slot`, `region`, `prompt` and `overflow`
-  events as the registry changes, `stem` when a flush wrote under another file name, and
-  `exception`/`signal` when the process is dying of one;
+  events as the registry changes, `flushed` after each flush (its file stem and a digest of the
+  control block it read), and `exception`/`signal` when the process is dying of one;
 - `fault.txt`: Python's faulthandler report, if the process crashed in native code (only when
   no faulthandler was enabled before: compiledump does not take over one the user set up).
 
@@ -80,7 +80,6 @@ class LiveFiles:
     def __init__(self, directory: str, stem: str, device: torch.device, arena_words: int, ctrl_words: int,
                  start: dict):
         self.path = Path(directory) / f"{stem}{LIVE_SUFFIX}"
-        self.stem = stem  # the dump's file stem, journaled when a flush changes it (note_stem)
         if self.path.exists():
             if not _own(self.path):  # capture/flush.py dump_stem chose a free stem: another process's now
                 raise FileExistsError(f"{self.path} holds another process's crash-proof files")
@@ -152,13 +151,12 @@ class LiveFiles:
     def _append(self, event: dict) -> None:
         os.write(self._journal, (json.dumps(event, separators=(",", ":")) + "\n").encode())
 
-    def note_stem(self, stem: str) -> None:
-        """Journal the stem a flush wrote under when it is not the directory's (the rank became
-        known after the files were made): recover then writes that name, replacing the flushed
-        dump instead of leaving a second, older file of the same process beside it."""
-        if stem != self.stem:
-            self.stem = stem
-            self.write({"event": "stem", "stem": stem})
+    def note_flush(self, stem: str, ctrl_digest: str) -> None:
+        """Journal a flush: the stem it wrote under (the rank may have become known since the files
+        were made) and a digest of the control block it read. recover writes that name, replacing
+        the flushed dump, and leaves the dump alone when the control block has not changed since:
+        it is complete, with what only the flush knew (set_parallel, declare_shard)."""
+        self.write({"event": "flushed", "stem": stem, "ctrl": ctrl_digest})
 
     def remove(self) -> None:
         """Close and delete the directory (after a complete flush at exit); in a forked child,

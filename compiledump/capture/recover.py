@@ -11,6 +11,7 @@ slicing as `flush()` (capture/collect.py: a write that was claimed but not commi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -57,6 +58,12 @@ def process_start_time(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[19])
 
 
+def ctrl_digest(ctrl: np.ndarray) -> str:
+    """A digest of a control block's words: a flush journals the one it read, so that recover can
+    tell that nothing was captured after it."""
+    return hashlib.sha1(np.ascontiguousarray(ctrl, dtype=np.int32).tobytes()).hexdigest()
+
+
 def leftovers(directory: str | os.PathLike) -> list[Path]:
     """The `<stem>.live/` directories in `directory` (not recursive)."""
     path = Path(directory)
@@ -74,9 +81,52 @@ def dead_leftovers(directory: str | os.PathLike) -> list[Path]:
         except RecoverError:
             found.append(live)  # unreadable: recover will say why
             continue
-        if not running(start):
+        if not running(start) and _complete_dump(live, _events) is None:
             found.append(live)
     return found
+
+
+def _last_flush(events: list[dict]) -> dict | None:
+    return next((event for event in reversed(events) if event.get("event") == "flushed"), None)
+
+
+def _complete_dump(live: Path, events: list[dict], ctrl: np.ndarray | None = None) -> Path | None:
+    """The dump the process's last flush wrote, when nothing was captured after it (the control
+    block is the one it read) and it is still there; else None."""
+    flushed = _last_flush(events)
+    if flushed is None:
+        return None
+    npz = live.parent / f"{flushed['stem']}.npz"
+    if not (npz.is_file() and npz.with_suffix(".json").is_file()):
+        return None
+    if ctrl is None:
+        try:
+            ctrl = np.fromfile(live / spec.LIVE_CTRL, dtype=np.int32)
+        except OSError:
+            return None
+    return npz if flushed.get("ctrl") == ctrl_digest(ctrl) else None
+
+
+def _manifest(npz: Path) -> dict:
+    try:
+        manifest = json.loads(npz.with_suffix(".json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
+
+def _annotations(npz: Path, start: dict) -> dict:
+    """What only the process's Python state knew, from the dump its last flush wrote (when that
+    manifest is this process's): `parallel`, `filtered_tags` and the keys' `shard` by tag."""
+    manifest = _manifest(npz)
+    if manifest.get("pid") != start.get("pid"):
+        return {}
+    keys = manifest.get("keys") if isinstance(manifest.get("keys"), dict) else {}
+    # By tag and kind: a step tag's later steps have its earlier steps' declaration.
+    shards = {(entry.get("tag"), entry.get("kind")): entry["shard"] for entry in keys.values()
+              if isinstance(entry, dict) and entry.get("shard")}
+    return {"parallel": manifest.get("parallel") or {}, "filtered_tags": manifest.get("filtered_tags") or {},
+            "shards": shards}
 
 
 def read_journal(live: Path) -> tuple[dict, list[dict], bool]:
@@ -175,30 +225,44 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
     ctrl = np.fromfile(live / spec.LIVE_CTRL, dtype=np.int32)
     if ctrl.size < L.control_words(0):
         raise RecoverError(f"{live}: control block of {ctrl.size} words")
-    used = max((s.offset + s.words * s.capacity for s in slots if s.offset >= 0), default=0)
-    arena = np.memmap(live / spec.LIVE_ARENA, dtype=np.float32, mode="r") if used else np.zeros(0, np.float32)
-    if arena.size < used:
-        raise RecoverError(f"{live}: arena file of {arena.size} words, regions up to {used}")
-    got = collect(slots, overflow, arena, ctrl, prompt)
     # The name the process's last flush wrote under (its rank became known), else the directory's.
-    stem = next((event["stem"] for event in reversed(events) if event.get("event") == "stem"),
-                live.name[: -len(spec.LIVE_SUFFIX)])
+    flushed = _last_flush(events)
+    stem = flushed["stem"] if flushed else live.name[: -len(spec.LIVE_SUFFIX)]
     # The faulthandler report outlives the directory: its stack is what a crash's user reads next.
     kept_report = live.parent / f"{stem}{FAULT_SUFFIX}"
     fault = fault_report(live)
     result.cause = cause_of(fault, events, f"{spec.LIVE_FAULT} in {live.name}" if keep else kept_report.name)
     if torn:
         result.notes.append("the journal's last line was cut by the kill (an event after every stored capture)")
+    complete = _complete_dump(live, events, ctrl)
+    if complete is not None:  # written again, it would lose what only the flush knew
+        result.npz = complete
+        result.keys = len(_manifest(complete).get("keys") or {})
+        result.notes.append(f"nothing was captured after the flush that wrote {complete.name}: left as it is")
+        _remove(live, keep, fault, kept_report)
+        return result
+    used = max((s.offset + s.words * s.capacity for s in slots if s.offset >= 0), default=0)
+    arena = np.memmap(live / spec.LIVE_ARENA, dtype=np.float32, mode="r") if used else np.zeros(0, np.float32)
+    if arena.size < used:
+        raise RecoverError(f"{live}: arena file of {arena.size} words, regions up to {used}")
+    got = collect(slots, overflow, arena, ctrl, prompt)
+    known = _annotations(live.parent / f"{stem}.npz", start)
+    shards = known.get("shards", {})
+    for entry in got.keys.values():
+        if (entry["tag"], entry["kind"]) in shards:
+            entry["shard"] = shards[entry["tag"], entry["kind"]]
     routers = captured_routers(declared, got.tags)
     manifest = writer.build_manifest(
         **{k: start.get(k) for k in ("compiledump_version", "torch_version", "rank", "pid", "world_size")},
+        # The run's time, not the recovery's: a rerun that flushed beside it is the newer dump.
+        **({"created_unix": start["created_unix"]} if isinstance(start.get("created_unix"), (int, float)) else {}),
         device=start.get("device"),
         capture_path=start.get("capture_path"),
         config=config,
-        filtered_tags={},
+        filtered_tags=known.get("filtered_tags", {}),
         arena_words_used=used,
         prompt_tokens=prompt,
-        parallel={},
+        parallel=known.get("parallel", {}),
         first_nonfinite=got.first_nonfinite,
         recovered={"from": live.name, "cause": result.cause, "recovered_unix": time.time(),
                    "torn_journal_line": torn},
@@ -212,11 +276,15 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
     result.keys = len(got.keys)
     result.interrupted = got.drops.get("interrupted", 0)
     del arena  # the memmap, before its file goes
+    _remove(live, keep, fault, kept_report)
+    return result
+
+
+def _remove(live: Path, keep: bool, fault: str, kept_report: Path) -> None:
     if not keep:
         if fault:
             kept_report.write_text(fault + "\n")
         shutil.rmtree(live, ignore_errors=True)
-    return result
 
 
 def _registry(start: dict, events: list[dict]):
@@ -265,4 +333,6 @@ def recover_directory(directory: str | os.PathLike, force: bool = False,
             results.append(recover_live(live, force=force, keep=keep))
         except RecoverError as exc:
             errors.append(str(exc))
+        except OSError as exc:  # a full disk or a read-only directory: the directory stays for another try
+            errors.append(f"{live}: cannot write its dump ({exc.strerror or exc}); its files are left as they are")
     return results, errors

@@ -14,7 +14,8 @@ JSON (:mod:`.key_record`, :mod:`.report`, with :mod:`.facts`), terminal text (:m
 ``--plot`` (:mod:`.plot`) and ``compiledump inspect`` (:mod:`.inspect`).
 """
 
-from ..format.reader import DumpError, DumpFile, collect_dumps
+from ..format.files import collect_dumps
+from ..format.reader import DumpError, DumpFile
 from .facts import Closest, SideFacts
 from .metrics import (CHUNK_ELEMENTS, FloatMetrics, IdMetrics, RowMetrics, Workspace, bf16_spacing,
                       compare_float_arrays, compare_id_arrays, compare_rows)

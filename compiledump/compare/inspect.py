@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 
 from ..format.keys import order_key_infos
-from ..format.reader import DumpError, DumpFile, ShardInfo, collect_dumps, preview, rank_sort_key
+from ..format.files import collect_dumps
+from ..format.reader import DumpError, DumpFile, ShardInfo, preview, rank_sort_key
 from ..format.routers import router_from_json
 from .metrics import CHUNK_ELEMENTS
 from .padding import unpadded

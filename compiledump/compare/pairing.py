@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..format.reader import Dump, DumpError, DumpFile, DuplicateRank, collect_dumps, rank_sort_key
+from ..format.files import DuplicateRank, collect_dumps
+from ..format.reader import Dump, DumpError, DumpFile, rank_sort_key
 from .report import Problem
 from .shards import holds_a_part, merge_side
 

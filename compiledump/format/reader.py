@@ -215,6 +215,7 @@ class DumpFile(Dump):
         self.problems = []
         self.excluded = set()
         self.merged_ranks = None
+        self.keys_inferred = False  # a manifest without a keys table: kinds from names, as without one
         self._read_members()
         self.manifest = self._read_manifest()
         self.infos = self._key_infos()
@@ -253,6 +254,15 @@ class DumpFile(Dump):
     def _read_manifest(self) -> dict | None:
         path = self.path.with_suffix(".json")
         if not path.is_file():
+            if self.path.name.startswith(f"{spec.STEM_PREFIX}_"):
+                # compiledump writes the npz, then its manifest: a kill between the two leaves this.
+                # Read as a manifest-less legacy file, its keys would get the legacy thresholds,
+                # up to thousands of times looser than its dtype's, and a bug could pass.
+                raise DumpError(
+                    f"{self.label} {self.path}: its manifest {path.name} is missing: the flush that wrote it was "
+                    "cut between the two files (or the .json was removed), so its keys' meanings and dtypes are "
+                    "unknown and it is not compared. If the process left a .live directory beside it, "
+                    f"`compiledump recover {self.path.parent}` writes a complete dump; otherwise rerun")
             return None
         try:
             manifest = json.loads(path.read_text(encoding="utf-8"))
@@ -269,12 +279,12 @@ class DumpFile(Dump):
         if not isinstance(manifest.get("keys"), dict):
             self.notes.append(f"manifest {path.name} has no 'keys' table; key kinds inferred from names")
             manifest["keys"] = {}
+            self.keys_inferred = True
         return manifest
 
     def _key_infos(self) -> dict[str, KeyInfo]:
-        inferred = infer_key_infos(list(self.members.values()))
-        if self.manifest is None:
-            return inferred
+        if self.manifest is None or self.keys_inferred:
+            return infer_key_infos(list(self.members.values()))
         infos: dict[str, KeyInfo] = {}
         table = self.manifest["keys"]
         unlisted = []
@@ -282,10 +292,16 @@ class DumpFile(Dump):
             info = info_from_manifest(key, table.get(key))
             if info is None:
                 unlisted.append(key)
-                info = inferred[key]
-            infos[key] = info
-        if unlisted:
-            self.notes.append(f"{len(unlisted)} keys missing from the manifest, kinds inferred: {preview(unlisted)}")
+            else:
+                infos[key] = info
+        # A key the manifest does not list: the npz of a flush whose manifest was never written (a
+        # kill between the two files leaves the npz one flush ahead). Its meaning and dtype are
+        # unknown, and none of the manifest's counts cover it: not compared (an "unreadable"
+        # problem), never judged with inferred kinds and loose thresholds.
+        for key in unlisted:
+            del self.members[key]
+            self.bad_members[key] = ("not listed in the manifest (written by a later flush whose manifest was "
+                                     "not: the process was killed between the two files); not compared")
         phantom = [key for key in table if key not in self.members and key not in self.bad_members]
         if phantom:
             self.notes.append(f"manifest lists {len(phantom)} keys absent from the npz: {preview(phantom)}")
@@ -355,46 +371,3 @@ def preview(items: list[str], limit: int = 8) -> str:
 def rank_sort_key(rank: str) -> tuple:
     """Orders rank labels: numbers numerically, then other labels (``x``, ``?``) by name."""
     return (0, int(rank), "") if rank.isdigit() else (1, 0, rank)
-
-
-@dataclass(frozen=True)
-class DuplicateRank:
-    """A file left out because a newer file of the same rank was found beside it."""
-
-    rank: str
-    path: Path
-    used: Path
-
-
-# Why a side may have no dump: capture is off unless COMPILEDUMP_DIR is set, and a run writes only
-# what it captured.
-_WHERE = "a run writes its dump into COMPILEDUMP_DIR (capture is off without it) when it captured something"
-
-
-def collect_dumps(path: str | Path, label: str) -> tuple[dict[str, Path], list[DuplicateRank]]:
-    """Dump files of one side by rank label, and the files left out as duplicates of a rank.
-
-    ``path`` is an npz file or a directory of ``compiledump_rank<R>_pid<P>.npz`` /
-    ``deepinfer_layers_rank<R>_pid<P>.npz`` files. A file whose name carries no rank gets the label
-    ``?``. When a directory holds several files of one rank (data-parallel engines all report
-    RANK=0 and differ by pid), the newest is used.
-    """
-    path = Path(path)
-    if path.is_dir():
-        files = sorted({found for pattern in spec.DUMP_GLOBS for found in path.glob(pattern) if found.is_file()})
-        if not files:
-            raise DumpError(f"{label} {path}: directory holds no dumps ({' or '.join(spec.DUMP_GLOBS)}); {_WHERE}")
-        by_rank: dict[str, list[Path]] = {}
-        for found in files:
-            by_rank.setdefault(spec.DUMP_NAME.match(found.name).group("rank"), []).append(found)
-        chosen: dict[str, Path] = {}
-        duplicates: list[DuplicateRank] = []
-        for rank, candidates in by_rank.items():
-            candidates.sort(key=lambda candidate: (candidate.stat().st_mtime, candidate.name))
-            chosen[rank] = candidates[-1]
-            duplicates.extend(DuplicateRank(rank, ignored, candidates[-1]) for ignored in candidates[:-1])
-        return chosen, duplicates
-    if not path.exists():
-        raise DumpError(f"{label} {path}: no such file or directory; {_WHERE}")
-    match = spec.DUMP_NAME.match(path.name)
-    return {match.group("rank") if match else "?": path}, []

@@ -307,6 +307,10 @@ def test_recover_matches_flush_and_skips_live_processes(dump_dir):
     # This process is alive: recover leaves its files alone unless forced.
     results, errors = recover_directory(tmp_path)
     assert errors == [] and results[0].skipped and "still be running" in results[0].skipped and live.exists()
+    # Without the flushed files (a dump left in place is complete: recover would keep it), recover
+    # slices the same arena and control block into the same dump.
+    Path(flushed).unlink()
+    Path(flushed).with_suffix(".json").unlink()
     results, _ = recover_directory(tmp_path, force=True, keep=True)
     assert results[0].npz == Path(flushed) and live.exists()
     got, manifest = dict(np.load(flushed)), _manifest(tmp_path)

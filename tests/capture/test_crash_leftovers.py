@@ -11,6 +11,8 @@ import errno
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,10 +24,10 @@ from compiledump import cli
 from compiledump.capture import flush as flush_module
 from compiledump.capture import persist
 from compiledump.capture.flush import flush_at_exit
-from compiledump.capture.recover import read_journal, recover_directory, recover_live
+from compiledump.capture.recover import dead_leftovers, read_journal, recover_directory, recover_live
 from compiledump.capture.state import STATE
 from compiledump.format import spec
-from compiledump.format.reader import collect_dumps
+from compiledump.format.files import collect_dumps
 
 
 def _rewrite_start(live: Path, **fields) -> None:
@@ -76,10 +78,11 @@ def test_a_later_process_with_the_same_pid_never_removes_or_overwrites_the_earli
     with np.load(results[0].npz) as data:
         for n, x in enumerate(earlier):
             np.testing.assert_array_equal(data[f"s_{n}"], x[0].numpy())
-    # Both files are rank x's; the reader names the one it leaves out.
+    # Both files are rank x's: the reader reads the later run's (the recovery, done after it, takes
+    # the dead run's start as its time) and names the other.
     assert spec.DUMP_NAME.match(path.name).group("rank") == "x"
     chosen, duplicates = collect_dumps(dump_dir, "RUN")
-    assert sorted([chosen["x"].name, *(d.path.name for d in duplicates)]) == [f"{base}.npz", f"{base}_2.npz"]
+    assert chosen["x"].name == f"{base}_2.npz" and [d.path.name for d in duplicates] == [f"{base}.npz"]
 
 
 def test_the_stem_a_flush_wrote_under_is_the_one_recover_writes(dump_dir, monkeypatch):
@@ -157,3 +160,41 @@ def test_the_exit_flush_writes_declarations_made_after_the_last_flush(dump_dir):
     manifest = json.loads(next(dump_dir.glob("*.json")).read_text())
     assert manifest["parallel"]["tp_rank"] == 1
     assert manifest["keys"]["layer0_mlp"]["shard"]["how"] == "concat"
+
+
+_FLUSH_THEN_DIE = """
+import os, sys, torch, compiledump
+compiledump.configure(dir=sys.argv[1])
+compiledump.set_parallel(tp_rank=1, tp_size=2)
+compiledump.declare_shard("h", dim=-1)
+g = torch.Generator().manual_seed(3)
+for _ in range(2):
+    compiledump.record_step("h", torch.randn(2, 6, generator=g))
+compiledump.flush()
+if sys.argv[2] == "more":
+    compiledump.record_step("h", torch.randn(2, 6, generator=g))
+os._exit(0)  # (an application's own signal handler ending the process after compiledump's flushed)
+"""
+
+
+@pytest.mark.parametrize("after_flush", ["nothing", "more"])
+def test_recover_keeps_a_complete_dump_and_what_only_the_flush_knew(tmp_path, after_flush):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPILEDUMP_")}
+    proc = subprocess.run([sys.executable, "-c", _FLUSH_THEN_DIE, str(tmp_path), after_flush], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (npz,) = tmp_path.glob("*.npz")
+    flushed = npz.read_bytes()
+    assert [live.name for live in dead_leftovers(tmp_path)] == ([] if after_flush == "nothing" else
+                                                                [npz.name.replace(".npz", spec.LIVE_SUFFIX)])
+    results, errors = recover_directory(tmp_path)
+    assert errors == [] and [r.npz for r in results] == [npz] and not list(tmp_path.glob("*.live"))
+    manifest = json.loads(npz.with_suffix(".json").read_text())
+    assert manifest["parallel"] == {"tp_rank": 1, "tp_size": 2}
+    steps = sorted(key for key in manifest["keys"] if key.startswith("h_"))
+    if after_flush == "nothing":
+        assert npz.read_bytes() == flushed and "recovered" not in manifest and "left as it is" in results[0].notes[0]
+        assert steps == ["h_0", "h_1"]
+    else:
+        assert manifest["recovered"] and steps == ["h_0", "h_1", "h_2"]
+        assert all(manifest["keys"][key]["shard"]["how"] == "concat" for key in steps)

@@ -300,6 +300,7 @@ def test_compressed_npz_is_read(tmp_path):
     run_path.parent.mkdir()
     run = factory.perturb(captures, rng, from_layer=1)
     np.savez_compressed(run_path, **{c.key: c.array for c in run})
+    run_path.with_suffix(".json").write_text(json.dumps(factory.manifest_for(run, pid=5)))
     report = cmp.compare(ref_path, run_path)
     assert report.first_divergence.key == "layer1_moe_out"
 

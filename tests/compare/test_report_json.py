@@ -206,7 +206,7 @@ def reports(tmp_path: Path) -> list[dict]:
     factory.write_compiledump(tmp_path / "d/run", factory.perturb(ref, rng, ids_layer=2), rank=0, pid=20)
     old = factory.write_compiledump(tmp_path / "d/run", ref, rank=0, pid=19)
     os.utime(old, (1_000_000, 1_000_000))
-    np.savez(tmp_path / "d/run/compiledump_rank1_pid21.npz", other=rng.standard_normal(3))
+    np.savez(tmp_path / "d/run/deepinfer_layers_rank1_pid21.npz", other=rng.standard_normal(3))  # no manifest
     run(tmp_path / "d/ref", tmp_path / "d/run")
     # Sharded: concat, partial sums, replicated floats and ids, each with a broken rank.
     shards = {"layer1_moe_out": {"dim": 0, "how": "concat", "group": "tp"},
