@@ -36,7 +36,8 @@ struct Plan {
   std::string device_type = "cpu";
   std::map<int64_t, PlanSlot> slots;  // by slot index
   std::vector<std::pair<std::string, std::string>> filtered;  // tag, reason
-  std::vector<std::string> overflow;  // tags past max_tags (share slot 0)
+  // Tags past max_tags (they share slot 0) and their kinds (-1: a plan written before it gave them).
+  std::vector<std::pair<std::string, int64_t>> overflow;
   std::string config_json;            // the settings, without "dir"
 
   static Plan parse(const std::string& plan_text, const std::string& config_json);

@@ -14,6 +14,7 @@
 #include <ctime>
 #include <filesystem>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 
@@ -130,8 +131,10 @@ Plan Plan::parse(const std::string& plan_text, const std::string& config_json) {
       plan.filtered.emplace_back(tag, reason);
     } else if (what == "overflow") {
       std::string tag;
+      int64_t kind = -1;
       f >> tag;
-      plan.overflow.push_back(tag);
+      if (!(f >> kind)) kind = -1;
+      plan.overflow.emplace_back(tag, kind);
     } else if (what == "version") {
       f >> plan.version;
     } else if (what == "arena_words") {
@@ -179,8 +182,8 @@ void Plan::merge(const Plan& other) {
   used_words = std::max(used_words, other.used_words);
   for (const auto& entry : other.filtered)
     if (std::find(filtered.begin(), filtered.end(), entry) == filtered.end()) filtered.push_back(entry);
-  for (const auto& tag : other.overflow)
-    if (std::find(overflow.begin(), overflow.end(), tag) == overflow.end()) overflow.push_back(tag);
+  for (const auto& entry : other.overflow)
+    if (std::find(overflow.begin(), overflow.end(), entry) == overflow.end()) overflow.push_back(entry);
 }
 
 // ---- Dump ----
@@ -240,6 +243,7 @@ std::string Dump::flush(const std::string& dir) const {
     if (!totals.count(name)) total_order.push_back(name);
     totals[name] += count;
   };
+  std::set<std::string> tag_names;  // the entries written, which an old plan's overflow tag must not replace
   for (const PlanSlot* slot : ordered) {
     if (slot->index == 0) continue;
     const int32_t* counts = counts_all + slot_base(slot->index);
@@ -283,6 +287,7 @@ std::string Dump::flush(const std::string& dir) const {
       add_total(name, count);
     }
     if (!tags.empty()) tags += ",";
+    tag_names.insert(slot->kind == KIND_STEP ? slot->tag + "_<n>" : slot->tag);
     tags += json_string(slot->kind == KIND_STEP ? slot->tag + "_<n>" : slot->tag) + ":{\"tag\":" +
             json_string(slot->tag) + ",\"kind\":\"" + kind_name(slot->kind) + "\",\"order\":" +
             std::to_string(slot->order) + ",\"calls\":" + std::to_string(calls) + ",\"passed\":" +
@@ -293,10 +298,15 @@ std::string Dump::flush(const std::string& dir) const {
     const int32_t* shared = counts_all + slot_base(0);
     for (const auto& [counter, name] : kDropReasons)
       if (shared[counter]) add_total(name, shared[counter]);
-    for (const auto& tag : plan_.overflow) {
+    for (const auto& [tag, kind] : plan_.overflow) {
+      // Named as a kept tag of its kind is (a step tag `<tag>_<n>`): a record and a step tag of one
+      // name are two entries, and a JSON object keeps only the last of two equal names.
+      const std::string name = kind == KIND_STEP ? tag + "_<n>" : tag;
+      if (kind < 0 && tag_names.count(name)) continue;  // an old plan's: never over a kept tag's entry
       if (!tags.empty()) tags += ",";
-      tags += json_string(tag) + ":{\"tag\":" + json_string(tag) +
-              ",\"kind\":null,\"order\":null,\"calls\":null,\"passed\":0,\"kept\":0,\"drops\":{\"tag_table_full\":null}}";
+      tags += json_string(name) + ":{\"tag\":" + json_string(tag) + ",\"kind\":" +
+              (kind < 0 ? std::string("null") : "\"" + std::string(kind_name(kind)) + "\"") +
+              ",\"order\":null,\"calls\":null,\"passed\":0,\"kept\":0,\"drops\":{\"tag_table_full\":null}}";
     }
   }
   std::string drops_json, filtered_json;

@@ -34,7 +34,7 @@ def plan_text(rt: Runtime) -> str:
     """The registry as lines of space-separated fields (docs/export.md; parsed by kernels/dump.cpp).
 
     `slot <index> <kind> <order> <offset> <capacity> <source_dtype> <ndim> <dims...> <source_ndim>
-    <source dims, -1 = dynamic...> <tag>` (an ndim of -1: unknown, no dims follow), then `filtered <tag> <reason>` and `overflow <tag>`.
+    <source dims, -1 = dynamic...> <tag>` (an ndim of -1: unknown, no dims follow), then `filtered <tag> <reason>` and `overflow <tag> <kind>`.
     """
     lines = [
         PLAN_HEADER,
@@ -56,7 +56,8 @@ def plan_text(rt: Runtime) -> str:
                   -1 if source is None else len(source), *(source or []), slot.tag]
         lines.append("slot " + " ".join(str(f) for f in fields))
     lines += [f"filtered {tag} {reason}" for tag, reason in STATE.filtered_tags.items()]
-    lines += [f"overflow {tag}" for tag in rt.overflow_tags]
+    kinds = {slot.tag: slot.kind for slot in rt.slots.values() if slot.index == 0}
+    lines += [f"overflow {tag} {kinds[tag]}" if tag in kinds else f"overflow {tag}" for tag in rt.overflow_tags]
     return "\n".join(lines) + "\n"
 
 
@@ -75,8 +76,12 @@ def restore_plan(text: str, rt: Runtime) -> None:
         if kind_of_line == "filtered":
             tag, reason = rest.split(" ")
             STATE.filtered_tags[tag] = reason
-        elif kind_of_line == "overflow" and rest not in rt.overflow_tags:
-            rt.overflow_tags.append(rest)
+        elif kind_of_line == "overflow":
+            tag, *kind = rest.split(" ")
+            if kind:  # the registry past a full table, as the exporting process had it
+                rt.slot_for(tag, int(kind[0]))
+            elif tag not in rt.overflow_tags:  # a plan written before plans gave the kind
+                rt.overflow_tags.append(tag)
         elif kind_of_line == "slot":
             _restore_slot(rt, rest.split(" "))
     rt.used_words = max(rt.used_words, int(header["used_words"]))

@@ -123,16 +123,21 @@ def collect(slots, overflow_tags, arena: np.ndarray, ctrl: np.ndarray, prompt_to
                 bad.append((when, slot.order, nonfinite))
         for reason, count in drops.items():
             totals[reason] = totals.get(reason, 0) + count
-    if overflow_tags:
+    overflow = sorted((slot for slot in slots if slot.index == 0), key=lambda s: s.order)
+    if overflow or overflow_tags:
         # Tags past the table share slot 0: their calls are counted there, tag_table_full or,
         # inside profiling(), suspended; only the totals can report them.
         shared = ctrl[L.slot_base(0) : L.slot_base(0) + L.SLOT_COUNTERS].astype(np.int64)
         for counter, reason in L.DROP_REASONS.items():
             if shared[counter]:
                 totals[reason] = totals.get(reason, 0) + int(shared[counter])
-        for tag in list(overflow_tags):
-            tags[tag] = {"tag": tag, "kind": None, "order": None, "calls": None, "passed": 0,
-                         "kept": 0, "drops": {"tag_table_full": None}}
+        lost = {"order": None, "calls": None, "passed": 0, "kept": 0, "drops": {"tag_table_full": None}}
+        for slot in overflow:  # named as a kept tag of its kind is: a record and a step tag of one name differ
+            tags[spec.tag_entry_name(slot.tag, slot.kind == L.KIND_STEP)] = {
+                "tag": slot.tag, "kind": L.KIND_NAMES[slot.kind], **lost}
+        for tag in overflow_tags:  # of an AOT plan written before plans gave their kind
+            if not any(slot.tag == tag for slot in overflow) and tag not in tags:
+                tags[tag] = {"tag": tag, "kind": None, **lost}
     first = min(bad, key=lambda item: item[:2])[2] if bad else None
     return Collected(arrays, keys, tags, totals, first)
 

@@ -97,6 +97,26 @@ def test_tag_table_full(dump_dir):
     assert any("'c': all captures dropped (tag_table_full): raise COMPILEDUMP_MAX_TAGS (now 2)" in m for m in messages)
 
 
+def test_a_step_tag_past_the_table_keeps_the_entry_of_a_kept_record_of_its_name(dump_dir):
+    """api.md's own pattern, `record("logits", once=True)` beside `record_step("logits")`: the step
+    tag past the table is `logits_<n>`, and the kept record's entry, counts and key stay."""
+    compiledump.configure(max_tags=2)
+    x = torch.randn(3, 5)
+    compiledump.record("logits", x, once=True)
+    compiledump.record("other", x)
+    for _ in range(2):
+        compiledump.record_step("logits", x)
+    arrays, manifest, messages = _flush()
+    assert sorted(arrays) == ["logits", "other"]
+    np.testing.assert_array_equal(arrays["logits"], x[-1].numpy())
+    assert manifest["tags"]["logits"] == {**manifest["tags"]["logits"], "kind": "record_once", "kept": 1, "drops": {}}
+    assert manifest["tags"]["logits_<n>"] == {"tag": "logits", "kind": "step", "order": None, "calls": None,
+                                              "passed": 0, "kept": 0, "drops": {"tag_table_full": None}}
+    assert manifest["drops"]["tag_table_full"] == 2
+    assert [m for m in messages if "tag_table_full" in m] == [
+        next(m for m in messages if "tag 'logits': all captures dropped (tag_table_full)" in m)]
+
+
 def test_gates_and_suspension_are_counted(dump_dir):
     compiledump.configure(tokens=5)
     compiledump.record("h", torch.randn(5, 3))
