@@ -155,7 +155,12 @@ class MergedDump(Dump):
         for manifest in manifests:
             for key, entry in manifest["keys"].items():
                 keys.setdefault(key, entry)
-        merged = dict(manifests[0], keys=keys, drops=drops, merged_ranks=self.merged_ranks)
+        # The first NaN/Inf of any rank, by phase and step, then rank order (within one forward of
+        # a pipeline an earlier stage's comes first; a tensor-parallel rank's shard may hold the
+        # only one).
+        firsts = [manifest["first_nonfinite"] for manifest in manifests if isinstance(manifest.get("first_nonfinite"), dict)]
+        merged = dict(manifests[0], keys=keys, drops=drops, merged_ranks=self.merged_ranks,
+                      first_nonfinite=min(firsts, key=_when, default=None))
         if self.stages:  # each stage declared its own layers' mixers and routing: the model's are their union
             merged["mixers"] = {i: kind for manifest in manifests for i, kind in (manifest.get("mixers") or {}).items()}
             routings = [manifest.get("routing") or {} for manifest in manifests]
@@ -166,10 +171,6 @@ class MergedDump(Dump):
             merged["tags"] = {tag: entry for manifest in manifests for tag, entry in (manifest.get("tags") or {}).items()}
             merged["filtered_tags"] = {tag: entry for manifest in manifests
                                        for tag, entry in (manifest.get("filtered_tags") or {}).items()}
-            # the first NaN/Inf of any stage by phase and step, then stage order (within one forward
-            # an earlier stage's comes first)
-            firsts = [manifest["first_nonfinite"] for manifest in manifests if isinstance(manifest.get("first_nonfinite"), dict)]
-            merged["first_nonfinite"] = min(firsts, key=_when, default=None)
         return merged
 
 
