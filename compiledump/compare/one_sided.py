@@ -79,9 +79,10 @@ class OneSidedKeys:
         if reason is not None:
             self.explained[reason][holder].append(info.key)
             return None
+        lost = lost_calls(lacking, dump, info.tag, info.kind == "step")
         if lacking == "RUN":
-            return Problem("missing_in_run", rank, "present in REF only", info.key)
-        return Problem("extra_in_run", rank, "present in RUN only", info.key)
+            return Problem("missing_in_run", rank, f"present in REF only{lost}", info.key)
+        return Problem("extra_in_run", rank, f"present in RUN only{lost}", info.key)
 
     @staticmethod
     def _past_last_step(info: KeyInfo, lacking: Dump) -> bool:
@@ -183,8 +184,28 @@ def excluded_note(side: str, keys: list[str], patterns: dict[str, list[str]]) ->
 
 
 def held_tags(dump: Dump) -> set[str]:
-    """The tags of the keys `dump` holds."""
-    return {info.tag for key, info in dump.infos.items() if key in dump.members}
+    """The tags `dump` recorded: those of the keys it holds, and those its manifests list as called
+    (every call of one may have been lost, as `arena_full` say: a loss its counts name, not a gate
+    that gives no ids)."""
+    called = {dump.seen_as(entry["tag"]) for manifest in dump.rank_manifests()
+              for entry in ((manifest.get("tags") or {}).values() if isinstance(manifest.get("tags"), dict) else ())
+              if isinstance(entry, dict) and isinstance(entry.get("tag"), str) and entry.get("calls") != 0}
+    return called | {info.tag for key, info in dump.infos.items() if key in dump.members}
+
+
+def lost_calls(side: str, dump: Dump, tag: str, step: bool) -> str:
+    """`" (RUN dropped its calls: arena_full=1; ...)"` for a tag whose calls the `side` manifests
+    count as dropped, or ''."""
+    drops: dict[str, int] = {}
+    for manifest in dump.rank_manifests():
+        entry = (manifest.get("tags") or {}).get(spec.tag_entry_name(tag, step)) \
+            if isinstance(manifest.get("tags"), dict) else None
+        for why, count in ((entry.get("drops") or {}).items() if isinstance(entry, dict) else ()):
+            drops[why] = drops.get(why, 0) + (count if isinstance(count, int) else 0)
+    if not drops:
+        return ""
+    return f" ({side} dropped its calls: " + ", ".join(
+        f"{why}={count or 'all'}" for why, count in sorted(drops.items())) + "; see the manifest's 'drops')"
 
 
 def gate_without_ids(tag: str, lacking: Dump, lacking_tags: set[str]) -> bool:

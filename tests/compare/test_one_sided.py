@@ -103,3 +103,32 @@ def test_tags_an_older_reference_filtered_at_the_same_setting_are_one_note(tmp_p
     same = ref_setting == 2
     assert ("RUN's filter did not drop them" in note) == same
     assert ("(REF 3, RUN 2) filtered" in note) == (not same)
+
+
+def test_ids_a_side_recorded_and_lost_are_a_loss_not_a_gate_without_ids(tmp_path):
+    """RUN's gate gave its expert ids, but they were lost (arena_full): the comparator used to take
+    the missing key for a gate returning logits alone, derive RUN's ids from its logits and list
+    no problem. The manifest counts the loss: a problem says so, and nothing is derived."""
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((3, 8)).astype(np.float32)
+    ids = np.argsort(-logits, axis=1)[:, :2].astype(np.int32)
+    hidden = rng.standard_normal(17).astype(np.float32)
+    ref = [Capture("layer0_router", logits, "record", "layer0_router"), Capture("layer0_topk", ids, "ids", "layer0_topk"),
+           Capture("layer0", hidden, "record", "layer0")]
+    run = [ref[0], ref[2]]
+    run_manifest = factory.manifest_for(run, source_dtype="float32", key_fields={"layer0_router": {"rows": "all"}})
+    run_manifest["tags"]["layer0_topk"] = {"tag": "layer0_topk", "kind": "ids", "order": 1, "calls": 1, "passed": 1,
+                                           "kept": 0, "drops": {"arena_full": 1}}
+    paths = factory.write_pair(tmp_path, ref, run, run_manifest=run_manifest,
+                               key_fields={"layer0_router": {"rows": "all"}})
+    pair = compare(*paths).pairs[0]
+    assert not any("no expert ids" in note for note in pair.notes)
+    (problem,) = [p for p in pair.problems if p.key == "layer0_topk"]
+    assert problem.kind == "missing_in_run" and "RUN dropped its calls: arena_full=1" in problem.detail
+    # A gate that never recorded ids (no entry for the tag): its ids are derived, as before.
+    del run_manifest["tags"]["layer0_topk"]
+    paths = factory.write_pair(tmp_path / "gate", ref, run, run_manifest=run_manifest,
+                               key_fields={"layer0_router": {"rows": "all"}})
+    pair = compare(*paths).pairs[0]
+    assert any("RUN recorded router logits but no expert ids for layer0_topk" in note for note in pair.notes)
+    assert not [p for p in pair.problems if p.key == "layer0_topk"]
