@@ -53,7 +53,7 @@ class OneSidedKeys:
         # {reason: {holding side: keys}}: the notes' order (the checks' order is sort's)
         self.explained = {reason: {"REF": [], "RUN": []}
                           for reason in ("filtered", "layer_steps", *NEWER_FAMILIES, "excluded", "fed", "ids",
-                                         "shifted")}
+                                         "shifted", "rows_gate")}
         # The NEWER_FAMILIES each side recorded any key of
         self.families = {side: {family for family, member_of in NEWER_FAMILIES.items()
                                 if any(member_of((spec.split_step_key(key) or (key,))[0]) for key in dump.members)}
@@ -75,7 +75,9 @@ class OneSidedKeys:
                   else newer if newer is not None
                   else "shifted" if self.shifted and self._past_last_step(info, dump)
                   else "fed" if info.tag == FED_TAG
-                  else "ids" if gate_without_ids(info.tag, dump, self.tags[lacking]) else None)
+                  else "ids" if gate_without_ids(info.tag, dump, self.tags[lacking])
+                  else "rows_gate" if info.kind == "step" and "rows_gate=" in lost_calls(lacking, dump, info.tag, True)
+                  else None)
         if reason is not None:
             self.explained[reason][holder].append(info.key)
             return None
@@ -125,7 +127,12 @@ class OneSidedKeys:
                  "ids": one_sided_ids_note,
                  "shifted": lambda side, keys: (f"{side} holds {len(keys)} step keys past the other side's last step "
                                                 f"of their tags (the steps are shifted, not comparable): "
-                                                f"{preview(keys, 4)}")}
+                                                f"{preview(keys, 4)}"),
+                 "rows_gate": lambda side, keys: (
+                     f"{side} holds {len(keys)} decode-step keys that {other_side(side)} skipped while its batch was "
+                     f"wider than COMPILEDUMP_MAX_ROWS ({preview(keys, 3)}; rows_gate in its manifest's drops): not "
+                     f"compared. To judge those steps, raise {other_side(side)}'s COMPILEDUMP_MAX_ROWS to the batch "
+                     "the request shares (set_rows gives it the rows the sampler produced)")}
         lines = (write[reason](side, keys) for reason, sides in self.explained.items()
                  for side, keys in sides.items() if keys)
         return [line for line in lines if line is not None]
@@ -143,8 +150,8 @@ def one_sided_fed_note(side: str, keys: list[str]) -> str:
     other = other_side(side)
     return (f"only {side} recorded the tokens its steps fed ({len(keys)} {FED_TAG}_<n> keys): whether the "
             f"sides fed the same tokens cannot be told; feed {other} the tokens {side} fed (teacher forcing), "
-            f"or record them on {other} too (compiledump.record_step('{FED_TAG}', ids) with the id of each "
-            "step's logits row)")
+            f"or record them on {other} too (compiledump.record_step('{FED_TAG}', ids[:, None]) with `ids` the "
+            "forward's flat input ids: each row's id, of which the step's gather row keeps the request's)")
 
 
 def past_layer_steps_note(side: str, keys: list[str], caps: dict[str, int | None]) -> str:

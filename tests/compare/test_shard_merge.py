@@ -398,17 +398,3 @@ def test_a_step_drop_on_any_rank_of_a_merged_side_is_seen(tmp_path, drop_rank):
     assert any(line.startswith("not comparable: the 2 step keys of logits_shard: step numbering shifted: RUN")
                for line in cmp.format_report(report))
 
-
-def test_a_non_finite_value_in_one_ranks_shard_is_the_merged_sides_first(tmp_path):
-    """A tensor-parallel side is read as rank 0's manifest plus the merged keys: the first NaN/Inf
-    only rank 1's shard held was dropped from the report (a helper's audit)."""
-    first = {"key": "layer2_up", "tag": "layer2_up", "phase": "decode", "step": 3, "tokens": 1, "count": 2,
-             "saturated": False}
-    earlier = {**first, "key": "layer1_up", "tag": "layer1_up", "step": 1}
-
-    def nan_on(rank, manifest):
-        manifest["first_nonfinite"] = {1: first, 2: earlier}.get(rank)
-
-    ref_path, run_dir, _ = sharded_case(tmp_path, tp=4, edit=nan_on)
-    pair = cmp.compare(ref_path, run_dir).pairs[0]
-    assert pair.nonfinite["RUN"]["key"] == "layer1_up" and pair.nonfinite["REF"] is None

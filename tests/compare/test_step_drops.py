@@ -103,3 +103,35 @@ def test_a_renamed_step_tag_with_a_dropped_call_is_not_compared(tmp_path):
     report = compare(ref, run, CompareOptions(maps=[(r"^blk(\d+)_step_topk$", r"layer\1_step_topk")]))
     assert [record.key for record in report.not_comparable] == [f"layer1_step_topk_{n}" for n in range(5)]
     assert report.first_divergence is None, format_report(report)[-1]
+
+
+
+def _rows_gated(directory, wide_steps: tuple[int, ...], seed: int = 1) -> str:
+    """An engine's decode loop: set_rows before each step, the batch `2` wide (another request
+    beside the compared one) at `wide_steps`; each step's values the same whatever the batch."""
+    rng = np.random.default_rng(seed)
+    compiledump.reset()
+    compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory))))
+    for step in range(STEPS):
+        compiledump.set_rows(2 if step in wide_steps else 1)
+        hidden = torch.from_numpy(rng.standard_normal((2, 33)).astype(np.float32))
+        compiledump.record_step("layer0_step", hidden)
+        compiledump.record_step("logits", hidden[:, :17] * 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        path = compiledump.flush()
+    compiledump.reset()
+    return path
+
+
+@pytest.mark.parametrize("wide_steps", [(4, 5), tuple(range(1, STEPS))])
+def test_steps_the_rows_gate_skipped_at_the_end_are_one_note_naming_the_fix(tmp_path, wide_steps):
+    """Another request joins the compared one's batch and stays (or shares it from step 1 with the
+    default COMPILEDUMP_MAX_ROWS=1): RUN's later steps were skipped. One note says why and what to
+    change, instead of a missing_in_run problem per key (119 lines in a helper's audit)."""
+    report = compare(_rows_gated(tmp_path / "ref", ()), _rows_gated(tmp_path / "run", wide_steps))
+    text = "\n".join(format_report(report))
+    assert report.exit_status == 0 and not report.problems and not report.not_comparable, text
+    (note,) = [note for note in report.pairs[0].notes if "skipped while its batch was wider" in note]
+    assert note.startswith(f"REF holds {2 * len(wide_steps)} decode-step keys that RUN skipped"), note
+    assert "raise RUN's COMPILEDUMP_MAX_ROWS" in note
