@@ -56,8 +56,11 @@ def plan_text(rt: Runtime) -> str:
                   -1 if source is None else len(source), *(source or []), slot.tag]
         lines.append("slot " + " ".join(str(f) for f in fields))
     lines += [f"filtered {tag} {reason}" for tag, reason in STATE.filtered_tags.items()]
-    kinds = {slot.tag: slot.kind for slot in rt.slots.values() if slot.index == 0}
-    lines += [f"overflow {tag} {kinds[tag]}" if tag in kinds else f"overflow {tag}" for tag in rt.overflow_tags]
+    # One line per tag past the table and its kind (a record and a step tag of one name are two);
+    # a tag restored from an older plan, which gave no kind, as that plan had it.
+    past = sorted((slot for slot in rt.slots.values() if slot.index == 0), key=lambda slot: slot.order)
+    lines += [f"overflow {slot.tag} {slot.kind}" for slot in past]
+    lines += [f"overflow {tag}" for tag in rt.overflow_tags if not any(slot.tag == tag for slot in past)]
     return "\n".join(lines) + "\n"
 
 

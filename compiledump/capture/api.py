@@ -67,7 +67,7 @@ def configure(**settings) -> _config.Config:
             # Capture ends here: what it captured since the last flush goes to the directory it was
             # captured for now (at exit capture is off, and nothing would write it).
             flush_if_changed()
-        else:
+        elif new.active:
             rt.flushed_ctrl = None  # a new directory (or settings) gets its dump at exit
         rt.config = new
         if new.fixed_tokens:

@@ -167,6 +167,7 @@ class Runtime:
             self.ctrl[L.REG_STEPS].fill_(0)
         self.prompt_tokens = self.config.fixed_tokens or None
         self.flushed_ctrl = None
+        self._journal({"event": "clear"})  # recover: a control block equal to a flushed one is not that flush's
 
     def slot_for(self, tag: str, kind: int) -> Slot:
         """The tag's slot, created on first sight; raises on a tag/kind conflict."""

@@ -67,15 +67,43 @@ def dump_stem() -> str:
     stem = _CLAIMED.get(key)
     if stem is None:
         copy = 1
-        while _taken(directory, spec.dump_stem(rank, pid, copy)):
+        while True:
+            stem = spec.dump_stem(rank, pid, copy)
+            if not _taken(directory, stem) and _claim(directory, stem):
+                break
             copy += 1
-        stem = _CLAIMED[key] = spec.dump_stem(rank, pid, copy)
+        _CLAIMED[key] = stem
     return stem
 
 
 def _taken(directory: str, stem: str) -> bool:
     return any(os.path.lexists(os.path.join(directory, stem + suffix))
                for suffix in (".npz", ".json", spec.LIVE_SUFFIX))
+
+
+def _claim(directory: str, stem: str) -> bool:
+    """Reserve `stem` in `directory` for this process: a hidden `.<stem>.claim` file created
+    exclusively, so that of two processes choosing a name at the same moment one moves on. Removed
+    by the exit flush (its dump files then keep the name taken). True where no file can be made:
+    the name's own files are the only check then."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        os.close(os.open(os.path.join(directory, f".{stem}{spec.CLAIM_SUFFIX}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:
+        pass
+    return True
+
+
+def release_claims() -> None:
+    """Remove this process's name reservations (at exit, after its dump is written)."""
+    for (directory, _rank, pid), stem in list(_CLAIMED.items()):
+        if pid == os.getpid():
+            try:
+                os.unlink(os.path.join(directory, f".{stem}{spec.CLAIM_SUFFIX}"))
+            except OSError:
+                pass
 
 
 def flush() -> str | None:
@@ -136,7 +164,7 @@ def _flush(wait_for_captures: bool, unless_unchanged: bool = False) -> str | Non
         _warn_drops(manifest)
         path = writer.write_dump(st.config.dir, written[0], arrays, manifest)
         if rt.live is not None:
-            rt.live.note_flush(written[0], ctrl_digest(np.frombuffer(written[1], dtype=np.int32)))
+            rt.live.note_flush(st.config.dir, written[0], ctrl_digest(np.frombuffer(written[1], dtype=np.int32)))
         rt.flushed_ctrl = written
         st.dumps_written += 1
         return str(path)
@@ -260,6 +288,9 @@ def flush_at_exit() -> None:
             print(f"[compiledump] {note}", file=sys.stderr, flush=True)
     except Exception as error:  # noqa: BLE001
         print(f"[compiledump] flush at exit failed: {error!r}", file=sys.stderr, flush=True)
+        rt = STATE.runtime
+        if rt is not None and rt.live is not None:  # recover names the cause (the files stay)
+            rt.live.write({"event": "exit_flush_failed", "error": repr(error)})
 
 
 def silence_note() -> str | None:
@@ -295,9 +326,10 @@ def flush_on_signal() -> None:
 
 
 def remove_live_files() -> None:
-    """Remove the crash-proof files once a complete dump holds what they hold: after the exit
-    flush, and after the signal handler's flush when the signal's default action is about to end
-    the process (no atexit hook runs then)."""
+    """Remove the crash-proof files and the name reservation once a complete dump holds what they
+    hold: after the exit flush, and after the signal handler's flush when the signal's default
+    action is about to end the process (no atexit hook runs then)."""
     rt = STATE.runtime
     if rt is not None and rt.live is not None:
         rt.live.remove()
+    release_claims()  # the dump's files keep its name taken from now on

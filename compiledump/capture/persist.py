@@ -13,8 +13,9 @@ dump; the flush at normal exit removes them.
 - `ctrl.i32`: the control block (ops/layout.py);
 - `journal.jsonl`: one JSON object per line, appended with single `write` calls: `start` (who
   writes: pid, rank, device, config, sizes), then `slot`, `region`, `prompt` and `overflow`
-  events as the registry changes, `flushed` after each flush (its file stem and a digest of the
-  control block it read), and `exception`/`signal` when the process is dying of one;
+  events as the registry changes, `clear`, `flushed` after each flush (its directory, file stem
+  and a digest of the capture counters it read), `exception`/`signal` when the process is dying of one, and
+  `exit_flush_failed` when the flush at exit raised;
 - `fault.txt`: Python's faulthandler report, if the process crashed in native code (only when
   no faulthandler was enabled before: compiledump does not take over one the user set up).
 
@@ -151,12 +152,12 @@ class LiveFiles:
     def _append(self, event: dict) -> None:
         os.write(self._journal, (json.dumps(event, separators=(",", ":")) + "\n").encode())
 
-    def note_flush(self, stem: str, ctrl_digest: str) -> None:
+    def note_flush(self, directory: str, stem: str, ctrl_digest: str) -> None:
         """Journal a flush: the stem it wrote under (the rank may have become known since the files
         were made) and a digest of the control block it read. recover writes that name, replacing
         the flushed dump, and leaves the dump alone when the control block has not changed since:
         it is complete, with what only the flush knew (set_parallel, declare_shard)."""
-        self.write({"event": "flushed", "stem": stem, "ctrl": ctrl_digest})
+        self.write({"event": "flushed", "dir": os.path.abspath(directory), "stem": stem, "ctrl": ctrl_digest})
 
     def remove(self) -> None:
         """Close and delete the directory (after a complete flush at exit); in a forked child,

@@ -59,9 +59,10 @@ def process_start_time(pid: int) -> int | None:
 
 
 def ctrl_digest(ctrl: np.ndarray) -> str:
-    """A digest of a control block's words: a flush journals the one it read, so that recover can
-    tell that nothing was captured after it."""
-    return hashlib.sha1(np.ascontiguousarray(ctrl, dtype=np.int32).tobytes()).hexdigest()
+    """A digest of a control block's slot words (every capture's counters and commits; not the
+    registers set_rows, set_gather_rows and profiling() write between steps): a flush journals
+    the one it read, so that recover can tell that nothing was captured after it."""
+    return hashlib.sha1(np.ascontiguousarray(ctrl[L.HEADER_WORDS :], dtype=np.int32).tobytes()).hexdigest()
 
 
 def leftovers(directory: str | os.PathLike) -> list[Path]:
@@ -86,15 +87,18 @@ def dead_leftovers(directory: str | os.PathLike) -> list[Path]:
     return found
 
 
-def _last_flush(events: list[dict]) -> dict | None:
-    return next((event for event in reversed(events) if event.get("event") == "flushed"), None)
+def _last_flush(events: list[dict], live: Path) -> dict | None:
+    """The last flush into the directory of `live` (configure(dir=...) may have moved the dumps)."""
+    return next((event for event in reversed(events) if event.get("event") == "flushed"
+                 and event.get("dir") in (None, os.path.abspath(live.parent))), None)
 
 
 def _complete_dump(live: Path, events: list[dict], ctrl: np.ndarray | None = None) -> Path | None:
     """The dump the process's last flush wrote, when nothing was captured after it (the control
-    block is the one it read) and it is still there; else None."""
-    flushed = _last_flush(events)
-    if flushed is None:
+    block is the one it read, and no clear() came after it: a cleared block can count the same
+    again) and it is still there; else None."""
+    flushed = _last_flush(events, live)
+    if flushed is None or any(event.get("event") == "clear" for event in events[events.index(flushed):]):
         return None
     npz = live.parent / f"{flushed['stem']}.npz"
     if not (npz.is_file() and npz.with_suffix(".json").is_file()):
@@ -203,6 +207,8 @@ def cause_of(fault: str, events: list[dict], report: str) -> str:
     if fault:
         return f"{fault.splitlines()[0]} (faulthandler's report: {report})"
     for event in reversed(events):
+        if event.get("event") == "exit_flush_failed":
+            return f"the process exited, but its flush at exit failed: {event.get('error')}"
         if event.get("event") == "exception":
             return (f"unhandled exception {event.get('type')}: {event.get('message')} (the flush at exit did not "
                     "finish)")
@@ -226,7 +232,7 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
     if ctrl.size < L.control_words(0):
         raise RecoverError(f"{live}: control block of {ctrl.size} words")
     # The name the process's last flush wrote under (its rank became known), else the directory's.
-    flushed = _last_flush(events)
+    flushed = _last_flush(events, live)
     stem = flushed["stem"] if flushed else live.name[: -len(spec.LIVE_SUFFIX)]
     # The faulthandler report outlives the directory: its stack is what a crash's user reads next.
     kept_report = live.parent / f"{stem}{FAULT_SUFFIX}"
@@ -333,6 +339,7 @@ def recover_directory(directory: str | os.PathLike, force: bool = False,
             results.append(recover_live(live, force=force, keep=keep))
         except RecoverError as exc:
             errors.append(str(exc))
-        except OSError as exc:  # a full disk or a read-only directory: the directory stays for another try
-            errors.append(f"{live}: cannot write its dump ({exc.strerror or exc}); its files are left as they are")
+        except OSError as exc:  # a file gone, a full disk, a read-only directory: the directory stays for another try
+            where = f" ({exc.filename})" if exc.filename else ""
+            errors.append(f"{live}: {exc.strerror or exc}{where}; its files are left as they are")
     return results, errors

@@ -46,8 +46,9 @@ def collect_dumps(path: str | Path, label: str) -> tuple[dict[str, Path], list[D
         if not files:
             raise DumpError(f"{label} {path}: directory holds no dumps ({' or '.join(spec.DUMP_GLOBS)}); {_WHERE}")
         by_rank: dict[str, list[Path]] = {}
-        for found in files:
-            by_rank.setdefault(spec.DUMP_NAME.match(found.name).group("rank"), []).append(found)
+        for found in files:  # (a name the globs match but the pattern does not, say `..._pid1_old.npz`: no rank)
+            match = spec.DUMP_NAME.match(found.name)
+            by_rank.setdefault(match.group("rank") if match else "?", []).append(found)
         chosen: dict[str, Path] = {}
         duplicates: list[DuplicateRank] = []
         for rank, candidates in by_rank.items():

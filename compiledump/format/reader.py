@@ -288,12 +288,16 @@ class DumpFile(Dump):
         infos: dict[str, KeyInfo] = {}
         table = self.manifest["keys"]
         unlisted = []
+        inferred = None
         for key in self.members:
             info = info_from_manifest(key, table.get(key))
-            if info is None:
-                unlisted.append(key)
-            else:
+            if info is not None:
                 infos[key] = info
+            elif key not in table:
+                unlisted.append(key)
+            else:  # listed in a form this reader does not know (a newer format's kind): from its name
+                inferred = inferred or infer_key_infos(list(self.members.values()))
+                infos[key] = inferred[key]
         # A key the manifest does not list: the npz of a flush whose manifest was never written (a
         # kill between the two files leaves the npz one flush ahead). Its meaning and dtype are
         # unknown, and none of the manifest's counts cover it: not compared (an "unreadable"

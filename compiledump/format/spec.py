@@ -51,6 +51,8 @@ DUMP_NAME = re.compile(
 # Crash-proof capture (capture/persist.py writes, capture/recover.py reads): a running process's
 # arena, control block and journal in `<stem>.live/` next to its dump; gone after a normal exit.
 LIVE_SUFFIX = ".live"
+# `.<stem>.claim`: an empty hidden file reserving a dump's name while its process runs (capture/flush.py).
+CLAIM_SUFFIX = ".claim"
 LIVE_ARENA = "arena.f32"
 LIVE_CTRL = "ctrl.i32"
 LIVE_JOURNAL = "journal.jsonl"

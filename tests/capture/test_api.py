@@ -146,7 +146,7 @@ def test_crash_while_writing_leaves_no_truncated_file(dump_dir, monkeypatch):
         compiledump.flush()
     assert Path(good).read_bytes() == before  # the previous complete file is untouched
     # (and the process's crash-proof files, `<stem>.live/`, which its exit removes)
-    names = sorted(p.name for p in dump_dir.iterdir() if not p.name.endswith(".live"))
+    names = sorted(p.name for p in dump_dir.iterdir() if not p.name.endswith((".live", ".claim")))
     assert names == sorted([Path(good).name, Path(good).with_suffix(".json").name])
 
 

@@ -198,3 +198,62 @@ def test_recover_keeps_a_complete_dump_and_what_only_the_flush_knew(tmp_path, af
     else:
         assert manifest["recovered"] and steps == ["h_0", "h_1", "h_2"]
         assert all(manifest["keys"][key]["shard"]["how"] == "concat" for key in steps)
+
+
+def test_a_failed_exit_flush_is_the_cause_recover_gives(dump_dir, monkeypatch, capsys):
+    """A normal exit whose flush failed (a full disk) was reported as a kill by recover."""
+    from compiledump.format import writer
+
+    compiledump.record_step("s", torch.randn(2, 5))
+    live = STATE.runtime.live.path
+
+    def full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(writer, "write_dump", full)
+    flush_at_exit()
+    assert "flush at exit failed" in capsys.readouterr().err and live.is_dir()
+    monkeypatch.undo()
+    STATE.runtime = None  # the process has exited
+    result = recover_live(live, force=True)
+    assert result.cause.startswith("the process exited, but its flush at exit failed: OSError(28")
+    assert "s_0" in np.load(result.npz).files
+
+
+def test_captures_after_clear_are_recovered_though_the_counts_repeat_the_flushed_ones(dump_dir):
+    """flush(), clear(), the same request again, then a kill: the counters equal the flushed ones,
+    and recover kept the first request's dump as complete (a review)."""
+    first, second = torch.randn(2, 6), torch.randn(2, 6)
+    compiledump.record_step("s", first)
+    compiledump.flush()
+    compiledump.clear()
+    compiledump.record_step("s", second)
+    live = STATE.runtime.live.path
+    STATE.runtime = None  # killed
+    result = recover_live(live, force=True)
+    assert not result.notes
+    np.testing.assert_array_equal(np.load(result.npz)["s_0"], second[0].numpy())
+
+
+def test_a_name_another_process_reserved_is_not_taken(dump_dir):
+    """Two processes of one rank and pid (pid namespaces) choosing a name together: the one that
+    finds the other's reservation moves on (a review: without persistence both wrote one file)."""
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    base = spec.dump_stem("x", os.getpid())
+    (dump_dir / f".{base}{spec.CLAIM_SUFFIX}").touch()  # the other process's, made a moment before
+    compiledump.record("a", torch.randn(2, 4))
+    assert Path(compiledump.flush()).name == f"{base}_2.npz"
+    flush_at_exit()
+    assert sorted(p.name for p in dump_dir.iterdir()) == [f".{base}{spec.CLAIM_SUFFIX}", f"{base}_2.json",
+                                                          f"{base}_2.npz"]  # this process's reservation went
+
+
+@pytest.mark.parametrize("later", [{"dir": None}, {"max_rows": 4}])
+def test_settings_changed_while_capture_is_off_keep_the_dump_complete(dump_dir, capsys, later):
+    compiledump.record("a", torch.randn(2, 4))
+    live = STATE.runtime.live.path
+    compiledump.configure(dir=None)
+    compiledump.configure(**later)
+    flush_at_exit()
+    assert not live.exists() and "never flushed" not in capsys.readouterr().err
+    assert [p.name for p in dump_dir.glob("*.npz")] == [live.name.replace(spec.LIVE_SUFFIX, ".npz")]

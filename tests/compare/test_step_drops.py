@@ -135,3 +135,23 @@ def test_steps_the_rows_gate_skipped_at_the_end_are_one_note_naming_the_fix(tmp_
     (note,) = [note for note in report.pairs[0].notes if "skipped while its batch was wider" in note]
     assert note.startswith(f"REF holds {2 * len(wide_steps)} decode-step keys that RUN skipped"), note
     assert "raise RUN's COMPILEDUMP_MAX_ROWS" in note
+
+
+@pytest.mark.parametrize("drops, noted", [({"rows_gate": 3}, True), ({"rows_gate": 1, "step_capacity": 3}, False),
+                                          ({"rows_gate": 1}, False)])
+def test_the_rows_gate_note_explains_only_the_steps_the_gate_skipped(tmp_path, drops, noted):
+    """A warm-up's one skipped call beside steps lost to step_capacity (or never run) is no reason
+    to call the missing steps rows-gated: they stay problems, with the drop counts (a review)."""
+    from helpers import dumpfactory as factory
+
+    rng = np.random.default_rng(4)
+    ref = [factory.Capture(f"logits_{n}", rng.standard_normal(11).astype(np.float32), "step", "logits", n)
+           for n in range(6)]
+    run = ref[:3]
+    manifest = factory.manifest_for(run, source_dtype="float32")
+    manifest["tags"]["logits_<n>"]["drops"] = drops
+    report = compare(*factory.write_pair(tmp_path, ref, run, run_manifest=manifest))
+    missing = [problem for problem in report.problems if problem.kind == "missing_in_run"]
+    assert any("skipped while its batch was wider" in note for note in report.pairs[0].notes) == noted
+    assert [problem.key for problem in missing] == ([] if noted else ["logits_3", "logits_4", "logits_5"])
+    assert all("RUN dropped its calls: " in problem.detail for problem in missing)

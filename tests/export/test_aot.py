@@ -353,3 +353,29 @@ def test_aoti_corner_cases(tmp_path):
     finally:
         compiledump.reset()
         compiledump.configure(**dataclasses.asdict(previous))  # not tokens=0: later tests in this process
+
+
+def test_a_plan_keeps_both_kinds_of_a_name_past_the_table(tmp_path):
+    """record(once=True) and record_step of one name, both past max_tags: the plan gave one kind
+    for both (keyed by tag), so the loaded registry lost the record's entry (a review)."""
+    previous = compiledump.get_config()
+    compiledump.reset()
+    try:
+        compiledump.configure(dir=str(tmp_path), max_tags=1)
+        x = torch.randn(2, 3)
+        compiledump.record("first", x)
+        compiledump.record("logits", x, once=True)
+        compiledump.record_step("logits", x)
+        text = aot.plan_text(STATE.runtime)
+        assert [line for line in text.splitlines() if line.startswith("overflow")] == [
+            "overflow logits 1", "overflow logits 2"]
+        compiledump.reset()
+        compiledump.configure(dir=str(tmp_path), max_tags=1)
+        compiledump.init("cpu")
+        aot.restore_plan(text, STATE.runtime)
+        assert {(slot.tag, slot.kind) for slot in STATE.runtime.slots.values() if slot.index == 0} == {
+            ("logits", 1), ("logits", 2)}
+        assert aot.plan_text(STATE.runtime) == text
+    finally:
+        compiledump.reset()
+        compiledump.configure(**dataclasses.asdict(previous))

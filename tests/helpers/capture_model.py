@@ -197,8 +197,9 @@ class Model:
         """(arrays, manifest parts) that a flush now must write."""
         arrays, keys, tags, totals = {}, {}, {}, {}
         for slot in self.slots.values():
-            if slot.overflow:
-                tags[slot.tag] = {"calls": None, "kept": 0, "drops": {"tag_table_full": None}}
+            if slot.overflow:  # named as a kept tag of its kind is
+                tags[f"{slot.tag}_<n>" if slot.call == "step" else slot.tag] = {
+                    "calls": None, "kept": 0, "drops": {"tag_table_full": None}}
                 continue
             drops = dict(slot.counts)
             kept = min(slot.written, slot.capacity) if slot.fits else 0
