@@ -83,6 +83,8 @@ def test_steps_fed_other_tokens_are_not_comparable(model, tmp_path, capsys, dtyp
     assert code == 3 and report["first_divergence"] is None
     line = next(text for text in out if text.startswith("not comparable: decode steps 3-5"))
     assert f"fed different tokens from step 3 (REF {tokens[2]}, RUN {other[2]})" in line and "teacher forcing" in line
+    if dtype == torch.float32:  # no flip parted them (the tokens were given): a set-up to check first
+        assert "with no argmax flip before it" in line and "set_gather_rows(step=...)" in line, line
     assert out[-1].startswith("no divergence") and f"{len(refused)} keys NOT COMPARABLE" in out[-1]
 
 
