@@ -322,6 +322,8 @@ def _registry(start: dict, events: list[dict]):
             prompt = event["tokens"]
         elif kind == "config":
             config = event["config"]
+        elif kind == "router" and event["router"] is None:  # withdrawn
+            declared.pop(event["tag"], None)
         elif kind == "router":
             declared[event["tag"]] = event["router"]
         elif kind == "mixers":

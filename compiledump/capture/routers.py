@@ -89,4 +89,7 @@ def withdraw(tag: str) -> None:
     """Forget the declaration of router tag `tag`, if any (`instrument` on a model whose router
     there is a plain top-k, after another model's declaration)."""
     with STATE.lock:
-        STATE.routers.pop(tag, None)
+        if STATE.routers.pop(tag, None) is not None:
+            live = getattr(STATE.runtime, "live", None)
+            if live is not None:  # recover: a dump of that process has no declaration for it
+                live.write({"event": "router", "tag": tag, "router": None})

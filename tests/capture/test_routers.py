@@ -94,8 +94,16 @@ def test_a_recovered_dump_keeps_the_declarations(dump_dir):
     compiledump.declare_router("layer2_router", top_k=3, n_group=4, topk_group=2, group_topk=1)
     compiledump.record_step("layer2_step_router", torch.randn(1, 8))
     assert compiledump.get_config().persist != "0"
+    compiledump.declare_router("layer3_router", top_k=2)
+    compiledump.record("layer3_router", torch.randn(4, 8))
+    from compiledump.capture import routers
+    routers.withdraw("layer3_router")  # instrument's, on a model whose router there is a plain top-k
     flushed = compiledump.flush()
     want = _manifest(flushed)["routers"]
+    # Without the flushed files (a complete dump is left as it is), recover rebuilds the manifest
+    # from the journal.
+    Path(flushed).unlink()
+    Path(flushed).with_suffix(".json").unlink()
     results, errors = recover_directory(dump_dir, force=True, keep=True)
     assert errors == [] and results[0].npz == Path(flushed)
     assert _manifest(flushed)["routers"] == want and sorted(want) == ["layer1_router", "layer2_router"]
