@@ -53,14 +53,15 @@ from .state import warn_once
 
 
 def _own(live: Path) -> bool:
-    """Whether `live` is this process's own directory (its journal starts with this pid and
-    process start time)."""
+    """Whether `live` is this process's own directory (its journal starts with this host, pid and
+    process start time: pids and start ticks can repeat across pid namespaces and hosts)."""
     try:
         first = (live / LIVE_JOURNAL).read_bytes().split(b"\n", 1)[0]
         start = json.loads(first)
     except (OSError, ValueError):
         return False  # no journal yet: another process may be creating it
-    return start.get("pid") == os.getpid() and start.get("start_time") == process_start_time(os.getpid())
+    return (start.get("host") == socket.gethostname() and start.get("pid") == os.getpid()
+            and start.get("start_time") == process_start_time(os.getpid()))
 
 
 def open_live(directory: str, stem: str, device: torch.device, arena_words: int, ctrl_words: int,
@@ -69,6 +70,10 @@ def open_live(directory: str, stem: str, device: torch.device, arena_words: int,
     capture then goes on with the arena in memory, as with COMPILEDUMP_PERSIST=0."""
     try:
         return LiveFiles(directory, stem, device, arena_words, ctrl_words, start)
+    except FileExistsError as error:
+        warn_once(f"crash-proof capture is off: {error}, left as they are for `compiledump recover`; a crash will "
+                  "lose what was not flushed")
+        return None
     except (OSError, RuntimeError, ValueError) as error:
         warn_once(f"crash-proof capture is off: cannot map the arena in {directory} ({error}); a crash will "
                   "lose what was not flushed. Set COMPILEDUMP_PERSIST=0 to silence this")

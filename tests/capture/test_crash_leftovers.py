@@ -257,3 +257,19 @@ def test_settings_changed_while_capture_is_off_keep_the_dump_complete(dump_dir, 
     flush_at_exit()
     assert not live.exists() and "never flushed" not in capsys.readouterr().err
     assert [p.name for p in dump_dir.glob("*.npz")] == [live.name.replace(spec.LIVE_SUFFIX, ".npz")]
+
+
+def test_crash_files_of_another_host_with_this_pid_and_start_are_not_taken(dump_dir, monkeypatch):
+    """A shared filesystem: another host's process with this pid and start tick. Its directory is
+    never removed, even where this process's name reservation says the name is this one's."""
+    from compiledump.capture.recover import process_start_time
+
+    base = spec.dump_stem("x", os.getpid())
+    live = dump_dir / f"{base}{spec.LIVE_SUFFIX}"
+    live.mkdir(parents=True)
+    (live / spec.LIVE_JOURNAL).write_text(json.dumps({"event": "start", "pid": os.getpid(), "host": "elsewhere",
+                                                      "start_time": process_start_time(os.getpid())}) + "\n")
+    monkeypatch.setitem(flush_module._CLAIMED, (os.path.abspath(dump_dir), "x", os.getpid()), base)
+    with pytest.warns(RuntimeWarning, match="crash-proof capture is off.*another process's crash-proof files"):
+        compiledump.record("a", torch.randn(2, 3))
+    assert STATE.runtime.live is None and (live / spec.LIVE_JOURNAL).read_text().count("elsewhere") == 1
