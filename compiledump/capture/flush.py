@@ -16,6 +16,7 @@ import torch
 
 from .. import config as _config
 from ..format import spec, writer
+from ..ops import layout as L
 from ..ops.register import KERNEL_LOCK
 from ..version import __version__
 from . import collect, mixers, parallel, routers
@@ -264,6 +265,12 @@ def _warn_never_kept(manifest: dict) -> None:
         RuntimeWarning, stacklevel=4)
 
 
+def _counted(rt: Runtime) -> bool:
+    """Whether the control block counts any call of any tag (nothing since a clear() otherwise)."""
+    _, ctrl = rt.snapshot(private=True)
+    return bool(np.any(ctrl[L.HEADER_WORDS :]))
+
+
 def flush_if_changed() -> str | None:
     """Flush unless nothing was captured or declared since the last flush: its dump is complete,
     and rewriting it would bring back files the program moved or removed."""
@@ -276,8 +283,8 @@ def flush_at_exit() -> None:
     try:
         flush_if_changed()
         rt = STATE.runtime
-        if STATE.config.active or rt is None or rt.flushed_ctrl is not None or not rt.slots:
-            remove_live_files()  # the dump is complete
+        if STATE.config.active or rt is None or rt.flushed_ctrl is not None or not _counted(rt):
+            remove_live_files()  # the dump is complete (or nothing was captured: a clear() since)
         else:  # capture was switched off and no flush wrote what it had: its crash-proof files keep it
             where = (f"kept in {rt.live.path} (`compiledump recover {rt.live.path.parent}` writes the dump)"
                      if rt.live is not None else "lost (they were in memory only)")

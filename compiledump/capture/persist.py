@@ -162,7 +162,7 @@ class LiveFiles:
         were made) and a digest of the control block it read. recover writes that name, replacing
         the flushed dump, and leaves the dump alone when the control block has not changed since:
         it is complete, with what only the flush knew (set_parallel, declare_shard)."""
-        self.write({"event": "flushed", "dir": os.path.abspath(directory), "stem": stem, "ctrl": ctrl_digest})
+        self.write({"event": "flushed", "dir": os.path.realpath(directory), "stem": stem, "ctrl": ctrl_digest})
 
     def remove(self) -> None:
         """Close and delete the directory (after a complete flush at exit); in a forked child,

@@ -87,18 +87,23 @@ def dead_leftovers(directory: str | os.PathLike) -> list[Path]:
     return found
 
 
-def _last_flush(events: list[dict], live: Path) -> dict | None:
-    """The last flush into the directory of `live` (configure(dir=...) may have moved the dumps)."""
-    return next((event for event in reversed(events) if event.get("event") == "flushed"
-                 and event.get("dir") in (None, os.path.abspath(live.parent))), None)
+def _last_flush(events: list[dict], live: Path) -> tuple[int, dict | None]:
+    """(index, event) of the last flush into the directory of `live` (configure(dir=...) may have
+    moved the dumps; the journal holds the directory's real path), or (-1, None)."""
+    here = os.path.realpath(live.parent)
+    for index in range(len(events) - 1, -1, -1):
+        event = events[index]
+        if event.get("event") == "flushed" and event.get("dir") in (None, here):
+            return index, event
+    return -1, None
 
 
 def _complete_dump(live: Path, events: list[dict], ctrl: np.ndarray | None = None) -> Path | None:
     """The dump the process's last flush wrote, when nothing was captured after it (the control
     block is the one it read, and no clear() came after it: a cleared block can count the same
     again) and it is still there; else None."""
-    flushed = _last_flush(events, live)
-    if flushed is None or any(event.get("event") == "clear" for event in events[events.index(flushed):]):
+    index, flushed = _last_flush(events, live)
+    if flushed is None or any(event.get("event") == "clear" for event in events[index + 1 :]):
         return None
     npz = live.parent / f"{flushed['stem']}.npz"
     if not (npz.is_file() and npz.with_suffix(".json").is_file()):
@@ -232,7 +237,7 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
     if ctrl.size < L.control_words(0):
         raise RecoverError(f"{live}: control block of {ctrl.size} words")
     # The name the process's last flush wrote under (its rank became known), else the directory's.
-    flushed = _last_flush(events, live)
+    _, flushed = _last_flush(events, live)
     stem = flushed["stem"] if flushed else live.name[: -len(spec.LIVE_SUFFIX)]
     # The faulthandler report outlives the directory: its stack is what a crash's user reads next.
     kept_report = live.parent / f"{stem}{FAULT_SUFFIX}"
@@ -245,7 +250,7 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
         result.npz = complete
         result.keys = len(_manifest(complete).get("keys") or {})
         result.notes.append(f"nothing was captured after the flush that wrote {complete.name}: left as it is")
-        _remove(live, keep, fault, kept_report)
+        _remove(live, keep, fault, kept_report, events)
         return result
     used = max((s.offset + s.words * s.capacity for s in slots if s.offset >= 0), default=0)
     arena = np.memmap(live / spec.LIVE_ARENA, dtype=np.float32, mode="r") if used else np.zeros(0, np.float32)
@@ -282,15 +287,21 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
     result.keys = len(got.keys)
     result.interrupted = got.drops.get("interrupted", 0)
     del arena  # the memmap, before its file goes
-    _remove(live, keep, fault, kept_report)
+    _remove(live, keep, fault, kept_report, events)
     return result
 
 
-def _remove(live: Path, keep: bool, fault: str, kept_report: Path) -> None:
+def _remove(live: Path, keep: bool, fault: str, kept_report: Path, events: list[dict] = ()) -> None:
+    """The directory, once its dump is written, and the dead process's name reservations (the dump
+    keeps its name taken)."""
     if not keep:
         if fault:
             kept_report.write_text(fault + "\n")
         shutil.rmtree(live, ignore_errors=True)
+        stems = {live.name[: -len(spec.LIVE_SUFFIX)]} | {event["stem"] for event in events
+                                                        if event.get("event") == "flushed" and "stem" in event}
+        for stem in stems:
+            (live.parent / f".{stem}{spec.CLAIM_SUFFIX}").unlink(missing_ok=True)
 
 
 def _registry(start: dict, events: list[dict]):

@@ -209,12 +209,15 @@ def fed_tokens_line(pair: PairResult) -> str | None:
     steps = sorted({record.step for record in refused})
     span = f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {fed.step}"
     flip = pair.first_argmax_flip
-    if flip is not None and (flip.step is None or flip.step < fed.step):
+    # The flip that feeds the first differing token: the step before it, or the prompt's logits
+    # for the first decode step (step 1 where step 0 is the prompt's last position).
+    first_decode = 1 if pair.step_zero_in_prompt else 0
+    if flip is not None and (flip.step == fed.step - 1 or (flip.step is None and fed.step == first_decode)):
         at = f"step {flip.step}" if flip.step is not None else f"the prompt's {flip.key}"
         after = f", each side decoding its own argmax after the argmax flip at {at} ({flip.kind})"
         fix = "feed the engine the reference's tokens (teacher forcing) to compare the steps after a flip"
     else:  # no flip before it: the sides' own argmax did not part them (a helper's bring-up: no gather row)
-        after = ", with no argmax flip before it"
+        after = ", with no argmax flip right before it"
         fix = ("check that both sides decode the same request: a padded batch's recorded row must be the "
                "request's (set_gather_rows(step=...)), and the fed tokens the ones sampled from the logits recorded "
                "(or feed the engine the reference's tokens: teacher forcing)")

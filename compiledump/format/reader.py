@@ -288,7 +288,7 @@ class DumpFile(Dump):
         infos: dict[str, KeyInfo] = {}
         table = self.manifest["keys"]
         unlisted = []
-        inferred = None
+        inferred, unread = None, []
         for key in self.members:
             info = info_from_manifest(key, table.get(key))
             if info is not None:
@@ -298,6 +298,10 @@ class DumpFile(Dump):
             else:  # listed in a form this reader does not know (a newer format's kind): from its name
                 inferred = inferred or infer_key_infos(list(self.members.values()))
                 infos[key] = inferred[key]
+                unread.append(key)
+        if unread:
+            self.notes.append(f"{len(unread)} manifest entries this reader cannot read (a newer format's?), kinds "
+                              f"inferred from the names: {preview(unread)}")
         # A key the manifest does not list: the npz of a flush whose manifest was never written (a
         # kill between the two files leaves the npz one flush ahead). Its meaning and dtype are
         # unknown, and none of the manifest's counts cover it: not compared (an "unreadable"

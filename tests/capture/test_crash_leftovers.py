@@ -273,3 +273,52 @@ def test_crash_files_of_another_host_with_this_pid_and_start_are_not_taken(dump_
     with pytest.warns(RuntimeWarning, match="crash-proof capture is off.*another process's crash-proof files"):
         compiledump.record("a", torch.randn(2, 3))
     assert STATE.runtime.live is None and (live / spec.LIVE_JOURNAL).read_text().count("elsewhere") == 1
+
+
+def test_a_dump_complete_after_two_identical_flushes_around_a_clear_is_left_as_it_is(dump_dir):
+    """flush, clear(), the same request again, flush, killed: the two flush events are equal, and
+    the clear between them made recover rewrite a complete dump as a SIGKILL's (a review)."""
+    x = torch.randn(2, 6)
+    compiledump.record_step("s", x)
+    compiledump.flush()
+    compiledump.clear()
+    compiledump.record_step("s", x * 2)
+    flushed = Path(compiledump.flush())
+    live = STATE.runtime.live.path
+    STATE.runtime = None  # killed
+    result = recover_live(live, force=True)
+    assert result.npz == flushed and result.notes and "left as it is" in result.notes[0]
+    assert "recovered" not in json.loads(flushed.with_suffix(".json").read_text())
+
+
+def test_a_dump_directory_reached_through_a_symlink_is_the_same_directory(tmp_path, dump_dir):
+    link = tmp_path / "link"
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(dump_dir)
+    compiledump.configure(dir=str(link))
+    compiledump.record_step("s", torch.randn(2, 6))
+    flushed = Path(compiledump.flush())
+    live = dump_dir / STATE.runtime.live.path.name
+    STATE.runtime = None  # killed
+    result = recover_live(live, force=True)
+    assert result.npz.name == flushed.name and "left as it is" in result.notes[0]
+
+
+def test_recover_removes_the_dead_processs_name_reservation(dump_dir):
+    compiledump.record_step("s", torch.randn(2, 6))
+    live = STATE.runtime.live.path
+    claim = dump_dir / f".{live.name.removesuffix(spec.LIVE_SUFFIX)}{spec.CLAIM_SUFFIX}"
+    assert claim.exists()
+    STATE.runtime = None  # killed
+    recover_live(live, force=True)
+    assert not claim.exists() and not live.exists()
+
+
+def test_captures_cleared_while_capture_is_off_leave_nothing_behind(dump_dir, capsys):
+    compiledump.record("a", torch.randn(2, 4))
+    live = STATE.runtime.live.path
+    compiledump.configure(dir=None)  # flushes
+    compiledump.clear()
+    flush_at_exit()
+    assert not live.exists() and "never flushed" not in capsys.readouterr().err
+    assert "a" in np.load(next(dump_dir.glob("*.npz"))).files

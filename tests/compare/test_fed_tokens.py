@@ -84,7 +84,7 @@ def test_steps_fed_other_tokens_are_not_comparable(model, tmp_path, capsys, dtyp
     line = next(text for text in out if text.startswith("not comparable: decode steps 3-5"))
     assert f"fed different tokens from step 3 (REF {tokens[2]}, RUN {other[2]})" in line and "teacher forcing" in line
     if dtype == torch.float32:  # no flip parted them (the tokens were given): a set-up to check first
-        assert "with no argmax flip before it" in line and "set_gather_rows(step=...)" in line, line
+        assert "with no argmax flip right before it" in line and "set_gather_rows(step=...)" in line, line
     assert out[-1].startswith("no divergence") and f"{len(refused)} keys NOT COMPARABLE" in out[-1]
 
 
@@ -119,3 +119,28 @@ def test_decode_forwards_of_several_tokens_are_not_paired_with_one_token_steps(m
     assert report["pairs"][0]["fed_tokens_differ"] == {"step": 1, "ref": tokens[0], "run": tokens[2]}
     compared = [record for record in report["keys"] if record["step"] is None]
     assert compared and all(record["status"] == "ok" for record in compared)  # the prompt's keys
+
+
+def test_a_flip_steps_before_the_tokens_part_is_not_what_parted_them(tmp_path, capsys):
+    """A flip at decode step 0, then steps 1-2 fed the same tokens (teacher-forced) and step 3 on
+    different ones: the flip did not part them, so the set-up to check is named (a review: the
+    line blamed any earlier flip)."""
+    import numpy as np
+
+    from helpers import dumpfactory as factory
+
+    rng = np.random.default_rng(1)
+    ref = factory.model_captures(rng, layers=2, steps=5)
+    ref += [factory.Capture(f"input_token_{n}", np.array([11 + n], np.int32), "step", "input_token", n)
+            for n in range(5)]
+    run = []
+    for capture in ref:
+        array = capture.array.copy()
+        if capture.key == "logits_0":  # a clear flip of step 0's argmax
+            array[(int(array.argmax()) + 1) % array.size] = array.max() + 5.0
+        if capture.key in ("input_token_3", "input_token_4"):
+            array = array + 80
+        run.append(factory.replace(capture, array=array))
+    main(["compare", *map(str, factory.write_pair(tmp_path, ref, run))])
+    line = next(text for text in capsys.readouterr().out.splitlines() if text.startswith("not comparable: decode"))
+    assert "from step 3 (REF 14, RUN 94), with no argmax flip right before it" in line, line
