@@ -266,9 +266,9 @@ def _warn_never_kept(manifest: dict) -> None:
 
 
 def _counted(rt: Runtime) -> bool:
-    """Whether the control block counts any call of any tag (nothing since a clear() otherwise)."""
-    _, ctrl = rt.snapshot(private=True)
-    return bool(np.any(ctrl[L.HEADER_WORDS :]))
+    """Whether the control block counts any call of any tag (nothing since a clear() otherwise).
+    Read from the control block alone (at exit: no copy of the arena)."""
+    return bool(rt.ctrl[L.HEADER_WORDS :].any())
 
 
 def flush_if_changed() -> str | None:

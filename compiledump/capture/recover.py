@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ..format import spec, writer
+from ..format.files import manifest_of
 from ..format.routers import captured_routers
 from ..ops import layout as L
 from .collect import Slot, collect
@@ -116,18 +117,10 @@ def _complete_dump(live: Path, events: list[dict], ctrl: np.ndarray | None = Non
     return npz if flushed.get("ctrl") == ctrl_digest(ctrl) else None
 
 
-def _manifest(npz: Path) -> dict:
-    try:
-        manifest = json.loads(npz.with_suffix(".json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return manifest if isinstance(manifest, dict) else {}
-
-
 def _annotations(npz: Path, start: dict) -> dict:
     """What only the process's Python state knew, from the dump its last flush wrote (when that
     manifest is this process's): `parallel`, `filtered_tags` and the keys' `shard` by tag."""
-    manifest = _manifest(npz)
+    manifest = manifest_of(npz)
     if manifest.get("pid") != start.get("pid"):
         return {}
     keys = manifest.get("keys") if isinstance(manifest.get("keys"), dict) else {}
@@ -248,7 +241,7 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
     complete = _complete_dump(live, events, ctrl)
     if complete is not None:  # written again, it would lose what only the flush knew
         result.npz = complete
-        result.keys = len(_manifest(complete).get("keys") or {})
+        result.keys = len(manifest_of(complete).get("keys") or {})
         result.notes.append(f"nothing was captured after the flush that wrote {complete.name}: left as it is")
         _remove(live, keep, fault, kept_report, events)
         return result
@@ -291,7 +284,7 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
     return result
 
 
-def _remove(live: Path, keep: bool, fault: str, kept_report: Path, events: list[dict] = ()) -> None:
+def _remove(live: Path, keep: bool, fault: str, kept_report: Path, events: list[dict]) -> None:
     """The directory, once its dump is written, and the dead process's name reservations (the dump
     keeps its name taken)."""
     if not keep:

@@ -206,9 +206,7 @@ def held_tags(dump: Dump) -> set[str]:
     """The tags `dump` recorded: those of the keys it holds, and those its manifests list as called
     (every call of one may have been lost, as `arena_full` say: a loss its counts name, not a gate
     that gives no ids)."""
-    called = {dump.seen_as(entry["tag"]) for manifest in dump.rank_manifests()
-              for entry in ((manifest.get("tags") or {}).values() if isinstance(manifest.get("tags"), dict) else ())
-              if isinstance(entry, dict) and isinstance(entry.get("tag"), str) and entry.get("calls") != 0}
+    called = {tag for tag, entry in dump.tag_entries() if entry.get("calls") != 0}
     return called | {info.tag for key, info in dump.infos.items() if key in dump.members}
 
 
@@ -216,12 +214,8 @@ def tag_drops(dump: Dump, tag: str, step: bool) -> dict[str, int]:
     """{reason: calls} the manifests of `dump` count as dropped of its tag `tag` (named as the
     comparator sees it: `--map` renames RUN's); 0 for "all" (a tag past the table)."""
     drops: dict[str, int] = {}
-    for manifest in dump.rank_manifests():
-        tags = manifest.get("tags") if isinstance(manifest.get("tags"), dict) else {}
-        for entry in tags.values():
-            if not (isinstance(entry, dict) and isinstance(entry.get("tag"), str)
-                    and dump.seen_as(entry["tag"]) == tag and (entry.get("kind") == "step") == step):
-                continue
+    for seen, entry in dump.tag_entries():
+        if seen == tag and (entry.get("kind") == "step") == step:
             for why, count in (entry.get("drops") or {}).items():
                 drops[why] = drops.get(why, 0) + (count if isinstance(count, int) else 0)
     return drops

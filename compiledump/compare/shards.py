@@ -143,7 +143,7 @@ class MergedDump(Dump):
         return [dump.manifest for _, dump in self.ranked if dump.manifest is not None]
 
     def _manifest(self) -> dict | None:
-        manifests = [dump.manifest for _, dump in self.ranked if dump.manifest is not None]
+        manifests = self.rank_manifests()
         if not manifests:
             return None
         drops: dict[str, int] = {}

@@ -29,12 +29,11 @@ def shifted_step_tags(ref: Dump, run: Dump) -> dict[str, str]:
     rank's, on a merged side) count shifting drops of (the first side that has some names them)."""
     out: dict[str, str] = {}
     for side, dump in (("REF", ref), ("RUN", run)):
-        for entry in (entry for manifest in dump.rank_manifests() for entry in (manifest.get("tags") or {}).values()):
-            if not isinstance(entry, dict) or entry.get("kind") != "step" or not isinstance(entry.get("tag"), str):
+        for tag, entry in dump.tag_entries():  # (tags as the comparator names them: --map renames RUN's)
+            if entry.get("kind") != "step":
                 continue
             drops = {why: count for why, count in (entry.get("drops") or {}).items()
                      if why in SHIFTING and isinstance(count, int) and count > 0}
-            tag = dump.seen_as(entry["tag"])  # (--map renames RUN's tags)
             if drops and tag not in out:
                 counts = ", ".join(f"{why}={count}" for why, count in sorted(drops.items()))
                 out[tag] = (
@@ -43,4 +42,3 @@ def shifted_step_tags(ref: Dump, run: Dump) -> dict[str, str]:
                     f"<n> holds a later forward's value (fix: give each shape its own tag"
                     + ("; a gather row every decode batch has" if "row_out_of_range" in drops else "") + ")")
     return out
-

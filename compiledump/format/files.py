@@ -62,10 +62,17 @@ def collect_dumps(path: str | Path, label: str) -> tuple[dict[str, Path], list[D
     return {match.group("rank") if match else "?": path}, []
 
 
+def manifest_of(npz: Path) -> dict:
+    """The manifest beside `npz` as a JSON object, or {} where there is none that can be read
+    (for a look at one field; format/reader.py reads a dump's manifest whole, with its checks)."""
+    try:
+        manifest = json.loads(npz.with_suffix(".json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
+
 def _run_time(npz: Path) -> float:
     """When the run that wrote `npz` wrote it: its manifest's `created_unix`, else the file's time."""
-    try:
-        created = json.loads(npz.with_suffix(".json").read_text(encoding="utf-8")).get("created_unix")
-    except (OSError, ValueError, AttributeError):
-        created = None
+    created = manifest_of(npz).get("created_unix")
     return float(created) if isinstance(created, (int, float)) else npz.stat().st_mtime

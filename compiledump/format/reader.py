@@ -152,6 +152,15 @@ class Dump:
         """The manifest of each file this side was read from (a merged side's keeps rank 0's tags)."""
         return [self.manifest] if self.manifest is not None else []
 
+    def tag_entries(self):
+        """(tag as the comparator names it, entry) for each well-formed entry of the `tags` table of
+        every manifest of this side (every rank's, on a merged side)."""
+        for manifest in self.rank_manifests():
+            tags = manifest.get("tags")
+            for entry in tags.values() if isinstance(tags, dict) else ():
+                if isinstance(entry, dict) and isinstance(entry.get("tag"), str):
+                    yield self.seen_as(entry["tag"]), entry
+
     def left_out_by(self, tag: str, patterns: list[str]) -> str | None:
         """The first of ``patterns`` (this side's ``instrument(exclude=...)``) that left ``tag`` out,
         ``tag`` named as the comparator sees this side (``--map`` renames RUN's); or None."""
