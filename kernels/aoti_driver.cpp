@@ -10,10 +10,19 @@
 // INPUTS.txt (written by examples/export_aoti.py): whitespace-separated
 //   prompt N ids... | profile N ids... | warmup_rows R | decode STEPS ROWS ids... (row 0 real)
 //   | pad_state LAYERS ROWS DIM floats...
+//
+// A second use, for the tests (tests/export/test_cpp_flush.py): flush an arena and a control block
+// that a Python process captured into and saved raw (float32 and int32 words, as a `.live`
+// directory holds them), named by its plan, through COPIES separate compiledump::Dump objects
+// (default 1), so that the C++ flush's dump is held equal to compiledump.flush()'s on any registry:
+//
+//   compiledump_aoti_driver --flush-snapshot PLAN.txt CONFIG.json CTRL.i32 ARENA.f32 OUT_DIR [COPIES]
 #include <c10/core/InferenceMode.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
+#include <cstring>
 #include <fstream>
+#include <iterator>
 #include <iostream>
 #include <map>
 #include <string>
@@ -63,11 +72,46 @@ Inputs read_inputs(const std::string& path) {
   return inputs;
 }
 
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in, "cannot read ", path);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// Copies the raw words of `path` into `tensor` (a CPU tensor of exactly that many bytes).
+void load_words(const std::string& path, at::Tensor& tensor) {
+  const std::string bytes = read_file(path);
+  TORCH_CHECK(bytes.size() == static_cast<size_t>(tensor.numel() * tensor.element_size()), path, " holds ",
+              bytes.size(), " bytes; the plan names ", tensor.numel() * tensor.element_size());
+  std::memcpy(tensor.data_ptr(), bytes.data(), bytes.size());
+}
+
+int flush_snapshot(int argc, char** argv) {
+  const compiledump::Plan plan = compiledump::Plan::parse(read_file(argv[2]), read_file(argv[3]));
+  const int copies = argc == 8 ? std::stoi(argv[7]) : 1;
+  for (int copy = 0; copy < copies; ++copy) {
+    compiledump::Dump dump(plan, at::kCPU);
+    load_words(argv[4], dump.ctrl());
+    load_words(argv[5], dump.arena());
+    std::cout << dump.flush(argv[6]) << std::endl;
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc >= 7 && argc <= 8 && std::string(argv[1]) == "--flush-snapshot") {
+    try {
+      return flush_snapshot(argc, argv);
+    } catch (const std::exception& error) {
+      std::cerr << "compiledump_aoti_driver: " << error.what() << "\n";
+      return 1;
+    }
+  }
   if (argc != 5) {
-    std::cerr << "usage: " << argv[0] << " PREFILL.pt2 DECODE.pt2 INPUTS.txt OUT_DIR\n";
+    std::cerr << "usage: " << argv[0] << " PREFILL.pt2 DECODE.pt2 INPUTS.txt OUT_DIR\n"
+              << "       " << argv[0] << " --flush-snapshot PLAN.txt CONFIG.json CTRL.i32 ARENA.f32 OUT_DIR [COPIES]\n";
     return 2;
   }
   try {

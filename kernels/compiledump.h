@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 
 #include <map>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -25,6 +26,9 @@ struct PlanSlot {
   std::vector<int64_t> shape;         // payload shape of one capture
   std::vector<int64_t> source_shape;  // -1 = a dimension that was dynamic when exported
   std::string tag;
+  // The drop reason of steps past `capacity` (a `past_capacity` line; layer_steps for a layer's
+  // step state bounded by COMPILEDUMP_LAYER_STEPS, a deliberate drop).
+  std::string past_capacity = "step_capacity";
 };
 
 // The registry of an exported program: the `compiledump.plan` and `compiledump.config` entries
@@ -65,11 +69,18 @@ class Dump {
 
   // One device-to-host copy, then `<dir>/compiledump_rank<R>_pid<P>.npz` and `.json`, written
   // atomically (temporary file + rename). Returns the npz path; "" if the plan has no tags.
+  // The first flush into a directory takes a name no other dump uses there (another Dump of this
+  // process, or an earlier process of the same rank and pid: `..._pid<P>_2`, `_3`, ..., as
+  // compiledump.flush() does); later flushes of this Dump rewrite that dump.
   std::string flush(const std::string& dir) const;
 
  private:
+  std::string stem_in(const std::string& dir) const;
+
   Plan plan_;
   at::Tensor arena_, ctrl_;
+  mutable std::mutex stems_mutex_;
+  mutable std::map<std::string, std::string> stems_;  // directory -> the stem this Dump took there
 };
 
 }  // namespace compiledump

@@ -6,6 +6,7 @@
 #include <torch/version.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <array>
 #include <chrono>
 #include <cstdio>
@@ -18,6 +19,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include <fcntl.h>   // open: the exclusive name reservation
 #include <unistd.h>  // getpid
 
 #include "capture.h"
@@ -89,6 +91,43 @@ std::string json_ints(const std::vector<int64_t>& v, bool negative_is_null = fal
   return out + "]";
 }
 
+// The manifest's "phase" (capture/collect.py `phase_of`): prefill when the call had the prompt's
+// token count, else decode; null when either is unknown.
+std::string phase_json(int64_t tokens, int64_t prompt_tokens) {
+  if (tokens <= 0 || prompt_tokens <= 0) return "null";
+  return tokens == prompt_tokens ? "\"prefill\"" : "\"decode\"";
+}
+
+// Whether `tag` holds a sparse-attention indexer's scores (format/spec.py `masked_scores`).
+bool masked_scores(const std::string& tag) {
+  for (const std::string suffix : {"_index_router", "_index_step_router"})
+    if (tag.size() >= suffix.size() && tag.compare(tag.size() - suffix.size(), suffix.size(), suffix) == 0)
+      return true;
+  return false;
+}
+
+// A tag's "nonfinite" manifest entry (capture/collect.py `_nonfinite`), "" when its kernels saw
+// no NaN/Inf: the first such call's key, phase, step and token count, and how many values.
+std::string nonfinite_json(const PlanSlot& slot, const int32_t* words, int64_t prompt_tokens) {
+  const int64_t count = words[SLOT_NONFINITE], first = words[SLOT_BAD_STEP];
+  if (!count || !first) return "";
+  const int64_t step = first - 1, tokens = words[SLOT_BAD_TOKENS];
+  const bool is_step = slot.kind == KIND_STEP;
+  return "{\"key\":" + json_string(is_step ? slot.tag + "_" + std::to_string(step) : slot.tag) +
+         ",\"tag\":" + json_string(slot.tag) +
+         ",\"phase\":" + (is_step ? "\"decode\"" : phase_json(tokens, prompt_tokens)) +
+         ",\"step\":" + std::to_string(step) + ",\"tokens\":" + (tokens ? std::to_string(tokens) : "null") +
+         ",\"count\":" + std::to_string(count) + ",\"saturated\":" + (count >= NONFINITE_CAP ? "true" : "false") +
+         "}";
+}
+
+// When the first non-finite call of a tag ran: -1 for the prompt's phase, else its step.
+int64_t first_nonfinite_when(const PlanSlot& slot, const int32_t* words, int64_t prompt_tokens) {
+  const int64_t tokens = words[SLOT_BAD_TOKENS];
+  const bool prefill = slot.kind != KIND_STEP && tokens > 0 && prompt_tokens > 0 && tokens == prompt_tokens;
+  return prefill ? -1 : words[SLOT_BAD_STEP] - 1;
+}
+
 std::string env_or(const char* name, const std::string& fallback) {
   const char* value = std::getenv(name);
   return value && *value ? value : fallback;
@@ -125,6 +164,13 @@ Plan Plan::parse(const std::string& plan_text, const std::string& config_json) {
       f >> s.tag;
       TORCH_CHECK(!f.fail() && !s.tag.empty(), "compiledump: bad plan line '", line, "'");
       plan.slots[s.index] = s;
+    } else if (what == "past_capacity") {
+      int64_t index = -1;
+      std::string reason;
+      f >> index >> reason;
+      const auto slot = plan.slots.find(index);
+      TORCH_CHECK(!f.fail() && slot != plan.slots.end(), "compiledump: bad plan line '", line, "'");
+      slot->second.past_capacity = reason;
     } else if (what == "filtered") {
       std::string tag, reason;
       f >> tag >> reason;
@@ -244,6 +290,8 @@ std::string Dump::flush(const std::string& dir) const {
     totals[name] += count;
   };
   std::set<std::string> tag_names;  // the entries written, which an old plan's overflow tag must not replace
+  std::string first_nonfinite;        // the manifest's first_nonfinite ("" : null)
+  std::pair<int64_t, int64_t> first_when{0, 0};
   for (const PlanSlot* slot : ordered) {
     if (slot->index == 0) continue;
     const int32_t* counts = counts_all + slot_base(slot->index);
@@ -256,16 +304,15 @@ std::string Dump::flush(const std::string& dir) const {
     int64_t kept = 0;
     if (slot->placed && slot->offset >= 0 && written) {
       kept = std::min(written, slot->capacity);
-      if (slot->kind == KIND_STEP && written > slot->capacity) drops.emplace_back("step_capacity", written - slot->capacity);
+      if (slot->kind == KIND_STEP && written > slot->capacity)
+        drops.emplace_back(slot->past_capacity, written - slot->capacity);
       int64_t numel = 1;
       for (int64_t d : slot->shape) numel *= d;
       const bool ids = slot->kind == KIND_IDS;
       const std::string source_shape =
           slot->source_shape == std::vector<int64_t>{-2} ? "null" : json_ints(slot->source_shape, true);
       const int64_t tokens = kept_tokens(*slot, counts[SLOT_KEPT_TOKENS]);
-      const std::string phase = tokens < 0 || plan_.prompt_tokens <= 0 ? "null"
-                                : tokens == plan_.prompt_tokens        ? "\"prefill\""
-                                                                       : "\"decode\"";
+      const std::string phase = phase_json(tokens, plan_.prompt_tokens);
       for (int64_t n = 0; n < kept; ++n) {
         const bool step = slot->kind == KIND_STEP;
         const std::string key = step ? slot->tag + "_" + std::to_string(n) : slot->tag;
@@ -288,10 +335,18 @@ std::string Dump::flush(const std::string& dir) const {
     }
     if (!tags.empty()) tags += ",";
     tag_names.insert(slot->kind == KIND_STEP ? slot->tag + "_<n>" : slot->tag);
+    const std::string nonfinite = nonfinite_json(*slot, counts, plan_.prompt_tokens);
     tags += json_string(slot->kind == KIND_STEP ? slot->tag + "_<n>" : slot->tag) + ":{\"tag\":" +
             json_string(slot->tag) + ",\"kind\":\"" + kind_name(slot->kind) + "\",\"order\":" +
             std::to_string(slot->order) + ",\"calls\":" + std::to_string(calls) + ",\"passed\":" +
-            std::to_string(written) + ",\"kept\":" + std::to_string(kept) + ",\"drops\":{" + drop_json + "}}";
+            std::to_string(written) + ",\"kept\":" + std::to_string(kept) + ",\"drops\":{" + drop_json + "}" +
+            (nonfinite.empty() ? "" : ",\"nonfinite\":" + nonfinite) + "}";
+    // The dump's first non-finite value: the prompt's phase first, then by step, then in forward
+    // order (capture/collect.py); never a sparse-attention indexer's scores, -inf by design.
+    if (!nonfinite.empty() && !masked_scores(slot->tag)) {
+      const std::pair<int64_t, int64_t> when{first_nonfinite_when(*slot, counts, plan_.prompt_tokens), slot->order};
+      if (first_nonfinite.empty() || when < first_when) first_nonfinite = nonfinite, first_when = when;
+    }
   }
   if (!plan_.overflow.empty()) {
     // Tags past the table share slot 0: only the totals can report their calls.
@@ -336,15 +391,43 @@ std::string Dump::flush(const std::string& dir) const {
       "},\"tags\":{" + tags + "},\"drops\":{" + drops_json + "},\"filtered_tags\":{" + filtered_json +
       "},\"arena_words_used\":" + std::to_string(plan_.used_words) + ",\"prompt_tokens\":" +
       (plan_.prompt_tokens > 0 ? std::to_string(plan_.prompt_tokens) : "null") +
-      ",\"parallel\":{},\"writer\":\"native\"}";
+      ",\"parallel\":{},\"first_nonfinite\":" + (first_nonfinite.empty() ? "null" : first_nonfinite) +
+      ",\"writer\":\"native\"}";
 
   const std::filesystem::path out(dir);
-  std::filesystem::create_directories(out);
-  const std::string stem = std::string(kStemPrefix) + "_rank" + rank + "_pid" + std::to_string(getpid());
+  const std::string stem = stem_in(dir);
   const auto npz_path = out / (stem + ".npz");
   atomic_write(npz_path, zip_stored(members));  // npz first: a manifest never names a missing key
   atomic_write(out / (stem + ".json"), manifest);
+  // Its own files keep the name taken from now on (compiledump/capture/flush.py `_taken`).
+  std::filesystem::remove(out / ("." + stem + kClaimSuffix));
   return npz_path.string();
+}
+
+std::string Dump::stem_in(const std::string& dir) const {
+  std::lock_guard<std::mutex> guard(stems_mutex_);
+  const std::string key = std::filesystem::absolute(dir).lexically_normal().string();
+  const auto known = stems_.find(key);
+  if (known != stems_.end()) return known->second;
+  std::filesystem::create_directories(dir);
+  const std::string base = std::string(kStemPrefix) + "_rank" + env_or("RANK", "x") + "_pid" + std::to_string(getpid());
+  for (int copy = 1;; ++copy) {
+    const std::string stem = copy == 1 ? base : base + "_" + std::to_string(copy);
+    const std::filesystem::path path(dir);
+    bool taken = false;
+    for (const char* suffix : {".npz", ".json", kLiveSuffix}) {
+      std::error_code error;  // none: unreadable, which the writes below then report
+      const auto type = std::filesystem::symlink_status(path / (stem + suffix), error).type();
+      taken = taken || (type != std::filesystem::file_type::not_found && type != std::filesystem::file_type::none);
+    }
+    if (taken) continue;
+    // Reserved exclusively: of two Dumps choosing a name at the same moment, one moves on.
+    const int fd = ::open((path / ("." + stem + kClaimSuffix)).c_str(), O_CREAT | O_EXCL | O_WRONLY, 0644);
+    if (fd < 0 && errno == EEXIST) continue;
+    if (fd >= 0) ::close(fd);
+    stems_[key] = stem;
+    return stem;
+  }
 }
 
 }  // namespace compiledump

@@ -7,5 +7,7 @@ namespace compiledump {
 constexpr const char* kFormatName = "compiledump-dump";
 constexpr int kFormatVersion = 1;
 constexpr const char* kStemPrefix = "compiledump";
+constexpr const char* kLiveSuffix = ".live";    // a process's crash-proof files: `<stem>.live/`
+constexpr const char* kClaimSuffix = ".claim";  // `.<stem>.claim`: a name reserved by a running process
 
 }  // namespace compiledump

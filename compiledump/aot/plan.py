@@ -34,7 +34,10 @@ def plan_text(rt: Runtime) -> str:
     """The registry as lines of space-separated fields (docs/export.md; parsed by kernels/dump.cpp).
 
     `slot <index> <kind> <order> <offset> <capacity> <source_dtype> <ndim> <dims...> <source_ndim>
-    <source dims, -1 = dynamic...> <tag>` (an ndim of -1: unknown, no dims follow), then `filtered <tag> <reason>` and `overflow <tag> <kind>`.
+    <source dims, -1 = dynamic...> <tag>` (an ndim of -1: unknown, no dims follow), then
+    `past_capacity <index> <reason>` for a step tag whose steps past its capacity are not
+    `step_capacity` drops (a layer's step state bounded by COMPILEDUMP_LAYER_STEPS: `layer_steps`,
+    deliberate), `filtered <tag> <reason>` and `overflow <tag> <kind>`.
     """
     lines = [
         PLAN_HEADER,
@@ -55,6 +58,10 @@ def plan_text(rt: Runtime) -> str:
                   slot.source_dtype or "-", -1 if shape is None else len(shape), *(shape or []),
                   -1 if source is None else len(source), *(source or []), slot.tag]
         lines.append("slot " + " ".join(str(f) for f in fields))
+    # A line of its own, not a slot field: readers of older plans ignore it (and slot lines end
+    # with the tag).
+    lines += [f"past_capacity {slot.index} {slot.overflow}" for slot in sorted(rt.slots.values(), key=lambda s: s.order)
+              if slot.index != 0 and slot.overflow != "step_capacity"]
     lines += [f"filtered {tag} {reason}" for tag, reason in STATE.filtered_tags.items()]
     # One line per tag past the table and its kind (a record and a step tag of one name are two);
     # a tag restored from an older plan, which gave no kind, as that plan had it.
@@ -74,9 +81,12 @@ def restore_plan(text: str, rt: Runtime) -> None:
     if int(header["arena_words"]) != rt.arena.numel() or int(header["ctrl_words"]) != rt.ctrl.numel():
         raise RuntimeError("compiledump.aot: the package was exported for another arena size; "
                            "load it before any other capture")
+    past_capacity = []
     for line in lines[1:]:
         kind_of_line, _, rest = line.partition(" ")
-        if kind_of_line == "filtered":
+        if kind_of_line == "past_capacity":
+            past_capacity.append(rest.split(" "))
+        elif kind_of_line == "filtered":
             tag, reason = rest.split(" ")
             STATE.filtered_tags[tag] = reason
         elif kind_of_line == "overflow":
@@ -87,13 +97,15 @@ def restore_plan(text: str, rt: Runtime) -> None:
                 rt.overflow_tags.append(tag)
         elif kind_of_line == "slot":
             _restore_slot(rt, rest.split(" "))
+    for index, reason in past_capacity:  # after every slot line, whatever the order
+        rt.by_index[int(index)].overflow = reason
     rt.used_words = max(rt.used_words, int(header["used_words"]))
 
 
 def plan_header(text: str) -> dict[str, str]:
     """The plan's `name value` header lines (arena_words, device_type, ...) as a dict."""
     return dict(line.split(" ", 1) for line in text.splitlines()[1:]
-                if line and not line.startswith(("slot ", "filtered ", "overflow ")))
+                if line and not line.startswith(("slot ", "past_capacity ", "filtered ", "overflow ")))
 
 
 def _restore_slot(rt: Runtime, f: list[str]) -> None:

@@ -260,13 +260,16 @@ def test_driver_usage_and_bad_package(native_build, tmp_path):
 
 class _Corners(torch.nn.Module):
     """Captures whose export arguments are corner cases: a token-gated record and ids (the traced
-    batch is not the token count), a 0-d step (empty payload shape), a tag past max_tags."""
+    batch is not the token count), a 0-d step (empty payload shape), a layer's step state kept for
+    COMPILEDUMP_LAYER_STEPS steps (its later steps, deliberate drops, were counted as
+    step_capacity once loaded: the plan lost the reason), a tag past max_tags."""
 
     def forward(self, x):
         h = x.float().sin()
         compiledump.record("hidden", h)
         compiledump.record_ids("ids", x.long() % 7)
         compiledump.record_step("scalar", h.sum())
+        compiledump.record_step("layer0_step", h[:1])
         compiledump.record("overflow", h * 2)
         return h
 
@@ -319,7 +322,7 @@ def test_a_cuda_proxy_package_warns_before_it_loads(tmp_path, monkeypatch):
 def test_aoti_corner_cases(tmp_path):
     """Exported alone (no prefill first), these once reached AOTInductor with an empty int list,
     which its proxy executor passes to the op as None."""
-    settings = dict(tokens=5, max_tags=3, arena_mb=1, max_steps=8)
+    settings = dict(tokens=5, max_tags=4, arena_mb=1, max_steps=8, layer_steps=2)
     inputs = [torch.randn(n, 3) * 4 for n in (5, 4, 5, 6)]
 
     def run(forward, directory):
@@ -349,7 +352,7 @@ def test_aoti_corner_cases(tmp_path):
         assert_same_dump(eager, exported)
         manifest = _manifest(exported)
         assert manifest["keys"]["scalar_0"]["shape"] == [] and manifest["tags"]["hidden"]["drops"] == {"token_gate": 2}
-        assert manifest["drops"]["tag_table_full"] == 4
+        assert manifest["drops"]["tag_table_full"] == 4 and manifest["tags"]["layer0_step_<n>"]["drops"] == {"layer_steps": 2}
     finally:
         compiledump.reset()
         compiledump.configure(**dataclasses.asdict(previous))  # not tokens=0: later tests in this process

@@ -16,6 +16,8 @@ def test_cpp_format_constants_match_python():
     assert re.search(r'kFormatName = "([^"]+)"', text).group(1) == spec.FORMAT_NAME
     assert int(re.search(r"kFormatVersion = (\d+)", text).group(1)) == spec.FORMAT_VERSION
     assert re.search(r'kStemPrefix = "([^"]+)"', text).group(1) == spec.STEM_PREFIX
+    assert re.search(r'kLiveSuffix = "([^"]+)"', text).group(1) == spec.LIVE_SUFFIX
+    assert re.search(r'kClaimSuffix = "([^"]+)"', text).group(1) == spec.CLAIM_SUFFIX
 
 
 def test_cpp_drop_reasons_and_kinds_match_python():
@@ -24,7 +26,7 @@ def test_cpp_drop_reasons_and_kinds_match_python():
     assert {getattr(L, counter): name for counter, name in pairs} == L.DROP_REASONS
     kinds = dict(re.findall(r'case (KIND_\w+): return "(\w+)";', dump))
     assert {getattr(L, kind): name for kind, name in kinds.items()} == L.KIND_NAMES
-    assert '"step_capacity"' in dump
+    assert 'std::string past_capacity = "step_capacity";' in (KERNELS / "compiledump.h").read_text()
     assert f'slot->kind == KIND_STEP ? slot->tag + "{spec.STEP_TAG_SUFFIX}" : slot->tag' in dump  # tag_entry_name
 
 
