@@ -29,7 +29,7 @@ from .. import config as _config
 from ..format import spec
 from ..ops import layout as L
 from ..ops import register, schemas
-from . import dispatch, layouts, mixers, persist, routers, signals
+from . import dispatch, layouts, mixers, parallel, persist, routers, signals
 from .arena import Runtime
 from .flush import dump_stem, flush, flush_at_exit, flush_if_changed, flush_on_signal, process_fields, remove_live_files
 from .state import STATE
@@ -146,6 +146,9 @@ def _create_runtime(device: torch.device) -> Runtime:
         persist.install_excepthook(lambda: getattr(STATE.runtime, "live", None))
         routers.journal_routers(rt.live)  # declared before the arena existed
         mixers.journal_mixers(rt.live)
+        parallel.journal_parallel(rt.live)
+        for tag, reason in list(STATE.filtered_tags.items()):
+            rt.live.write({"event": "filtered", "tag": tag, "reason": reason})
     for index, value in STATE.pending_registers.items():
         rt.set_register(index, value)
     STATE.pending_registers.clear()
@@ -307,6 +310,8 @@ def _make_plan(tag, kind, moe_filtered, layout_declared, device):
         )
     if moe_filtered and not _wants_moe(tag, STATE.config.moe_layers):
         STATE.filtered_tags[tag] = "moe_layers"
+        if (live := getattr(STATE.runtime, "live", None)) is not None:  # for recover: only the manifest says it
+            live.write({"event": "filtered", "tag": tag, "reason": "moe_layers"})
         return (-1, 0)
     rt = _runtime_for(torch.device(device), tag)
     slot = rt.slot_for(tag, kind)

@@ -74,6 +74,7 @@ def set_parallel(**groups: int) -> dict[str, int]:
     with STATE.lock:
         STATE.parallel_groups = dict(groups)
     observe_distributed()
+    _journal_change()
     return dict(groups)
 
 
@@ -113,6 +114,7 @@ def declare_shard(tags: str, dim: int | None = None, how: str = "concat", group:
     spec = ShardSpec(tags, dim, how, group)
     with STATE.lock:
         STATE.shards.append((compiled, spec))
+    _journal_change()
     return spec
 
 
@@ -121,6 +123,27 @@ def withdraw_shard(tags: str) -> None:
     before: its tags may mean other values in this one)."""
     with STATE.lock:
         STATE.shards[:] = [(compiled, spec) for compiled, spec in STATE.shards if spec.pattern != tags]
+    _journal_change()
+
+
+def journal_parallel(live) -> None:
+    """Journal the groups and shard declarations into crash-proof capture's `live` files: a rank
+    killed before any flush is recovered with them (`compiledump recover`), so compare can still
+    merge its shards with the other ranks'. Called with or without the registry lock held (the
+    runtime is created under it): reads copies, which the GIL makes atomic."""
+    groups, shards = dict(STATE.parallel_groups), [list(vars(spec).values()) for _, spec in list(STATE.shards)]
+    live.write({"event": "parallel", "groups": groups, "shards": shards})
+
+
+def _journal_change() -> None:
+    live = getattr(STATE.runtime, "live", None)
+    if live is not None:
+        journal_parallel(live)
+
+
+def journaled_shards(shards: list) -> list:
+    """The `shards` of a `parallel` journal event as `STATE.shards` holds them (pattern, spec)."""
+    return [(re.compile(pattern), ShardSpec(pattern, dim, how, group)) for pattern, dim, how, group in shards]
 
 
 def shard_for(tag: str) -> ShardSpec | None:
@@ -150,16 +173,16 @@ def observe_distributed() -> tuple[int | None, int | None]:
     return STATE.dist_seen["rank"], STATE.dist_seen["world_size"]
 
 
-def manifest_fields(keys: dict[str, dict], warn) -> dict[str, int]:
+def manifest_fields(keys: dict[str, dict], warn, declared: tuple[dict, list] | None = None) -> dict[str, int]:
     """Add `"shard"` to the manifest entries of declared keys (in place); return the groups.
 
     `warn(message)` is called for declarations that cannot apply: a dim outside the stored
     array's dimensions, or a group whose rank `set_parallel` was not given. Called by flush,
     which may already hold the registry lock (or, from a signal handler, must not wait for it):
-    it reads copies of the declarations, which the GIL makes atomic.
+    it reads copies of the declarations, which the GIL makes atomic. `declared`: (groups, shards)
+    instead of this process's (recover: a dead process's, from its journal).
     """
-    groups = dict(STATE.parallel_groups)
-    shards = list(STATE.shards)
+    groups, shards = declared if declared is not None else (dict(STATE.parallel_groups), list(STATE.shards))
     for key, entry in keys.items():
         spec = _match(entry["tag"], shards)
         if spec is None:

@@ -26,6 +26,7 @@ from ..format import spec, writer
 from ..format.files import manifest_of
 from ..format.routers import captured_routers
 from ..ops import layout as L
+from . import parallel
 from .collect import Slot, collect
 
 # A recovered dump's faulthandler report, kept beside it: `<stem>.fault.txt`.
@@ -225,7 +226,7 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
         result.skipped = (f"pid {start.get('pid')} {where} may still be running (its files are in use); "
                           "use --force if it is not")
         return result
-    slots, overflow, prompt, config, declared, layers = _registry(start, events)
+    slots, overflow, prompt, config, declared, layers, declarations = _registry(start, events)
     ctrl = np.fromfile(live / spec.LIVE_CTRL, dtype=np.int32)
     if ctrl.size < L.control_words(0):
         raise RecoverError(f"{live}: control block of {ctrl.size} words")
@@ -251,10 +252,16 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
         raise RecoverError(f"{live}: arena file of {arena.size} words, regions up to {used}")
     got = collect(slots, overflow, arena, ctrl, prompt)
     known = _annotations(live.parent / f"{stem}.npz", start)
-    shards = known.get("shards", {})
-    for entry in got.keys.values():
-        if (entry["tag"], entry["kind"]) in shards:
-            entry["shard"] = shards[entry["tag"], entry["kind"]]
+    if declarations.parallel is not None:  # the journal's, newer than any flush's (and there without one)
+        groups, shards = declarations.parallel
+        known["parallel"] = parallel.manifest_fields(got.keys, lambda message: result.notes.append(message),
+                                                     (groups, parallel.journaled_shards(shards)))
+    else:  # a journal written before it held them: the last flush's, by tag
+        shards = known.get("shards", {})
+        for entry in got.keys.values():
+            if (entry["tag"], entry["kind"]) in shards:
+                entry["shard"] = shards[entry["tag"], entry["kind"]]
+    known["filtered_tags"] = {**known.get("filtered_tags", {}), **declarations.filtered}
     routers = captured_routers(declared, got.tags)
     manifest = writer.build_manifest(
         **{k: start.get(k) for k in ("compiledump_version", "torch_version", "rank", "pid", "world_size")},
@@ -297,9 +304,18 @@ def _remove(live: Path, keep: bool, fault: str, kept_report: Path, events: list[
             (live.parent / f".{stem}{spec.CLAIM_SUFFIX}").unlink(missing_ok=True)
 
 
+@dataclass
+class _Declarations:
+    """What the journal says of the manifest's `parallel`, keys' `shard` and `filtered_tags`."""
+
+    parallel: tuple[dict, list] | None = None  # (groups, shards as journaled); None: not journaled
+    filtered: dict = field(default_factory=dict)
+
+
 def _registry(start: dict, events: list[dict]):
     """(slots, overflow tags, prompt length, config, router declarations, the manifest's `mixers`
-    and `routing` from instrument) as the journal last had them."""
+    and `routing` from instrument, _Declarations) as the journal last had them."""
+    declarations = _Declarations()
     by_index: dict[int, Slot] = {}
     slots: list[Slot] = []
     overflow: list[str] = []
@@ -332,8 +348,12 @@ def _registry(start: dict, events: list[dict]):
             declared[event["tag"]] = event["router"]
         elif kind == "mixers":
             layers = {name: event[name] for name in ("mixers", "routing", "exclude") if event.get(name)}
+        elif kind == "parallel":
+            declarations.parallel = (event["groups"], event["shards"])
+        elif kind == "filtered":
+            declarations.filtered[event["tag"]] = event["reason"]
     # A slot whose region was never claimed (offset -1) reports its counters only.
-    return slots, overflow, prompt, config, declared, layers
+    return slots, overflow, prompt, config, declared, layers, declarations
 
 
 def recover_directory(directory: str | os.PathLike, force: bool = False,

@@ -200,6 +200,43 @@ def test_recover_keeps_a_complete_dump_and_what_only_the_flush_knew(tmp_path, af
         assert all(manifest["keys"][key]["shard"]["how"] == "concat" for key in steps)
 
 
+_DIE_BEFORE_ANY_FLUSH = """
+import os, sys, torch, compiledump
+compiledump.configure(dir=sys.argv[1], moe_layers=1)
+early = sys.argv[2] == "early"
+if early:
+    compiledump.set_parallel(tp_rank=1, tp_size=2)
+    compiledump.declare_shard("layer\\d+_mlp", dim=-1)
+g = torch.Generator().manual_seed(3)
+for _ in range(2):
+    compiledump.record_step("layer0_mlp", torch.randn(2, 6, generator=g))
+    compiledump.record("layer5_mlp", torch.randn(2, 6, generator=g))  # past moe_layers: filtered
+    if not early:  # declared once the crash-proof files exist (an engine's workers set up late)
+        compiledump.set_parallel(tp_rank=1, tp_size=2)
+        compiledump.declare_shard("layer\\d+_mlp", dim=-1)
+        compiledump.declare_shard("nothing_matches", dim=0)
+os._exit(0)  # killed before any flush
+"""
+
+
+@pytest.mark.parametrize("declared", ["early", "late"])
+def test_a_rank_killed_before_any_flush_keeps_its_shards(tmp_path, declared):
+    """Only a flush's manifest held set_parallel, declare_shard and the filtered tags, so a TP rank
+    killed before its first flush was recovered without them: compare could not merge its shards
+    with the other ranks'. The journal holds them now."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPILEDUMP_")}
+    proc = subprocess.run([sys.executable, "-c", _DIE_BEFORE_ANY_FLUSH, str(tmp_path), declared], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and not list(tmp_path.glob("*.npz")), proc.stderr[-2000:]
+    results, errors = recover_directory(tmp_path)
+    assert errors == [] and len(results) == 1
+    manifest = json.loads(results[0].npz.with_suffix(".json").read_text())
+    assert manifest["recovered"] and manifest["parallel"] == {"tp_rank": 1, "tp_size": 2}
+    assert manifest["filtered_tags"] == {"layer5_mlp": "moe_layers"}
+    assert [key for key in manifest["keys"]] == ["layer0_mlp_0", "layer0_mlp_1"]
+    assert all(entry["shard"] == {"dim": 0, "how": "concat", "group": "tp"} for entry in manifest["keys"].values())
+
+
 def test_a_failed_exit_flush_is_the_cause_recover_gives(dump_dir, monkeypatch, capsys):
     """A normal exit whose flush failed (a full disk) was reported as a kill by recover."""
     from compiledump.format import writer
