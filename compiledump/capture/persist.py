@@ -95,8 +95,15 @@ class LiveFiles:
         try:
             self._open(device, arena_words, ctrl_words, start)
         except BaseException:
+            # What _open made before it failed: the CUDA registrations (pinned pages the driver
+            # would keep), the descriptors, the fault report's file.
+            self.unmap()
+            self.close()
             shutil.rmtree(self.path, ignore_errors=True)
             raise
+
+    _fault = _journal = _arena_fd = None  # until _open makes them (close() after a failed _open)
+    arena = host_arena = ctrl = host_ctrl = None
 
     def _open(self, device: torch.device, arena_words: int, ctrl_words: int, start: dict) -> None:
         self.device = device
@@ -116,11 +123,7 @@ class LiveFiles:
         _reserve(self.path / LIVE_CTRL, 0, ctrl_words * 4)
         if device.type == "cuda":
             self.arena = _map_to_device(self.host_arena, device)
-            try:
-                self.ctrl = _map_to_device(self.host_ctrl, device)
-            except BaseException:
-                _unmap_from_device(self.host_arena, self.arena)
-                raise
+            self.ctrl = _map_to_device(self.host_ctrl, device)  # refused: __init__ unmaps the arena
         else:
             self.arena, self.ctrl = self.host_arena, self.host_ctrl
         self._arena_fd = os.open(self.path / LIVE_ARENA, os.O_RDWR)  # touch() reserves regions through it
@@ -171,6 +174,22 @@ class LiveFiles:
         if os.getpid() == self.owner:
             shutil.rmtree(self.path, ignore_errors=True)
 
+    def unmap(self) -> None:
+        """Undo the CUDA registration of the mapped files (reset(), or a failed open): the driver
+        keeps their pages pinned until then, and a runtime created again maps new files, maybe at
+        the same address (registered twice, refused). Waits for the device first: captures still
+        queued write through the mapping. The arena in use afterwards would be the host's own."""
+        for host, name in ((self.host_arena, "arena"), (self.host_ctrl, "ctrl")):
+            mapped = getattr(self, name)
+            if mapped is None or host is None or mapped is host:
+                continue
+            try:
+                torch.cuda.synchronize(mapped.device)
+            except Exception:  # noqa: BLE001 - a sticky error (a device-side assert): nothing runs any more
+                _clear_cuda_error()
+            _unmap_from_device(host, mapped)
+            setattr(self, name, host)
+
     def close(self) -> None:
         if self._fault is not None:
             faulthandler.disable()
@@ -178,8 +197,10 @@ class LiveFiles:
             self._fault = None
         if self._journal is not None:
             os.close(self._journal)
-            os.close(self._arena_fd)
             self._journal = None
+        if self._arena_fd is not None:
+            os.close(self._arena_fd)
+            self._arena_fd = None
 
 
 def _mapped(path: Path, dtype, words: int) -> np.ndarray:

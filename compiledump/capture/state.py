@@ -55,6 +55,7 @@ class State:
         live = getattr(self.runtime, "live", None)
         if live is not None:
             live.remove()  # its crash-proof files: what they hold is being forgotten
+            live.unmap()  # and their CUDA registration (not at exit: the process's end releases it)
         kept = {name: getattr(self, name)
                 for name in ("config", "dist_seen", "atexit_registered", "dumps_written", "lock", "flush_lock")}
         self.__dict__.update(State(**kept).__dict__)

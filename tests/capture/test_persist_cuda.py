@@ -68,6 +68,49 @@ def test_a_refused_control_block_unregisters_the_arena(tmp_path, monkeypatch):
     assert len(unmapped) == 1 and unmapped[0] is mapped[0]
 
 
+def _mapping_stand_ins(monkeypatch):
+    """_map_to_device/_unmap_from_device that record what they were given (host tensors), and a
+    device synchronize that records its calls: (mapped, unmapped, synchronized)."""
+    mapped, unmapped, synchronized = [], [], []
+    monkeypatch.setattr(persist, "_map_to_device", lambda host, device: mapped.append(host) or host.clone())
+    monkeypatch.setattr(persist, "_unmap_from_device", lambda host, device_view: unmapped.append(host))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synchronized.append(device))
+    return mapped, unmapped, synchronized
+
+
+def test_a_failed_open_unregisters_what_it_mapped_and_closes_its_files(tmp_path, monkeypatch):
+    """A failure after both files were registered (here the journal's first write) left their
+    pages pinned by the driver and the arena's descriptor open."""
+    mapped, unmapped, synchronized = _mapping_stand_ins(monkeypatch)
+
+    def full(self, event):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(persist.LiveFiles, "_append", full)
+    fds = _open_fds()
+    with pytest.warns(RuntimeWarning, match="crash-proof capture is off"):
+        assert persist.open_live(str(tmp_path), "run", CUDA, 4096, 64, {}) is None
+    assert len(mapped) == 2 and [id(host) for host in unmapped] == [id(host) for host in mapped]
+    assert len(synchronized) == 2  # queued captures finish before the mapping goes
+    mapped.clear(), unmapped.clear()  # the stand-ins' references to the mapped files
+    assert _open_fds() == fds and list(tmp_path.iterdir()) == []
+
+
+def test_reset_unregisters_the_mapping(tmp_path, monkeypatch):
+    """reset() removed the crash-proof files but left them registered: a runtime created again maps
+    new files (maybe at the same address, which CUDA then refuses as registered twice)."""
+    from compiledump.capture.state import STATE
+
+    mapped, unmapped, _ = _mapping_stand_ins(monkeypatch)
+    live = persist.open_live(str(tmp_path), "run", CUDA, 4096, 64, {})
+    assert live is not None and len(mapped) == 2 and unmapped == []
+    monkeypatch.setattr(STATE, "runtime", types.SimpleNamespace(live=live))
+    STATE.reset()
+    assert [id(host) for host in unmapped] == [id(host) for host in mapped]
+    assert live.arena is live.host_arena and live.ctrl is live.host_ctrl
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_error_that_cannot_be_reset_is_raised_not_swallowed(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "cudart", RefusingCudart)
     monkeypatch.setattr(persist, "_clear_cuda_error", lambda: False)
