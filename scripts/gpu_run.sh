@@ -166,8 +166,8 @@ fi
 # aoti runs on the native path only (its package calls the C shims): through the proxy executor
 # its CUDA package killed the process on torch 2.11 (docs/export.md; scripts/gpu_diagnose.sh
 # checks that again).
-run_script gpu_check scripts/gpu_check.py 50 --only eager triton_launch cuda_graph native_cuda_kernel reduce_overhead persist \
-    compiled_default
+run_script gpu_check scripts/gpu_check.py 50 --only eager triton_launch cuda_graph native_cuda_kernel compiled_default \
+    reduce_overhead persist
 run_script gpu_bench benchmarks/gpu_bench.py 100 $QUICK
 
 if [ -n "$BUILD_PID" ]; then
