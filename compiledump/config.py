@@ -37,19 +37,22 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("COMPILEDUMP_MOE_LAYERS", "2", "keep `layer<N>_<x>` tags of `record`, `record_ids` and "
            "`record_step(..., moe_filtered=True)` only for N below this (a bare `layer<N>` always; of `instrument`'s "
            "tags an MoE layer's `_router`, `_topk`, step routing, MoE block `_mlp` and shared expert `_shared_mlp`, "
-           "not `_attn` or a dense layer's `_mlp`). A layer index, as debug_dump.py's: where a model's first MoE "
+           "and in a model with MoE layers every layer's attention `_mixer`; not `_attn` or a dense layer's `_mlp`). A layer index, as debug_dump.py's: where a model's first MoE "
            "layer is at or past it (DeepSeek-V3's and GLM-4.5's first three layers are dense) `instrument` warns, "
            "naming the value that keeps its first MoE layers (`5` for DeepSeek-V3 at the default)", "moe_layers"),
     EnvVar("COMPILEDUMP_MAX_ROWS", "1", "`record_step` is skipped (counted as `rows_gate`) while the last "
            "`set_rows` value exceeds this", "max_rows"),
     EnvVar("COMPILEDUMP_MAX_STEPS", "256", "steps kept per `record_step` tag; later ones are counted as "
-           "`step_capacity` drops", "max_steps"),
+           "`step_capacity` drops (a tag named as a layer's step state keeps `COMPILEDUMP_LAYER_STEPS`)", "max_steps"),
     EnvVar("COMPILEDUMP_LAYER_STEPS", "16", "forwards (decode steps) of which each decoder layer's output, "
            "the stream after its attention and its MLP's output are kept for the token of that forward's logits "
            "(`layer<N>_step_<n>`, `layer<N>_attn_step_<n>`, `layer<N>_mlp_step_<n>` or `_mixer_step_<n>`, which "
            "`instrument` records, so "
            "that a decode-only bug is named at its layer and sublayer); later ones are counted as `layer_steps` (a "
-           "filter). `0`: `instrument` records none. Capped by `COMPILEDUMP_MAX_STEPS`", "layer_steps"),
+           "filter). The same limit holds for a hand-written `record_step` tag of these names (and `_shared_mlp_step`), whoever "
+           "records it; the sublayers' states also share an eighth of the arena. `0`: `instrument` records none. "
+           "Capped by `COMPILEDUMP_MAX_STEPS`. Set by `configure()` after the arena exists, it applies to the step "
+           "tags not captured yet", "layer_steps"),
     EnvVar("COMPILEDUMP_ARENA_MB", "256", "device arena size in MiB (all captures of a run); a tag that does "
            "not fit is counted as `arena_full`", "arena_mb"),
     EnvVar("COMPILEDUMP_MAX_TAGS", "1024", "distinct tags; more are counted as `tag_table_full`", "max_tags"),

@@ -292,11 +292,9 @@ def _persist_in(directory: Path, args, device, reference, timeout) -> dict:
 
 
 # (phase, needs CUDA, rough seconds on one H200 with warm caches: the --time-limit estimate).
-# compiled_default (torch.compile's default mode on the Triton kernel, the default CUDA path, never
-# run on a GPU: on the first H200 run (torch 2.11) loading aoti's CUDA package killed the process,
-# which took compiled_default with it) before reduce_overhead (zero cudagraph skips, 39 s then), and
-# both before persist: gpu_run.sh runs persist again on the native path, and a short budget (gpu_run.sh
-# gives this script about 115 s) should drop what is checked twice. aoti last.
+# compiled_default (the default CUDA path, never run on a GPU: aoti's CUDA package killed the first
+# H200 run's process before it) before reduce_overhead, both before persist, which gpu_run.sh runs
+# again on the native path: a short budget (~115 s there) should drop what is checked twice.
 PHASES = [("eager", False, 10), ("triton_launch", True, 10), ("cuda_graph", True, 15),
           ("native_cuda_kernel", True, 10), ("compiled_default", False, 40), ("reduce_overhead", True, 40),
           ("persist", True, 30), ("aoti", True, 90)]

@@ -49,8 +49,11 @@ def configure(**settings) -> _config.Config:
 
     `configure(dir="dumps")` enables capture from Python instead of `COMPILEDUMP_DIR`. Capacity
     settings (`max_steps`, `arena_mb`, `max_tags`) size the device allocations, and `persist`
-    decides where they live: none of them can change once the arena exists. Compiled functions
-    that captured under the old settings recompile.
+    decides where they live: none of them can change once the arena exists. `layer_steps` applies
+    to the step tags not captured yet. Switching capture off or to another directory first writes
+    what was captured since the last flush into the directory it was captured for (the arena is
+    not cleared: call `clear()` to start the new directory's dump empty). Compiled functions that
+    captured under the old settings recompile.
     """
     unknown = set(settings) - {f.name for f in dataclasses.fields(_config.Config)}
     if unknown:
@@ -63,13 +66,15 @@ def configure(**settings) -> _config.Config:
             raise RuntimeError(
                 f"compiledump.configure: {sorted(changed)} cannot change after the arena was created"
             )
-        if STATE.config.active and not new.active:
-            # Capture ends here: what it captured since the last flush goes to the directory it was
-            # captured for now (at exit capture is off, and nothing would write it).
+        if STATE.config.active and (not new.active or new.dir != STATE.config.dir):
+            # Capture ends here, or goes on elsewhere: what it captured since the last flush goes
+            # to the directory it was captured for now (at exit capture is off, or its dump would
+            # be written into the other directory alone).
             flush_if_changed()
-        elif new.active:
+        if new.active:
             rt.flushed_ctrl = None  # a new directory (or settings) gets its dump at exit
         rt.config = new
+        rt.step_budget.layer_steps = new.layer_steps  # for the step tags whose regions are not claimed yet
         if new.fixed_tokens:
             rt.prompt_tokens = new.fixed_tokens
         if new.max_rows != STATE.config.max_rows:

@@ -23,6 +23,9 @@ from . import spec
 def _atomic_write(path: Path, write) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        # mkstemp makes the file 0600: readable by its writer alone, so a dump a container's root
+        # or a service account wrote could not be compared by its user. As open() would make it.
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as handle:
             write(handle)
             handle.flush()
@@ -34,6 +37,21 @@ def _atomic_write(path: Path, write) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (os.umask sets it, racing other threads'
+    file creation) where Linux reports it."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _write_npz(handle, arrays: dict[str, np.ndarray]) -> None:

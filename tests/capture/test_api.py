@@ -330,3 +330,36 @@ def test_inference_mode_first_capture(dump_dir):
     with compiledump.profiling():  # host writes outside inference mode still work
         pass
     assert compiledump.flush() is not None
+
+
+def test_switching_the_directory_writes_what_was_captured_for_the_first(dump_dir):
+    """configure(dir=B) while capturing into A: A got nothing and B's dump held A's captures."""
+    first, second = torch.randn(3, 7), torch.randn(2, 7)
+    compiledump.record("a", first)
+    other = dump_dir.parent / "other"
+    compiledump.configure(dir=str(other))
+    (written,) = dump_dir.glob("*.npz")
+    with np.load(written) as data:
+        assert data.files == ["a"]
+        np.testing.assert_array_equal(data["a"], first[-1].numpy())
+    compiledump.clear()  # the documented way to start the new directory's dump empty
+    compiledump.record("b", second)
+    compiledump.flush()
+    (later,) = other.glob("*.npz")
+    with np.load(later) as data:
+        assert data.files == ["b"]
+        np.testing.assert_array_equal(data["b"], second[-1].numpy())
+
+
+def test_layer_steps_set_after_the_arena_applies_to_step_tags_not_captured_yet(dump_dir):
+    """configure(layer_steps=N) once the arena existed was ignored (16 steps kept) while the
+    manifest's config said N."""
+    compiledump.record("first", torch.randn(2, 4))  # the arena exists
+    compiledump.configure(layer_steps=4)
+    for _ in range(9):
+        compiledump.record_step("layer0_step", torch.randn(1, 6))
+    with pytest.warns(RuntimeWarning, match="layer_steps"):
+        manifest = json.loads(Path(compiledump.flush()).with_suffix(".json").read_text())
+    assert manifest["config"]["layer_steps"] == 4
+    assert manifest["tags"]["layer0_step_<n>"]["kept"] == 4
+    assert manifest["tags"]["layer0_step_<n>"]["drops"] == {"layer_steps": 5}

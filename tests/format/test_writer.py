@@ -1,0 +1,28 @@
+"""The files a dump is written as (format/writer.py)."""
+
+import os
+import stat
+
+import numpy as np
+import pytest
+
+from compiledump.format import writer
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
+def test_dump_files_follow_the_umask_as_numpy_savez_does(tmp_path, umask):
+    """tempfile.mkstemp made every dump 0600 whatever the umask: a dump written by a container's
+    root or a service account could not be read by the user who compares it (the seed's
+    np.savez follows the umask)."""
+    arrays = {"a": np.random.default_rng(0).standard_normal((3, 5)).astype(np.float32)}
+    manifest = writer.build_manifest(keys={}, tags={}, drops={})
+    previous = os.umask(umask)
+    try:
+        npz = writer.write_dump(tmp_path, "compiledump_rank0_pid1", arrays, manifest)
+        np.savez(tmp_path / "seed.npz", **arrays)
+    finally:
+        os.umask(previous)
+    seed_mode = stat.S_IMODE((tmp_path / "seed.npz").stat().st_mode)
+    assert seed_mode == 0o666 & ~umask
+    for path in (npz, npz.with_suffix(".json")):
+        assert stat.S_IMODE(path.stat().st_mode) == seed_mode, path.name
