@@ -59,10 +59,13 @@ class MergeInfo:
     divergent_ranks: list[str]
     worst_rank: str | None = None  # set when the key diverges and a rank can be named
     worst_rank_value: float | int | None = None
+    identical: bool = False  # every rank holds a bit-equal copy: none of them can be named
 
     def to_json(self) -> dict:
         out = {"merge": self.how, "merged_ranks": self.merged_ranks, "ranks": [part.to_json() for part in self.ranks],
                "divergent_ranks": self.divergent_ranks, "worst_rank": self.worst_rank}
+        if self.identical:
+            out["identical_on_ranks"] = True
         if self.worst_rank_value is not None:
             out["worst_rank_value"] = self.worst_rank_value
         return out

@@ -30,9 +30,14 @@ def measure_merged(measure, ref: Dump, run: Dump, record: KeyRecord, info: KeyIn
 
     replicas = merged.replicas(key)
     trials: list[tuple[KeyRecord, list[RankPart]]] = []
+    first_whole, identical = None, len(replicas) > 1
     for replica in replicas:
         arrays = replica.arrays()
         whole = replica.combine(arrays)
+        if first_whole is None:
+            first_whole = np.array(whole, copy=True)
+        elif identical:  # bit-equal replicas (after an all-reduce): no one rank made the value
+            identical = whole.shape == first_whole.shape and np.array_equal(whole, first_whole, equal_nan=True)
         flat_other = other.reshape(whole.shape)
         trial = measure(record, *oriented(whole, flat_other), info)
         parts: list[RankPart] = []
@@ -55,8 +60,8 @@ def measure_merged(measure, ref: Dump, run: Dump, record: KeyRecord, info: KeyIn
     rated = [part for part in every if not part.partial_sum]
     shard = replicas[0].shard
     merge = MergeInfo(shard.describe() if shard is not None else "each rank", merged.merged_ranks, every,
-                      [part.rank for part in rated if part.divergent])
-    if worst.divergent and rated:
+                      [part.rank for part in rated if part.divergent], identical=identical)
+    if worst.divergent and rated and not identical:
         worst_part = max(rated, key=_badness)
         merge.worst_rank, merge.worst_rank_value = worst_part.rank, worst_part.value
     return replace(worst, merge=merge)

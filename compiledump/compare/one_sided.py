@@ -53,7 +53,7 @@ class OneSidedKeys:
         # {reason: {holding side: keys}}: the notes' order (the checks' order is sort's)
         self.explained = {reason: {"REF": [], "RUN": []}
                           for reason in ("filtered", "layer_steps", *NEWER_FAMILIES, "excluded", "fed", "ids",
-                                         "shifted", "rows_gate")}
+                                         "shifted", "rows_gate", "ended")}
         # The NEWER_FAMILIES each side recorded any key of
         self.families = {side: {family for family, member_of in NEWER_FAMILIES.items()
                                 if any(member_of((spec.split_step_key(key) or (key,))[0]) for key in dump.members)}
@@ -77,6 +77,7 @@ class OneSidedKeys:
                   else "fed" if info.tag == FED_TAG
                   else "ids" if gate_without_ids(info.tag, dump, self.tags[lacking])
                   else "rows_gate" if self._rows_gated(info, dump, self.dumps[holder])
+                  else "ended" if self._ended(info, dump)
                   else None)
         if reason is not None:
             self.explained[reason][holder].append(info.key)
@@ -97,6 +98,21 @@ class OneSidedKeys:
         if set(drops) - {"rows_gate", "suspended", "token_gate"}:
             return False
         return drops.get("rows_gate", 0) >= step_count(holder, info.tag) - step_count(lacking, info.tag) > 0
+
+    @staticmethod
+    def _ended(info: KeyInfo, lacking: Dump) -> bool:
+        """Whether `info` is a step past the `lacking` side's last step of its tag, which no loss
+        of that side explains (its prompt-phase gates aside): that side ran fewer decode steps."""
+        lost = set(tag_drops(lacking, info.tag, True)) - {"suspended", "token_gate", "rows_gate"}
+        return OneSidedKeys._past_last_step(info, lacking) and not lost
+
+    def fewer_steps(self) -> str | None:
+        """For the verdict's last line: which side ran fewer decode steps, or None."""
+        sides = [side for side, keys in self.explained["ended"].items() if keys]
+        if not sides:
+            return None
+        return "; ".join(f"{other_side(side)} ran fewer decode steps than {side} ({len(self.explained['ended'][side])} "
+                         f"step keys of {side} past them not judged)" for side in sides)
 
     @staticmethod
     def _past_last_step(info: KeyInfo, lacking: Dump) -> bool:
@@ -140,6 +156,10 @@ class OneSidedKeys:
                  "shifted": lambda side, keys: (f"{side} holds {len(keys)} step keys past the other side's last step "
                                                 f"of their tags (the steps are shifted, not comparable): "
                                                 f"{preview(keys, 4)}"),
+                 "ended": lambda side, keys: (
+                     f"{side} holds {len(keys)} decode-step keys past {other_side(side)}'s last step of their tags "
+                     f"({preview(keys, 3)}): {other_side(side)} ran fewer decode steps (it ended early, was killed "
+                     "or hung, or its dump was flushed before the end), so only the steps both hold are judged"),
                  "rows_gate": lambda side, keys: (
                      f"{side} holds {len(keys)} decode-step keys that {other_side(side)} skipped while its batch was "
                      f"wider than COMPILEDUMP_MAX_ROWS ({preview(keys, 3)}; rows_gate in its manifest's drops): not "

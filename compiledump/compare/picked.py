@@ -30,10 +30,11 @@ from .view import DumpView
 
 
 class _DerivedReplica(Replica):
-    """A derived key's one whole copy, held in memory (no file behind it)."""
+    """A derived key's one whole copy, held in memory (no file behind it), named by the ranks whose
+    router logits gave it (a merged side's are several files')."""
 
-    def __init__(self, key: str, array: np.ndarray) -> None:
-        super().__init__(key, None, [])
+    def __init__(self, key: str, array: np.ndarray, ranks: list[str]) -> None:
+        super().__init__(key, None, [(rank, None) for rank in ranks])
         self._array = array
 
     def arrays(self) -> list[np.ndarray]:
@@ -46,13 +47,17 @@ class PickedIdsDump(DumpView):
     def __init__(self, inner: Dump, arrays: dict[str, np.ndarray], infos: dict[str, KeyInfo]) -> None:
         super().__init__(inner)
         self._arrays = arrays
+        # The ranks of the router logits each was derived from (_derive reads their first replica).
+        self._ranks = {key: inner.replicas(router_key_for(key))[0].ranks for key in arrays}
         self.derived = set(arrays)
         self.members.update({key: Member(key, np.dtype(np.int32), array.shape, False, "", None)
                              for key, array in arrays.items()})
         self.infos.update(infos)
 
     def replicas(self, key: str) -> list[Replica]:
-        return [_DerivedReplica(key, self._arrays[key])] if key in self._arrays else self.inner.replicas(key)
+        if key in self._arrays:
+            return [_DerivedReplica(key, self._arrays[key], self._ranks[key])]
+        return self.inner.replicas(key)
 
 
 def with_picked_ids(ref: Dump, run: Dump) -> tuple[Dump, Dump, list[str]]:

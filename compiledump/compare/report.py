@@ -94,6 +94,8 @@ class Divergence:
             out.update(merge=self.merge.how, worst_rank=self.merge.worst_rank,
                        worst_rank_value=self.merge.worst_rank_value, merged_ranks=self.merge.merged_ranks,
                        divergent_ranks=self.merge.divergent_ranks)
+            if self.merge.identical:
+                out["identical_on_ranks"] = True
         if self.reason is not None:
             out["reason"] = self.reason
         if self.caution is not None:
@@ -172,6 +174,7 @@ class PairResult:
     renamed: dict[str, str] = field(default_factory=dict)  # --map: new RUN key -> old
     fed_tokens: FedTokens | None = None  # the first decode step fed different tokens (inputs.py)
     step_zero_in_prompt: bool = False  # step 0 is the prompt's last position (inputs.step_zero_in_prompt)
+    fewer_steps: str | None = None  # one side ran fewer decode steps (one_sided.py `fewer_steps`)
 
     @property
     def compared(self) -> int:
@@ -205,7 +208,7 @@ class PairResult:
                 "decode_margins": _opt(self.decode_margins), "closest": _opt(self.closest),
                 "thresholds": threshold_uses(self.keys), "not_captured": self.not_captured,
                 "first_nonfinite": self.nonfinite, "renamed": self.renamed,
-                "fed_tokens_differ": _opt(self.fed_tokens)}
+                "fed_tokens_differ": _opt(self.fed_tokens), "fewer_steps": self.fewer_steps}
 
 
 @dataclass

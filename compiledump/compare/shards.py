@@ -161,6 +161,12 @@ class MergedDump(Dump):
         firsts = [manifest["first_nonfinite"] for manifest in manifests if isinstance(manifest.get("first_nonfinite"), dict)]
         merged = dict(manifests[0], keys=keys, drops=drops, merged_ranks=self.merged_ranks,
                       first_nonfinite=min(firsts, key=_when, default=None))
+        # Any rank recovered from a dead process: the merged side ends where that rank stopped.
+        recovered = [(rank, dump.manifest["recovered"]) for rank, dump in self.ranked
+                     if isinstance((dump.manifest or {}).get("recovered"), dict)]
+        if recovered:
+            merged["recovered"] = dict(recovered[0][1], cause="; ".join(
+                f"rank {rank}: {entry.get('cause')}" for rank, entry in recovered))
         if self.stages:  # each stage declared its own layers' mixers and routing: the model's are their union
             merged["mixers"] = {i: kind for manifest in manifests for i, kind in (manifest.get("mixers") or {}).items()}
             routings = [manifest.get("routing") or {} for manifest in manifests]
@@ -223,7 +229,10 @@ def merge_side(files: dict[str, Path], label: str) -> list[MergedDump] | None:
                                 []).append((rank, dump))
         staged = [ranked for ranked in replicas.values() if pipeline_stages(ranked)]
         return [MergedDump(ranked, label, declared, stages=True) for ranked in staged] if staged else None
-    ignore = {"world_rank", "world_size"} | {f"{group}_rank" for group in declared}
+    # A declared group's size too: a rank whose manifest lost its declarations (set_parallel never
+    # called, or recovered without them) joins its group's set, where its keys are shard
+    # mismatches, rather than a set of its own, where its part would be compared as the whole.
+    ignore = {"world_rank", "world_size"} | {f"{group}_{what}" for group in declared for what in ("rank", "size")}
     sets: dict[tuple, list[tuple[str, DumpFile]]] = {}
     for rank, dump in dumps:
         coords = dump.parallel_coords(rank)

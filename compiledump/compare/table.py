@@ -28,6 +28,9 @@ def worst_rank_text(merge: MergeInfo) -> str:
     """Which rank of a merged side a divergence comes from, as far as it can be told."""
     rank = merge.worst_rank
     if rank is None:
+        if merge.identical:
+            return ("on every rank, bit-identical: the ranks' values were made equal (an all-reduce or "
+                    "all-gather) after the divergence began, so no rank can be named here")
         if merge.how.startswith("sum"):
             return f"merged {merge.how}: partial sums, no single rank can be named"
         return f"merged {merge.how}"

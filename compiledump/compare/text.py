@@ -323,7 +323,10 @@ def final_line(report: Report) -> str:
                     routed += (", one-row keys among them, whose one token an earlier token's flip reaches: "
                                "all-rows mode (COMPILEDUMP_ROWS=all) judges the tokens no flip reaches")
                 routed += ")"
-        return f"no divergence: {compared} keys compared{near}{skipped}{routed}{tie}{extra}{_prompt_only(report)}"
+        fewer = "".join(f"; {pair.fewer_steps}" + (f" [rank {pair.rank}]" if len(report.pairs) > 1 else "")
+                        for pair in report.pairs if pair.fewer_steps)
+        return (f"no divergence: {compared} keys compared{near}{skipped}{routed}{tie}{fewer}{extra}"
+                f"{_prompt_only(report)}")
     rank = f" [rank {first.rank}]" if len(report.pairs) > 1 else ""
     last = f"; last good: {first.last_good}" if first.last_good else ""
     cause = report.root_cause

@@ -183,7 +183,8 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
                         not_captured=captured, prompt_tokens=prompt, prompt_tokens_ref=prompt_length(ref),
                         prompt_tokens_run=prompt_length(run),
                         nonfinite={"REF": first_nonfinite(ref), "RUN": first_nonfinite(run)},
-                        renamed=renamed, fed_tokens=fed, step_zero_in_prompt=step_zero_in_prompt(ref, run))
+                        renamed=renamed, fed_tokens=fed, step_zero_in_prompt=step_zero_in_prompt(ref, run),
+                        fewer_steps=one_sided.fewer_steps())
     analyse_pair(result)
     first = result.first_divergence
     if first is not None and first.metric != "ids":

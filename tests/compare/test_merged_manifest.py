@@ -4,8 +4,9 @@ rank's manifest holds are not lost to rank 0's (compare/shards.py `MergedDump`).
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from compiledump.compare import compare
+from compiledump.compare import compare, format_report
 from helpers import dumpfactory as factory
 from helpers.dumpfactory import Capture
 
@@ -31,3 +32,105 @@ def test_a_non_finite_value_in_one_ranks_shard_is_the_merged_sides_first(tmp_pat
     (pair,) = report.pairs
     assert pair.nonfinite["RUN"]["key"] == "layer1_up" and pair.nonfinite["REF"] is None
     assert report.first_divergence is None  # the shards merge to REF's value
+
+
+def test_ids_derived_from_a_merged_sides_router_logits_name_their_ranks(tmp_path):
+    """A tensor-parallel MoE engine whose gates return their logits alone (vLLM's) records router
+    logits on every rank and no ids; the reference records both. The ids compare derives from the
+    merged side's logits had no rank behind them, and compare crashed (IndexError) on every such
+    run, exiting 1 as for a divergence (a new user's TP bring-up)."""
+    rng = np.random.default_rng(5)
+    tokens, experts, top_k = 7, 8, 2
+    logits = rng.standard_normal((tokens, experts)).astype(np.float32)
+    ids = np.argsort(-logits, axis=1)[:, :top_k].astype(np.int32)  # the reference's plain top-k
+    hidden = rng.standard_normal(9).astype(np.float32)
+    up = rng.standard_normal(12).astype(np.float32)
+    ref = [Capture("layer0_router", logits, "record", "layer0_router"), Capture("layer0_topk", ids, "ids", "layer0_topk"),
+           Capture("layer0_up", up, "record", "layer0_up"), Capture("layer0", hidden, "record", "layer0")]
+    factory.write_compiledump(tmp_path / "ref", ref, rank="x", pid=1)
+    for rank, part in enumerate(np.array_split(up, 2)):
+        caps = [Capture("layer0_router", logits, "record", "layer0_router"),  # replicated: every rank's gate
+                Capture("layer0_up", part, "record", "layer0_up"), Capture("layer0", hidden, "record", "layer0")]
+        manifest = factory.manifest_for(caps, rank, pid=10 + rank)
+        manifest.update(world_size=2, parallel={"tp_rank": rank, "tp_size": 2})
+        manifest["keys"]["layer0_up"]["shard"] = {"dim": 0, "how": "concat", "group": "tp"}
+        factory.write_compiledump(tmp_path / "run", caps, rank, 10 + rank, manifest=manifest)
+    report = compare(tmp_path / "ref", tmp_path / "run")
+    assert report.first_divergence is None
+    (pair,) = report.pairs
+    (derived,) = [record for record in pair.keys if record.key == "layer0_topk"]
+    assert not derived.divergent and [part.rank for part in derived.merge.ranks] == ["0"]
+    assert any("derived" in note for note in pair.notes)
+
+
+@pytest.mark.parametrize("rank_one_only", [False, True])
+def test_a_replicated_key_equal_on_every_rank_names_no_rank(tmp_path, rank_one_only):
+    """A bug on rank 1 alone before an all-reduce leaves both ranks bit-equal values after it: the
+    verdict said `worst rank 0`, the tie's first (a new user's TP bring-up). Equal copies now name
+    no rank; copies that differ still name the worst."""
+    rng = np.random.default_rng(8)
+    hidden, up = rng.standard_normal(16).astype(np.float32), rng.standard_normal(10).astype(np.float32)
+    factory.write_compiledump(tmp_path / "ref", [Capture("layer1_up", up, "record", "layer1_up"),
+                                                 Capture("layer1", hidden, "record", "layer1")], rank="x", pid=1)
+    broken = hidden * np.float32(1.5)
+    for rank, part in enumerate(np.array_split(up, 2)):
+        value = broken if rank == 1 or not rank_one_only else hidden
+        caps = [Capture("layer1_up", part, "record", "layer1_up"), Capture("layer1", value, "record", "layer1")]
+        manifest = factory.manifest_for(caps, rank, pid=10 + rank)
+        manifest.update(world_size=2, parallel={"tp_rank": rank, "tp_size": 2})
+        manifest["keys"]["layer1_up"]["shard"] = {"dim": 0, "how": "concat", "group": "tp"}
+        factory.write_compiledump(tmp_path / "run", caps, rank, 10 + rank, manifest=manifest)
+    report = compare(tmp_path / "ref", tmp_path / "run")
+    merge = report.first_divergence.merge
+    text = "\n".join(format_report(report))
+    if rank_one_only:
+        assert merge.worst_rank == "1" and not merge.identical and "on rank 1 only" in text
+    else:
+        assert merge.worst_rank is None and merge.identical
+        assert "bit-identical" in text and "worst rank" not in text
+        assert report.to_json()["pairs"][0]["first_divergence"]["identical_on_ranks"] is True
+
+
+def test_a_rank_whose_manifest_lost_its_declarations_is_not_compared_as_whole(tmp_path):
+    """Rank 0 declares a partial-sum shard and its tp coordinates; rank 1's manifest has neither (a
+    rank recovered from a crash before its declarations were journaled). Rank 1 was put in a set of
+    its own, and its partial sum compared with the whole value: a false divergence, exit 1 (a new
+    user's TP bring-up). Both ranks now form one set, and the key is a shard_mismatch."""
+    rng = np.random.default_rng(11)
+    whole, hidden = rng.standard_normal(12).astype(np.float32), rng.standard_normal(6).astype(np.float32)
+    factory.write_compiledump(tmp_path / "ref", [Capture("layer0_o", whole, "record", "layer0_o"),
+                                                 Capture("layer0", hidden, "record", "layer0")], rank="x", pid=1)
+    first = rng.standard_normal(12).astype(np.float32)
+    for rank, part in enumerate((first, whole - first)):
+        caps = [Capture("layer0_o", part, "record", "layer0_o"), Capture("layer0", hidden, "record", "layer0")]
+        manifest = factory.manifest_for(caps, rank, pid=10 + rank)
+        manifest["world_size"] = 2
+        if rank == 0:
+            manifest["parallel"] = {"tp_rank": 0, "tp_size": 2}
+            manifest["keys"]["layer0_o"]["shard"] = {"dim": None, "how": "sum", "group": "tp"}
+        factory.write_compiledump(tmp_path / "run", caps, rank, 10 + rank, manifest=manifest)
+    report = compare(tmp_path / "ref", tmp_path / "run")
+    assert report.first_divergence is None and report.exit_status != 1
+    (pair,) = report.pairs
+    assert pair.rank == "0+1"
+    assert [(p.kind, p.key) for p in pair.problems if p.kind == "shard_mismatch"] == [("shard_mismatch", "layer0_o")]
+
+
+def test_a_merged_side_with_a_recovered_rank_says_so(tmp_path):
+    """Only rank 0's manifest was read for the merged side's facts: rank 1 recovered after a kill
+    went without the note that the side ends where that process stopped."""
+    rng = np.random.default_rng(13)
+    up, hidden = rng.standard_normal(10).astype(np.float32), rng.standard_normal(6).astype(np.float32)
+    factory.write_compiledump(tmp_path / "ref", [Capture("layer0_up", up, "record", "layer0_up"),
+                                                 Capture("layer0", hidden, "record", "layer0")], rank="x", pid=1)
+    for rank, part in enumerate(np.array_split(up, 2)):
+        caps = [Capture("layer0_up", part, "record", "layer0_up"), Capture("layer0", hidden, "record", "layer0")]
+        manifest = factory.manifest_for(caps, rank, pid=10 + rank)
+        manifest.update(world_size=2, parallel={"tp_rank": rank, "tp_size": 2})
+        manifest["keys"]["layer0_up"]["shard"] = {"dim": 0, "how": "concat", "group": "tp"}
+        if rank == 1:
+            manifest["recovered"] = {"from": "x.live", "cause": "killed", "recovered_unix": 1.0, "torn_journal_line": False}
+        factory.write_compiledump(tmp_path / "run", caps, rank, 10 + rank, manifest=manifest)
+    report = compare(tmp_path / "ref", tmp_path / "run")
+    assert report.first_divergence is None
+    assert any(note.startswith("RUN was recovered") and "rank 1: killed" in note for note in report.notes)
