@@ -13,7 +13,7 @@
 //
 // A second use, for the tests (tests/export/test_cpp_flush.py): flush an arena and a control block
 // that a Python process captured into and saved raw (float32 and int32 words, as a `.live`
-// directory holds them), named by its plan, through COPIES separate compiledump::Dump objects
+// directory holds them), named by its plan, through COPIES compiledump::Dump objects alive together
 // (default 1), so that the C++ flush's dump is held equal to compiledump.flush()'s on any registry:
 //
 //   compiledump_aoti_driver --flush-snapshot PLAN.txt CONFIG.json CTRL.i32 ARENA.f32 OUT_DIR [COPIES]
@@ -25,6 +25,7 @@
 #include <iterator>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -89,11 +90,12 @@ void load_words(const std::string& path, at::Tensor& tensor) {
 int flush_snapshot(int argc, char** argv) {
   const compiledump::Plan plan = compiledump::Plan::parse(read_file(argv[2]), read_file(argv[3]));
   const int copies = argc == 8 ? std::stoi(argv[7]) : 1;
+  std::vector<std::unique_ptr<compiledump::Dump>> dumps;  // alive together, as an engine's arenas are
   for (int copy = 0; copy < copies; ++copy) {
-    compiledump::Dump dump(plan, at::kCPU);
-    load_words(argv[4], dump.ctrl());
-    load_words(argv[5], dump.arena());
-    std::cout << dump.flush(argv[6]) << std::endl;
+    dumps.push_back(std::make_unique<compiledump::Dump>(plan, at::kCPU));
+    load_words(argv[4], dumps.back()->ctrl());
+    load_words(argv[5], dumps.back()->arena());
+    std::cout << dumps.back()->flush(argv[6]) << std::endl;
   }
   return 0;
 }

@@ -56,6 +56,7 @@ class Dump {
   // Allocates the arena and the control block on `device` and sets the registers to their
   // defaults (capture enabled, max_rows from the plan, record row -1, step row 0).
   Dump(Plan plan, c10::Device device);
+  ~Dump();  // removes the name reservations of its flushes' directories
 
   at::Tensor& arena() { return arena_; }
   at::Tensor& ctrl() { return ctrl_; }

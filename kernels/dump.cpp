@@ -296,17 +296,32 @@ std::string Dump::flush(const std::string& dir) const {
 
   const std::filesystem::path out(dir);
   const std::string stem = stem_in(dir);
+  std::filesystem::create_directories(out);  // again: it may have been removed since the first flush
   const auto npz_path = out / (stem + ".npz");
   atomic_write(npz_path, zip_stored(members));  // npz first: a manifest never names a missing key
   atomic_write(out / (stem + ".json"), manifest);
-  // Its own files keep the name taken from now on (compiledump/capture/flush.py `_taken`).
-  std::filesystem::remove(out / ("." + stem + kClaimSuffix));
   return npz_path.string();
+}
+
+Dump::~Dump() {
+  // The name reservations (kept while this Dump lives: its dump may be moved away between flushes,
+  // and another Dump must not take the name meanwhile).
+  std::lock_guard<std::mutex> guard(stems_mutex_);
+  for (const auto& [directory, stem] : stems_) {
+    std::error_code ignored;
+    std::filesystem::remove(std::filesystem::path(directory) / ("." + stem + kClaimSuffix), ignored);
+  }
 }
 
 std::string Dump::stem_in(const std::string& dir) const {
   std::lock_guard<std::mutex> guard(stems_mutex_);
-  const std::string key = std::filesystem::absolute(dir).lexically_normal().string();
+  // One key per directory however it is spelled ("out", "out/", "./out"; symbolic links resolved
+  // where the directory exists, as the Python flush's journal does).
+  std::error_code error;
+  std::filesystem::path where = std::filesystem::weakly_canonical(std::filesystem::absolute(dir), error);
+  if (error) where = std::filesystem::absolute(dir).lexically_normal();
+  if (where.filename().empty()) where = where.parent_path();
+  const std::string key = where.string();
   const auto known = stems_.find(key);
   if (known != stems_.end()) return known->second;
   std::filesystem::create_directories(dir);
@@ -322,7 +337,7 @@ std::string Dump::stem_in(const std::string& dir) const {
     }
     if (taken) continue;
     // Reserved exclusively: of two Dumps choosing a name at the same moment, one moves on.
-    const int fd = ::open((path / ("." + stem + kClaimSuffix)).c_str(), O_CREAT | O_EXCL | O_WRONLY, 0644);
+    const int fd = ::open((path / ("." + stem + kClaimSuffix)).c_str(), O_CREAT | O_EXCL | O_WRONLY, 0666);
     if (fd < 0 && errno == EEXIST) continue;
     if (fd >= 0) ::close(fd);
     stems_[key] = stem;

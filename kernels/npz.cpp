@@ -97,7 +97,7 @@ std::string zip_stored(const std::vector<Member>& members) {
 void atomic_write(const std::filesystem::path& path, const std::string& content) {
   const std::filesystem::path tmp =
       path.parent_path() / ("." + path.filename().string() + "." + std::to_string(getpid()) + ".tmp");
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0666);  // less the umask, as Python's
   TORCH_CHECK(fd >= 0, "compiledump: cannot write ", tmp.string(), ": ", std::strerror(errno));
   size_t done = 0;
   while (done < content.size()) {
