@@ -11,7 +11,8 @@ import json
 
 from .. import config as _config
 from ..capture.arena import Runtime, Slot
-from ..capture.state import STATE
+from ..capture import persist
+from ..capture.state import STATE, warn_once
 from ..ops import layout as L
 from ..version import __version__
 
@@ -81,7 +82,7 @@ def restore_plan(text: str, rt: Runtime) -> None:
     if int(header["arena_words"]) != rt.arena.numel() or int(header["ctrl_words"]) != rt.ctrl.numel():
         raise RuntimeError("compiledump.aot: the package was exported for another arena size; "
                            "load it before any other capture")
-    past_capacity = []
+    past_capacity, restored = [], []
     for line in lines[1:]:
         kind_of_line, _, rest = line.partition(" ")
         if kind_of_line == "past_capacity":
@@ -96,10 +97,28 @@ def restore_plan(text: str, rt: Runtime) -> None:
             elif tag not in rt.overflow_tags:  # a plan written before plans gave the kind
                 rt.overflow_tags.append(tag)
         elif kind_of_line == "slot":
-            _restore_slot(rt, rest.split(" "))
+            restored += [slot for slot in (_restore_slot(rt, rest.split(" ")),) if slot is not None]
     for index, reason in past_capacity:  # after every slot line, whatever the order
         rt.by_index[int(index)].overflow = reason
     rt.used_words = max(rt.used_words, int(header["used_words"]))
+    if rt.live is not None:
+        _journal_restored(rt.live, restored)
+
+
+def _journal_restored(live, slots: list[Slot]) -> None:
+    """Journal the registry the plan restored, as captures journal theirs (the regions reserved on
+    disk first): a process that loaded a package and then died is recovered with its captures."""
+    for slot in slots:
+        live.write(persist.slot_event(slot))
+        if slot.payload_shape is not None and slot.offset >= 0 and slot.words:
+            try:
+                live.touch(slot.offset, slot.words * slot.capacity)
+            except OSError as error:
+                warn_once(f"no disk space for tag {slot.tag!r}'s region in {live.path} ({error.strerror}): after a "
+                          "crash, `compiledump recover` may find it torn")
+            live.write(persist.region_event(slot, slot.payload_shape))
+    for tag, reason in list(STATE.filtered_tags.items()):
+        live.write({"event": "filtered", "tag": tag, "reason": reason})
 
 
 def plan_header(text: str) -> dict[str, str]:
@@ -108,7 +127,8 @@ def plan_header(text: str) -> dict[str, str]:
                 if line and not line.startswith(("slot ", "past_capacity ", "filtered ", "overflow ")))
 
 
-def _restore_slot(rt: Runtime, f: list[str]) -> None:
+def _restore_slot(rt: Runtime, f: list[str]) -> Slot | None:
+    """The slot of one plan line, new to the registry (None: the registry had it)."""
     index, kind, order, offset, capacity = (int(v) for v in f[:5])
     source_dtype = None if f[5] == "-" else f[5]
     ndim = int(f[6])
@@ -120,9 +140,10 @@ def _restore_slot(rt: Runtime, f: list[str]) -> None:
     if existing is not None:
         if (existing.index, existing.offset, existing.payload_shape) != (index, offset, shape):
             raise RuntimeError(f"compiledump.aot: tag {tag!r} already has another arena region in this process")
-        return
+        return None
     slot = Slot(tag=tag, kind=kind, index=index, order=order, payload_shape=shape, offset=offset,
                        capacity=capacity, source_dtype=source_dtype, source_shape=source)
     rt.slots[(tag, kind == L.KIND_STEP)] = slot
     rt.by_index.setdefault(index, slot)
     rt.next_slot = max(rt.next_slot, index + 1)
+    return slot

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import os
 import re
 
 import torch
@@ -32,7 +33,7 @@ from ..ops import register, schemas
 from . import dispatch, layouts, mixers, parallel, persist, routers, signals
 from .arena import Runtime
 from .flush import dump_stem, flush, flush_at_exit, flush_if_changed, flush_on_signal, process_fields, remove_live_files
-from .state import STATE
+from .state import STATE, warn_once
 
 __all__ = ["clear", "configure", "dump_stem", "flush", "get_config", "init", "prepare_kernels", "record", "record_ids",
            "record_step", "reset"]
@@ -66,23 +67,40 @@ def configure(**settings) -> _config.Config:
             raise RuntimeError(
                 f"compiledump.configure: {sorted(changed)} cannot change after the arena was created"
             )
-        if STATE.config.active and (not new.active or new.dir != STATE.config.dir):
-            # Capture ends here, or goes on elsewhere: what it captured since the last flush goes
-            # to the directory it was captured for now (at exit capture is off, or its dump would
-            # be written into the other directory alone).
-            flush_if_changed()
-        if new.active:
-            rt.flushed_ctrl = None  # a new directory (or settings) gets its dump at exit
-        rt.config = new
-        rt.step_budget.layer_steps = new.layer_steps  # for the step tags whose regions are not claimed yet
-        if new.fixed_tokens:
-            rt.prompt_tokens = new.fixed_tokens
-        if new.max_rows != STATE.config.max_rows:
-            rt.set_register(L.REG_MAX_ROWS, new.max_rows)
+        # Held until the new settings are in force: a flush of another thread writes into one
+        # directory, under that directory's name, before or after the switch.
+        with STATE.flush_lock:
+            _switch(rt, new)
+            STATE.config = new
     STATE.config = new
     STATE.plans.clear()
     register_exit_flush()
     return new
+
+
+def _switch(rt: Runtime, new: _config.Config) -> None:
+    """Bring the runtime to the settings `new` (configure(), with the flush lock held)."""
+    old = STATE.config
+    if old.active and (not new.active or new.dir != old.dir):
+        # Capture ends here, or goes on elsewhere: what it captured since the last flush goes to
+        # the directory it was captured for now (at exit capture is off, or its dump would be
+        # written into the other directory alone).
+        try:
+            flush_if_changed()
+        except Exception as error:  # noqa: BLE001 - a full or vanished directory is why one switches
+            rt.flushed_ctrl = None  # what it held goes into the new directory's dump
+            warn_once(f"configure(dir={new.dir!r}): could not write the dump of {old.dir!r} first ({error}); "
+                      "its captures stay in the arena and are written with the new directory's dump")
+    elif new.active:
+        rt.flushed_ctrl = None  # switched on, or other settings: a dump at exit whatever was captured
+    rt.config = new
+    if rt.live is not None and new.dir != old.dir:  # recover tells a switch by the directory's real path
+        rt.live.write({"event": "dir", "dir_real": os.path.realpath(new.dir) if new.dir else None})
+    rt.step_budget.layer_steps = new.layer_steps  # for the step tags whose regions are not claimed yet
+    if new.fixed_tokens:
+        rt.prompt_tokens = new.fixed_tokens
+    if new.max_rows != old.max_rows:
+        rt.set_register(L.REG_MAX_ROWS, new.max_rows)
 
 
 def get_config() -> _config.Config:

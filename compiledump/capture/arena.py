@@ -188,7 +188,7 @@ class Runtime:
         else:
             self.next_slot += 1
         slot = Slot(tag=tag, kind=kind, index=index, order=len(self.slots))
-        self._journal({"event": "slot", "tag": tag, "kind": kind, "index": index, "order": slot.order})
+        self._journal(persist.slot_event(slot))
         self.slots[(tag, is_step)] = slot
         self.by_index.setdefault(index, slot)
         return slot
@@ -314,10 +314,7 @@ class Runtime:
                     warn_once(f"no disk space for tag {slot.tag!r}'s region in {self.live.path} "
                               f"({error.strerror}): its captures are counted as arena_full")
             # Journaled before the kernel stores anything in the region: recover can read it.
-            self.live.write({"event": "region", "index": slot.index, "kind": slot.kind, "payload": list(payload),
-                             "offset": slot.offset, "capacity": capacity, "overflow": slot.overflow,
-                             "source_dtype": slot.source_dtype,
-                             "source_shape": slot.source_shape})
+            self.live.write(persist.region_event(slot, payload))
         # Set last: another thread may read payload_shape without the lock.
         slot.payload_shape = payload
 

@@ -16,6 +16,7 @@ import torch
 
 from .. import config as _config
 from ..format import spec, writer
+from ..format.files import name_taken
 from ..ops import layout as L
 from ..ops.register import KERNEL_LOCK
 from ..version import __version__
@@ -60,26 +61,27 @@ def dump_stem() -> str:
     dump directory already holds files of that name that another process left (a container's
     process restarted with the same pid, or a replica with the same rank and pid in another pid
     namespace): its dump, or its crash-proof files awaiting `compiledump recover`, are never
-    overwritten or removed."""
-    rank, pid, directory = _rank(), os.getpid(), STATE.config.dir
+    overwritten or removed. The first call for a directory reserves the name there: a hidden
+    `.<stem>.claim` file, removed at exit."""
+    return stem_in(STATE.config.dir)
+
+
+def stem_in(directory: str | None) -> str:
+    """`dump_stem()` for `directory` (a flush reads the directory once: configure() may switch it)."""
+    rank, pid = _rank(), os.getpid()
     if not directory:
         return spec.dump_stem(rank, pid)
-    key = (os.path.abspath(directory), rank, pid)
+    key = (os.path.realpath(directory), rank, pid)  # one name however the directory is spelled
     stem = _CLAIMED.get(key)
     if stem is None:
         copy = 1
         while True:
             stem = spec.dump_stem(rank, pid, copy)
-            if not _taken(directory, stem) and _claim(directory, stem):
+            if not name_taken(directory, stem) and _claim(directory, stem):
                 break
             copy += 1
         _CLAIMED[key] = stem
     return stem
-
-
-def _taken(directory: str, stem: str) -> bool:
-    return any(os.path.lexists(os.path.join(directory, stem + suffix))
-               for suffix in (".npz", ".json", spec.LIVE_SUFFIX))
 
 
 def _claim(directory: str, stem: str) -> bool:
@@ -140,6 +142,7 @@ def _flush(wait_for_captures: bool, unless_unchanged: bool = False) -> str | Non
         rt = STATE.runtime
         if not st.config.active or rt is None or not rt.slots:
             return None
+        directory = st.config.dir  # read once: configure() may switch it meanwhile
         locked = st.lock.acquire(blocking=wait_for_captures)
         # CPU captures run on the calling thread: the kernel lock keeps a capture of another
         # thread from being half-written in the snapshot. (CUDA: the snapshot synchronizes.)
@@ -153,7 +156,7 @@ def _flush(wait_for_captures: bool, unless_unchanged: bool = False) -> str | Non
             # clear() or configure() since) means the last dump written holds everything, unless
             # its file name changed (the rank became known) or the host-side declarations the
             # manifest carries did (a filtered tag, set_parallel, declare_shard, declare_router).
-            written = (dump_stem(), ctrl.tobytes(), _declarations(rt))
+            written = (stem_in(directory), ctrl.tobytes(), _declarations(rt))
             if unless_unchanged and written == rt.flushed_ctrl:
                 return None
             arrays, manifest = _collect(rt, arena, ctrl)
@@ -163,9 +166,9 @@ def _flush(wait_for_captures: bool, unless_unchanged: bool = False) -> str | Non
             if locked:
                 st.lock.release()
         _warn_drops(manifest)
-        path = writer.write_dump(st.config.dir, written[0], arrays, manifest)
+        path = writer.write_dump(directory, written[0], arrays, manifest)
         if rt.live is not None:
-            rt.live.note_flush(st.config.dir, written[0], ctrl_digest(np.frombuffer(written[1], dtype=np.int32)))
+            rt.live.note_flush(directory, written[0], ctrl_digest(np.frombuffer(written[1], dtype=np.int32)))
         rt.flushed_ctrl = written
         st.dumps_written += 1
         return str(path)

@@ -73,8 +73,8 @@ def set_parallel(**groups: int) -> dict[str, int]:
             raise ValueError(f"compiledump.set_parallel: {name} must be positive")
     with STATE.lock:
         STATE.parallel_groups = dict(groups)
+        _journal_change()
     observe_distributed()
-    _journal_change()
     return dict(groups)
 
 
@@ -114,7 +114,7 @@ def declare_shard(tags: str, dim: int | None = None, how: str = "concat", group:
     spec = ShardSpec(tags, dim, how, group)
     with STATE.lock:
         STATE.shards.append((compiled, spec))
-    _journal_change()
+        _journal_change()
     return spec
 
 
@@ -123,7 +123,7 @@ def withdraw_shard(tags: str) -> None:
     before: its tags may mean other values in this one)."""
     with STATE.lock:
         STATE.shards[:] = [(compiled, spec) for compiled, spec in STATE.shards if spec.pattern != tags]
-    _journal_change()
+        _journal_change()
 
 
 def journal_parallel(live) -> None:
@@ -136,6 +136,8 @@ def journal_parallel(live) -> None:
 
 
 def _journal_change() -> None:
+    """Journal the declarations as they are now (called with the registry lock held: of two
+    threads' declarations, the journal's last event holds both)."""
     live = getattr(STATE.runtime, "live", None)
     if live is not None:
         journal_parallel(live)

@@ -179,6 +179,8 @@ class LiveFiles:
         keeps their pages pinned until then, and a runtime created again maps new files, maybe at
         the same address (registered twice, refused). Waits for the device first: captures still
         queued write through the mapping. The arena in use afterwards would be the host's own."""
+        if os.getpid() != getattr(self, "owner", os.getpid()):
+            return  # a forked child: the registration is its parent's (and CUDA is unusable here)
         for host, name in ((self.host_arena, "arena"), (self.host_ctrl, "ctrl")):
             mapped = getattr(self, name)
             if mapped is None or host is None or mapped is host:
@@ -217,6 +219,20 @@ def _reserve(path: Path, offset: int, length: int) -> None:
             os.posix_fallocate(fd, offset, length)
         finally:
             os.close(fd)
+
+
+def slot_event(slot) -> dict:
+    """A registry slot (capture/collect.py `Slot`) as the journal holds it: recover.py `_registry`
+    reads it back."""
+    return {"event": "slot", "tag": slot.tag, "kind": slot.kind, "index": slot.index, "order": slot.order}
+
+
+def region_event(slot, payload: tuple) -> dict:
+    """A slot's arena region as the journal holds it, written before the kernel stores anything
+    in the region."""
+    return {"event": "region", "index": slot.index, "kind": slot.kind, "payload": list(payload), "offset": slot.offset,
+            "capacity": slot.capacity, "overflow": slot.overflow, "source_dtype": slot.source_dtype,
+            "source_shape": slot.source_shape}
 
 
 class CudaErrorNotCleared(Exception):

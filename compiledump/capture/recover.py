@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ..format import spec, writer
-from ..format.files import manifest_of
+from ..format.files import manifest_of, next_free_stem
 from ..format.routers import captured_routers
 from ..ops import layout as L
 from . import parallel
@@ -98,6 +98,16 @@ def _last_flush(events: list[dict], live: Path) -> tuple[int, dict | None]:
         if event.get("event") == "flushed" and event.get("dir") in (None, here):
             return index, event
     return -1, None
+
+
+def _switched_to(events: list[dict], live: Path) -> str | None:
+    """The other directory `events` last switched capture to (configure(dir=...)), or None when
+    they end in the directory of `live` or with capture off."""
+    here, last = os.path.realpath(live.parent), None
+    for event in events:
+        if event.get("event") == "dir":
+            last = event["dir_real"]
+    return last if last not in (None, here) else None
 
 
 def _complete_dump(live: Path, events: list[dict], ctrl: np.ndarray | None = None) -> Path | None:
@@ -231,8 +241,9 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
     if ctrl.size < L.control_words(0):
         raise RecoverError(f"{live}: control block of {ctrl.size} words")
     # The name the process's last flush wrote under (its rank became known), else the directory's.
-    _, flushed = _last_flush(events, live)
+    flushed_at, flushed = _last_flush(events, live)
     stem = flushed["stem"] if flushed else live.name[: -len(spec.LIVE_SUFFIX)]
+    elsewhere = _switched_to(events[flushed_at + 1 :], live)
     # The faulthandler report outlives the directory: its stack is what a crash's user reads next.
     kept_report = live.parent / f"{stem}{FAULT_SUFFIX}"
     fault = fault_report(live)
@@ -252,6 +263,12 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
         raise RecoverError(f"{live}: arena file of {arena.size} words, regions up to {used}")
     got = collect(slots, overflow, arena, ctrl, prompt)
     known = _annotations(live.parent / f"{stem}.npz", start)
+    if elsewhere is not None:
+        # Captured for another directory since that flush (configure(dir=...)): beside its dump,
+        # which holds what this directory's captures were, not over it.
+        stem = next_free_stem(live.parent, stem) if flushed else stem
+        result.notes.append(f"the process switched capture to {elsewhere} after its last flush here: what it "
+                            f"captured since (and, unless it called clear(), before) is written as {stem}.npz")
     if declarations.parallel is not None:  # the journal's, newer than any flush's (and there without one)
         groups, shards = declarations.parallel
         known["parallel"] = parallel.manifest_fields(got.keys, lambda message: result.notes.append(message),

@@ -6,11 +6,15 @@ recover` wrote of a process that died beside the one its rerun flushed. "Newest"
 time, not the file's: a manifest's `created_unix` (a recovered dump's is the dead process's start,
 so the recovery, done later, does not make the crashed run the newest), else the file's
 modification time (a file without a manifest).
+
+Also which names a directory's files hold (`name_taken`, `next_free_stem`): a writer never replaces
+another process's dump or crash-proof files.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,3 +80,21 @@ def _run_time(npz: Path) -> float:
     """When the run that wrote `npz` wrote it: its manifest's `created_unix`, else the file's time."""
     created = manifest_of(npz).get("created_unix")
     return float(created) if isinstance(created, (int, float)) else npz.stat().st_mtime
+
+
+def name_taken(directory: str | Path, stem: str) -> bool:
+    """Whether `directory` holds a dump, or crash-proof files, named `stem` (a link counts, even a
+    dangling one)."""
+    return any(os.path.lexists(os.path.join(directory, stem + suffix)) for suffix in (".npz", ".json", spec.LIVE_SUFFIX))
+
+
+def next_free_stem(directory: str | Path, stem: str) -> str:
+    """The first `<rank/pid stem>_<n>` after `stem` that `directory` holds nothing of (a dump the
+    same process wrote is not to be replaced: recover after a switch of directory)."""
+    named = spec.DUMP_NAME.match(f"{stem}.npz")
+    if named is None:
+        return f"{stem}_recovered"
+    copy = int(named["copy"] or 1) + 1
+    while name_taken(directory, spec.dump_stem(named["rank"], int(named["pid"]), copy)):
+        copy += 1
+    return spec.dump_stem(named["rank"], int(named["pid"]), copy)

@@ -24,8 +24,12 @@ def _atomic_write(path: Path, write) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         # mkstemp makes the file 0600: readable by its writer alone, so a dump a container's root
-        # or a service account wrote could not be compared by its user. As open() would make it.
-        os.fchmod(fd, 0o666 & ~_umask())
+        # or a service account wrote could not be compared by its user. As open() would make it
+        # (where the filesystem takes modes at all).
+        try:
+            os.fchmod(fd, 0o666 & ~_umask())
+        except OSError:
+            pass
         with os.fdopen(fd, "wb") as handle:
             write(handle)
             handle.flush()
@@ -40,8 +44,9 @@ def _atomic_write(path: Path, write) -> None:
 
 
 def _umask() -> int:
-    """The process's umask, read without changing it (os.umask sets it, racing other threads'
-    file creation) where Linux reports it."""
+    """The process's umask, read without changing it where Linux reports it (/proc, Linux 4.7 and
+    later); elsewhere os.umask's set-and-restore, during which a file another thread creates gets
+    the mode 022 gives."""
     try:
         with open("/proc/self/status") as status:
             for line in status:

@@ -111,6 +111,19 @@ def test_reset_unregisters_the_mapping(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_reset_in_a_forked_child_leaves_the_parents_registration(tmp_path, monkeypatch):
+    """A forked child's reset() called CUDA (unusable there) to undo its parent's registration."""
+    mapped, unmapped, synchronized = _mapping_stand_ins(monkeypatch)
+    live = persist.open_live(str(tmp_path), "run", CUDA, 4096, 64, {})
+    monkeypatch.setattr(live, "owner", os.getpid() + 1)  # as a forked child sees its parent's files
+    live.unmap()
+    assert unmapped == [] and synchronized == [] and live.arena is not live.host_arena
+    monkeypatch.setattr(live, "owner", os.getpid())
+    live.unmap()
+    assert len(unmapped) == 2
+    live.remove()
+
+
 def test_an_error_that_cannot_be_reset_is_raised_not_swallowed(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "cudart", RefusingCudart)
     monkeypatch.setattr(persist, "_clear_cuda_error", lambda: False)

@@ -12,6 +12,7 @@ import functools
 import importlib.util
 import json
 import re
+import shutil
 import subprocess
 import sys
 import warnings
@@ -24,6 +25,7 @@ import torch
 import compiledump
 from compiledump import aot
 from compiledump.ops import native, schemas
+from compiledump.capture.recover import recover_live
 from compiledump.capture.state import STATE
 from compiledump.ops import layout as L
 from compiledump.demo.model import ModelConfig, TinyMoE, export_session, run_session, session_forward
@@ -353,6 +355,13 @@ def test_aoti_corner_cases(tmp_path):
         manifest = _manifest(exported)
         assert manifest["keys"]["scalar_0"]["shape"] == [] and manifest["tags"]["hidden"]["drops"] == {"token_gate": 2}
         assert manifest["drops"]["tag_table_full"] == 4 and manifest["tags"]["layer0_step_<n>"]["drops"] == {"layer_steps": 2}
+        # The crash-proof files of a process that loaded the package: the registry the plan restored
+        # was never journaled, so recover after a crash found no tag (a review). A copy of them,
+        # recovered as a dead process's, gives the dump the flush wrote.
+        dead = tmp_path / "dead"
+        shutil.copytree(STATE.runtime.live.path, dead / STATE.runtime.live.path.name)
+        recovered = recover_live(dead / STATE.runtime.live.path.name, force=True)
+        assert sorted(_manifest(str(recovered.npz))["keys"]) == sorted(manifest["keys"])
     finally:
         compiledump.reset()
         compiledump.configure(**dataclasses.asdict(previous))  # not tokens=0: later tests in this process

@@ -26,3 +26,15 @@ def test_dump_files_follow_the_umask_as_numpy_savez_does(tmp_path, umask):
     assert seed_mode == 0o666 & ~umask
     for path in (npz, npz.with_suffix(".json")):
         assert stat.S_IMODE(path.stat().st_mode) == seed_mode, path.name
+
+
+def test_a_filesystem_that_refuses_the_mode_still_gets_the_dump(tmp_path, monkeypatch):
+    """fchmod failing (a filesystem without Unix modes) failed the whole dump."""
+    def refuse(fd, mode):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "fchmod", refuse)
+    arrays = {"a": np.random.default_rng(1).standard_normal(4).astype(np.float32)}
+    npz = writer.write_dump(tmp_path, "compiledump_rank0_pid1", arrays, writer.build_manifest(keys={}, tags={}, drops={}))
+    with np.load(npz) as data:
+        np.testing.assert_array_equal(data["a"], arrays["a"])
