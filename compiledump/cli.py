@@ -15,12 +15,11 @@ import re
 import sys
 from typing import Callable
 
+# Exit statuses (docs/compare.md); compare's own 1 (a divergence) and 3 (not everything comparable or
+# judged) are its report's (compare/report.py `Report.exit_status`).
 EXIT_OK = 0
-EXIT_DIVERGENCE = 1
 EXIT_UNUSABLE = 2
-# compare: no divergence among the keys compared, but some were not comparable or not compared, or
-# expert ids differ where no reference router logits judge them.
-EXIT_NOT_COMPARABLE = 3
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 
 
 # `--json -`: the JSON on stdout (for a pipe into jq), the text report on stderr.
@@ -326,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     except (DumpError, DemoError) as exc:
         return _error(str(exc))
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

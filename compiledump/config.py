@@ -50,7 +50,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "`instrument` records, so "
            "that a decode-only bug is named at its layer and sublayer); later ones are counted as `layer_steps` (a "
            "filter). The same limit holds for a hand-written `record_step` tag of these names (and `_shared_mlp_step`), whoever "
-           "records it; the sublayers' states also share an eighth of the arena. `0`: `instrument` records none. "
+           "records it; the sublayers' states also share an eighth of the arena. `0`: `instrument` records none (a "
+           "hand-written one then keeps `COMPILEDUMP_MAX_STEPS`). "
            "Capped by `COMPILEDUMP_MAX_STEPS`. Set by `configure()` after the arena exists, it applies to the step "
            "tags not captured yet", "layer_steps"),
     EnvVar("COMPILEDUMP_ARENA_MB", "256", "device arena size in MiB (all captures of a run); a tag that does "

@@ -336,7 +336,7 @@ def _make_plan(tag, kind, moe_filtered, layout_declared, device):
         if (live := getattr(STATE.runtime, "live", None)) is not None:  # for recover: only the manifest says it
             live.write({"event": "filtered", "tag": tag, "reason": "moe_layers"})
         return (-1, 0)
-    rt = _runtime_for(torch.device(device), tag)
+    rt = _runtime_or_create(torch.device(device), tag)
     slot = rt.slot_for(tag, kind)
     if layout_declared:
         rt.layout_declared.add(tag)
@@ -345,7 +345,7 @@ def _make_plan(tag, kind, moe_filtered, layout_declared, device):
     return (slot.index, 0)
 
 
-def _runtime_for(device: torch.device, tag: str) -> Runtime:
+def _runtime_or_create(device: torch.device, tag: str) -> Runtime:
     rt = STATE.runtime
     if rt is None:
         rt = _create_runtime(STATE.device or _normalize_device(device))

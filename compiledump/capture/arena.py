@@ -21,7 +21,7 @@ from .. import config as _config
 from ..format import spec
 from ..ops import layout as L
 from ..ops import register, schemas, variants
-from ..ops.geometry import TOKEN_GATED_KINDS, payload_shape
+from ..ops.geometry import TOKEN_GATED_KINDS, payload_shape, token_gated
 from . import layouts, persist
 from .collect import Slot
 from .step_budget import StepBudget
@@ -260,9 +260,8 @@ class Runtime:
                 x.dim() == 3 and kind == L.KIND_RECORD and tag not in self.layout_declared
                 and layouts.doubtful_hc_reading(tuple(x.shape), None)):
             self.prompt_tokens = tokens
-        if not self.config.tokens:  # 0: the gate is off
-            return False
-        return self.prompt_tokens is not None and tokens != self.prompt_tokens
+        # COMPILEDUMP_TOKENS=0 (or no prompt length yet): the gate is off
+        return token_gated(x.shape, kind, (self.prompt_tokens or 0) if self.config.tokens else 0)
 
     def place(self, index: int, kind: int, x: torch.Tensor) -> tuple[int, list, int]:
         """Claim the tag's region while a program is exported: (offset, payload shape, capacity).

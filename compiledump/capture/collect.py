@@ -14,6 +14,7 @@ What a slot's words say (ops/layout.py):
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -140,6 +141,13 @@ def collect(slots, overflow_tags, arena: np.ndarray, ctrl: np.ndarray, prompt_to
                 tags[tag] = {"tag": tag, "kind": None, **lost}
     first = min(bad, key=lambda item: item[:2])[2] if bad else None
     return Collected(arrays, keys, tags, totals, first)
+
+
+def ctrl_digest(ctrl: np.ndarray) -> str:
+    """A digest of a control block's slot words (every capture's counters and commits; not the
+    registers set_rows, set_gather_rows and profiling() write between steps): a flush journals
+    the one it read, so that recover can tell that nothing was captured after it."""
+    return hashlib.sha1(np.ascontiguousarray(ctrl[L.HEADER_WORDS :], dtype=np.int32).tobytes()).hexdigest()
 
 
 def _kept(slot, written: int, committed: int) -> tuple[int, int, int]:

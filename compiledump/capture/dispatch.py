@@ -17,7 +17,7 @@ from .arena import Runtime
 from .state import STATE
 
 
-def _runtime_for(x: torch.Tensor, arena: torch.Tensor, ctrl: torch.Tensor) -> Runtime:
+def _runtime_of(x: torch.Tensor, arena: torch.Tensor, ctrl: torch.Tensor) -> Runtime:
     # The region table is the process's runtime; the tensors passed in are normally its own
     # (opcheck passes same-sized clones, which is fine: the op writes where it is told).
     rt = STATE.runtime
@@ -35,11 +35,11 @@ def _runtime_for(x: torch.Tensor, arena: torch.Tensor, ctrl: torch.Tensor) -> Ru
 
 
 def _capture_cpu(x, arena, ctrl, slot, kind, reason):
-    register.run_cpu_kernel(x, arena, ctrl, kind, _runtime_for(x, arena, ctrl).resolve(slot, kind, x, reason))
+    register.run_cpu_kernel(x, arena, ctrl, kind, _runtime_of(x, arena, ctrl).resolve(slot, kind, x, reason))
 
 
 def _capture_cuda(x, arena, ctrl, slot, kind, reason):
-    register.run_cuda_kernel(x, arena, ctrl, kind, _runtime_for(x, arena, ctrl).resolve(slot, kind, x, reason))
+    register.run_cuda_kernel(x, arena, ctrl, kind, _runtime_of(x, arena, ctrl).resolve(slot, kind, x, reason))
 
 
 # `capture_resolve_v1` is the Python implementation the native `capture_v1` falls back to for a

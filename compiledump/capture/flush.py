@@ -22,7 +22,6 @@ from ..ops.register import KERNEL_LOCK
 from ..version import __version__
 from . import collect, mixers, parallel, routers
 from .arena import Runtime
-from .recover import ctrl_digest
 from .state import STATE, warn_once
 
 _flush_depth = 0  # flushes in progress that hold STATE.flush_lock (changed only by its owner)
@@ -168,7 +167,7 @@ def _flush(wait_for_captures: bool, unless_unchanged: bool = False) -> str | Non
         _warn_drops(manifest)
         path = writer.write_dump(directory, written[0], arrays, manifest)
         if rt.live is not None:
-            rt.live.note_flush(directory, written[0], ctrl_digest(np.frombuffer(written[1], dtype=np.int32)))
+            rt.live.note_flush(directory, written[0], collect.ctrl_digest(np.frombuffer(written[1], dtype=np.int32)))
         rt.flushed_ctrl = written
         st.dumps_written += 1
         return str(path)

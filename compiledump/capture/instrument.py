@@ -228,10 +228,12 @@ def instrument(model: torch.nn.Module, taps: dict[str, str] | None = None, *, de
     prefill included), with the routing of that position in each MoE layer the MoE layer filter keeps
     (`layer<i>_step_router_<n>`, `layer<i>_step_topk_<n>`: two captures per such layer and forward,
     which `step_routing=False` leaves out; without them the comparator cannot tell a decode step's
-    routing flip from a bug), and each layer's output, the stream after its attention and its MLP's
-    output at that position (`layer<i>_step_<n>`, `layer<i>_attn_step_<n>`, `layer<i>_mlp_step_<n>`,
-    of the first COMPILEDUMP_LAYER_STEPS forwards; three more captures per layer and forward, which
-    `step_states=False` leaves out), so that a decode-only bug is named at its layer and sublayer. `exclude`
+    routing flip from a bug), and each layer's output, the stream after its attention, attention's
+    own output and its MLP's output at that position (`layer<i>_step_<n>`, `layer<i>_attn_step_<n>`,
+    `layer<i>_mixer_step_<n>`, `layer<i>_mlp_step_<n>`, and `layer<i>_shared_mlp_step_<n>` where a
+    shared MLP or expert is recorded, of the first COMPILEDUMP_LAYER_STEPS forwards; four or five
+    more captures per layer and forward, which `step_states=False` leaves out), so that a decode-only
+    bug is named at its layer and sublayer. `exclude`
     leaves tags out, `{i}` standing for every layer: `exclude=("layer{i}_mlp",)` (a tag takes its
     steps along: `layer{i}` its `layer<i>_step_<n>`, `layer{i}_router` its picks and step routing);
     a pattern that matches no tag raises `ValueError`. In compiled bf16 code a capture can move a

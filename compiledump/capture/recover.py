@@ -11,7 +11,6 @@ slicing as `flush()` (capture/collect.py: a write that was claimed but not commi
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -27,7 +26,7 @@ from ..format.files import manifest_of, next_free_stem
 from ..format.routers import captured_routers
 from ..ops import layout as L
 from . import parallel
-from .collect import Slot, collect
+from .collect import Slot, collect, ctrl_digest
 
 # A recovered dump's faulthandler report, kept beside it: `<stem>.fault.txt`.
 FAULT_SUFFIX = ".fault.txt"
@@ -60,13 +59,6 @@ def process_start_time(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[19])
 
 
-def ctrl_digest(ctrl: np.ndarray) -> str:
-    """A digest of a control block's slot words (every capture's counters and commits; not the
-    registers set_rows, set_gather_rows and profiling() write between steps): a flush journals
-    the one it read, so that recover can tell that nothing was captured after it."""
-    return hashlib.sha1(np.ascontiguousarray(ctrl[L.HEADER_WORDS :], dtype=np.int32).tobytes()).hexdigest()
-
-
 def leftovers(directory: str | os.PathLike) -> list[Path]:
     """The `<stem>.live/` directories in `directory` (not recursive)."""
     path = Path(directory)
@@ -80,11 +72,11 @@ def dead_leftovers(directory: str | os.PathLike) -> list[Path]:
     found = []
     for live in leftovers(directory):
         try:
-            start, _events, _torn = read_journal(live)
+            start, events, _torn = read_journal(live)
         except RecoverError:
             found.append(live)  # unreadable: recover will say why
             continue
-        if not running(start) and _complete_dump(live, _events) is None:
+        if not running(start) and _complete_dump(live, events) is None:
             found.append(live)
     return found
 

@@ -11,8 +11,10 @@ Locks:
   and the creation of the arena. Held only for host bookkeeping, never across a kernel.
 - `STATE.flush_lock` (reentrant) makes one flush at a time, so the npz and the manifest on disk
   come from one snapshot; a signal handler may flush on the main thread while it is flushing.
-The kernel lock (ops/register.py KERNEL_LOCK) is the device layer's: a CPU capture holds it
-while it counts and writes.
+The kernel lock (ops/register.py KERNEL_LOCK) is the device layer's: a CPU capture of the Python
+kernels holds it while it counts and writes; one the native library serves (capture_v1 from its
+region table) holds the library's C++ lock instead (kernels/capture.h `capture_mutex()`), which
+the native snapshot takes too.
 """
 
 from __future__ import annotations

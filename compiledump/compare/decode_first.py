@@ -49,7 +49,7 @@ def prompt_layer(prefill: Divergence) -> float | None:
     prompt's logits) is past all of them; None for one before them or of no layer."""
     if prefill.layer is not None:
         return prefill.layer
-    return math.inf if after_the_layers(prefill.key) or prefill.key == "logits" else None
+    return math.inf if after_the_layers(prefill.key) else None
 
 
 def decode_before_prompt_layer(floats: list[KeyRecord], prefill: Divergence | None, fed_alike: float

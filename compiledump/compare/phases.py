@@ -20,7 +20,7 @@ from ..format.reader import Dump, preview
 from ..format import spec
 from ..format.spec import NOT_RECURRENT_MIXERS
 
-RECORD_KINDS = ("record", "record_once")
+RECORD_KIND_NAMES = ("record", "record_once")
 
 
 def tokens_text(count: int) -> str:
@@ -98,7 +98,7 @@ def mixed_phase_keys(dump: Dump) -> tuple[list[str], Counter, Counter]:
             ids_tokens.setdefault(info.layer, set()).add(info.tokens)
     keys, record_counts, ids_counts = [], Counter(), Counter()
     for info in order_key_infos(list(dump.infos.values())):
-        if info.kind in RECORD_KINDS and info.layer in ids_tokens and info.tokens is not None \
+        if info.kind in RECORD_KIND_NAMES and info.layer in ids_tokens and info.tokens is not None \
                 and info.tokens not in ids_tokens[info.layer]:
             keys.append(info.key)
             record_counts[info.tokens] += 1
@@ -308,8 +308,9 @@ def unrecorded_routing_note(ref: Dump, run: Dump) -> str | None:
 
 
 def after_the_layers(key: str) -> bool:
-    """Whether `key` (a key of no layer) comes after every layer: the final norm, a step's logits."""
-    return key == "final_norm" or (spec.split_step_key(key) or ("",))[0] == "logits"
+    """Whether `key` (a key of no layer) comes after every layer: the final norm, the prompt's or a
+    step's logits."""
+    return key in ("final_norm", "logits") or (spec.split_step_key(key) or ("",))[0] == "logits"
 
 
 def first_cautions(ref: Dump, run: Dump, key: str, layer: int | None, klass: str | None) -> list[tuple[str, str]]:

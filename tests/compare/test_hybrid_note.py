@@ -213,10 +213,11 @@ def test_the_verdict_line_carries_the_caution_a_setting_can_remove_first():
     assert "COMPILEDUMP_MOE_LAYERS=4" in found[0][0] and "mamba" in found[1][0]
 
 
-@pytest.mark.parametrize("key", ["final_norm", "logits_3"])
+@pytest.mark.parametrize("key", ["final_norm", "logits_3", "logits"])
 def test_a_divergence_after_every_layer_gets_the_models_caution_too(key):
     """The final norm and the logits come after every layer: a hybrid model's or a hyper-connection
-    model's caution applies there as the unrecorded routing's does (a review: they had none)."""
+    model's caution applies there as the unrecorded routing's does (a review: they had none; the
+    prompt's `logits`, which the built-in model records, had none until a later review)."""
     from types import SimpleNamespace
     from compiledump.compare.phases import first_cautions
 
