@@ -296,7 +296,12 @@ std::string Dump::flush(const std::string& dir) const {
 
   const std::filesystem::path out(dir);
   const std::string stem = stem_in(dir);
-  std::filesystem::create_directories(out);  // again: it may have been removed since the first flush
+  if (std::filesystem::create_directories(out)) {
+    // Removed since the first flush: the reservation goes back with it (another Dump could take
+    // the name otherwise).
+    const int fd = ::open((out / ("." + stem + kClaimSuffix)).c_str(), O_CREAT | O_WRONLY, 0666);
+    if (fd >= 0) ::close(fd);
+  }
   const auto npz_path = out / (stem + ".npz");
   atomic_write(npz_path, zip_stored(members));  // npz first: a manifest never names a missing key
   atomic_write(out / (stem + ".json"), manifest);

@@ -20,6 +20,7 @@ What happens where, and why:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import os
 import re
@@ -67,9 +68,11 @@ def configure(**settings) -> _config.Config:
             raise RuntimeError(
                 f"compiledump.configure: {sorted(changed)} cannot change after the arena was created"
             )
-        # Held until the new settings are in force: a flush of another thread writes into one
-        # directory, under that directory's name, before or after the switch.
-        with STATE.flush_lock:
+        # A switch of directory holds the flush lock until the new settings are in force: a flush
+        # of another thread writes into one directory, under that directory's name, before or
+        # after it. (Other settings take no lock: configure() may run in a signal handler.)
+        switching = new.dir != STATE.config.dir or new.active != STATE.config.active
+        with STATE.flush_lock if switching else contextlib.nullcontext():
             _switch(rt, new)
             STATE.config = new
     STATE.config = new

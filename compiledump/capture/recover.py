@@ -81,35 +81,35 @@ def dead_leftovers(directory: str | os.PathLike) -> list[Path]:
     return found
 
 
-def _last_flush(events: list[dict], live: Path) -> tuple[int, dict | None]:
+def _last_flush(events: list[dict], live: Path, anywhere: bool = False) -> tuple[int, dict | None]:
     """(index, event) of the last flush into the directory of `live` (configure(dir=...) may have
-    moved the dumps; the journal holds the directory's real path), or (-1, None)."""
+    moved the dumps; the journal holds the directory's real path), or into any directory, or
+    (-1, None)."""
     here = os.path.realpath(live.parent)
     for index in range(len(events) - 1, -1, -1):
         event = events[index]
-        if event.get("event") == "flushed" and event.get("dir") in (None, here):
+        if event.get("event") == "flushed" and (anywhere or event.get("dir") in (None, here)):
             return index, event
     return -1, None
 
 
 def _switched_to(events: list[dict], live: Path) -> str | None:
-    """The other directory `events` last switched capture to (configure(dir=...)), or None when
-    they end in the directory of `live` or with capture off."""
-    here, last = os.path.realpath(live.parent), None
-    for event in events:
-        if event.get("event") == "dir":
-            last = event["dir_real"]
-    return last if last not in (None, here) else None
+    """The first other directory `events` switched capture to (configure(dir=...)), or None: what
+    was captured after such a switch may be another directory's, whatever came later."""
+    here = os.path.realpath(live.parent)
+    return next((event["dir_real"] for event in events if event.get("event") == "dir"
+                 and event.get("dir_real") not in (None, here)), None)
 
 
 def _complete_dump(live: Path, events: list[dict], ctrl: np.ndarray | None = None) -> Path | None:
-    """The dump the process's last flush wrote, when nothing was captured after it (the control
-    block is the one it read, and no clear() came after it: a cleared block can count the same
-    again) and it is still there; else None."""
-    index, flushed = _last_flush(events, live)
+    """The dump the process's last flush wrote (into the directory of `live`, or, after a switch of
+    directory, into another), when nothing was captured after it (the control block is the one
+    it read, and no clear() came after it: a cleared block can count the same again) and it is
+    still there; else None."""
+    index, flushed = _last_flush(events, live, anywhere=True)
     if flushed is None or any(event.get("event") == "clear" for event in events[index + 1 :]):
         return None
-    npz = live.parent / f"{flushed['stem']}.npz"
+    npz = Path(flushed.get("dir") or live.parent) / f"{flushed['stem']}.npz"
     if not (npz.is_file() and npz.with_suffix(".json").is_file()):
         return None
     if ctrl is None:
@@ -246,7 +246,8 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
     if complete is not None:  # written again, it would lose what only the flush knew
         result.npz = complete
         result.keys = len(manifest_of(complete).get("keys") or {})
-        result.notes.append(f"nothing was captured after the flush that wrote {complete.name}: left as it is")
+        name = complete.name if complete.parent == live.parent else str(complete)  # (after a switch of directory)
+        result.notes.append(f"nothing was captured after the flush that wrote {name}: left as it is")
         _remove(live, keep, fault, kept_report, events)
         return result
     used = max((s.offset + s.words * s.capacity for s in slots if s.offset >= 0), default=0)

@@ -63,9 +63,8 @@ class MergeInfo:
 
     def to_json(self) -> dict:
         out = {"merge": self.how, "merged_ranks": self.merged_ranks, "ranks": [part.to_json() for part in self.ranks],
-               "divergent_ranks": self.divergent_ranks, "worst_rank": self.worst_rank}
-        if self.identical:
-            out["identical_on_ranks"] = True
+               "divergent_ranks": self.divergent_ranks, "worst_rank": self.worst_rank,
+               "identical_on_ranks": self.identical}
         if self.worst_rank_value is not None:
             out["worst_rank_value"] = self.worst_rank_value
         return out

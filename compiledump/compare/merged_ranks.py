@@ -30,7 +30,9 @@ def measure_merged(measure, ref: Dump, run: Dump, record: KeyRecord, info: KeyIn
 
     replicas = merged.replicas(key)
     trials: list[tuple[KeyRecord, list[RankPart]]] = []
-    first_whole, identical = None, len(replicas) > 1
+    # Copies of one rank each (a replicated key): bit-equal on every rank, none of them can be named.
+    first_whole = None
+    identical = len(replicas) > 1 and all(replica.shard is None and len(replica.parts) == 1 for replica in replicas)
     for replica in replicas:
         arrays = replica.arrays()
         whole = replica.combine(arrays)

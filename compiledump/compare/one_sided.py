@@ -71,7 +71,7 @@ class OneSidedKeys:
                       if member_of(info.tag) and family not in self.families[lacking]), None)
         reason = ("excluded" if dump.left_out_by(info.tag, self.exclude_patterns[lacking])
                   else "filtered" if info.tag in self.filtered[lacking]
-                  else "layer_steps" if self._past_layer_steps(info, dump.manifest, self.layer_steps[lacking])
+                  else "layer_steps" if self._past_layer_steps(info, dump, self.layer_steps[lacking])
                   else newer if newer is not None
                   else "shifted" if self.shifted and self._past_last_step(info, dump)
                   else "fed" if info.tag == FED_TAG
@@ -102,8 +102,9 @@ class OneSidedKeys:
     @staticmethod
     def _ended(info: KeyInfo, lacking: Dump) -> bool:
         """Whether `info` is a step past the `lacking` side's last step of its tag, which no loss
-        of that side explains (its prompt-phase gates aside): that side ran fewer decode steps."""
-        lost = set(tag_drops(lacking, info.tag, True)) - {"suspended", "token_gate", "rows_gate"}
+        of that side explains (its prompt-phase gates aside; a rows gate that skipped fewer calls
+        than the steps it lacks leaves it untold): that side ran fewer decode steps."""
+        lost = set(tag_drops(lacking, info.tag, True)) - {"suspended", "token_gate"}
         return OneSidedKeys._past_last_step(info, lacking) and not lost
 
     def fewer_steps(self) -> str | None:
@@ -121,15 +122,17 @@ class OneSidedKeys:
         return info.kind == "step" and 0 < step_count(lacking, info.tag) <= info.step
 
     @staticmethod
-    def _past_layer_steps(info: KeyInfo, manifest: dict | None, cap: int | None) -> bool:
-        """Whether `info` is a layer state's step that the side with `manifest` did not keep for
+    def _past_layer_steps(info: KeyInfo, lacking: Dump, cap: int | None) -> bool:
+        """Whether `info` is a layer state's step that the `lacking` side did not keep for
         its COMPILEDUMP_LAYER_STEPS `cap`: none kept (0), or the step past the cap and such steps
         counted dropped (a side that ran fewer forwards is not told to change its setting)."""
         if info.kind != "step" or info.step is None or not spec.stream_step_tag(info.tag) or cap is None:
             return False
-        entry = ((manifest or {}).get("tags") or {}).get(spec.tag_entry_name(info.tag, step=True))
+        entry = ((lacking.manifest or {}).get("tags") or {}).get(spec.tag_entry_name(info.tag, step=True))
         drops = entry.get("drops") if isinstance(entry, dict) else None
-        return cap == 0 or (info.step >= cap and isinstance(drops, dict) and bool(drops.get("layer_steps")))
+        # 0: instrument recorded none (a hand-written tag of such a name keeps COMPILEDUMP_MAX_STEPS)
+        none_recorded = cap == 0 and step_count(lacking, info.tag) == 0
+        return none_recorded or (info.step >= cap > 0 and isinstance(drops, dict) and bool(drops.get("layer_steps")))
 
     def notes(self) -> list[str]:
         """One line per reason and side. (A side whose steps are shifted holds more fed tokens,

@@ -93,9 +93,7 @@ class Divergence:
         if self.merge is not None:
             out.update(merge=self.merge.how, worst_rank=self.merge.worst_rank,
                        worst_rank_value=self.merge.worst_rank_value, merged_ranks=self.merge.merged_ranks,
-                       divergent_ranks=self.merge.divergent_ranks)
-            if self.merge.identical:
-                out["identical_on_ranks"] = True
+                       divergent_ranks=self.merge.divergent_ranks, identical_on_ranks=self.merge.identical)
         if self.reason is not None:
             out["reason"] = self.reason
         if self.caution is not None:

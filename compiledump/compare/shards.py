@@ -229,12 +229,21 @@ def merge_side(files: dict[str, Path], label: str) -> list[MergedDump] | None:
                                 []).append((rank, dump))
         staged = [ranked for ranked in replicas.values() if pipeline_stages(ranked)]
         return [MergedDump(ranked, label, declared, stages=True) for ranked in staged] if staged else None
-    # A declared group's size too: a rank whose manifest lost its declarations (set_parallel never
-    # called, or recovered without them) joins its group's set, where its keys are shard
-    # mismatches, rather than a set of its own, where its part would be compared as the whole.
-    ignore = {"world_rank", "world_size"} | {f"{group}_{what}" for group in declared for what in ("rank", "size")}
+    ignore = {"world_rank", "world_size"} | {f"{group}_rank" for group in declared}
     sets: dict[tuple, list[tuple[str, DumpFile]]] = {}
+    undeclared = []  # ranks whose manifest has no coordinate at all (its declarations were lost)
     for rank, dump in dumps:
-        coords = dump.parallel_coords(rank)
+        coords = {n: v for n, v in dump.parallel_coords(rank).items() if not n.startswith("world_")}
+        if not coords:
+            undeclared.append((rank, dump))
+            continue
         sets.setdefault(tuple(sorted((n, v) for n, v in coords.items() if n not in ignore)), []).append((rank, dump))
+    if len(sets) == 1:
+        # Into the one set of the others: its keys are shard mismatches there, rather than its part
+        # compared as the whole in a set of its own (a rank recovered without its declarations).
+        (ranked,) = sets.values()
+        ranked.extend(undeclared)
+        ranked.sort(key=lambda item: rank_sort_key(item[0]))
+    elif undeclared:
+        sets[()] = undeclared
     return [MergedDump(ranked, label, declared, stages=pipeline_stages(ranked)) for ranked in sets.values()]

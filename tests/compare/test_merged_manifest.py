@@ -134,3 +134,46 @@ def test_a_merged_side_with_a_recovered_rank_says_so(tmp_path):
     report = compare(tmp_path / "ref", tmp_path / "run")
     assert report.first_divergence is None
     assert any(note.startswith("RUN was recovered") and "rank 1: killed" in note for note in report.notes)
+
+
+def test_a_sharded_key_replicated_across_another_group_still_names_its_worst_rank(tmp_path):
+    """TP x EP: a TP-sharded key has one merged copy per EP rank, bit-equal when TP rank 1's slice
+    is wrong in both; taking them for identical replicas named no rank (a review)."""
+    rng = np.random.default_rng(3)
+    up, experts = rng.standard_normal(10).astype(np.float32), rng.standard_normal(8).astype(np.float32)
+    factory.write_compiledump(tmp_path / "ref", [Capture("layer0_up", up, "record", "layer0_up"),
+                                                 Capture("layer0_experts", experts, "record", "layer0_experts")],
+                              rank="x", pid=1)
+    for rank in range(4):
+        tp, ep = rank % 2, rank // 2
+        part = np.array_split(up, 2)[tp] * np.float32(1.5 if tp == 1 else 1)
+        caps = [Capture("layer0_up", part, "record", "layer0_up"),
+                Capture("layer0_experts", np.array_split(experts, 2)[ep], "record", "layer0_experts")]
+        manifest = factory.manifest_for(caps, rank, pid=10 + rank)
+        manifest.update(world_size=4, parallel={"tp_rank": tp, "tp_size": 2, "ep_rank": ep, "ep_size": 2})
+        manifest["keys"]["layer0_up"]["shard"] = {"dim": 0, "how": "concat", "group": "tp"}
+        manifest["keys"]["layer0_experts"]["shard"] = {"dim": 0, "how": "concat", "group": "ep"}
+        factory.write_compiledump(tmp_path / "run", caps, rank, 10 + rank, manifest=manifest)
+    merge = compare(tmp_path / "ref", tmp_path / "run").first_divergence.merge
+    assert merge.worst_rank == "1" and not merge.identical and merge.divergent_ranks == ["1", "3"]
+
+
+@pytest.mark.parametrize("groups", [{}, {"dp_rank": 0, "dp_size": 1}])
+def test_a_rank_without_coordinates_joins_the_one_set_of_the_others(tmp_path, groups):
+    """With set_parallel(tp, dp) on rank 0, rank 1 (no coordinates at all: its declarations lost)
+    still formed a set of its own, and its partial sum was compared as the whole (a review)."""
+    rng = np.random.default_rng(17)
+    whole, hidden = rng.standard_normal(12).astype(np.float32), rng.standard_normal(5).astype(np.float32)
+    factory.write_compiledump(tmp_path / "ref", [Capture("layer0_o", whole, "record", "layer0_o"),
+                                                 Capture("layer0", hidden, "record", "layer0")], rank="x", pid=1)
+    first = rng.standard_normal(12).astype(np.float32)
+    for rank, part in enumerate((first, whole - first)):
+        caps = [Capture("layer0_o", part, "record", "layer0_o"), Capture("layer0", hidden, "record", "layer0")]
+        manifest = factory.manifest_for(caps, rank, pid=10 + rank)
+        manifest["world_size"] = 2
+        if rank == 0:
+            manifest["parallel"] = {"tp_rank": 0, "tp_size": 2, **groups}
+            manifest["keys"]["layer0_o"]["shard"] = {"dim": None, "how": "sum", "group": "tp"}
+        factory.write_compiledump(tmp_path / "run", caps, rank, 10 + rank, manifest=manifest)
+    report = compare(tmp_path / "ref", tmp_path / "run")
+    assert report.first_divergence is None and [pair.rank for pair in report.pairs] == ["0+1"]

@@ -41,7 +41,7 @@ CROSSED = {"metric", "value"}
 IDS = {"metric_kind", "ids_equal", "mismatched_elements", "total_elements"}
 IDS_DIFFER = {"first_mismatch_row", "first_mismatch_index", "mismatched_rows", "rows", "overlap", "k", "same_set",
               "ref_ids", "run_ids"}
-MERGE = {"merge", "merged_ranks", "ranks", "divergent_ranks", "worst_rank"}
+MERGE = {"merge", "merged_ranks", "ranks", "divergent_ranks", "worst_rank", "identical_on_ranks"}
 ROUTING = {"routing"}  # ids that differ, unless a side is merged (judged strictly)
 EXCUSED = {"excused_rows", "excused_by", "excused_metric", "excused_value", "excused_near_tie"}
 
@@ -94,7 +94,7 @@ PROBLEMS = {
 }
 DIVERGENCE = {"key", "layer", "step", "phase", "rank", "position", "last_good", "last_good_step", "metric", "value",
               "threshold"}
-MERGED_DIVERGENCE = {"merge", "worst_rank", "worst_rank_value", "merged_ranks", "divergent_ranks"}
+MERGED_DIVERGENCE = {"merge", "worst_rank", "worst_rank_value", "merged_ranks", "divergent_ranks", "identical_on_ranks"}
 # (metric, merged, root cause, all rows) -> fields of first_divergence / prefill_divergence / ... / root_cause
 DIVERGENCES = {
     ("rel_diff", False, False, False): DIVERGENCE,
@@ -113,7 +113,7 @@ FLIP = {"step", "key", "tag", "rank", "kind", "margin_ref", "margin_run", "argma
 PAIR = {"rank", "ref", "run", "ref_manifest", "run_manifest", "compared", "divergent_keys", "first_divergence",
         "first_argmax_flip", "decode_margins", "id_mismatches",
         "not_comparable", "prompt_tokens", "prompt_tokens_ref", "prompt_tokens_run", "closest", "thresholds", "not_captured", "first_nonfinite", "renamed",
-        "fed_tokens_differ"}
+        "fed_tokens_differ", "fewer_steps"}
 CLOSEST = {"key", "rank", "layer", "step", "metric", "value", "threshold", "ratio"}
 THRESHOLD_USE = {"rank", "ref_dtype", "run_dtype", "class", "rel_diff", "norm_diff", "rel_source", "norm_source", "keys"}
 NOT_COMPARABLE = {"key", "rank", "reason", "source_dtype_ref", "source_dtype_run", "tokens_ref", "tokens_run",
