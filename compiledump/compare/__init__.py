@@ -9,7 +9,8 @@ different tokens, :mod:`.inputs`; step tags a dropped call renumbered, :mod:`.st
 gates did not give, :mod:`.picked`; keys one side holds,
 :mod:`.one_sided`), per-key metrics (:mod:`.metrics`, :mod:`.measure`, :mod:`.merged_ranks`, :mod:`.step_scale`), whether
 differing expert ids are a near tie (:mod:`.routing`, with :mod:`.selection`, :mod:`.softmax_bias` and :mod:`.cut`) and
-what a flip reaches (:mod:`.flips`), the findings (:mod:`.verdict`, :mod:`.jumps`, :mod:`.decode_first`), the typed records and their
+what a flip reaches (:mod:`.flips`), the findings (:mod:`.verdict`, :mod:`.jumps`, :mod:`.decode_first`; cautions on a
+first divergence that may be noise, :mod:`.cautions`), the typed records and their
 JSON (:mod:`.key_record`, :mod:`.report`, with :mod:`.facts`), terminal text (:mod:`.table`, :mod:`.text`),
 ``--plot`` (:mod:`.plot`) and ``compiledump inspect`` (:mod:`.inspect`).
 """

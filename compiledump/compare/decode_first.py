@@ -23,7 +23,7 @@ import math
 
 from .inputs import FED_TAG
 from .key_record import KeyRecord
-from .phases import after_the_layers
+from .cautions import after_the_layers
 from .report import ArgmaxFlip, Divergence
 
 

@@ -162,7 +162,7 @@ class CompareOptions:
         origin = "legacy" if klass == "legacy" else "calibrated"
         if phase == DECODE_NO_FLIP:
             # A step before any differing ids, every routing decision recorded: no allowance for a
-            # routing flip is needed, so the prefill defaults apply (compare/phases.py routing_recorded_below).
+            # routing flip is needed, so the prefill defaults apply (compare/cautions.py routing_recorded_below).
             default_rel, default_norm = phase_thresholds(klass, "prefill")
             if klass in DEFAULT_STEP_THRESHOLDS:
                 origin += " decode, no routing flip"

@@ -26,11 +26,10 @@ from .padding import unpadded
 from .prefix_cache import prefix_cache_note
 from .picked import unseen_step_flips, with_picked_ids
 from .pairing import find_pairs
+from .cautions import first_cautions, layer_steps_note, routing_recorded_below, unrecorded_routing_note
 from .phases import (
     first_nonfinite,
     gate_length,
-    first_cautions,
-    layer_steps_note,
     mixed_phase_detail,
     mixed_phase_keys,
     not_captured,
@@ -38,8 +37,6 @@ from .phases import (
     not_comparable_reason,
     prompt_length,
     recovered_note,
-    routing_recorded_below,
-    unrecorded_routing_note,
 )
 from .rename import RenamedDump
 from .jumps import earlier_jump

@@ -69,10 +69,22 @@ def _write_npz(handle, arrays: dict[str, np.ndarray]) -> None:
                 np.lib.format.write_array(member, np.require(array, requirements="C"), allow_pickle=False)
 
 
+# The fields every manifest has besides the counts (docs/format.md), whichever writes it: a live
+# process's flush (capture/flush.py) or `compiledump recover` (capture/recover.py). A field one of
+# them gains and the other forgets is an error here, not a dump that silently lacks it.
+REQUIRED_FIELDS = frozenset({"compiledump_version", "torch_version", "rank", "pid", "world_size", "device",
+                             "capture_path", "config", "filtered_tags", "arena_words_used", "prompt_tokens",
+                             "parallel", "first_nonfinite"})
+
+
 def build_manifest(*, keys: dict, tags: dict, drops: dict, **fields) -> dict:
     """The manifest of one dump (docs/format.md): the format's name and version, `fields` (who
-    wrote it: versions, rank, pid, device, config, ...), and the per-key, per-tag and total
-    counts. `created_unix` is added when not given."""
+    wrote it: versions, rank, pid, device, config, ...: every one of REQUIRED_FIELDS, and optional
+    ones such as `routers` or `recovered`), and the per-key, per-tag and total counts.
+    `created_unix` is added when not given."""
+    missing = REQUIRED_FIELDS - fields.keys()
+    if missing:
+        raise TypeError(f"build_manifest: missing manifest field(s) {sorted(missing)}")
     manifest = {"format": spec.FORMAT_NAME, "format_version": spec.FORMAT_VERSION}
     manifest.update(fields)
     manifest.setdefault("created_unix", time.time())

@@ -17,7 +17,7 @@ import compiledump
 from helpers.hf_dump import dump_prefill
 from compiledump.capture.recover import recover_directory
 from compiledump.compare import compare, format_report
-from compiledump.compare.phases import hybrid_note, hyper_connection_note
+from compiledump.compare.cautions import hybrid_note, hyper_connection_note
 
 transformers = pytest.importorskip("transformers")
 
@@ -200,7 +200,7 @@ def test_the_verdict_line_carries_the_caution_a_setting_can_remove_first():
     COMPILEDUMP_MOE_LAYERS removes (a new user's audit: the line blamed the Mamba layers while the
     honest pair's crossing came from an unrecorded near tie, exit 0 with the setting)."""
     from types import SimpleNamespace
-    from compiledump.compare.phases import first_cautions
+    from compiledump.compare.cautions import first_cautions
 
     manifest = {"mixers": {"0": "mamba", "1": "attention", "2": "mamba", "3": "attention"},
                 "routing": {"routed": [0, 1, 2, 3], "complete": True},
@@ -219,7 +219,7 @@ def test_a_divergence_after_every_layer_gets_the_models_caution_too(key):
     model's caution applies there as the unrecorded routing's does (a review: they had none; the
     prompt's `logits`, which the built-in model records, had none until a later review)."""
     from types import SimpleNamespace
-    from compiledump.compare.phases import first_cautions
+    from compiledump.compare.cautions import first_cautions
 
     hybrid = SimpleNamespace(manifest={"mixers": {"0": "mamba", "1": "attention"}}, members={})
     found = first_cautions(hybrid, hybrid, key, None, "bf16")
