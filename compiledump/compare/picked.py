@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..format.keys import KeyInfo, router_key_for
+from ..format.keys import KeyInfo, router_key_for, step_ids_key_for
 from ..format.reader import Dump, Member, Replica, preview
 from ..format.routers import TOKEN, UNKNOWN, RouterInfo
 from .one_sided import gate_without_ids, held_tags, other_side
@@ -150,7 +150,7 @@ def unseen_step_flips(ref: Dump, run: Dump, near_tie: float | None, near_tie_ulp
             if (info.kind != "step" or info.step is None or info.step in unseen or key not in have.members
                     or not info.tag.endswith("_step_router") or not gate_without_ids(info.tag, lacking, lacking_tags)):
                 continue
-            ids_key = key.replace("_step_router_", "_step_topk_")
+            ids_key = step_ids_key_for(key)
             width = have.members[ids_key].shape[-1] if ids_key in have.members else None
             rule = have.router(key) or (RouterInfo(top_k=width) if width else None)
             try:
