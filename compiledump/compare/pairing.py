@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..format.files import DuplicateRank, collect_dumps, mixed_runs
+from ..format.files import DuplicateRank, collect_dumps
 from ..format.reader import Dump, DumpError, DumpFile, rank_sort_key
 from .report import Problem
 from .shards import holds_a_part, merge_side
@@ -29,12 +29,6 @@ def find_pairs(ref_path: str | Path, run_path: str | Path) -> tuple[list[Pair], 
     ref_files, ref_duplicates = collect_dumps(ref_path, "REF")
     run_files, run_duplicates = collect_dumps(run_path, "RUN")
     problems = _duplicates(ref_duplicates, "REF") + _duplicates(run_duplicates, "RUN")
-    for side, files, duplicates in (("REF", ref_files, ref_duplicates), ("RUN", run_files, run_duplicates)):
-        problems += [Problem("mixed_runs", rank, f"{side}'s newest file of rank {rank} is nearer in time to {found.name}, a "
-                                                 f"file of rank {other} left out as older, than to the one used: the "
-                                                 "ranks compared may come from different runs; move the older run's "
-                                                 "files out of the directory", side=side, file=str(files[rank]))
-                     for rank, other, found in mixed_runs(files, duplicates)]
     pairs = _merged_pairs(ref_files, run_files)
     if pairs is None:
         ranked, unpaired = pair_by_rank(ref_files, run_files)

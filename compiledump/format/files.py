@@ -82,26 +82,6 @@ def _run_time(npz: Path) -> float:
     return float(created) if isinstance(created, (int, float)) else npz.stat().st_mtime
 
 
-def mixed_runs(chosen: dict[str, Path], duplicates: list[DuplicateRank]) -> list[tuple[str, str, Path]]:
-    """(rank, other rank, its left-out file) where the newest file of `rank` is nearer in time to a
-    file of the other rank that was left out than to the one used: the ranks compared together
-    may come from different runs (a run done again with fewer ranks, or whose ranks did not all
-    write, beside an older one)."""
-    older: dict[str, list[Path]] = {}
-    for duplicate in duplicates:
-        older.setdefault(duplicate.rank, []).append(duplicate.path)
-    found = []
-    for rank, path in sorted(chosen.items()):
-        when = _run_time(path)
-        for other, left_out in sorted(older.items()):
-            if other == rank or other not in chosen:
-                continue
-            nearest = min(left_out, key=lambda candidate: abs(_run_time(candidate) - when))
-            if abs(_run_time(nearest) - when) < abs(_run_time(chosen[other]) - when):
-                found.append((rank, other, nearest))
-    return found
-
-
 def name_taken(directory: str | Path, stem: str) -> bool:
     """Whether `directory` holds a dump, or crash-proof files, named `stem` (a link counts, even a
     dangling one)."""

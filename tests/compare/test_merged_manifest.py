@@ -177,34 +177,3 @@ def test_a_rank_without_coordinates_joins_the_one_set_of_the_others(tmp_path, gr
         factory.write_compiledump(tmp_path / "run", caps, rank, 10 + rank, manifest=manifest)
     report = compare(tmp_path / "ref", tmp_path / "run")
     assert report.first_divergence is None and [pair.rank for pair in report.pairs] == ["0+1"]
-
-
-def test_ranks_of_different_runs_merged_together_are_a_problem(tmp_path):
-    """A directory holding a clean TP=2 run and a newer run of which only rank 0 wrote: the newest
-    rank 0 was merged with the old rank 1 with no word but duplicate_rank (a new user's TP
-    bring-up). The pairing now names the mix."""
-    import json
-
-    rng = np.random.default_rng(21)
-    up = rng.standard_normal(10).astype(np.float32)
-    factory.write_compiledump(tmp_path / "ref", [Capture("layer0_up", up, "record", "layer0_up")], rank="x", pid=1)
-    runs = [(0, 1000.0), (1, 1002.0), (0, 5000.0)]  # (rank, created_unix): the last is the newer run's rank 0
-    for pid, (rank, created) in enumerate(runs, start=10):
-        caps = [Capture("layer0_up", np.array_split(up, 2)[rank], "record", "layer0_up")]
-        manifest = factory.manifest_for(caps, rank, pid=pid)
-        manifest.update(world_size=2, parallel={"tp_rank": rank, "tp_size": 2}, created_unix=created)
-        manifest["keys"]["layer0_up"]["shard"] = {"dim": 0, "how": "concat", "group": "tp"}
-        factory.write_compiledump(tmp_path / "run", caps, rank, pid, manifest=manifest)
-    report = compare(tmp_path / "ref", tmp_path / "run")
-    (mixed,) = [problem for problem in report.problems if problem.kind == "mixed_runs"]
-    assert mixed.rank == "1" and mixed.side == "RUN" and "compiledump_rank0_pid10.npz" in mixed.detail
-    # One run written again whole beside the old one: no mix.
-    for path in (tmp_path / "run").glob("compiledump_rank1_pid11.*"):
-        path.unlink()
-    caps = [Capture("layer0_up", np.array_split(up, 2)[1], "record", "layer0_up")]
-    manifest = factory.manifest_for(caps, 1, pid=20)
-    manifest.update(world_size=2, parallel={"tp_rank": 1, "tp_size": 2}, created_unix=5001.0)
-    manifest["keys"]["layer0_up"]["shard"] = {"dim": 0, "how": "concat", "group": "tp"}
-    factory.write_compiledump(tmp_path / "run", caps, 1, 20, manifest=manifest)
-    assert not [problem for problem in compare(tmp_path / "ref", tmp_path / "run").problems if problem.kind == "mixed_runs"]
-    assert json.loads((tmp_path / "run" / "compiledump_rank1_pid20.json").read_text())["created_unix"] == 5001.0
