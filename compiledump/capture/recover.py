@@ -94,11 +94,13 @@ def _last_flush(events: list[dict], live: Path, anywhere: bool = False) -> tuple
 
 
 def _switched_to(events: list[dict], live: Path) -> str | None:
-    """The first other directory `events` switched capture to (configure(dir=...)), or None: what
-    was captured after such a switch may be another directory's, whatever came later."""
+    """The other directory `events` left capture in (configure(dir=...)): the last one it was
+    switched to, switched off or not; None where it came back to the directory of `live` (the exit
+    flush would have written there) or never left it."""
     here = os.path.realpath(live.parent)
-    return next((event["dir_real"] for event in events if event.get("event") == "dir"
-                 and event.get("dir_real") not in (None, here)), None)
+    last = next((event["dir_real"] for event in reversed(events)
+                 if event.get("event") == "dir" and event.get("dir_real") is not None), None)
+    return last if last not in (None, here) else None
 
 
 def _complete_dump(live: Path, events: list[dict], ctrl: np.ndarray | None = None) -> Path | None:

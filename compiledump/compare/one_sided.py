@@ -77,7 +77,7 @@ class OneSidedKeys:
                   else "fed" if info.tag == FED_TAG
                   else "ids" if gate_without_ids(info.tag, dump, self.tags[lacking])
                   else "rows_gate" if self._rows_gated(info, dump, self.dumps[holder])
-                  else "ended" if self._ended(info, dump)
+                  else "ended" if self._ended(info, dump, self.dumps[holder])
                   else None)
         if reason is not None:
             self.explained[reason][holder].append(info.key)
@@ -100,12 +100,14 @@ class OneSidedKeys:
         return drops.get("rows_gate", 0) >= step_count(holder, info.tag) - step_count(lacking, info.tag) > 0
 
     @staticmethod
-    def _ended(info: KeyInfo, lacking: Dump) -> bool:
+    def _ended(info: KeyInfo, lacking: Dump, holder: Dump) -> bool:
         """Whether `info` is a step past the `lacking` side's last step of its tag, which no loss
-        of that side explains (its prompt-phase gates aside; a rows gate that skipped fewer calls
-        than the steps it lacks leaves it untold): that side ran fewer decode steps."""
-        lost = set(tag_drops(lacking, info.tag, True)) - {"suspended", "token_gate"}
-        return OneSidedKeys._past_last_step(info, lacking) and not lost
+        of that side explains (its prompt-phase gates aside, and a rows gate that skipped no more
+        calls than the other side's: a warm-up both skipped): that side ran fewer decode steps."""
+        drops = tag_drops(lacking, info.tag, True)
+        lost = set(drops) - {"suspended", "token_gate", "rows_gate"}
+        gated = drops.get("rows_gate", 0) > tag_drops(holder, info.tag, True).get("rows_gate", 0)
+        return OneSidedKeys._past_last_step(info, lacking) and not lost and not gated
 
     def fewer_steps(self) -> str | None:
         """For the verdict's last line: which side ran fewer decode steps, or None."""

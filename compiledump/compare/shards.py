@@ -210,6 +210,15 @@ def _size_name(group: str) -> str:
     return "world_size" if group == "world" else f"{group}_size"
 
 
+def _missing_members(ranked: list[tuple[str, DumpFile]], declared: set[str]) -> bool:
+    """Whether a set of ranks holds fewer ranks of a declared group than its manifests' size says."""
+    for group in declared - {"world"}:
+        sizes = {dump.parallel_coords(rank).get(f"{group}_size") for rank, dump in ranked} - {None}
+        if sizes and max(sizes) > len(ranked):
+            return True
+    return False
+
+
 def merge_side(files: dict[str, Path], label: str) -> list[MergedDump] | None:
     """The merged shard sets of one side's per-rank files, or None when no manifest declares a
     shard. Files whose ``parallel`` coordinates differ in anything but the declared groups'
@@ -238,12 +247,14 @@ def merge_side(files: dict[str, Path], label: str) -> list[MergedDump] | None:
             undeclared.append((rank, dump))
             continue
         sets.setdefault(tuple(sorted((n, v) for n, v in coords.items() if n not in ignore)), []).append((rank, dump))
-    if len(sets) == 1:
-        # Into the one set of the others: its keys are shard mismatches there, rather than its part
-        # compared as the whole in a set of its own (a rank recovered without its declarations).
+    if len(sets) == 1 and _missing_members(next(iter(sets.values())), declared):
+        # Into the one set of the others, which lacks ranks: its keys are shard mismatches there,
+        # rather than its part compared as the whole in a set of its own (a rank recovered without
+        # its declarations). Beside a complete set it is a copy of its own (a TP=1 replica, a
+        # reference file collected with the ranks), compared as one.
         (ranked,) = sets.values()
         ranked.extend(undeclared)
         ranked.sort(key=lambda item: rank_sort_key(item[0]))
     elif undeclared:
-        sets[()] = undeclared
+        sets.setdefault((), []).extend(undeclared)
     return [MergedDump(ranked, label, declared, stages=pipeline_stages(ranked)) for ranked in sets.values()]

@@ -69,9 +69,10 @@ def _write_npz(handle, arrays: dict[str, np.ndarray]) -> None:
                 np.lib.format.write_array(member, np.require(array, requirements="C"), allow_pickle=False)
 
 
-# The fields every manifest has besides the counts (docs/format.md), whichever writes it: a live
+# The fields every manifest Python writes has besides the counts (docs/format.md): a live
 # process's flush (capture/flush.py) or `compiledump recover` (capture/recover.py). A field one of
-# them gains and the other forgets is an error here, not a dump that silently lacks it.
+# them gains and the other forgets is an error here, not a dump that silently lacks it. (Readers
+# require none of them: the C++ flush writes no capture_path, older dumps lack later fields.)
 REQUIRED_FIELDS = frozenset({"compiledump_version", "torch_version", "rank", "pid", "world_size", "device",
                              "capture_path", "config", "filtered_tags", "arena_words_used", "prompt_tokens",
                              "parallel", "first_nonfinite"})

@@ -1,7 +1,11 @@
 """configure() once the arena exists: switching the dump directory (what is written where, and
-when), a setting that applies from then on (layer_steps)."""
+when, and what `compiledump recover` writes after a crash), a setting that applies from then on
+(layer_steps)."""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -9,6 +13,7 @@ import pytest
 import torch
 
 import compiledump
+from compiledump.capture.recover import recover_directory
 from compiledump.format import writer
 
 
@@ -87,3 +92,48 @@ def test_a_directory_named_through_a_symlink_is_one_dump(dump_dir):
     compiledump.record("b", torch.randn(2, 4))
     compiledump.flush()
     assert len(list(dump_dir.glob("*.npz"))) == 1
+
+
+_SWITCH_THEN_DIE = """
+import os, sys, torch, compiledump
+compiledump.configure(dir=sys.argv[1])
+compiledump.record("a", torch.full((2, 5), 1.0))
+compiledump.configure(dir=sys.argv[2])  # A's dump is written first
+if sys.argv[3] not in ("keep", "back"):
+    compiledump.clear()  # B's dump starts empty
+compiledump.record("b", torch.full((2, 5), 2.0))
+if sys.argv[3] == "off":
+    compiledump.configure(dir=None)  # B's dump is written: complete
+if sys.argv[3] == "back":
+    compiledump.configure(dir=sys.argv[1])  # back to A (B's dump written), capturing for A again
+    compiledump.record("c", torch.full((2, 5), 3.0))
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("clear", ["clear", "keep", "off", "back"])
+def test_recover_after_a_switch_of_directory_keeps_the_first_directorys_dump(tmp_path, clear):
+    """configure(dir=B) writes A's dump, and the crash-proof files stay in A; after a crash,
+    recover A wrote what was captured for B over A's dump (key a lost). It writes beside it, or
+    nothing where B's dump holds it all (capture switched off after B's flush)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPILEDUMP_")}
+    first, second = tmp_path / "A", tmp_path / "B"
+    proc = subprocess.run([sys.executable, "-c", _SWITCH_THEN_DIE, str(first), str(second), clear], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (flushed,) = first.glob("*.npz")
+    (result,), errors = recover_directory(first)
+    if clear == "off":
+        assert errors == [] and result.npz == second / flushed.name and list(first.glob("*.npz")) == [flushed]
+        return
+    if clear == "back":  # as the exit flush would have: A's dump, with everything since (no clear())
+        assert errors == [] and result.npz == flushed and list(first.glob("*.npz")) == [flushed]
+        with np.load(flushed) as data:
+            assert sorted(data.files) == ["a", "b", "c"]
+        return
+    assert errors == [] and result.npz != flushed and result.npz.name == flushed.name.replace(".npz", "_2.npz")
+    assert any(str(second) in note for note in result.notes)
+    with np.load(flushed) as data:
+        assert data.files == ["a"]
+    with np.load(result.npz) as data:
+        assert sorted(data.files) == (["b"] if clear == "clear" else ["a", "b"])

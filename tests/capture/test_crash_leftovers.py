@@ -237,43 +237,6 @@ def test_a_rank_killed_before_any_flush_keeps_its_shards(tmp_path, declared):
     assert all(entry["shard"] == {"dim": 0, "how": "concat", "group": "tp"} for entry in manifest["keys"].values())
 
 
-_SWITCH_THEN_DIE = """
-import os, sys, torch, compiledump
-compiledump.configure(dir=sys.argv[1])
-compiledump.record("a", torch.full((2, 5), 1.0))
-compiledump.configure(dir=sys.argv[2])  # A's dump is written first
-if sys.argv[3] != "keep":
-    compiledump.clear()  # B's dump starts empty
-compiledump.record("b", torch.full((2, 5), 2.0))
-if sys.argv[3] == "off":
-    compiledump.configure(dir=None)  # B's dump is written: complete
-os._exit(0)
-"""
-
-
-@pytest.mark.parametrize("clear", ["clear", "keep", "off"])
-def test_recover_after_a_switch_of_directory_keeps_the_first_directorys_dump(tmp_path, clear):
-    """configure(dir=B) writes A's dump, and the crash-proof files stay in A; after a crash,
-    recover A wrote what was captured for B over A's dump (key a lost). It writes beside it, or
-    nothing where B's dump holds it all (capture switched off after B's flush)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPILEDUMP_")}
-    first, second = tmp_path / "A", tmp_path / "B"
-    proc = subprocess.run([sys.executable, "-c", _SWITCH_THEN_DIE, str(first), str(second), clear], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    (flushed,) = first.glob("*.npz")
-    (result,), errors = recover_directory(first)
-    if clear == "off":
-        assert errors == [] and result.npz == second / flushed.name and list(first.glob("*.npz")) == [flushed]
-        return
-    assert errors == [] and result.npz != flushed and result.npz.name == flushed.name.replace(".npz", "_2.npz")
-    assert any(str(second) in note for note in result.notes)
-    with np.load(flushed) as data:
-        assert data.files == ["a"]
-    with np.load(result.npz) as data:
-        assert sorted(data.files) == (["b"] if clear == "clear" else ["a", "b"])
-
-
 def test_a_failed_exit_flush_is_the_cause_recover_gives(dump_dir, monkeypatch, capsys):
     """A normal exit whose flush failed (a full disk) was reported as a kill by recover."""
     from compiledump.format import writer

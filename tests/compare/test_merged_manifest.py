@@ -177,3 +177,23 @@ def test_a_rank_without_coordinates_joins_the_one_set_of_the_others(tmp_path, gr
         factory.write_compiledump(tmp_path / "run", caps, rank, 10 + rank, manifest=manifest)
     report = compare(tmp_path / "ref", tmp_path / "run")
     assert report.first_divergence is None and [pair.rank for pair in report.pairs] == ["0+1"]
+
+
+def test_a_replica_without_coordinates_beside_a_complete_set_is_compared_on_its_own(tmp_path):
+    """A TP=1 replica (no parallel coordinates) beside a complete TP=2 set joined the set, so its
+    whole value made the set's keys shard_mismatch and hid a divergence of its own (a review)."""
+    rng = np.random.default_rng(23)
+    up = rng.standard_normal(10).astype(np.float32)
+    factory.write_compiledump(tmp_path / "ref", [Capture("layer0_up", up, "record", "layer0_up")], rank="x", pid=1)
+    for rank, part in enumerate(np.array_split(up, 2)):
+        caps = [Capture("layer0_up", part, "record", "layer0_up")]
+        manifest = factory.manifest_for(caps, rank, pid=10 + rank)
+        manifest.update(world_size=3, parallel={"tp_rank": rank, "tp_size": 2})
+        manifest["keys"]["layer0_up"]["shard"] = {"dim": 0, "how": "concat", "group": "tp"}
+        factory.write_compiledump(tmp_path / "run", caps, rank, 10 + rank, manifest=manifest)
+    factory.write_compiledump(tmp_path / "run", [Capture("layer0_up", up * np.float32(1.5), "record", "layer0_up")],
+                              rank=2, pid=12)
+    report = compare(tmp_path / "ref", tmp_path / "run")
+    assert [pair.rank for pair in report.pairs] == ["0+1", "2"]
+    assert report.first_divergence.key == "layer0_up" and report.first_divergence.rank == "2"
+    assert not [problem for problem in report.problems if problem.kind == "shard_mismatch"]

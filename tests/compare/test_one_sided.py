@@ -134,7 +134,7 @@ def test_ids_a_side_recorded_and_lost_are_a_loss_not_a_gate_without_ids(tmp_path
     assert not [p for p in pair.problems if p.key == "layer0_topk"]
 
 
-@pytest.mark.parametrize("lost", [None, "arena_full"])
+@pytest.mark.parametrize("lost", [None, "arena_full", "rows_gate_both"])
 def test_a_run_that_ran_fewer_decode_steps_says_so_in_its_verdict(tmp_path, lost):
     """RUN's dump ends after decode step 2 of REF's 5 (a rank that hung, was stopped and flushed).
     Each missing step was a problem explained by RUN's prompt-phase drops ("RUN dropped its calls:
@@ -142,17 +142,22 @@ def test_a_run_that_ran_fewer_decode_steps_says_so_in_its_verdict(tmp_path, lost
     says RUN ran fewer decode steps, and the last line says how many step keys were not judged. A
     step lost to a full arena is still a problem per key."""
     captures = factory.model_captures(np.random.default_rng(4), layers=2, steps=5)
-    ref = factory.write_compiledump(tmp_path / "ref", captures)
+    ref_manifest = factory.manifest_for(captures)
+    if lost == "rows_gate_both":  # a warm-up both sides skipped: no loss of RUN's
+        for name in ("logits_<n>", "final_hidden_<n>"):
+            ref_manifest["tags"][name]["drops"] = {"rows_gate": 1}
+    ref = factory.write_compiledump(tmp_path / "ref", captures, manifest=ref_manifest)
     kept = [c for c in captures if c.step is None or c.step < 3]
     manifest = factory.manifest_for(kept)
     for name in ("logits_<n>", "final_hidden_<n>"):
-        manifest["tags"][name]["drops"] = {"suspended": 4, **({lost: 2} if lost else {})}
+        manifest["tags"][name]["drops"] = {"suspended": 4, **({"rows_gate": 1} if lost == "rows_gate_both" else
+                                                               {lost: 2} if lost else {})}
     run = factory.write_compiledump(tmp_path / "run", kept, manifest=manifest)
     report = compare(ref, run)
     missing = sorted(p.key for p in report.problems if p.kind == "missing_in_run")
     last = format_report(report)[-1]
     assert report.first_divergence is None
-    if lost is None:
+    if lost != "arena_full":
         assert missing == []
         assert any("RUN ran fewer decode steps" in note and "final_hidden_3" in note for note in report.notes)
         assert "RUN ran fewer decode steps than REF (4 step keys of REF past them not judged)" in last
