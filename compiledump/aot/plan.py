@@ -117,8 +117,7 @@ def _journal_restored(live, slots: list[Slot]) -> None:
                 warn_once(f"no disk space for tag {slot.tag!r}'s region in {live.path} ({error.strerror}): after a "
                           "crash, `compiledump recover` may find it torn")
             live.write(persist.region_event(slot, slot.payload_shape))
-    for tag, reason in list(STATE.filtered_tags.items()):
-        live.write({"event": "filtered", "tag": tag, "reason": reason})
+    live.note_filtered(STATE.filtered_tags)
 
 
 def plan_header(text: str) -> dict[str, str]:

@@ -173,8 +173,7 @@ def _create_runtime(device: torch.device) -> Runtime:
         routers.journal_routers(rt.live)  # declared before the arena existed
         mixers.journal_mixers(rt.live)
         parallel.journal_parallel(rt.live)
-        for tag, reason in list(STATE.filtered_tags.items()):
-            rt.live.write({"event": "filtered", "tag": tag, "reason": reason})
+        rt.live.note_filtered(STATE.filtered_tags)
     for index, value in STATE.pending_registers.items():
         rt.set_register(index, value)
     STATE.pending_registers.clear()
@@ -336,8 +335,8 @@ def _make_plan(tag, kind, moe_filtered, layout_declared, device):
         )
     if moe_filtered and not _wants_moe(tag, STATE.config.moe_layers):
         STATE.filtered_tags[tag] = "moe_layers"
-        if (live := getattr(STATE.runtime, "live", None)) is not None:  # for recover: only the manifest says it
-            live.write({"event": "filtered", "tag": tag, "reason": "moe_layers"})
+        if (live := getattr(STATE.runtime, "live", None)) is not None:
+            live.note_filtered({tag: "moe_layers"})
         return (-1, 0)
     rt = _runtime_or_create(torch.device(device), tag)
     slot = rt.slot_for(tag, kind)

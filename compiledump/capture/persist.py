@@ -167,6 +167,12 @@ class LiveFiles:
         it is complete, with what only the flush knew (set_parallel, declare_shard)."""
         self.write({"event": "flushed", "dir": os.path.realpath(directory), "stem": stem, "ctrl": ctrl_digest})
 
+    def note_filtered(self, filtered: dict[str, str]) -> None:
+        """Journal tags the MoE layer filter dropped ({tag: reason}): only the manifest says so, and
+        recover writes it."""
+        for tag, reason in list(filtered.items()):
+            self.write({"event": "filtered", "tag": tag, "reason": reason})
+
     def remove(self) -> None:
         """Close and delete the directory (after a complete flush at exit); in a forked child,
         whose parent still owns them, only close."""
