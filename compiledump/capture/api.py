@@ -75,7 +75,8 @@ def configure(**settings) -> _config.Config:
         with STATE.flush_lock if switching else contextlib.nullcontext():
             _switch(rt, new)
             STATE.config = new
-    STATE.config = new
+    else:
+        STATE.config = new
     STATE.plans.clear()
     register_exit_flush()
     return new
