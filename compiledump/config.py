@@ -124,7 +124,8 @@ class Config:
     layer_steps: steps kept of each layer's step states (`layer<N>_step`, `_attn_step`, `_mlp_step`); 0: none.
     arena_mb: size of the device arena that holds every capture (MiB).
     max_tags: number of distinct tags.
-    persist: "auto" (file-backed arena on CPU), "1" (also on CUDA: host-mapped) or "0" (never).
+    persist: "auto" (file-backed arena on CPU), "1" (also on CUDA: host-mapped) or "0" (never);
+        True and False are taken as "1" and "0".
     nonfinite: "read" (NaN/Inf counted in what kept captures read) or "all" (in every whole input).
     """
 
@@ -141,8 +142,10 @@ class Config:
     nonfinite: str = "read"
 
     def __post_init__(self):
+        if isinstance(self.persist, bool):  # configure(persist=True): what the environment spells "1"
+            object.__setattr__(self, "persist", "1" if self.persist else "0")
         if self.persist not in ("auto", "0", "1"):
-            raise ValueError(f"compiledump: persist must be 'auto', '0' or '1', got {self.persist!r}")
+            raise ValueError(f"compiledump: persist must be 'auto', '0' or '1' (or a bool), got {self.persist!r}")
         if self.nonfinite not in ("read", "all"):
             raise ValueError(f"compiledump: nonfinite must be 'read' or 'all', got {self.nonfinite!r}")
         if self.tokens != TOKENS_AUTO and (not isinstance(self.tokens, int) or isinstance(self.tokens, bool)

@@ -22,6 +22,7 @@
     flush.py       one host copy at flush, sliced into arrays + manifest (format/writer.py writes them)
     collect.py     a snapshot sliced by the registry (commit counter, non-finite words): flush and recover
     persist.py     crash-proof capture: arena and control block as mapped files, the registry's journal
+    journal.py     reading a crash-proof journal: the registry it replays, its flushes, its process
     recover.py     `compiledump recover`: what a dead process left, turned into a dump (numpy only)
     parallel.py    multi-rank metadata for the manifest (set_parallel, declare_shard)
     signals.py     flush on SIGTERM/SIGINT, then the signal's own action

@@ -169,8 +169,8 @@ def _normalize_device(device: torch.device) -> torch.device:
 
 def _create_runtime(device: torch.device) -> Runtime:
     rt = Runtime(device, STATE.config, STATE.profiling_depth, STATE.lock, stem=dump_stem(), start=process_fields())
+    persist.install_excepthook(_note_exception)
     if rt.live is not None:
-        persist.install_excepthook(lambda: getattr(STATE.runtime, "live", None))
         routers.journal_routers(rt.live)  # declared before the arena existed
         mixers.journal_mixers(rt.live)
         parallel.journal_parallel(rt.live)
@@ -180,6 +180,14 @@ def _create_runtime(device: torch.device) -> Runtime:
     STATE.pending_registers.clear()
     STATE.runtime = rt
     return rt
+
+
+def _note_exception(exc_type, exc) -> None:
+    """The process is ending with an unhandled exception: the dump written at exit says so (its
+    manifest's `exception`), so that compare does not read a run cut short as a whole one; the
+    crash-proof journal too, for a process that cannot flush."""
+    STATE.exception = {"type": getattr(exc_type, "__name__", str(exc_type)), "message": str(exc)[:2000]}
+    persist.note_exception(getattr(STATE.runtime, "live", None), STATE.exception)
 
 
 def reset() -> None:

@@ -182,7 +182,7 @@ def _declarations(rt: Runtime) -> str:
     unchanged dump."""
     st = STATE
     return repr((sorted(st.filtered_tags.items()), sorted(st.parallel_groups.items()), st.shards,
-                 sorted(st.routers.items()), st.mixers, st.routing, st.exclude, rt.prompt_tokens))
+                 sorted(st.routers.items()), st.mixers, st.routing, st.exclude, rt.prompt_tokens, st.exception))
 
 
 def _collect(rt: Runtime, arena: np.ndarray, ctrl: np.ndarray) -> tuple[dict, dict]:
@@ -204,6 +204,7 @@ def _collect(rt: Runtime, arena: np.ndarray, ctrl: np.ndarray) -> tuple[dict, di
         # Only when some captured router was declared (readers that predate it ignore it).
         **({"routers": declared} if declared else {}),
         **mixers.manifest_layers(),  # instrument()'s
+        **({"exception": STATE.exception} if STATE.exception else {}),  # the process is dying of it
     )
     return got.arrays, manifest
 
@@ -275,7 +276,12 @@ def _counted(rt: Runtime) -> bool:
 
 def flush_if_changed() -> str | None:
     """Flush unless nothing was captured or declared since the last flush: its dump is complete,
-    and rewriting it would bring back files the program moved or removed."""
+    and rewriting it would bring back files the program moved or removed. Nor when the process
+    wrote a dump and nothing was captured since a clear(): an empty dump would replace it (or
+    appear where the program moved it away)."""
+    rt = STATE.runtime
+    if rt is not None and STATE.dumps_written and not _counted(rt):
+        return None
     return _flush(wait_for_captures=True, unless_unchanged=True)
 
 

@@ -48,7 +48,7 @@ from ..format.spec import (
     LIVE_JOURNAL,
     LIVE_SUFFIX,
 )
-from .recover import process_start_time
+from .journal import process_start_time
 from .state import warn_once
 
 
@@ -305,25 +305,29 @@ def _clear_cuda_error() -> bool:
     return bool(paths)
 
 
-def note_exception(live: LiveFiles | None, exc_type, exc) -> None:
-    """Journal an unhandled exception (the flush at exit normally follows and removes the files;
-    after a sticky CUDA error it cannot, and recover names the exception as the cause)."""
+def note_exception(live: LiveFiles | None, exception: dict) -> None:
+    """Journal an unhandled exception, `{"type", "message"}` (the flush at exit normally follows
+    and removes the files; after a sticky CUDA error it cannot, and recover names the exception as
+    the cause)."""
     if live is not None:
         try:
-            live.write({"event": "exception", "type": getattr(exc_type, "__name__", str(exc_type)),
-                        "message": str(exc)[:2000]})
+            live.write({"event": "exception", **exception})
         except OSError:
             pass
 
 
-def install_excepthook(get_live) -> None:
-    """Chain a `sys.excepthook` that journals the exception, once per process."""
+def install_excepthook(on_exception) -> None:
+    """Chain a `sys.excepthook` that passes an unhandled exception to `on_exception(exc_type,
+    exc)` before the previous hook prints it, once per process."""
     previous = sys.excepthook
     if getattr(previous, "_compiledump", False):
         return
 
     def hook(exc_type, exc, tb):
-        note_exception(get_live(), exc_type, exc)
+        try:
+            on_exception(exc_type, exc)
+        except Exception:  # (never hide the user's traceback behind ours)
+            pass
         previous(exc_type, exc, tb)
 
     hook._compiledump = True

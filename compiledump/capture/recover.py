@@ -11,7 +11,6 @@ slicing as `flush()` (capture/collect.py: a write that was claimed but not commi
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
@@ -26,14 +25,11 @@ from ..format.files import manifest_of, next_free_stem
 from ..format.routers import captured_routers
 from ..ops import layout as L
 from . import parallel
-from .collect import Slot, collect, ctrl_digest
+from .collect import collect, ctrl_digest
+from .journal import RecoverError, last_flush, read_journal, registry, running, switched_to
 
 # A recovered dump's faulthandler report, kept beside it: `<stem>.fault.txt`.
 FAULT_SUFFIX = ".fault.txt"
-
-
-class RecoverError(ValueError):
-    """A leftover directory that cannot be read (its journal has no start event, say)."""
 
 
 @dataclass
@@ -49,16 +45,6 @@ class Recovered:
     notes: list[str] = field(default_factory=list)
 
 
-def process_start_time(pid: int) -> int | None:
-    """The kernel's start time of process `pid` (Linux clock ticks since boot), or None: with the
-    pid it tells a live process from a later one that reused the pid."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
-
-
 def leftovers(directory: str | os.PathLike) -> list[Path]:
     """The `<stem>.live/` directories in `directory` (not recursive)."""
     path = Path(directory)
@@ -71,6 +57,8 @@ def dead_leftovers(directory: str | os.PathLike) -> list[Path]:
     """The leftovers whose process is gone (what `compare` and `inspect` point to recover for)."""
     found = []
     for live in leftovers(directory):
+        if _unstarted(live):  # it holds nothing to recover (recover removes it)
+            continue
         try:
             start, events, _torn = read_journal(live)
         except RecoverError:
@@ -81,35 +69,14 @@ def dead_leftovers(directory: str | os.PathLike) -> list[Path]:
     return found
 
 
-def _last_flush(events: list[dict], live: Path, anywhere: bool = False) -> tuple[int, dict | None]:
-    """(index, event) of the last flush into the directory of `live` (configure(dir=...) may have
-    moved the dumps; the journal holds the directory's real path), or into any directory, or
-    (-1, None)."""
-    here = os.path.realpath(live.parent)
-    for index in range(len(events) - 1, -1, -1):
-        event = events[index]
-        if event.get("event") == "flushed" and (anywhere or event.get("dir") in (None, here)):
-            return index, event
-    return -1, None
-
-
-def _switched_to(events: list[dict], live: Path) -> str | None:
-    """The other directory `events` left capture in (configure(dir=...)): the last one it was
-    switched to, switched off or not; None where it came back to the directory of `live` (the exit
-    flush would have written there) or never left it."""
-    here = os.path.realpath(live.parent)
-    last = next((event["dir_real"] for event in reversed(events)
-                 if event.get("event") == "dir" and event.get("dir_real") is not None), None)
-    return last if last not in (None, here) else None
-
-
 def _complete_dump(live: Path, events: list[dict], ctrl: np.ndarray | None = None) -> Path | None:
     """The dump the process's last flush wrote (into the directory of `live`, or, after a switch of
-    directory, into another), when nothing was captured after it (the control block is the one
-    it read, and no clear() came after it: a cleared block can count the same again) and it is
-    still there; else None."""
-    index, flushed = _last_flush(events, live, anywhere=True)
-    if flushed is None or any(event.get("event") == "clear" for event in events[index + 1 :]):
+    directory, into another), when nothing was captured after it and it is still there; else
+    None. Nothing was captured after it when the control block is the one it read and no clear()
+    came after it (a cleared block can count the same again), or when a clear() came after it and
+    the block counts nothing (the exit flush leaves such a dump alone too)."""
+    index, flushed = last_flush(events, live, anywhere=True)
+    if flushed is None:
         return None
     npz = Path(flushed.get("dir") or live.parent) / f"{flushed['stem']}.npz"
     if not (npz.is_file() and npz.with_suffix(".json").is_file()):
@@ -119,6 +86,8 @@ def _complete_dump(live: Path, events: list[dict], ctrl: np.ndarray | None = Non
             ctrl = np.fromfile(live / spec.LIVE_CTRL, dtype=np.int32)
         except OSError:
             return None
+    if any(event.get("event") == "clear" for event in events[index + 1 :]):
+        return npz if ctrl.size > L.HEADER_WORDS and not ctrl[L.HEADER_WORDS :].any() else None
     return npz if flushed.get("ctrl") == ctrl_digest(ctrl) else None
 
 
@@ -134,66 +103,6 @@ def _annotations(npz: Path, start: dict) -> dict:
               if isinstance(entry, dict) and entry.get("shard")}
     return {"parallel": manifest.get("parallel") or {}, "filtered_tags": manifest.get("filtered_tags") or {},
             "shards": shards}
-
-
-def read_journal(live: Path) -> tuple[dict, list[dict], bool]:
-    """(start event, later events, whether the last line was torn by the kill)."""
-    try:
-        raw = (live / spec.LIVE_JOURNAL).read_bytes()
-    except OSError as exc:
-        raise RecoverError(f"{live}: no journal ({exc.strerror or exc})") from None
-    lines = raw.split(b"\n")
-    torn = bool(lines[-1])  # a complete journal ends with a newline
-    events = []
-    for line in lines[:-1]:
-        try:
-            events.append(json.loads(line))
-        except ValueError:
-            raise RecoverError(f"{live}: journal line {len(events) + 1} is not JSON") from None
-    if not events or events[0].get("event") != "start":
-        raise RecoverError(f"{live}: the journal has no start event")
-    if events[0].get("journal_version", 0) > spec.JOURNAL_VERSION:
-        raise RecoverError(f"{live}: journal version {events[0]['journal_version']} is newer than this compiledump "
-                           f"reads ({spec.JOURNAL_VERSION}); upgrade compiledump")
-    _check_control_layout(live, events[0])
-    return events[0], events[1:], torn
-
-
-def _check_control_layout(live: Path, start: dict) -> None:
-    """Refuse a control block laid out otherwise than this compiledump reads it (files a process
-    of another version left): its counters would be read as other counters, and the dump written
-    from them would be garbage. The files are left as they are, for the version that wrote them."""
-    layout = start.get("control_layout")
-    if layout is None:  # journals before the field: the block's size still tells most layouts apart
-        max_tags = start.get("config", {}).get("max_tags")
-        expected = L.control_words(max_tags) if isinstance(max_tags, int) else None
-        if expected is None or start.get("ctrl_words") == expected:
-            return
-        layout = f"of {start.get('ctrl_words')} words for {max_tags} tags"
-    elif layout == L.CONTROL_LAYOUT:
-        return
-    raise RecoverError(f"{live}: written by compiledump {start.get('compiledump_version') or '(unknown version)'}, "
-                       f"whose control block layout ({layout}) is not this version's ({L.CONTROL_LAYOUT}); recover it "
-                       "with the version that wrote it. Nothing was changed")
-
-
-def running(start: dict) -> bool:
-    """Whether the process that wrote the journal still runs. A journal from another host cannot
-    be checked: treated as running (recover needs --force), so a live run's files on a shared
-    filesystem are never taken."""
-    if start.get("host") != socket.gethostname():
-        return True
-    pid = start.get("pid")
-    if not isinstance(pid, int):
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # it exists, as another user
-    started = start.get("start_time")
-    return started is None or process_start_time(pid) == started
 
 
 def fault_report(live: Path) -> str:
@@ -221,23 +130,54 @@ def cause_of(fault: str, events: list[dict], report: str) -> str:
             "report, or power loss")
 
 
+def _unstarted(live: Path) -> bool:
+    """Whether `live`'s journal has no complete line: its process was killed while making the files
+    (the start event is their last step, before the runtime exists), so they hold no capture."""
+    try:
+        return b"\n" not in (live / spec.LIVE_JOURNAL).read_bytes()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False  # unreadable: read_journal says why
+
+
+def _pid_alive(live: Path) -> bool:
+    """Whether the pid in `live`'s name (`..._pid<P>[_<n>].live`) is a process on this host."""
+    match = spec.DUMP_NAME.match(live.name[: -len(spec.LIVE_SUFFIX)] + ".npz")
+    try:
+        os.kill(int(match.group("pid")), 0) if match else None
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        pass
+    return match is not None
+
+
 def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recovered:
     """Turn one `<stem>.live/` directory into `<stem>.npz` + `<stem>.json` next to it."""
     result = Recovered(live)
+    if _unstarted(live):
+        if _pid_alive(live) and not force:
+            result.skipped = "its process may still be making these files (no start event yet); use --force if it is not"
+            return result
+        result.skipped = ("nothing to recover: its process died while making these files, before any capture"
+                          + ("" if keep else "; removed"))
+        _remove(live, keep, fault_report(live), live.parent / f"{live.name[: -len(spec.LIVE_SUFFIX)]}{FAULT_SUFFIX}", [])
+        return result
     start, events, torn = read_journal(live)
     if running(start) and not force:
         where = "on this host" if start.get("host") == socket.gethostname() else f"on host {start.get('host')!r}"
         result.skipped = (f"pid {start.get('pid')} {where} may still be running (its files are in use); "
                           "use --force if it is not")
         return result
-    slots, overflow, prompt, config, declared, layers, declarations = _registry(start, events)
+    slots, overflow, prompt, config, declared, layers, declarations = registry(start, events)
     ctrl = np.fromfile(live / spec.LIVE_CTRL, dtype=np.int32)
     if ctrl.size < L.control_words(0):
         raise RecoverError(f"{live}: control block of {ctrl.size} words")
     # The name the process's last flush wrote under (its rank became known), else the directory's.
-    flushed_at, flushed = _last_flush(events, live)
+    flushed_at, flushed = last_flush(events, live)
     stem = flushed["stem"] if flushed else live.name[: -len(spec.LIVE_SUFFIX)]
-    elsewhere = _switched_to(events[flushed_at + 1 :], live)
+    elsewhere = switched_to(events[flushed_at + 1 :], live)
     # The faulthandler report outlives the directory: its stack is what a crash's user reads next.
     kept_report = live.parent / f"{stem}{FAULT_SUFFIX}"
     fault = fault_report(live)
@@ -314,58 +254,6 @@ def _remove(live: Path, keep: bool, fault: str, kept_report: Path, events: list[
                                                         if event.get("event") == "flushed" and "stem" in event}
         for stem in stems:
             (live.parent / f".{stem}{spec.CLAIM_SUFFIX}").unlink(missing_ok=True)
-
-
-@dataclass
-class _Declarations:
-    """What the journal says of the manifest's `parallel`, keys' `shard` and `filtered_tags`."""
-
-    parallel: tuple[dict, list] | None = None  # (groups, shards as journaled); None: not journaled
-    filtered: dict = field(default_factory=dict)
-
-
-def _registry(start: dict, events: list[dict]):
-    """(slots, overflow tags, prompt length, config, router declarations, the manifest's `mixers`
-    and `routing` from instrument, _Declarations) as the journal last had them."""
-    declarations = _Declarations()
-    by_index: dict[int, Slot] = {}
-    slots: list[Slot] = []
-    overflow: list[str] = []
-    prompt = None
-    config = start.get("config", {})
-    declared: dict[str, dict] = {}
-    layers: dict[str, dict] = {}
-    for event in events:
-        kind = event.get("event")
-        if kind == "slot":
-            slot = Slot(tag=event["tag"], kind=event["kind"], index=event["index"], order=event["order"])
-            if slot.index == 0:
-                overflow.append(slot.tag)
-            else:
-                by_index[slot.index] = slot
-            slots.append(slot)
-        elif kind == "region" and event["index"] in by_index:
-            slot = by_index[event["index"]]
-            slot.payload_shape = tuple(event["payload"])
-            slot.offset, slot.capacity = event["offset"], event["capacity"]
-            slot.overflow = event.get("overflow", slot.overflow)
-            slot.source_dtype, slot.source_shape = event["source_dtype"], event["source_shape"]
-        elif kind == "prompt":
-            prompt = event["tokens"]
-        elif kind == "config":
-            config = event["config"]
-        elif kind == "router" and event["router"] is None:  # withdrawn
-            declared.pop(event["tag"], None)
-        elif kind == "router":
-            declared[event["tag"]] = event["router"]
-        elif kind == "mixers":
-            layers = {name: event[name] for name in ("mixers", "routing", "exclude") if event.get(name)}
-        elif kind == "parallel":
-            declarations.parallel = (event["groups"], event["shards"])
-        elif kind == "filtered":
-            declarations.filtered[event["tag"]] = event["reason"]
-    # A slot whose region was never claimed (offset -1) reports its counters only.
-    return slots, overflow, prompt, config, declared, layers, declarations
 
 
 def recover_directory(directory: str | os.PathLike, force: bool = False,

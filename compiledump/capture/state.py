@@ -46,6 +46,7 @@ class State:
     exclude: list = field(default_factory=list)  # instrument(exclude=...)'s patterns
     export_binding: tuple | None = None  # (arena, ctrl) inputs of a program being exported
     instruments: list = field(default_factory=list)  # instrument() handles not removed
+    exception: dict | None = None  # {"type", "message"} of the unhandled exception ending the process
     dist_seen: dict = field(default_factory=lambda: {"rank": None, "world_size": None})  # kept
     atexit_registered: bool = False  # kept
     dumps_written: int = 0  # kept: flushes that wrote a dump (the exit note is for runs with none)

@@ -26,8 +26,8 @@ import numpy as np
 
 from ..format import spec
 from ..format.reader import Dump, preview
-from .one_sided import other_side
 from .overwrites import whole_array
+from .phases import other_side
 
 ROUTER, IDS = "_step_router", "_step_topk"
 

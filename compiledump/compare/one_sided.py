@@ -23,7 +23,7 @@ from ..format.keys import KeyInfo
 from ..format.reader import Dump, preview
 from .inputs import FED_TAG
 from .overwrites import step_count
-from .phases import exclude_patterns, layer_steps_of, moe_layers_of
+from .phases import exclude_patterns, layer_steps_of, moe_layers_of, other_side
 from .report import Problem
 
 
@@ -173,11 +173,6 @@ class OneSidedKeys:
         lines = (write[reason](side, keys) for reason, sides in self.explained.items()
                  for side, keys in sides.items() if keys)
         return [line for line in lines if line is not None]
-
-
-def other_side(side: str) -> str:
-    """The other side of a pair: "RUN" for "REF", "REF" for "RUN"."""
-    return "RUN" if side == "REF" else "REF"
 
 
 def one_sided_fed_note(side: str, keys: list[str]) -> str:

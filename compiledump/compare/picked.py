@@ -23,7 +23,8 @@ import numpy as np
 from ..format.keys import KeyInfo, router_key_for, step_ids_key_for
 from ..format.reader import Dump, Member, Replica, preview
 from ..format.routers import TOKEN, UNKNOWN, RouterInfo
-from .one_sided import gate_without_ids, held_tags, other_side
+from .one_sided import gate_without_ids, held_tags
+from .phases import other_side
 from .routing import routing_epsilon
 from .selection import choice_scores, judgeable, select, selection_gap
 from .view import DumpView

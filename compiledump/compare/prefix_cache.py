@@ -36,9 +36,8 @@ from bisect import bisect_left
 from ..format import spec
 from ..format.reader import Dump
 from .inputs import FED_TAG, fed_token
-from .one_sided import other_side
 from .overwrites import logits_cannot_tell
-from .phases import exclude_patterns, shorter_prompt, tokens_text
+from .phases import exclude_patterns, other_side, shorter_prompt, tokens_text
 
 TURN_OFF = "vLLM --no-enable-prefix-caching, SGLang --disable-radix-cache"
 # The default CUDA-graph sizes a batch of tokens is padded to: vLLM's capture sizes (up to its

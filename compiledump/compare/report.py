@@ -173,6 +173,7 @@ class PairResult:
     fed_tokens: FedTokens | None = None  # the first decode step fed different tokens (inputs.py)
     step_zero_in_prompt: bool = False  # step 0 is the prompt's last position (inputs.step_zero_in_prompt)
     fewer_steps: str | None = None  # one side ran fewer decode steps (one_sided.py `fewer_steps`)
+    ended_early: str | None = None  # a side's process died before the other's keys (phases.ended_early)
 
     @property
     def compared(self) -> int:
@@ -206,7 +207,8 @@ class PairResult:
                 "decode_margins": _opt(self.decode_margins), "closest": _opt(self.closest),
                 "thresholds": threshold_uses(self.keys), "not_captured": self.not_captured,
                 "first_nonfinite": self.nonfinite, "renamed": self.renamed,
-                "fed_tokens_differ": _opt(self.fed_tokens), "fewer_steps": self.fewer_steps}
+                "fed_tokens_differ": _opt(self.fed_tokens), "fewer_steps": self.fewer_steps,
+                "ended_early": self.ended_early}
 
 
 @dataclass
@@ -255,12 +257,13 @@ class Report:
     def exit_status(self) -> int:
         """The CLI's exit status: 1 when something diverged; else 3 when some keys were not
         comparable (different phases or token counts) or not compared (shapes or dtypes that
-        cannot be), or expert ids differ where no reference router logits could judge them
-        (docs/compare.md); else 0."""
+        cannot be), expert ids differ where no reference router logits could judge them, or a
+        side's process died before capturing keys the other holds (docs/compare.md); else 0."""
         if self.first_divergence is not None:
             return 1
         unjudged = any(item.routing_verdict == "not_judged" for item in self.id_mismatches)
-        return 3 if self.not_comparable or self.not_compared or unjudged else 0
+        died = any(pair.ended_early for pair in self.pairs)
+        return 3 if self.not_comparable or self.not_compared or unjudged or died else 0
 
     def to_json(self) -> dict:
         """The report as strict-JSON-ready data (docs/compare.md, "Output")."""

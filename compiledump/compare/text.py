@@ -323,8 +323,8 @@ def final_line(report: Report) -> str:
                     routed += (", one-row keys among them, whose one token an earlier token's flip reaches: "
                                "all-rows mode (COMPILEDUMP_ROWS=all) judges the tokens no flip reaches")
                 routed += ")"
-        fewer = "".join(f"; {pair.fewer_steps}" + (f" [rank {pair.rank}]" if len(report.pairs) > 1 else "")
-                        for pair in report.pairs if pair.fewer_steps)
+        fewer = "".join(f"; {said}" + (f" [rank {pair.rank}]" if len(report.pairs) > 1 else "")
+                        for pair in report.pairs if (said := pair.ended_early or pair.fewer_steps))
         return (f"no divergence: {compared} keys compared{near}{skipped}{routed}{tie}{fewer}{extra}"
                 f"{_prompt_only(report)}")
     rank = f" [rank {first.rank}]" if len(report.pairs) > 1 else ""

@@ -28,6 +28,8 @@ from .picked import unseen_step_flips, with_picked_ids
 from .pairing import find_pairs
 from .cautions import first_cautions, layer_steps_note, routing_recorded_below, unrecorded_routing_note
 from .phases import (
+    died_note,
+    ended_early,
     first_nonfinite,
     gate_length,
     mixed_phase_detail,
@@ -36,7 +38,6 @@ from .phases import (
     not_captured_note,
     not_comparable_reason,
     prompt_length,
-    recovered_note,
 )
 from .rename import RenamedDump
 from .jumps import earlier_jump
@@ -171,7 +172,10 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     if note is not None:
         notes.append(note)
     notes.extend(one_sided.notes())
-    notes.extend(note for note in (recovered_note("REF", ref), recovered_note("RUN", run)) if note)
+    # A side whose process died: the keys of the other side it lacks (unexplained, or past its end)
+    lacking = {side: sum(problem.kind == kind for problem in problems) + len(one_sided.explained["ended"][other])
+               for side, other, kind in (("RUN", "REF", "missing_in_run"), ("REF", "RUN", "extra_in_run"))}
+    notes.extend(note for note in (died_note("REF", ref, lacking["REF"]), died_note("RUN", run, lacking["RUN"])) if note)
     if any(r.phase == "decode" and r.floats is not None and r.limits is not None
            and r.limits.rel_source.endswith(" decode") for r in records):
         notes.extend(note for note in (unrecorded_routing_note(ref, run),) if note)
@@ -181,7 +185,7 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
                         prompt_tokens_run=prompt_length(run),
                         nonfinite={"REF": first_nonfinite(ref), "RUN": first_nonfinite(run)},
                         renamed=renamed, fed_tokens=fed, step_zero_in_prompt=step_zero_in_prompt(ref, run),
-                        fewer_steps=one_sided.fewer_steps())
+                        fewer_steps=one_sided.fewer_steps(), ended_early=ended_early({"REF": ref, "RUN": run}, lacking))
     analyse_pair(result)
     first = result.first_divergence
     if first is not None and first.metric != "ids":

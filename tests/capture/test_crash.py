@@ -325,8 +325,9 @@ def test_unreadable_leftover_is_an_error_not_a_crash(tmp_path, capsys):
     from compiledump import cli
 
     (tmp_path / "compiledump_rank0_pid1.live").mkdir()
+    (tmp_path / "compiledump_rank0_pid1.live" / "journal.jsonl").write_text("not json\n")
     assert cli.main(["recover", str(tmp_path)]) == 2
-    assert "no journal" in capsys.readouterr().err
+    assert "journal line 1 is not JSON" in capsys.readouterr().err
     assert cli.main(["recover", str(tmp_path / "missing")]) == 2
 
 

@@ -299,7 +299,7 @@ def test_settings_changed_while_capture_is_off_keep_the_dump_complete(dump_dir, 
 def test_crash_files_of_another_host_with_this_pid_and_start_are_not_taken(dump_dir, monkeypatch):
     """A shared filesystem: another host's process with this pid and start tick. Its directory is
     never removed, even where this process's name reservation says the name is this one's."""
-    from compiledump.capture.recover import process_start_time
+    from compiledump.capture.journal import process_start_time
 
     base = spec.dump_stem("x", os.getpid())
     live = dump_dir / f"{base}{spec.LIVE_SUFFIX}"

@@ -113,7 +113,7 @@ FLIP = {"step", "key", "tag", "rank", "kind", "margin_ref", "margin_run", "argma
 PAIR = {"rank", "ref", "run", "ref_manifest", "run_manifest", "compared", "divergent_keys", "first_divergence",
         "first_argmax_flip", "decode_margins", "id_mismatches",
         "not_comparable", "prompt_tokens", "prompt_tokens_ref", "prompt_tokens_run", "closest", "thresholds", "not_captured", "first_nonfinite", "renamed",
-        "fed_tokens_differ", "fewer_steps"}
+        "fed_tokens_differ", "fewer_steps", "ended_early"}
 CLOSEST = {"key", "rank", "layer", "step", "metric", "value", "threshold", "ratio"}
 THRESHOLD_USE = {"rank", "ref_dtype", "run_dtype", "class", "rel_diff", "norm_diff", "rel_source", "norm_source", "keys"}
 NOT_COMPARABLE = {"key", "rank", "reason", "source_dtype_ref", "source_dtype_run", "tokens_ref", "tokens_run",

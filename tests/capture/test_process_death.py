@@ -1,0 +1,148 @@
+"""A process that dies is never read as one that ran to the end, and what it leaves is never
+replaced by less: a run killed by an unhandled exception is marked in its dump and compared as
+cut short (exit 3, not "no divergence"); a `clear()` after the last flush does not make the exit
+flush or `recover` write an empty dump over it; files a process left while it was making them
+(killed before its journal's first line) are cleaned up, not advertised as data to recover.
+
+Each scenario runs a real child process (tiny script, random values), so the exit flush, the
+excepthook and SIGKILL are the real ones.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import compiledump
+from compiledump import cli
+from compiledump.capture.recover import dead_leftovers, recover_directory
+from compiledump.format import spec
+
+# Tokens 3: a record keeps 3-row calls; the step tag takes one row per call.
+CHILD = """
+import os, signal, sys
+import torch
+torch.set_num_threads(1)
+import compiledump
+compiledump.configure(dir=sys.argv[1], tokens=3, persist=sys.argv[3] == "persist")
+g = torch.Generator().manual_seed(int(sys.argv[4]))
+steps = int(sys.argv[5])
+for layer in range(4):
+    compiledump.record(f"layer{layer}", torch.randn(3, 17, generator=g))
+for step in range(steps):
+    compiledump.record_step("logits", torch.randn(1, 29, generator=g))
+how = sys.argv[2]
+if how == "raise":
+    raise RuntimeError("simulated engine crash\\nsecond line")
+if how.startswith("clear"):
+    compiledump.flush()
+    compiledump.clear()
+    if how == "clear_kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _child(tmp_path: Path, directory: Path, how: str, steps: int = 5, persist: bool = False, seed: int = 0):
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(CHILD))
+    env = {**os.environ, "COMPILEDUMP_SIGNALS": "1"}
+    return subprocess.run([sys.executable, str(script), str(directory), how, "persist" if persist else "-",
+                           str(seed), str(steps)], env=env, capture_output=True, text=True, timeout=120)
+
+
+def _compare(ref: Path, run: Path) -> tuple[int, dict, str]:
+    out = ref.parent / f"report_{run.name}.json"
+    proc = subprocess.run([sys.executable, "-m", "compiledump", "compare", str(ref), str(run), "--json", str(out),
+                           "--table", "none"], capture_output=True, text=True, timeout=120)
+    return proc.returncode, json.loads(out.read_text()), proc.stdout
+
+
+def test_a_run_killed_by_an_unhandled_exception_is_marked_and_compared_as_cut_short(tmp_path):
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    assert _child(tmp_path, ref, "exit", steps=5).returncode == 0
+    died = _child(tmp_path, run, "raise", steps=2)  # the same values, 3 of 5 decode steps missing
+    assert died.returncode == 1 and "simulated engine crash" in died.stderr  # the user's traceback stands
+    (manifest,) = [json.loads(p.read_text()) for p in run.glob("*.json")]
+    assert manifest["exception"] == {"type": "RuntimeError", "message": "simulated engine crash\nsecond line"}
+    status, report, text = _compare(ref, run)
+    assert status == 3  # before: 0, "no divergence", as if the run had ended normally
+    assert report["first_divergence"] is None and report["compared"] == 6  # 4 layers + logits_0, logits_1
+    (pair,) = report["pairs"]
+    assert pair["ended_early"] == "RUN ended early: its process died (3 keys of REF not judged)"
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("no divergence") and "RUN ended early: its process died (3 keys of REF not judged)" in last
+    assert any("died of an unhandled RuntimeError: simulated engine crash:" in note for note in report["notes"])
+    # REF's keys all held by the dead side: a note only, the exit status of a whole comparison.
+    assert _child(tmp_path, tmp_path / "late", "raise", steps=5).returncode == 1
+    status, report, _ = _compare(ref, tmp_path / "late")
+    assert status == 0 and report["pairs"][0]["ended_early"] is None
+    assert any("it holds every key the other side holds" in note for note in report["notes"])
+
+
+def test_a_divergence_before_the_crash_is_still_named(tmp_path):
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    _child(tmp_path, ref, "exit", steps=5)
+    _child(tmp_path, run, "raise", steps=2, seed=1)  # other values: layer0 diverges
+    status, report, _ = _compare(ref, run)
+    assert status == 1 and report["first_divergence"]["key"] == "layer0"
+    assert report["pairs"][0]["ended_early"] is not None
+
+
+@pytest.mark.parametrize("how", ["clear_exit", "clear_kill"])
+def test_a_clear_after_the_last_flush_leaves_that_dump_whole(tmp_path, how):
+    directory = tmp_path / "d"
+    _child(tmp_path, directory, how, steps=3, persist=True)
+    (npz,) = directory.glob("*.npz")
+    results, errors = recover_directory(directory)  # nothing to do after the exit flush
+    assert not errors
+    if how == "clear_kill":  # before: recovered as an empty dump, over the complete one
+        (result,) = results
+        assert result.npz == npz and "left as it is" in result.notes[0]
+    assert not list(directory.glob(f"*{spec.LIVE_SUFFIX}"))
+    g = torch.Generator().manual_seed(0)  # the child's values, in its order
+    expected = {f"layer{i}": torch.randn(3, 17, generator=g)[-1] for i in range(4)}  # one row: the last
+    expected.update({f"logits_{n}": torch.randn(1, 29, generator=g)[0] for n in range(3)})
+    with np.load(npz) as dump:  # before: 0 keys
+        assert sorted(dump.files) == sorted(expected)
+        for key, value in expected.items():
+            np.testing.assert_array_equal(dump[key], value.numpy())
+
+
+def test_files_left_by_a_process_killed_while_making_them_are_removed_not_advertised(tmp_path, capsys):
+    directory = tmp_path / "d"
+    directory.mkdir()
+    for name, journal in (("compiledump_rankx_pid999999991", None), ("compiledump_rankx_pid999999992", b'{"event":"sta')):
+        live = directory / f"{name}{spec.LIVE_SUFFIX}"
+        live.mkdir()
+        (live / spec.LIVE_CTRL).write_bytes(bytes(64))
+        if journal is not None:
+            (live / spec.LIVE_JOURNAL).write_bytes(journal)  # the start line torn by the kill
+        (directory / f".{name}{spec.CLAIM_SUFFIX}").touch()
+    assert dead_leftovers(directory) == []  # before: both, "recover turns it into dumps"
+    assert cli.main(["recover", str(directory)]) == 0  # before: exit 2, "the journal has no start event"
+    out = capsys.readouterr().out
+    assert out.count("nothing to recover: its process died while making these files, before any capture") == 2
+    assert sorted(p.name for p in directory.iterdir()) == []
+
+
+def test_files_being_made_by_a_live_process_are_left_alone(tmp_path):
+    live = tmp_path / f"compiledump_rankx_pid{os.getpid()}{spec.LIVE_SUFFIX}"
+    live.mkdir()
+    (result,), errors = recover_directory(tmp_path)
+    assert not errors and "may still be making these files" in result.skipped and live.is_dir()
+
+
+def test_configure_takes_a_bool_for_persist():
+    try:
+        assert compiledump.configure(persist=True).persist == "1"
+        assert compiledump.configure(persist=False).persist == "0"
+        with pytest.raises(ValueError, match="or a bool"):
+            compiledump.configure(persist="yes")
+    finally:
+        compiledump.configure(persist="auto")
