@@ -264,8 +264,16 @@ def one_sided_ids_note(side: str, keys: list[str]) -> str:
     side having none of their tags (its routers returned logits alone): not compared, and what that
     leaves untold."""
     other = other_side(side)
-    return (f"{other} recorded no expert ids where {side} did ({len(keys)} keys: {preview(keys, 4)}): not "
+    tags = {(spec.split_step_key(key) or (key,))[0] for key in keys}
+    # The kinds of routing key it lacks (ROUTING_SUFFIXES: the longest first), and what records each
+    kinds = {next(suffix for suffix in spec.ROUTING_SUFFIXES if tag.endswith(suffix)) for tag in tags}
+    fixes = [call for suffix, call in (
+        ("_topk", "compiledump.record_ids('layer<i>_topk', topk_ids)"),
+        ("_step_router", "compiledump.record_step('layer<i>_step_router', router_logits, moe_filtered=True)"),
+        ("_step_topk", "compiledump.record_step('layer<i>_step_topk', topk_ids, moe_filtered=True)")) if suffix in kinds]
+    what = "expert ids" if "_step_router" not in kinds else "routing (expert ids or a step's router logits)"
+    return (f"{other} recorded no {what} where {side} did ({len(keys)} keys: {preview(keys, 4)}): not "
             f"compared, so a routing flip there cannot be told from a bug. A router that returns its logits "
             f"alone records no ids, nor each step's routing (a gate returning (logits, None), as vLLM's and "
-            f"SGLang's do, whose fused MoE picks the experts): record {other}'s picks with "
-            "compiledump.record_ids('layer<i>_topk', topk_ids)")
+            f"SGLang's do, whose fused MoE picks the experts): record {other}'s with "
+            + " and ".join(fixes) + " (a step's rows: the request's row, as set_gather_rows(step=...) names it)")

@@ -103,8 +103,14 @@ def test_a_near_tie_the_engine_s_gate_flipped_is_judged_from_its_logits(tmp_path
     notes = report["notes"]
     assert any(note.startswith("RUN recorded router logits but no expert ids for layer0_topk, layer1_topk")
                for note in notes), notes
-    assert any(note.startswith("RUN recorded no expert ids where REF did (20 keys: layer0_step_router_0")
-               for note in notes), notes
+    # The engine lacks each step's routing: the note names record_step for both kinds it lacks
+    # (before: "no expert ids", and record_ids('layer<i>_topk'), which the engine already had)
+    (lacking,) = [note for note in notes if note.startswith("RUN recorded no routing (expert ids or a step's router "
+                                                            "logits) where REF did (20 keys: layer0_step_router_0")]
+    assert lacking.endswith("record RUN's with compiledump.record_step('layer<i>_step_router', router_logits, "
+                            "moe_filtered=True) and compiledump.record_step('layer<i>_step_topk', topk_ids, "
+                            "moe_filtered=True) (a step's rows: the request's row, as set_gather_rows(step=...) "
+                            "names it)"), lacking
 
 
 def test_a_bug_in_how_the_engine_weighs_experts_is_still_found(tmp_path, capsys):
