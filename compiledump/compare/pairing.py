@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..format.files import DuplicateRank, collect_dumps
 from ..format.reader import Dump, DumpError, DumpFile, rank_sort_key
+from .phases import other_side
 from .report import Problem
 from .shards import holds_a_part, merge_side
 
@@ -56,9 +57,17 @@ def pair_by_rank(ref: dict[str, Path], run: dict[str, Path]) -> tuple[list[tuple
             problems.append(Problem("unpaired_rank", rank, f"rank {rank} exists only in {side} ({mine[rank].name})",
                                     side=side, file=str(mine[rank])))
     if not pairs:
+        hint = ""
+        for side, mine, other in (("REF", ref, run), ("RUN", run, ref)):
+            if len(mine) == 1 and len(other) > 1:  # one process against several ranks that declared no shards
+                several, first = other_side(side), other[min(other, key=rank_sort_key)]
+                hint = (f"; {several}'s ranks declare no shards (compiledump.declare_shard), so they are paired by "
+                        f"rank, not merged: where each rank holds whole values (replicated or all-reduced), compare "
+                        f"{side} with one rank's file ({first.name}); where they hold parts, declare them on "
+                        f"{several} (docs/multi-rank.md)")
         raise DumpError(
             f"no rank in common: REF has ranks {sorted(ref, key=rank_sort_key)}, "
-            f"RUN has ranks {sorted(run, key=rank_sort_key)}"
+            f"RUN has ranks {sorted(run, key=rank_sort_key)}{hint}"
         )
     return pairs, problems
 

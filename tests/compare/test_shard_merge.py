@@ -328,8 +328,10 @@ def test_without_shard_declarations_ranks_pair_by_rank_as_before(tmp_path):
     ref = reference_captures(np.random.default_rng(7))
     ref_path = factory.write_compiledump(tmp_path / "ref", ref, rank="x", pid=1)
     write_sharded(tmp_path / "run", ref, edit=lambda rank, m: [e.pop("shard", None) for e in m["keys"].values()])
-    with pytest.raises(cmp.DumpError, match="no rank in common"):
+    with pytest.raises(cmp.DumpError, match="no rank in common") as raised:
         cmp.compare(ref_path, tmp_path / "run")
+    first = min((tmp_path / "run").glob("*rank0_*.npz")).name  # the error names the fix (before: ranks alone)
+    assert f"compare REF with one rank's file ({first}); where they hold parts, declare them on RUN" in str(raised.value)
 
 
 def test_inspect_shows_parallel_groups_and_shards(tmp_path, capsys):
