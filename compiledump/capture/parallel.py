@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ..format.spec import stream_step_tag
 from .state import STATE
 
 _GROUP_NAME = re.compile(r"[A-Za-z][A-Za-z0-9]*")
@@ -155,8 +156,13 @@ def shard_for(tag: str) -> ShardSpec | None:
 
 
 def _match(tag: str, shards: list) -> ShardSpec | None:
+    # A layer's step state (`layer<N>_step`, `layer<N>_mlp_step`, ...: instrument's) holds a row of
+    # what its prompt tag holds, so a declaration of that tag covers it: a partial sum's row is a
+    # partial sum (before, `declare_shard(r"layer\d+_mlp", how="sum")` left the steps' partial sums
+    # to be compared as whole values: a false divergence at `layer0_mlp_step_1`).
+    base = tag[: -len("_step")] if stream_step_tag(tag) else None
     for compiled, spec in reversed(shards):
-        if compiled.fullmatch(tag):
+        if compiled.fullmatch(tag) or (base is not None and compiled.fullmatch(base)):
             return spec
     return None
 
