@@ -22,18 +22,24 @@ FED_TAG = "input_token"
 
 @dataclass(frozen=True)
 class FedTokens:
-    """The first decode step whose fed token differs between the sides, and the two tokens."""
+    """The first decode step whose fed token differs between the sides, and the two tokens;
+    ``prompt``: that step is the prompt's last position (step 0 of `instrument`'s steps), so the
+    sides ran different prompts and no key of theirs can be compared."""
 
     step: int
     ref: int
     run: int
+    prompt: bool = False
 
     def reason(self) -> str:
-        """Why a step key at or after ``step`` is not compared (the table's note)."""
+        """Why a key is not compared (the table's note): a step key at or after ``step``; every
+        key of sides fed different prompts."""
+        if self.prompt:
+            return "the sides were fed different prompts (their last tokens differ)"
         return f"the sides fed different tokens from step {self.step}"
 
     def to_json(self) -> dict:
-        return {"step": self.step, "ref": self.ref, "run": self.run}
+        return {"step": self.step, "ref": self.ref, "run": self.run, "prompt": self.prompt}
 
 
 def first_fed_difference(ref: Dump, run: Dump, ordered: list[KeyInfo]) -> FedTokens | None:
@@ -44,7 +50,7 @@ def first_fed_difference(ref: Dump, run: Dump, ordered: list[KeyInfo]) -> FedTok
     for step, key in steps:
         x, y = (fed_token(dump, key) for dump in (ref, run))
         if x is not None and y is not None and x != y:
-            return FedTokens(step, x, y)
+            return FedTokens(step, x, y, prompt=step == 0 and step_zero_in_prompt(ref, run))
     return None
 
 
@@ -65,5 +71,9 @@ def step_zero_in_prompt(ref: Dump, run: Dump) -> bool:
 
 
 def after_fed_difference(info: KeyInfo, fed: FedTokens | None) -> bool:
-    """Whether ``info`` is a step key at or after the step where the fed tokens differ."""
+    """Whether ``info`` is a step key at or after the step where the fed tokens differ, or any key
+    where the prompts differ (before, a DP rank that served another request was compared on its
+    prompt keys: a false divergence at the first layer)."""
+    if fed is not None and fed.prompt:
+        return True
     return fed is not None and info.kind == "step" and info.step is not None and info.step >= fed.step

@@ -206,6 +206,11 @@ def fed_tokens_line(pair: PairResult) -> str | None:
     if fed is None:
         return None
     refused = [record for record in pair.not_comparable if record.reason == fed.reason()]
+    if fed.prompt:
+        return (f"not comparable: every key ({len(refused)} keys): the sides were fed different prompts (their last "
+                f"tokens: REF {fed.ref}, RUN {fed.run}); fix: compare runs of the same request (of a data-parallel "
+                "engine, the rank that served the reference's request; of a batch, its row: set_gather_rows, or "
+                "instrument's batch_row)")
     steps = sorted({record.step for record in refused})
     span = f"steps {steps[0]}-{steps[-1]}" if len(steps) > 1 else f"step {fed.step}"
     flip = pair.first_argmax_flip
@@ -250,8 +255,10 @@ def step_drops_lines(pair: PairResult) -> list[str]:
 
 def not_comparable_line(pair: PairResult) -> str | None:
     """One line for the keys whose two values come from different phases or token counts."""
+    fed = pair.fed_tokens  # (different prompts: fed_tokens_line says so)
     refused = [record for record in pair.not_comparable
-               if record.kind != "step" and not (record.reason or "").startswith((WRITTEN_AGAIN, CHUNKED))]
+               if record.kind != "step" and not (record.reason or "").startswith((WRITTEN_AGAIN, CHUNKED))
+               and not (fed is not None and record.reason == fed.reason())]
     if not refused:
         return None
     calls: dict[tuple, int] = {}

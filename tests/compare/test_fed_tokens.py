@@ -27,7 +27,7 @@ from helpers.hf_example import ex
 PROMPT, STEPS = 7, 5
 
 
-def run_side(model, directory, fed, bug_at_step=None, width=1):
+def run_side(model, directory, fed, bug_at_step=None, width=1, prompt_seed=3):
     """Prefill a 7-token prompt, then decode feeding `fed[n]` at step n+1 (the tokens are given,
     not decoded, so each test says where the sides' inputs part). `bug_at_step`: from that
     decode step on, the last layer's MLP output is scaled by 1.01 (a decode-only bug). `width`:
@@ -38,7 +38,7 @@ def run_side(model, directory, fed, bug_at_step=None, width=1):
     step = [0]
     hook = model.model.layers[-1].mlp.register_forward_hook(
         lambda _m, _a, out: out * 1.01 if bug_at_step is not None and step[0] >= bug_at_step else out)
-    prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(3))
+    prompt = torch.randint(0, model.config.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(prompt_seed))
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=prompt, cache=cache, use_cache=True)
@@ -74,7 +74,7 @@ def test_steps_fed_other_tokens_are_not_comparable(model, tmp_path, capsys, dtyp
     code, out, report = compare(tmp_path, capsys)
     (pair,) = report["pairs"]
     # Step n's logits come from the token fed at step n: input_token_3 is fed[2].
-    assert pair["fed_tokens_differ"] == {"step": 3, "ref": tokens[2], "run": other[2]}
+    assert pair["fed_tokens_differ"] == {"step": 3, "ref": tokens[2], "run": other[2], "prompt": False}
     refused = {record["key"] for record in report["keys"] if record["status"] == "not_comparable"}
     steps = {record["key"]: record["step"] for record in report["keys"] if record["step"] is not None}
     assert refused == {key for key, step in steps.items() if step >= 3} and "logits_5" in refused
@@ -86,6 +86,24 @@ def test_steps_fed_other_tokens_are_not_comparable(model, tmp_path, capsys, dtyp
     if dtype == torch.float32:  # no flip parted them (the tokens were given): a set-up to check first
         assert "with no argmax flip right before it" in line and "set_gather_rows(step=...)" in line, line
     assert out[-1].startswith("no divergence") and f"{len(refused)} keys NOT COMPARABLE" in out[-1]
+
+
+def test_sides_that_ran_different_prompts_compare_nothing(model, tmp_path, capsys):
+    """A data-parallel engine's rank that served another request, compared with the reference:
+    the prompts' last tokens (step 0's fed token) differ, so no key is comparable (before: its
+    prompt keys were compared, a false divergence at layer 0, exit 1; an EP/DP bring-up)."""
+    tokens = torch.randint(0, model.config.vocab_size, (STEPS,), generator=torch.Generator().manual_seed(6)).tolist()
+    run_side(model, tmp_path / "ref", tokens)
+    run_side(copy.deepcopy(model), tmp_path / "run", tokens, prompt_seed=8)
+    code, out, report = compare(tmp_path, capsys)
+    fed = report["pairs"][0]["fed_tokens_differ"]
+    assert fed["step"] == 0 and fed["prompt"] is True and fed["ref"] != fed["run"]
+    assert code == 3 and report["first_divergence"] is None and report["compared"] == 0
+    assert {record["status"] for record in report["keys"]} == {"not_comparable"}
+    (line,) = [text for text in out if text.startswith("not comparable:")]  # one line, not a phases line too
+    assert line.startswith(f"not comparable: every key ({len(report['keys'])} keys): the sides were fed different "
+                           f"prompts (their last tokens: REF {fed['ref']}, RUN {fed['run']}); fix: compare runs of "
+                           "the same request"), line
 
 
 def test_the_same_tokens_are_compared_and_a_bug_before_the_parting_is_found(model, tmp_path, capsys):
@@ -116,7 +134,8 @@ def test_decode_forwards_of_several_tokens_are_not_paired_with_one_token_steps(m
     run_side(model, tmp_path / "run", tokens, width=3)
     code, out, report = compare(tmp_path, capsys)
     assert code == 3 and report["first_divergence"] is None, out[-1]
-    assert report["pairs"][0]["fed_tokens_differ"] == {"step": 1, "ref": tokens[0], "run": tokens[2]}
+    assert report["pairs"][0]["fed_tokens_differ"] == {"step": 1, "ref": tokens[0], "run": tokens[2],
+                                                           "prompt": False}
     compared = [record for record in report["keys"] if record["step"] is None]
     assert compared and all(record["status"] == "ok" for record in compared)  # the prompt's keys
 
