@@ -32,6 +32,7 @@ def measure_merged(measure, ref: Dump, run: Dump, record: KeyRecord, info: KeyIn
     trials: list[tuple[KeyRecord, list[RankPart]]] = []
     # Copies of one rank each (a replicated key): bit-equal on every rank, none of them can be named.
     first_whole = None
+    equal_partials = False  # (below)
     identical = len(replicas) > 1 and all(replica.shard is None and len(replica.parts) == 1 for replica in replicas)
     for replica in replicas:
         arrays = replica.arrays()
@@ -55,6 +56,8 @@ def measure_merged(measure, ref: Dump, run: Dump, record: KeyRecord, info: KeyIn
                 start = stop
         else:
             parts.extend(RankPart(rank, partial_sum=True) for rank in replica.ranks)
+            equal_partials = equal_partials or (len(arrays) > 1 and bool(np.any(arrays[0])) and all(
+                array.shape == arrays[0].shape and np.array_equal(array, arrays[0]) for array in arrays[1:]))
         trials.append((trial, parts))
         del arrays, whole
     worst, _ = max(trials, key=lambda item: _badness(item[0]))
@@ -62,7 +65,8 @@ def measure_merged(measure, ref: Dump, run: Dump, record: KeyRecord, info: KeyIn
     rated = [part for part in every if not part.partial_sum]
     shard = replicas[0].shard
     merge = MergeInfo(shard.describe() if shard is not None else "each rank", merged.merged_ranks, every,
-                      [part.rank for part in rated if part.divergent], identical=identical)
+                      [part.rank for part in rated if part.divergent], identical=identical,
+                      equal_partials=equal_partials)
     if worst.divergent and rated and not identical:
         worst_part = max(rated, key=_badness)
         merge.worst_rank, merge.worst_rank_value = worst_part.rank, worst_part.value

@@ -178,3 +178,28 @@ def test_a_replica_without_coordinates_beside_a_complete_set_is_compared_on_its_
     assert [pair.rank for pair in report.pairs] == ["0+1", "2"]
     assert report.first_divergence.key == "layer0_up" and report.first_divergence.rank == "2"
     assert not [problem for problem in report.problems if problem.kind == "shard_mismatch"]
+
+
+def test_partial_sums_equal_on_every_rank_name_the_declaration(tmp_path):
+    """An expert-parallel block output already all-reduced, declared `how="sum"`: every rank's
+    "partial sum" is the whole value, and the merged sum is twice it. The divergence says the
+    partials are bit-identical, as a reduced value is, and what to drop (before: "partial sums, no
+    single rank can be named"); real partial sums do not say so."""
+    rng = np.random.default_rng(9)
+    hidden = rng.standard_normal(13).astype(np.float32)
+    factory.write_compiledump(tmp_path / "ref", [Capture("layer0_mlp", hidden, "record", "layer0_mlp")], rank="x", pid=1)
+    for name, parts in (("copies", [hidden, hidden]), ("partials", [hidden * 0.25, hidden * 0.75 * 1.2])):
+        for rank, part in enumerate(parts):
+            caps = [Capture("layer0_mlp", part.astype(np.float32), "record", "layer0_mlp")]
+            manifest = factory.manifest_for(caps, rank, pid=10 + rank)
+            manifest.update(world_size=2, parallel={"ep_rank": rank, "ep_size": 2})
+            manifest["keys"]["layer0_mlp"]["shard"] = {"dim": None, "how": "sum", "group": "ep"}
+            factory.write_compiledump(tmp_path / name, caps, rank, 10 + rank, manifest=manifest)
+        report = compare(tmp_path / "ref", tmp_path / name)
+        first = report.first_divergence
+        assert first is not None and first.key == "layer0_mlp"
+        record = report.pairs[0].keys[0]
+        said = format_report(report, table="none")[-1]
+        assert record.merge.equal_partials is (name == "copies")
+        assert ("every rank's partial sum is bit-identical" in said) is (name == "copies"), said
+        assert ("drop its declare_shard" in said) is (name == "copies")

@@ -41,7 +41,7 @@ CROSSED = {"metric", "value"}
 IDS = {"metric_kind", "ids_equal", "mismatched_elements", "total_elements"}
 IDS_DIFFER = {"first_mismatch_row", "first_mismatch_index", "mismatched_rows", "rows", "overlap", "k", "same_set",
               "ref_ids", "run_ids"}
-MERGE = {"merge", "merged_ranks", "ranks", "divergent_ranks", "worst_rank", "identical_on_ranks"}
+MERGE = {"merge", "merged_ranks", "ranks", "divergent_ranks", "worst_rank", "identical_on_ranks", "equal_partial_sums"}
 ROUTING = {"routing"}  # ids that differ, unless a side is merged (judged strictly)
 EXCUSED = {"excused_rows", "excused_by", "excused_metric", "excused_value", "excused_near_tie"}
 
