@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import sys
 
 import torch
 
@@ -184,10 +185,13 @@ def _create_runtime(device: torch.device) -> Runtime:
 
 def _note_exception(exc_type, exc) -> None:
     """The process is ending with an unhandled exception: the dump written at exit says so (its
-    manifest's `exception`), so that compare does not read a run cut short as a whole one; the
+    manifest's `ended_by`), so that compare does not read a run cut short as a whole one; the
     crash-proof journal too, for a process that cannot flush."""
-    STATE.exception = {"type": getattr(exc_type, "__name__", str(exc_type)), "message": str(exc)[:2000]}
-    persist.note_exception(getattr(STATE.runtime, "live", None), STATE.exception)
+    if hasattr(sys, "ps1") or sys.flags.interactive:  # a REPL prints it and goes on
+        return
+    name, message = getattr(exc_type, "__name__", str(exc_type)), str(exc)[:2000]
+    STATE.ended_by = {"exception": name, "message": message}
+    persist.note_exception(getattr(STATE.runtime, "live", None), {"type": name, "message": message})
 
 
 def reset() -> None:

@@ -27,7 +27,7 @@ from ..ops import layout as L
 @dataclass
 class Slot:
     """One tag's place in the control block and the arena: the registry's record of it
-    (capture/arena.py keeps them; capture/recover.py rebuilds them from the journal)."""
+    (capture/arena.py keeps them; capture/journal.py rebuilds them from the journal)."""
 
     tag: str
     kind: int

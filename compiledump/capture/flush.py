@@ -156,7 +156,13 @@ def _flush(wait_for_captures: bool, unless_unchanged: bool = False) -> str | Non
             # its file name changed (the rank became known) or the host-side declarations the
             # manifest carries did (a filtered tag, set_parallel, declare_shard, declare_router).
             written = (stem_in(directory), ctrl.tobytes(), _declarations(rt))
-            if unless_unchanged and written == rt.flushed_ctrl:
+            npz = os.path.join(directory, f"{written[0]}.npz")
+            # Unchanged: the last dump holds it all; rewritten only to say the process is dying
+            # (ended_by), where that dump is still there (one the program moved away stays away).
+            unchanged = written == rt.flushed_ctrl and not (st.ended_by and os.path.isfile(npz))
+            # Nothing kept since a clear() after a dump was written: an empty dump would replace it
+            # (or appear where the program moved it away).
+            if unless_unchanged and (unchanged or (st.dumps_written and not L.kept_any(ctrl))):
                 return None
             arrays, manifest = _collect(rt, arena, ctrl)
         finally:
@@ -182,7 +188,7 @@ def _declarations(rt: Runtime) -> str:
     unchanged dump."""
     st = STATE
     return repr((sorted(st.filtered_tags.items()), sorted(st.parallel_groups.items()), st.shards,
-                 sorted(st.routers.items()), st.mixers, st.routing, st.exclude, rt.prompt_tokens, st.exception))
+                 sorted(st.routers.items()), st.mixers, st.routing, st.exclude, rt.prompt_tokens))
 
 
 def _collect(rt: Runtime, arena: np.ndarray, ctrl: np.ndarray) -> tuple[dict, dict]:
@@ -204,7 +210,7 @@ def _collect(rt: Runtime, arena: np.ndarray, ctrl: np.ndarray) -> tuple[dict, di
         # Only when some captured router was declared (readers that predate it ignore it).
         **({"routers": declared} if declared else {}),
         **mixers.manifest_layers(),  # instrument()'s
-        **({"exception": STATE.exception} if STATE.exception else {}),  # the process is dying of it
+        **({"ended_by": STATE.ended_by} if STATE.ended_by else {}),  # the process is dying of it
     )
     return got.arrays, manifest
 
@@ -276,12 +282,8 @@ def _counted(rt: Runtime) -> bool:
 
 def flush_if_changed() -> str | None:
     """Flush unless nothing was captured or declared since the last flush: its dump is complete,
-    and rewriting it would bring back files the program moved or removed. Nor when the process
-    wrote a dump and nothing was captured since a clear(): an empty dump would replace it (or
-    appear where the program moved it away)."""
-    rt = STATE.runtime
-    if rt is not None and STATE.dumps_written and not _counted(rt):
-        return None
+    and rewriting it would bring back files the program moved or removed (nor after a clear():
+    `_flush`)."""
     return _flush(wait_for_captures=True, unless_unchanged=True)
 
 
@@ -328,10 +330,15 @@ def silence_note() -> str | None:
             f"ran with capture on{filtered} (compiledump.instrument(model) adds them to a model without editing it)")
 
 
-def flush_on_signal() -> None:
+def flush_on_signal(dying_of: str | None = None) -> None:
     """The signal handler's flush: on the main thread, possibly inside a capture or a flush of
     that same thread, so it waits for no lock (capture/signals.py). As the exit flush, it does not
-    rewrite a dump nothing was captured into since the last flush (one moved away stays away)."""
+    rewrite a dump nothing was captured into since the last flush (one moved away stays away).
+    `dying_of`: the signal's name where its default action ends the process next (the manifest's
+    `ended_by` says so: compare does not read a run a job's timeout or a sibling rank's failure
+    ended as a whole one)."""
+    if dying_of is not None:
+        STATE.ended_by = {"signal": dying_of}
     path = _flush(wait_for_captures=False, unless_unchanged=True)
     rt = STATE.runtime
     if rt is not None and rt.live is not None:

@@ -160,10 +160,12 @@ def _match(tag: str, shards: list) -> ShardSpec | None:
     # what its prompt tag holds, so a declaration of that tag covers it: a partial sum's row is a
     # partial sum (before, `declare_shard(r"layer\d+_mlp", how="sum")` left the steps' partial sums
     # to be compared as whole values: a false divergence at `layer0_mlp_step_1`).
+    # A declaration of the step tag itself comes first, whatever the order.
     base = tag[: -len("_step")] if stream_step_tag(tag) else None
-    for compiled, spec in reversed(shards):
-        if compiled.fullmatch(tag) or (base is not None and compiled.fullmatch(base)):
-            return spec
+    for name in (tag, base):
+        for compiled, spec in reversed(shards):
+            if name is not None and compiled.fullmatch(name):
+                return spec
     return None
 
 

@@ -5,7 +5,7 @@ memory-mapped files in `<dir>/<stem>.live/`, so everything a kernel has written 
 cache the moment it is written: a SIGKILL, a segfault or `os._exit` loses nothing of it (power
 loss may: nothing is synced to disk). Next to them a journal records, before a tag's first
 capture is stored, what is needed to read its region. `compiledump recover DIR`
-(capture/recover.py, the reader of these files) turns what a dead process left into an ordinary
+(capture/journal.py reads the journal, capture/recover.py) turns what a dead process left into an ordinary
 dump; the flush at normal exit removes them.
 
 `<stem>.live/`:
@@ -228,7 +228,7 @@ def _reserve(path: Path, offset: int, length: int) -> None:
 
 
 def slot_event(slot) -> dict:
-    """A registry slot (capture/collect.py `Slot`) as the journal holds it: recover.py `_registry`
+    """A registry slot (capture/collect.py `Slot`) as the journal holds it: journal.py `registry`
     reads it back."""
     return {"event": "slot", "tag": slot.tag, "kind": slot.kind, "index": slot.index, "order": slot.order}
 

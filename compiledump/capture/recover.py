@@ -28,6 +28,9 @@ from . import parallel
 from .collect import collect, ctrl_digest
 from .journal import RecoverError, last_flush, read_journal, registry, running, switched_to
 
+# A leftover with no start event yet is left alone this long after it was made (recover_live)
+UNSTARTED_GRACE_S = 120
+
 # A recovered dump's faulthandler report, kept beside it: `<stem>.fault.txt`.
 FAULT_SUFFIX = ".fault.txt"
 
@@ -87,8 +90,16 @@ def _complete_dump(live: Path, events: list[dict], ctrl: np.ndarray | None = Non
         except OSError:
             return None
     if any(event.get("event") == "clear" for event in events[index + 1 :]):
-        return npz if ctrl.size > L.HEADER_WORDS and not ctrl[L.HEADER_WORDS :].any() else None
+        return npz if not L.kept_any(ctrl) else None
     return npz if flushed.get("ctrl") == ctrl_digest(ctrl) else None
+
+
+def _cleared_since_flush(events: list[dict], live: Path, ctrl: np.ndarray) -> bool:
+    """Whether the process flushed, then called clear() and kept no capture since: what it
+    captured is in that flush's dump or was discarded, and the exit flush writes nothing."""
+    index, flushed = last_flush(events, live, anywhere=True)
+    return flushed is not None and not L.kept_any(ctrl) and any(
+        event.get("event") == "clear" for event in events[index + 1 :])
 
 
 def _annotations(npz: Path, start: dict) -> dict:
@@ -157,8 +168,12 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
     """Turn one `<stem>.live/` directory into `<stem>.npz` + `<stem>.json` next to it."""
     result = Recovered(live)
     if _unstarted(live):
-        if _pid_alive(live) and not force:
-            result.skipped = "its process may still be making these files (no start event yet); use --force if it is not"
+        # Its pid alive here, or made a moment ago (by a process on another host, or in another pid
+        # namespace, whose pid this one cannot see: mapping a large arena takes seconds)
+        young = time.time() - live.stat().st_mtime < UNSTARTED_GRACE_S
+        if (_pid_alive(live) or young) and not force:
+            result.skipped = ("its process may still be making these files (no start event yet); run recover again "
+                              f"later (after {UNSTARTED_GRACE_S} s), or use --force if it died")
             return result
         result.skipped = ("nothing to recover: its process died while making these files, before any capture"
                           + ("" if keep else "; removed"))
@@ -190,6 +205,10 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
         result.keys = len(manifest_of(complete).get("keys") or {})
         name = complete.name if complete.parent == live.parent else str(complete)  # (after a switch of directory)
         result.notes.append(f"nothing was captured after the flush that wrote {name}: left as it is")
+        _remove(live, keep, fault, kept_report, events)
+        return result
+    if _cleared_since_flush(events, live, ctrl):  # its dump was moved away: the exit flush writes nothing either
+        result.skipped = "nothing was captured since the clear() after its last flush: no dump to write; removed"
         _remove(live, keep, fault, kept_report, events)
         return result
     used = max((s.offset + s.words * s.capacity for s in slots if s.offset >= 0), default=0)

@@ -81,7 +81,7 @@ def journal_routers(live) -> None:
 
 
 def _journal(live, tag: str, info: RouterInfo) -> None:
-    """One declaration as a journal event (capture/recover.py reads it back)."""
+    """One declaration as a journal event (capture/journal.py reads it back)."""
     live.write({"event": "router", "tag": tag, "router": info.to_json()})
 
 

@@ -42,9 +42,10 @@ _deferrals = 0
 def install(flush, before_death=None) -> bool:
     """Install the handlers once per process; returns whether they are installed now.
 
-    `flush()` is called from the handler on the main thread, possibly while that thread was
-    in the middle of a capture or of another flush: it must not wait for a lock the
-    interrupted frame holds. `before_death()`, after a flush that completed, when the signal will
+    `flush(dying_of)` is called from the handler on the main thread, possibly while that thread
+    was in the middle of a capture or of another flush: it must not wait for a lock the
+    interrupted frame holds. `dying_of` is the signal's name when its default action ends the
+    process next, else None. `before_death()`, after a flush that completed, when the signal will
     end the process (no atexit hook runs then).
     """
     global _flush, _before_death
@@ -81,13 +82,15 @@ def _handler(signum, frame):
         return None
     _deferrals = 0
     flushed = False
+    previous = _previous.get(signum, signal.SIG_DFL)
+    # SIG_DFL, or None (a handler installed from C that Python cannot call): the signal ends the process
+    dying = not callable(previous) and previous != signal.SIG_IGN
     try:
         if _flush is not None:
-            _flush()
+            _flush(signal.Signals(signum).name if dying else None)
             flushed = True
     except BaseException as error:  # noqa: BLE001 - the signal's own action must still happen
         print(f"[compiledump] flush on {signal.Signals(signum).name} failed: {error!r}", file=sys.stderr, flush=True)
-    previous = _previous.get(signum, signal.SIG_DFL)
     if callable(previous):
         return previous(signum, frame)
     if previous == signal.SIG_IGN:

@@ -46,7 +46,9 @@ class State:
     exclude: list = field(default_factory=list)  # instrument(exclude=...)'s patterns
     export_binding: tuple | None = None  # (arena, ctrl) inputs of a program being exported
     instruments: list = field(default_factory=list)  # instrument() handles not removed
-    exception: dict | None = None  # {"type", "message"} of the unhandled exception ending the process
+    # How the process is ending, when not normally: {"exception", "message"} (an unhandled
+    # exception) or {"signal"} (SIGTERM/SIGINT whose default action ends it); the manifest's `ended_by`
+    ended_by: dict | None = None
     dist_seen: dict = field(default_factory=lambda: {"rank": None, "world_size": None})  # kept
     atexit_registered: bool = False  # kept
     dumps_written: int = 0  # kept: flushes that wrote a dump (the exit note is for runs with none)

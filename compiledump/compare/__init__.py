@@ -7,7 +7,7 @@ precision class (:mod:`.options`), which values can be compared at all and what 
 (:mod:`.phases`; prompt values a later forward replaced, :mod:`.overwrites`; decode steps fed
 different tokens, :mod:`.inputs`; step tags a dropped call renumbered, :mod:`.step_drops`; a flat engine's step-0 routing, :mod:`.flat_steps`; a request row its attention mask pads, :mod:`.padding`; prompt calls of different lengths that may be of the same prompt (a prefix cache's tail, a padded prefill), :mod:`.prefix_cache`; what one-row mode cannot see, :mod:`.one_row`; ids an engine's
 gates did not give, :mod:`.picked`; keys one side holds,
-:mod:`.one_sided`), per-key metrics (:mod:`.metrics`, :mod:`.measure`, :mod:`.merged_ranks`, :mod:`.step_scale`), whether
+:mod:`.one_sided`; a side whose process died before the other's keys, :mod:`.ended`), per-key metrics (:mod:`.metrics`, :mod:`.measure`, :mod:`.merged_ranks`, :mod:`.step_scale`), whether
 differing expert ids are a near tie (:mod:`.routing`, with :mod:`.selection`, :mod:`.softmax_bias` and :mod:`.cut`) and
 what a flip reaches (:mod:`.flips`), the findings (:mod:`.verdict`, :mod:`.jumps`, :mod:`.decode_first`; cautions on a
 first divergence that may be noise, :mod:`.cautions`), the typed records and their

@@ -23,23 +23,23 @@ FED_TAG = "input_token"
 @dataclass(frozen=True)
 class FedTokens:
     """The first decode step whose fed token differs between the sides, and the two tokens;
-    ``prompt``: that step is the prompt's last position (step 0 of `instrument`'s steps), so the
-    sides ran different prompts and no key of theirs can be compared."""
+    ``prompts_differ``: that step is the prompt's last position on both sides (step 0 of
+    `instrument`'s steps), so the sides ran different prompts and no key of theirs can be compared."""
 
     step: int
     ref: int
     run: int
-    prompt: bool = False
+    prompts_differ: bool = False
 
     def reason(self) -> str:
         """Why a key is not compared (the table's note): a step key at or after ``step``; every
         key of sides fed different prompts."""
-        if self.prompt:
+        if self.prompts_differ:
             return "the sides were fed different prompts (their last tokens differ)"
         return f"the sides fed different tokens from step {self.step}"
 
     def to_json(self) -> dict:
-        return {"step": self.step, "ref": self.ref, "run": self.run, "prompt": self.prompt}
+        return {"step": self.step, "ref": self.ref, "run": self.run, "prompts_differ": self.prompts_differ}
 
 
 def first_fed_difference(ref: Dump, run: Dump, ordered: list[KeyInfo]) -> FedTokens | None:
@@ -50,7 +50,7 @@ def first_fed_difference(ref: Dump, run: Dump, ordered: list[KeyInfo]) -> FedTok
     for step, key in steps:
         x, y = (fed_token(dump, key) for dump in (ref, run))
         if x is not None and y is not None and x != y:
-            return FedTokens(step, x, y, prompt=step == 0 and step_zero_in_prompt(ref, run))
+            return FedTokens(step, x, y, prompts_differ=step == 0 and both_instrumented(ref, run))
     return None
 
 
@@ -70,10 +70,17 @@ def step_zero_in_prompt(ref: Dump, run: Dump) -> bool:
     return any("mixers" in (dump.manifest or {}) or f"{FED_TAG}_0" in dump.members for dump in (ref, run))
 
 
+def both_instrumented(ref: Dump, run: Dump) -> bool:
+    """Whether both sides' steps are `instrument`'s (their manifests have `mixers`), whose step 0 is
+    the prompt's forward: a hand-written `record_step` may start at the first decode step, where a
+    prefill bug that changes the first token would read as different prompts."""
+    return all("mixers" in (dump.manifest or {}) for dump in (ref, run))
+
+
 def after_fed_difference(info: KeyInfo, fed: FedTokens | None) -> bool:
     """Whether ``info`` is a step key at or after the step where the fed tokens differ, or any key
     where the prompts differ (before, a DP rank that served another request was compared on its
     prompt keys: a false divergence at the first layer)."""
-    if fed is not None and fed.prompt:
+    if fed is not None and fed.prompts_differ:
         return True
     return fed is not None and info.kind == "step" and info.step is not None and info.step >= fed.step

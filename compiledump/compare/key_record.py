@@ -61,12 +61,12 @@ class MergeInfo:
     worst_rank_value: float | int | None = None
     identical: bool = False  # every rank holds a bit-equal copy: none of them can be named
     # Partial sums bit-equal on every rank: a value already all-reduced, declared how="sum"
-    equal_partials: bool = False
+    equal_partial_sums: bool = False
 
     def to_json(self) -> dict:
         out = {"merge": self.how, "merged_ranks": self.merged_ranks, "ranks": [part.to_json() for part in self.ranks],
                "divergent_ranks": self.divergent_ranks, "worst_rank": self.worst_rank,
-               "identical_on_ranks": self.identical, "equal_partial_sums": self.equal_partials}
+               "identical_on_ranks": self.identical, "equal_partial_sums": self.equal_partial_sums}
         if self.worst_rank_value is not None:
             out["worst_rank_value"] = self.worst_rank_value
         return out

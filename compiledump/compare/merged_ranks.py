@@ -66,7 +66,7 @@ def measure_merged(measure, ref: Dump, run: Dump, record: KeyRecord, info: KeyIn
     shard = replicas[0].shard
     merge = MergeInfo(shard.describe() if shard is not None else "each rank", merged.merged_ranks, every,
                       [part.rank for part in rated if part.divergent], identical=identical,
-                      equal_partials=equal_partials)
+                      equal_partial_sums=equal_partials)
     if worst.divergent and rated and not identical:
         worst_part = max(rated, key=_badness)
         merge.worst_rank, merge.worst_rank_value = worst_part.rank, worst_part.value

@@ -18,6 +18,8 @@ Any other key of one side is a problem: `missing_in_run` or `extra_in_run` (docs
 
 from __future__ import annotations
 
+import re
+
 from ..format import spec
 from ..format.keys import KeyInfo
 from ..format.reader import Dump, preview
@@ -264,16 +266,21 @@ def one_sided_ids_note(side: str, keys: list[str]) -> str:
     side having none of their tags (its routers returned logits alone): not compared, and what that
     leaves untold."""
     other = other_side(side)
-    tags = {(spec.split_step_key(key) or (key,))[0] for key in keys}
-    # The kinds of routing key it lacks (ROUTING_SUFFIXES: the longest first), and what records each
-    kinds = {next(suffix for suffix in spec.ROUTING_SUFFIXES if tag.endswith(suffix)) for tag in tags}
-    fixes = [call for suffix, call in (
-        ("_topk", "compiledump.record_ids('layer<i>_topk', topk_ids)"),
-        ("_step_router", "compiledump.record_step('layer<i>_step_router', router_logits, moe_filtered=True)"),
-        ("_step_topk", "compiledump.record_step('layer<i>_step_topk', topk_ids, moe_filtered=True)")) if suffix in kinds]
+    # Each kind of routing tag it lacks (ROUTING_SUFFIXES: the longest first), as the first such tag
+    # spells it with its layer made `<i>` (`layer<i>_attn_step_topk` for an attention's routing)
+    kinds: dict[str, str] = {}
+    for key in keys:
+        tag = (spec.split_step_key(key) or (key,))[0]
+        kinds.setdefault(next(suffix for suffix in spec.ROUTING_SUFFIXES if tag.endswith(suffix)),
+                         re.sub(r"^layer\d+", "layer<i>", tag))
+    calls = {"_topk": "compiledump.record_ids('{}', topk_ids)",
+             "_step_router": "compiledump.record_step('{}', router_logits, moe_filtered=True)",
+             "_step_topk": "compiledump.record_step('{}', topk_ids, moe_filtered=True)"}
+    fixes = [calls[suffix].format(kinds[suffix]) for suffix in calls if suffix in kinds]
+    rows = (" (a step's rows: the request's row, as set_gather_rows(step=...) names it)"
+            if kinds.keys() & {"_step_router", "_step_topk"} else "")
     what = "expert ids" if "_step_router" not in kinds else "routing (expert ids or a step's router logits)"
     return (f"{other} recorded no {what} where {side} did ({len(keys)} keys: {preview(keys, 4)}): not "
             f"compared, so a routing flip there cannot be told from a bug. A router that returns its logits "
             f"alone records no ids, nor each step's routing (a gate returning (logits, None), as vLLM's and "
-            f"SGLang's do, whose fused MoE picks the experts): record {other}'s with "
-            + " and ".join(fixes) + " (a step's rows: the request's row, as set_gather_rows(step=...) names it)")
+            f"SGLang's do, whose fused MoE picks the experts): record {other}'s with " + " and ".join(fixes) + rows)

@@ -153,41 +153,6 @@ def other_side(side: str) -> str:
     return "RUN" if side == "REF" else "REF"
 
 
-def died_of(dump: Dump) -> str | None:
-    """How the process that wrote `dump` died, where its manifest says: rebuilt by `compiledump
-    recover` from a dead process's files (`recovered`), or flushed at exit after an unhandled
-    exception (`exception`). None for a process that ended normally (or a dump without a manifest)."""
-    manifest = dump.manifest or {}
-    recovered, exception = manifest.get("recovered"), manifest.get("exception")
-    if isinstance(recovered, dict):
-        return f"was recovered from a process that died before flushing ({recovered.get('cause')})"
-    if isinstance(exception, dict):
-        message = str(exception.get("message") or "").strip().splitlines()
-        said = f": {message[0][:200]}" if message else ""
-        return f"was written at exit by a process that died of an unhandled {exception.get('type')}{said}"
-    return None
-
-
-def died_note(side: str, dump: Dump, lacking: int) -> str | None:
-    """A note when a side's process died (died_of); `lacking`: the keys the other side holds that
-    it lacks (and that nothing else explains), judged nowhere."""
-    died = died_of(dump)
-    if died is None:
-        return None
-    if not lacking:
-        return f"{side} {died}: it holds every key the other side holds"
-    return (f"{side} {died}: it ends where that process stopped, and the {lacking} keys of "
-            f"{other_side(side)} past that point (listed as problems or above) were not judged")
-
-
-def ended_early(dumps: dict, lacking: dict[str, int]) -> str | None:
-    """For the verdict's last line and the exit status (3 where nothing diverged): which side's
-    process died (died_of) before capturing keys the other side holds, or None."""
-    said = [f"{side} ended early: its process died ({lacking[side]} keys of {other_side(side)} not judged)"
-            for side in ("REF", "RUN") if lacking[side] and died_of(dumps[side]) is not None]
-    return "; ".join(said) or None
-
-
 _FILTERS = {"moe_layers": "COMPILEDUMP_MOE_LAYERS"}
 
 

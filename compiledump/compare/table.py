@@ -31,7 +31,7 @@ def worst_rank_text(merge: MergeInfo) -> str:
         if merge.identical:
             return ("on every rank, bit-identical: the ranks' values were made equal (an all-reduce or "
                     "all-gather) after the divergence began, so no rank can be named here")
-        if merge.how.startswith("sum") and merge.equal_partials:
+        if merge.how.startswith("sum") and merge.equal_partial_sums:
             # (a helper's EP bring-up declared an all-reduced block output how="sum": 2x the value)
             return (f"merged {merge.how}: but every rank's partial sum is bit-identical, as a value already "
                     "all-reduced is: if it was, it is not a partial sum (drop its declare_shard), and the merged "

@@ -206,7 +206,7 @@ def fed_tokens_line(pair: PairResult) -> str | None:
     if fed is None:
         return None
     refused = [record for record in pair.not_comparable if record.reason == fed.reason()]
-    if fed.prompt:
+    if fed.prompts_differ:
         return (f"not comparable: every key ({len(refused)} keys): the sides were fed different prompts (their last "
                 f"tokens: REF {fed.ref}, RUN {fed.run}); fix: compare runs of the same request (of a data-parallel "
                 "engine, the rank that served the reference's request; of a batch, its row: set_gather_rows, or "

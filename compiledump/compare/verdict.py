@@ -28,8 +28,6 @@ from .picked import unseen_step_flips, with_picked_ids
 from .pairing import find_pairs
 from .cautions import first_cautions, layer_steps_note, routing_recorded_below, unrecorded_routing_note
 from .phases import (
-    died_note,
-    ended_early,
     first_nonfinite,
     gate_length,
     mixed_phase_detail,
@@ -39,6 +37,7 @@ from .phases import (
     not_comparable_reason,
     prompt_length,
 )
+from .ended import died_note, ended_early, lacking_keys
 from .rename import RenamedDump
 from .jumps import earlier_jump
 from .key_record import KeyRecord
@@ -172,9 +171,7 @@ def compare_pair(ref: Dump, run: Dump, options: CompareOptions, rank: str) -> Pa
     if note is not None:
         notes.append(note)
     notes.extend(one_sided.notes())
-    # A side whose process died: the keys of the other side it lacks (unexplained, or past its end)
-    lacking = {side: sum(problem.kind == kind for problem in problems) + len(one_sided.explained["ended"][other])
-               for side, other, kind in (("RUN", "REF", "missing_in_run"), ("REF", "RUN", "extra_in_run"))}
+    lacking = lacking_keys(problems, one_sided)  # (a side whose process died: ended.py)
     notes.extend(note for note in (died_note("REF", ref, lacking["REF"]), died_note("RUN", run, lacking["RUN"])) if note)
     if any(r.phase == "decode" and r.floats is not None and r.limits is not None
            and r.limits.rel_source.endswith(" decode") for r in records):

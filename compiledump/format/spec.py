@@ -48,7 +48,7 @@ DUMP_NAME = re.compile(
     rf"^(?:{STEM_PREFIX}|{LEGACY_STEM_PREFIX})_rank(?P<rank>.+?)_pid(?P<pid>\d+)(?:_(?P<copy>\d+))?\.npz$")
 
 
-# Crash-proof capture (capture/persist.py writes, capture/recover.py reads): a running process's
+# Crash-proof capture (capture/persist.py writes, capture/journal.py and recover.py read): a running process's
 # arena, control block and journal in `<stem>.live/` next to its dump; gone after a normal exit.
 LIVE_SUFFIX = ".live"
 # `.<stem>.claim`: an empty hidden file reserving a dump's name while its process runs (capture/flush.py).

@@ -127,6 +127,12 @@ def slot_base(slot: int) -> int:
     return HEADER_WORDS + slot * SLOT_WORDS
 
 
+def kept_any(ctrl) -> bool:
+    """Whether a control block (numpy or torch) counts any kept capture (`CNT_WRITTEN` of any
+    slot): calls that gates or `profiling()` dropped are not captures."""
+    return bool(ctrl[HEADER_WORDS + CNT_WRITTEN :: SLOT_WORDS].any())
+
+
 def control_words(max_tags: int) -> int:
     """Size of a control block with `max_tags` slots (slot 0 is the shared overflow slot)."""
     return HEADER_WORDS + (max_tags + 1) * SLOT_WORDS

@@ -91,16 +91,19 @@ def test_a_declared_layer_tag_covers_its_decode_step_states(dump_dir):
     values, a false divergence at `layer0_mlp_step_1`); a hand-written `<tag>_step` of another
     kind of tag is not covered."""
     compiledump.set_parallel(ep_rank=0, ep_size=2)
+    compiledump.declare_shard(r"layer\d+_attn_step", dim=-1, group="ep")  # the step tag's own declaration wins
+    compiledump.declare_shard(r"layer\d+_attn", how="sum", group="ep")
     compiledump.declare_shard(r"layer\d+_mlp", how="sum", group="ep")
     compiledump.declare_shard(r"layer\d+", dim=-1, group="ep")
     compiledump.declare_shard("probe", dim=-1, group="ep")
-    for tag in ("layer0_mlp", "layer1", "probe"):
+    for tag in ("layer0_mlp", "layer1", "probe", "layer0_attn"):
         compiledump.record(tag, torch.randn(3, 8))
         compiledump.record_step(f"{tag}_step", torch.randn(1, 8))
     keys = json.loads(Path(compiledump.flush()).with_suffix(".json").read_text())["keys"]
     assert keys["layer0_mlp_step_0"]["shard"] == keys["layer0_mlp"]["shard"] == {"dim": None, "how": "sum", "group": "ep"}
     assert keys["layer1_step_0"]["shard"] == keys["layer1"]["shard"] == {"dim": 0, "how": "concat", "group": "ep"}
     assert "shard" in keys["probe"] and "shard" not in keys["probe_step_0"]
+    assert keys["layer0_attn_step_0"]["shard"]["how"] == "concat" and keys["layer0_attn"]["shard"]["how"] == "sum"
 
 
 def test_shard_declarations_that_cannot_apply_warn_at_flush(dump_dir):

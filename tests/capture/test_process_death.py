@@ -40,11 +40,23 @@ for step in range(steps):
 how = sys.argv[2]
 if how == "raise":
     raise RuntimeError("simulated engine crash\\nsecond line")
-if how.startswith("clear"):
-    compiledump.flush()
+if how == "sigterm":  # a job's timeout, or torchrun stopping the ranks after one failed
+    os.kill(os.getpid(), signal.SIGTERM)
+if how.startswith(("clear", "move")):
+    path = compiledump.flush()
+    if how.startswith("move"):  # the program archives each dump it flushed
+        for suffix in (".npz", ".json"):
+            os.replace(path[:-4] + suffix, os.path.join(sys.argv[1], "..", "archive" + suffix))
+    if how == "move_raise":
+        raise RuntimeError("after the archived flush")
     compiledump.clear()
-    if how == "clear_kill":
+    if how == "clear_profile":  # calls, none kept (profiling() suspends them)
+        with compiledump.profiling():
+            compiledump.record("layer0", torch.randn(3, 17, generator=g))
+    if how.endswith("_kill"):
         os.kill(os.getpid(), signal.SIGKILL)
+    if how.endswith("_sigterm"):
+        os.kill(os.getpid(), signal.SIGTERM)
 """
 
 
@@ -69,7 +81,7 @@ def test_a_run_killed_by_an_unhandled_exception_is_marked_and_compared_as_cut_sh
     died = _child(tmp_path, run, "raise", steps=2)  # the same values, 3 of 5 decode steps missing
     assert died.returncode == 1 and "simulated engine crash" in died.stderr  # the user's traceback stands
     (manifest,) = [json.loads(p.read_text()) for p in run.glob("*.json")]
-    assert manifest["exception"] == {"type": "RuntimeError", "message": "simulated engine crash\nsecond line"}
+    assert manifest["ended_by"] == {"exception": "RuntimeError", "message": "simulated engine crash\nsecond line"}
     status, report, text = _compare(ref, run)
     assert status == 3  # before: 0, "no divergence", as if the run had ended normally
     assert report["first_divergence"] is None and report["compared"] == 6  # 4 layers + logits_0, logits_1
@@ -94,17 +106,39 @@ def test_a_divergence_before_the_crash_is_still_named(tmp_path):
     assert report["pairs"][0]["ended_early"] is not None
 
 
-@pytest.mark.parametrize("how", ["clear_exit", "clear_kill"])
+def test_a_run_a_signal_ended_is_marked_and_compared_as_cut_short(tmp_path):
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    _child(tmp_path, ref, "exit", steps=5)
+    assert _child(tmp_path, run, "sigterm", steps=2).returncode == -15  # it still dies of the signal
+    (manifest,) = [json.loads(p.read_text()) for p in run.glob("*.json")]
+    assert manifest["ended_by"] == {"signal": "SIGTERM"}
+    status, report, _ = _compare(ref, run)  # before: exit 0, "no divergence"
+    assert status == 3 and report["pairs"][0]["ended_early"] is not None
+    assert any("was written by compiledump's SIGTERM handler as that signal ended the process" in note
+               for note in report["notes"])
+
+
+@pytest.mark.parametrize("how", ["clear_exit", "clear_kill", "clear_sigterm", "clear_profile", "move_clear_kill",
+                                 "move_raise"])
 def test_a_clear_after_the_last_flush_leaves_that_dump_whole(tmp_path, how):
+    """Nothing kept since the clear() (or the exception) after the last flush: neither the exit
+    flush, the signal handler's flush nor recover writes an empty dump over it, nor brings back
+    one the program archived (before: an empty dump in each case; the last, the whole dump again)."""
     directory = tmp_path / "d"
     _child(tmp_path, directory, how, steps=3, persist=True)
-    (npz,) = directory.glob("*.npz")
     results, errors = recover_directory(directory)  # nothing to do after the exit flush
-    assert not errors
+    assert not errors and not list(directory.glob(f"*{spec.LIVE_SUFFIX}"))
+    if how.startswith("move"):
+        assert not list(directory.glob("*.npz")) and not list(directory.glob("*.json"))
+        npz = tmp_path / "archive.npz"
+        if how == "move_clear_kill":
+            (result,) = results
+            assert "nothing was captured since the clear() after its last flush" in result.skipped
+    else:
+        (npz,) = directory.glob("*.npz")
     if how == "clear_kill":  # before: recovered as an empty dump, over the complete one
         (result,) = results
         assert result.npz == npz and "left as it is" in result.notes[0]
-    assert not list(directory.glob(f"*{spec.LIVE_SUFFIX}"))
     g = torch.Generator().manual_seed(0)  # the child's values, in its order
     expected = {f"layer{i}": torch.randn(3, 17, generator=g)[-1] for i in range(4)}  # one row: the last
     expected.update({f"logits_{n}": torch.randn(1, 29, generator=g)[0] for n in range(3)})
@@ -124,6 +158,7 @@ def test_files_left_by_a_process_killed_while_making_them_are_removed_not_advert
         if journal is not None:
             (live / spec.LIVE_JOURNAL).write_bytes(journal)  # the start line torn by the kill
         (directory / f".{name}{spec.CLAIM_SUFFIX}").touch()
+        os.utime(live, (os.path.getmtime(live) - 600,) * 2)  # made 10 minutes ago
     assert dead_leftovers(directory) == []  # before: both, "recover turns it into dumps"
     assert cli.main(["recover", str(directory)]) == 0  # before: exit 2, "the journal has no start event"
     out = capsys.readouterr().out
@@ -131,11 +166,30 @@ def test_files_left_by_a_process_killed_while_making_them_are_removed_not_advert
     assert sorted(p.name for p in directory.iterdir()) == []
 
 
-def test_files_being_made_by_a_live_process_are_left_alone(tmp_path):
-    live = tmp_path / f"compiledump_rankx_pid{os.getpid()}{spec.LIVE_SUFFIX}"
+@pytest.mark.parametrize("pid, age", [("this process", 600), (999999993, 5)])
+def test_files_being_made_by_a_live_process_are_left_alone(tmp_path, pid, age):
+    """Its pid alive here, or made a moment ago (its process may be on another host or in another
+    pid namespace, mapping a large arena: before, recover removed those files under it)."""
+    live = tmp_path / f"compiledump_rankx_pid{os.getpid() if pid == 'this process' else pid}{spec.LIVE_SUFFIX}"
     live.mkdir()
+    os.utime(live, (os.path.getmtime(live) - age,) * 2)
     (result,), errors = recover_directory(tmp_path)
     assert not errors and "may still be making these files" in result.skipped and live.is_dir()
+    (result,), _ = recover_directory(tmp_path, force=True)
+    assert "nothing to recover" in result.skipped and not live.exists()
+
+
+def test_an_exception_an_interactive_session_survives_does_not_mark_the_dump(dump_dir, monkeypatch):
+    from compiledump.capture import api
+    from compiledump.capture.state import STATE
+
+    monkeypatch.setattr(sys, "ps1", ">>> ", raising=False)
+    api._note_exception(NameError, NameError("name 'runn' is not defined"))
+    assert STATE.ended_by is None
+    monkeypatch.delattr(sys, "ps1")
+    monkeypatch.setattr(sys, "flags", type("Flags", (), {"interactive": 0})())
+    api._note_exception(NameError, NameError("x"))
+    assert STATE.ended_by == {"exception": "NameError", "message": "x"}
 
 
 def test_configure_takes_a_bool_for_persist():

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from transformers import DynamicCache
@@ -74,7 +75,8 @@ def test_steps_fed_other_tokens_are_not_comparable(model, tmp_path, capsys, dtyp
     code, out, report = compare(tmp_path, capsys)
     (pair,) = report["pairs"]
     # Step n's logits come from the token fed at step n: input_token_3 is fed[2].
-    assert pair["fed_tokens_differ"] == {"step": 3, "ref": tokens[2], "run": other[2], "prompt": False}
+    assert pair["fed_tokens_differ"] == {"step": 3, "ref": tokens[2], "run": other[2],
+                                         "prompts_differ": False}
     refused = {record["key"] for record in report["keys"] if record["status"] == "not_comparable"}
     steps = {record["key"]: record["step"] for record in report["keys"] if record["step"] is not None}
     assert refused == {key for key, step in steps.items() if step >= 3} and "logits_5" in refused
@@ -97,7 +99,7 @@ def test_sides_that_ran_different_prompts_compare_nothing(model, tmp_path, capsy
     run_side(copy.deepcopy(model), tmp_path / "run", tokens, prompt_seed=8)
     code, out, report = compare(tmp_path, capsys)
     fed = report["pairs"][0]["fed_tokens_differ"]
-    assert fed["step"] == 0 and fed["prompt"] is True and fed["ref"] != fed["run"]
+    assert fed["step"] == 0 and fed["prompts_differ"] is True and fed["ref"] != fed["run"]
     assert code == 3 and report["first_divergence"] is None and report["compared"] == 0
     assert {record["status"] for record in report["keys"]} == {"not_comparable"}
     (line,) = [text for text in out if text.startswith("not comparable:")]  # one line, not a phases line too
@@ -135,7 +137,7 @@ def test_decode_forwards_of_several_tokens_are_not_paired_with_one_token_steps(m
     code, out, report = compare(tmp_path, capsys)
     assert code == 3 and report["first_divergence"] is None, out[-1]
     assert report["pairs"][0]["fed_tokens_differ"] == {"step": 1, "ref": tokens[0], "run": tokens[2],
-                                                           "prompt": False}
+                                                           "prompts_differ": False}
     compared = [record for record in report["keys"] if record["step"] is None]
     assert compared and all(record["status"] == "ok" for record in compared)  # the prompt's keys
 
@@ -163,3 +165,25 @@ def test_a_flip_steps_before_the_tokens_part_is_not_what_parted_them(tmp_path, c
     main(["compare", *map(str, factory.write_pair(tmp_path, ref, run))])
     line = next(text for text in capsys.readouterr().out.splitlines() if text.startswith("not comparable: decode"))
     assert "from step 3 (REF 14, RUN 94), with no argmax flip right before it" in line, line
+
+
+def test_hand_written_steps_that_start_at_the_first_decode_do_not_hide_a_prefill_bug(tmp_path):
+    """Steps recorded by hand (no `instrument`: no `mixers` in the manifests) may start at the first
+    decode step: a prefill bug that changes the first generated token makes `input_token_0`
+    differ, which is then no sign of different prompts, and the prefill's divergence is named."""
+    from compiledump.compare import compare as compare_dumps
+    from helpers import dumpfactory as factory
+    from helpers.dumpfactory import Capture
+
+    rng = np.random.default_rng(12)
+    layers = [rng.standard_normal(16).astype(np.float32) for _ in range(3)]
+    paths = []
+    for side, first_token, scale in (("ref", 5, 1.0), ("run", 9, 1.05)):  # RUN: a 5 % bug from layer 1 on
+        caps = [Capture(f"layer{i}", layers[i] * (scale if i >= 1 else 1.0), "record", f"layer{i}") for i in range(3)]
+        caps += [Capture(f"input_token_{n}", np.array([token], np.float32), "step", "input_token", n)
+                 for n, token in enumerate((first_token, 17))]
+        caps += [Capture(f"logits_{n}", rng.standard_normal(11).astype(np.float32), "step", "logits", n) for n in range(2)]
+        paths.append(factory.write_compiledump(tmp_path / side, caps, rank="x", pid=1))
+    report = compare_dumps(*paths)
+    assert report.first_divergence is not None and report.first_divergence.key == "layer1"  # before: exit 3, nothing
+    assert report.pairs[0].fed_tokens.step == 0 and not report.pairs[0].fed_tokens.prompts_differ

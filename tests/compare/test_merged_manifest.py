@@ -200,6 +200,6 @@ def test_partial_sums_equal_on_every_rank_name_the_declaration(tmp_path):
         assert first is not None and first.key == "layer0_mlp"
         record = report.pairs[0].keys[0]
         said = format_report(report, table="none")[-1]
-        assert record.merge.equal_partials is (name == "copies")
+        assert record.merge.equal_partial_sums is (name == "copies")
         assert ("every rank's partial sum is bit-identical" in said) is (name == "copies"), said
         assert ("drop its declare_shard" in said) is (name == "copies")

@@ -328,10 +328,9 @@ def test_without_shard_declarations_ranks_pair_by_rank_as_before(tmp_path):
     ref = reference_captures(np.random.default_rng(7))
     ref_path = factory.write_compiledump(tmp_path / "ref", ref, rank="x", pid=1)
     write_sharded(tmp_path / "run", ref, edit=lambda rank, m: [e.pop("shard", None) for e in m["keys"].values()])
-    with pytest.raises(cmp.DumpError, match="no rank in common") as raised:
-        cmp.compare(ref_path, tmp_path / "run")
     first = min((tmp_path / "run").glob("*rank0_*.npz")).name  # the error names the fix (before: ranks alone)
-    assert f"compare REF with one rank's file ({first}); where they hold parts, declare them on RUN" in str(raised.value)
+    with pytest.raises(cmp.DumpError, match=rf"no rank in common.*compare REF with one rank's file \({first}\); where"):
+        cmp.compare(ref_path, tmp_path / "run")
 
 
 def test_inspect_shows_parallel_groups_and_shards(tmp_path, capsys):
@@ -386,8 +385,7 @@ def test_a_step_of_ids_stays_ids_on_a_merged_side(tmp_path, bad_rank):
 
 @pytest.mark.parametrize("drop_rank", [0, 1])
 def test_a_step_drop_on_any_rank_of_a_merged_side_is_seen(tmp_path, drop_rank):
-    """A review: the merged manifest keeps the first rank's `tags`, so a step tag's dropped call on
-    rank 1 went unseen by compare/step_drops.py and its shifted steps were compared."""
+    """A merged manifest kept the first rank's `tags`: rank 1's dropped step call went unseen."""
     ref = reference_captures(np.random.default_rng(7))
     ref_path = factory.write_compiledump(tmp_path / "ref", ref, rank="x", pid=1)
 
