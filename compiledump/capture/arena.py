@@ -50,10 +50,12 @@ class Runtime:
         self.table_bound = register.native_owns_capture(device.type)
         self.native_table = self.table_bound and not (device.type == "cpu" and register.use_triton_on_cpu())
         self.live: persist.LiveFiles | None = None
-        # The file stem, control block and declarations the last flush wrote, None since a clear():
-        # capture/flush.py's exit flush does not rewrite a dump nothing was captured into since (one
-        # moved away stays away).
-        self.flushed_ctrl: tuple[str, bytes, str] | None = None
+        # The directory, file stem, control block and declarations the last flush wrote, None since
+        # a clear(): capture/flush.py's exit flush does not rewrite a dump nothing was captured into
+        # since (one moved away stays away), nor write an empty one after a clear() that followed
+        # a dump of this runtime's.
+        self.flushed_ctrl: tuple[str, str, bytes, str] | None = None
+        self.wrote_dump = self.cleared_since_dump = False
         # Plain (non-inference) tensors even if the first capture runs under inference_mode:
         # the host must be able to update them later outside it.
         with torch.inference_mode(False), torch.no_grad():
@@ -167,6 +169,7 @@ class Runtime:
             self.ctrl[L.REG_STEPS].fill_(0)
         self.prompt_tokens = self.config.fixed_tokens or None
         self.flushed_ctrl = None
+        self.cleared_since_dump = self.wrote_dump
         self._journal({"event": "clear"})  # recover: a control block equal to a flushed one is not that flush's
 
     def slot_for(self, tag: str, kind: int) -> Slot:

@@ -155,14 +155,16 @@ def _flush(wait_for_captures: bool, unless_unchanged: bool = False) -> str | Non
             # clear() or configure() since) means the last dump written holds everything, unless
             # its file name changed (the rank became known) or the host-side declarations the
             # manifest carries did (a filtered tag, set_parallel, declare_shard, declare_router).
-            written = (stem_in(directory), ctrl.tobytes(), _declarations(rt))
-            npz = os.path.join(directory, f"{written[0]}.npz")
-            # Unchanged: the last dump holds it all; rewritten only to say the process is dying
-            # (ended_by), where that dump is still there (one the program moved away stays away).
-            unchanged = written == rt.flushed_ctrl and not (st.ended_by and os.path.isfile(npz))
-            # Nothing kept since a clear() after a dump was written: an empty dump would replace it
-            # (or appear where the program moved it away).
-            if unless_unchanged and (unchanged or (st.dumps_written and not L.kept_any(ctrl))):
+            stem = stem_in(directory)
+            written = (os.path.realpath(directory), stem, ctrl.tobytes(), _declarations(rt))
+            # Unchanged: the last dump holds it all (in this directory); rewritten only to say the
+            # process is dying (ended_by), where that dump is still there (one the program moved
+            # away stays away).
+            unchanged = written == rt.flushed_ctrl and not (st.ended_by and os.path.isfile(
+                os.path.join(directory, f"{stem}.npz")))
+            # Nothing kept since a clear() after this runtime wrote a dump: an empty dump would
+            # replace it (or appear where the program moved it away).
+            if unless_unchanged and (unchanged or (rt.cleared_since_dump and not L.kept_any(ctrl))):
                 return None
             arrays, manifest = _collect(rt, arena, ctrl)
         finally:
@@ -171,10 +173,10 @@ def _flush(wait_for_captures: bool, unless_unchanged: bool = False) -> str | Non
             if locked:
                 st.lock.release()
         _warn_drops(manifest)
-        path = writer.write_dump(directory, written[0], arrays, manifest)
+        path = writer.write_dump(directory, stem, arrays, manifest)
         if rt.live is not None:
-            rt.live.note_flush(directory, written[0], collect.ctrl_digest(np.frombuffer(written[1], dtype=np.int32)))
-        rt.flushed_ctrl = written
+            rt.live.note_flush(directory, stem, collect.ctrl_digest(np.frombuffer(written[2], dtype=np.int32)))
+        rt.flushed_ctrl, rt.wrote_dump, rt.cleared_since_dump = written, True, False
         st.dumps_written += 1
         return str(path)
     finally:
@@ -337,7 +339,7 @@ def flush_on_signal(dying_of: str | None = None) -> None:
     `dying_of`: the signal's name where its default action ends the process next (the manifest's
     `ended_by` says so: compare does not read a run a job's timeout or a sibling rank's failure
     ended as a whole one)."""
-    if dying_of is not None:
+    if dying_of is not None and STATE.ended_by is None:  # (an exception's exit flush it interrupts: kept)
         STATE.ended_by = {"signal": dying_of}
     path = _flush(wait_for_captures=False, unless_unchanged=True)
     rt = STATE.runtime

@@ -150,7 +150,7 @@ def journaled_shards(shards: list) -> list:
 
 
 def shard_for(tag: str) -> ShardSpec | None:
-    """The last declaration whose pattern matches `tag`, or None."""
+    """The last declaration whose pattern matches `tag` (or its prompt tag: `_match`), or None."""
     with STATE.lock:
         return _match(tag, list(STATE.shards))
 
@@ -160,12 +160,16 @@ def _match(tag: str, shards: list) -> ShardSpec | None:
     # what its prompt tag holds, so a declaration of that tag covers it: a partial sum's row is a
     # partial sum (before, `declare_shard(r"layer\d+_mlp", how="sum")` left the steps' partial sums
     # to be compared as whole values: a false divergence at `layer0_mlp_step_1`).
-    # A declaration of the step tag itself comes first, whatever the order.
+    # Otherwise the last declaration matching either wins, except that one matching the step tag
+    # and not its prompt tag (`layer\d+_mlp_step`: said of the steps alone) comes first.
     base = tag[: -len("_step")] if stream_step_tag(tag) else None
-    for name in (tag, base):
+    if base is not None:
         for compiled, spec in reversed(shards):
-            if name is not None and compiled.fullmatch(name):
+            if compiled.fullmatch(tag) and not compiled.fullmatch(base):
                 return spec
+    for compiled, spec in reversed(shards):
+        if compiled.fullmatch(tag) or (base is not None and compiled.fullmatch(base)):
+            return spec
     return None
 
 

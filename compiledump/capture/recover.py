@@ -74,11 +74,9 @@ def dead_leftovers(directory: str | os.PathLike) -> list[Path]:
 
 def _complete_dump(live: Path, events: list[dict], ctrl: np.ndarray | None = None) -> Path | None:
     """The dump the process's last flush wrote (into the directory of `live`, or, after a switch of
-    directory, into another), when nothing was captured after it and it is still there; else
-    None. Nothing was captured after it when the control block is the one it read and no clear()
-    came after it (a cleared block can count the same again), or when a clear() came after it and
-    the block counts nothing (the exit flush leaves such a dump alone too)."""
-    index, flushed = last_flush(events, live, anywhere=True)
+    directory, into another), when nothing was captured after it (_nothing_since_flush) and it is
+    still there; else None."""
+    flushed = last_flush(events, live, anywhere=True)[1]
     if flushed is None:
         return None
     npz = Path(flushed.get("dir") or live.parent) / f"{flushed['stem']}.npz"
@@ -89,17 +87,19 @@ def _complete_dump(live: Path, events: list[dict], ctrl: np.ndarray | None = Non
             ctrl = np.fromfile(live / spec.LIVE_CTRL, dtype=np.int32)
         except OSError:
             return None
-    if any(event.get("event") == "clear" for event in events[index + 1 :]):
-        return npz if not L.kept_any(ctrl) else None
-    return npz if flushed.get("ctrl") == ctrl_digest(ctrl) else None
+    return npz if _nothing_since_flush(events, live, ctrl) else None
 
 
-def _cleared_since_flush(events: list[dict], live: Path, ctrl: np.ndarray) -> bool:
-    """Whether the process flushed, then called clear() and kept no capture since: what it
-    captured is in that flush's dump or was discarded, and the exit flush writes nothing."""
+def _nothing_since_flush(events: list[dict], live: Path, ctrl: np.ndarray) -> bool:
+    """Whether the process flushed and captured nothing after: its control block is the one the
+    flush read, or a clear() came after it and no capture was kept since. What it captured is in
+    that flush's dump (or was discarded), and the exit flush would write nothing."""
     index, flushed = last_flush(events, live, anywhere=True)
-    return flushed is not None and not L.kept_any(ctrl) and any(
-        event.get("event") == "clear" for event in events[index + 1 :])
+    if flushed is None:
+        return False
+    if any(event.get("event") == "clear" for event in events[index + 1 :]):
+        return not L.kept_any(ctrl)  # (a cleared block can count the same again)
+    return flushed.get("ctrl") == ctrl_digest(ctrl)
 
 
 def _annotations(npz: Path, start: dict) -> dict:
@@ -138,7 +138,7 @@ def cause_of(fault: str, events: list[dict], report: str) -> str:
         if event.get("event") == "signal":
             return "a signal whose handler had flushed the dump first (recovered again, the same captures or more)"
     return ("the process ended without flushing: SIGKILL (also the OOM killer's), os._exit, a crash with no "
-            "report, or power loss")
+            "report, a SIGTERM or SIGINT with COMPILEDUMP_SIGNALS=0, or power loss")
 
 
 def _unstarted(live: Path) -> bool:
@@ -207,8 +207,8 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
         result.notes.append(f"nothing was captured after the flush that wrote {name}: left as it is")
         _remove(live, keep, fault, kept_report, events)
         return result
-    if _cleared_since_flush(events, live, ctrl):  # its dump was moved away: the exit flush writes nothing either
-        result.skipped = "nothing was captured since the clear() after its last flush: no dump to write; removed"
+    if _nothing_since_flush(events, live, ctrl):  # its dump was moved away: the exit flush writes nothing either
+        result.skipped = "nothing was captured since its last flush, whose dump was moved away: no dump to write; removed"
         _remove(live, keep, fault, kept_report, events)
         return result
     used = max((s.offset + s.words * s.capacity for s in slots if s.offset >= 0), default=0)

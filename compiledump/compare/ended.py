@@ -28,12 +28,15 @@ def died_of(dump: Dump) -> str | None:
     recovered, ended = manifest.get("recovered"), manifest.get("ended_by")
     if isinstance(recovered, dict):
         return f"was recovered from a process that died before flushing ({recovered.get('cause')})"
-    if isinstance(ended, dict) and ended.get("signal"):
-        return f"was written by compiledump's {ended['signal']} handler as that signal ended the process"
-    if isinstance(ended, dict) and ended.get("exception"):
+    if not isinstance(ended, dict):
+        return None
+    whose = f" (rank {ended['rank']}'s)" if ended.get("rank") is not None else ""  # (a merged side's)
+    if ended.get("exception"):
         message = str(ended.get("message") or "").strip().splitlines()
         said = f": {message[0][:200]}" if message else ""
-        return f"was written at exit by a process that died of an unhandled {ended['exception']}{said}"
+        return f"was written at exit by a process{whose} that died of an unhandled {ended['exception']}{said}"
+    if ended.get("signal"):
+        return f"was written by compiledump's {ended['signal']} handler as that signal ended the process{whose}"
     return None
 
 

@@ -75,7 +75,7 @@ def inspect_dump(dump: DumpFile) -> dict:
     if manifest is not None:
         for name in ("format_version", "compiledump_version", "torch_version", "rank", "pid", "world_size",
                      "parallel", "device", "capture_path", "created_unix", "config", "drops", "filtered_tags",
-                     "recovered"):
+                     "recovered", "ended_by"):
             summary[name] = manifest.get(name)
         routers = manifest.get("routers") if isinstance(manifest.get("routers"), dict) else {}
         summary["routers"] = {tag: (info.describe() if info is not None else "malformed: not used")
@@ -132,6 +132,10 @@ def format_inspection(summary: dict) -> list[str]:
         if isinstance(recovered, dict):
             lines.append(f"recovered: by `compiledump recover` from {recovered.get('from')}; cause: "
                          f"{recovered.get('cause')}")
+        ended = summary.get("ended_by")
+        if isinstance(ended, dict):  # written as the process died (docs/format.md `ended_by`)
+            lines.append("ended by: " + (f"an unhandled {ended.get('exception')}: {ended.get('message')}"
+                                         if ended.get("exception") else f"signal {ended.get('signal')}"))
         if "first_nonfinite" in summary:
             first = summary["first_nonfinite"]
             mode = (summary.get("config") or {}).get("nonfinite", "read")

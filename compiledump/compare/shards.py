@@ -167,6 +167,13 @@ class MergedDump(Dump):
         if recovered:
             merged["recovered"] = dict(recovered[0][1], cause="; ".join(
                 f"rank {rank}: {entry.get('cause')}" for rank, entry in recovered))
+        # Any rank an exception or a signal ended, the exception first (it is what the others'
+        # signals followed: torchrun stops the ranks after one failed).
+        ended = sorted(((rank, dump.manifest["ended_by"]) for rank, dump in self.ranked
+                        if isinstance((dump.manifest or {}).get("ended_by"), dict)),
+                       key=lambda item: "exception" not in item[1])
+        if ended:
+            merged["ended_by"] = dict(ended[0][1], rank=ended[0][0])
         if self.stages:  # each stage declared its own layers' mixers and routing: the model's are their union
             merged["mixers"] = {i: kind for manifest in manifests for i, kind in (manifest.get("mixers") or {}).items()}
             routings = [manifest.get("routing") or {} for manifest in manifests]

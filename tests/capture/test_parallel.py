@@ -106,6 +106,16 @@ def test_a_declared_layer_tag_covers_its_decode_step_states(dump_dir):
     assert keys["layer0_attn_step_0"]["shard"]["how"] == "concat" and keys["layer0_attn"]["shard"]["how"] == "sum"
 
 
+def test_a_broad_declaration_then_an_override_cover_the_steps_as_the_override(dump_dir):
+    compiledump.set_parallel(tp_rank=0, tp_size=2, ep_rank=0, ep_size=2)
+    compiledump.declare_shard(r"layer\d+_\w+", dim=-1, group="tp")  # every layer internal, then the MoE output
+    compiledump.declare_shard(r"layer\d+_mlp", how="sum", group="ep")
+    compiledump.record("layer0_mlp", torch.randn(3, 8))
+    compiledump.record_step("layer0_mlp_step", torch.randn(1, 8))
+    keys = json.loads(Path(compiledump.flush()).with_suffix(".json").read_text())["keys"]
+    assert keys["layer0_mlp_step_0"]["shard"] == keys["layer0_mlp"]["shard"] == {"dim": None, "how": "sum", "group": "ep"}
+
+
 def test_shard_declarations_that_cannot_apply_warn_at_flush(dump_dir):
     compiledump.declare_shard("a", dim=1)  # the stored row of a 2-D record is 1-D
     compiledump.declare_shard("b", dim=0, group="ep")  # no ep_rank given

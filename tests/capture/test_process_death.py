@@ -49,6 +49,8 @@ if how.startswith(("clear", "move")):
             os.replace(path[:-4] + suffix, os.path.join(sys.argv[1], "..", "archive" + suffix))
     if how == "move_raise":
         raise RuntimeError("after the archived flush")
+    if how == "move_kill":
+        os.kill(os.getpid(), signal.SIGKILL)
     compiledump.clear()
     if how == "clear_profile":  # calls, none kept (profiling() suspends them)
         with compiledump.profiling():
@@ -90,6 +92,8 @@ def test_a_run_killed_by_an_unhandled_exception_is_marked_and_compared_as_cut_sh
     last = text.strip().splitlines()[-1]
     assert last.startswith("no divergence") and "RUN ended early: its process died (3 keys of REF not judged)" in last
     assert any("died of an unhandled RuntimeError: simulated engine crash:" in note for note in report["notes"])
+    inspected = subprocess.run([sys.executable, "-m", "compiledump", "inspect", str(run)], capture_output=True, text=True)
+    assert "ended by: an unhandled RuntimeError: simulated engine crash" in inspected.stdout, inspected.stdout
     # REF's keys all held by the dead side: a note only, the exit status of a whole comparison.
     assert _child(tmp_path, tmp_path / "late", "raise", steps=5).returncode == 1
     status, report, _ = _compare(ref, tmp_path / "late")
@@ -119,7 +123,7 @@ def test_a_run_a_signal_ended_is_marked_and_compared_as_cut_short(tmp_path):
 
 
 @pytest.mark.parametrize("how", ["clear_exit", "clear_kill", "clear_sigterm", "clear_profile", "move_clear_kill",
-                                 "move_raise"])
+                                 "move_raise", "move_kill"])
 def test_a_clear_after_the_last_flush_leaves_that_dump_whole(tmp_path, how):
     """Nothing kept since the clear() (or the exception) after the last flush: neither the exit
     flush, the signal handler's flush nor recover writes an empty dump over it, nor brings back
@@ -131,9 +135,9 @@ def test_a_clear_after_the_last_flush_leaves_that_dump_whole(tmp_path, how):
     if how.startswith("move"):
         assert not list(directory.glob("*.npz")) and not list(directory.glob("*.json"))
         npz = tmp_path / "archive.npz"
-        if how == "move_clear_kill":
+        if how.endswith("_kill"):
             (result,) = results
-            assert "nothing was captured since the clear() after its last flush" in result.skipped
+            assert "nothing was captured since its last flush, whose dump was moved away" in result.skipped
     else:
         (npz,) = directory.glob("*.npz")
     if how == "clear_kill":  # before: recovered as an empty dump, over the complete one
@@ -190,6 +194,30 @@ def test_an_exception_an_interactive_session_survives_does_not_mark_the_dump(dum
     monkeypatch.setattr(sys, "flags", type("Flags", (), {"interactive": 0})())
     api._note_exception(NameError, NameError("x"))
     assert STATE.ended_by == {"exception": "NameError", "message": "x"}
+
+
+def test_a_new_runtime_after_reset_writes_its_dump_and_a_signal_keeps_the_exception(tmp_path):
+    """The clear() rule is the runtime's: a runtime made after reset() whose calls were all dropped
+    still writes its dump (its drops counted) (before: nothing, because an earlier runtime had
+    written one). A SIGTERM arriving during an exception's exit flush keeps the exception."""
+    from compiledump.capture import flush as flush_module
+    from compiledump.capture.state import STATE
+
+    try:
+        compiledump.configure(dir=str(tmp_path / "a"), tokens=3)
+        compiledump.record("layer0", torch.randn(3, 8))
+        assert compiledump.flush() is not None
+        compiledump.reset()
+        compiledump.configure(dir=str(tmp_path / "b"), tokens=3)
+        compiledump.record("layer0", torch.randn(5, 8))  # the token gate drops it
+        path = flush_module.flush_if_changed()
+        assert path is not None and json.loads(Path(path).with_suffix(".json").read_text())["drops"] == {"token_gate": 1}
+        STATE.ended_by = {"exception": "RuntimeError", "message": "CUDA error"}
+        flush_module.flush_on_signal("SIGTERM")
+        assert STATE.ended_by == {"exception": "RuntimeError", "message": "CUDA error"}
+    finally:
+        compiledump.reset()
+        compiledump.configure(dir=None, tokens="auto")
 
 
 def test_configure_takes_a_bool_for_persist():

@@ -203,3 +203,26 @@ def test_partial_sums_equal_on_every_rank_name_the_declaration(tmp_path):
         assert record.merge.equal_partial_sums is (name == "copies")
         assert ("every rank's partial sum is bit-identical" in said) is (name == "copies"), said
         assert ("drop its declare_shard" in said) is (name == "copies")
+
+
+@pytest.mark.parametrize("dead_rank", [0, 1])
+def test_a_merged_side_any_of_whose_ranks_died_ended_early(tmp_path, dead_rank):
+    """torchrun stops every rank after one failed: the rank whose dump says so may be any (before,
+    only rank 0's `ended_by` was read: with rank 1's, exit 0)."""
+    rng = np.random.default_rng(4)
+    full = rng.standard_normal(16).astype(np.float32)
+    steps = [rng.standard_normal(7).astype(np.float32) for _ in range(2)]
+    ref = [Capture("layer0_up", full, "record", "layer0_up")] + [
+        Capture(f"logits_{n}", steps[n], "step", "logits", n) for n in range(2)]
+    factory.write_compiledump(tmp_path / "ref", ref, rank="x", pid=1)
+    for rank, part in enumerate(np.array_split(full, 2)):
+        caps = [Capture("layer0_up", part, "record", "layer0_up"), Capture("logits_0", steps[0], "step", "logits", 0)]
+        manifest = factory.manifest_for(caps, rank, pid=10 + rank)
+        manifest.update(world_size=2, parallel={"tp_rank": rank, "tp_size": 2})
+        manifest["keys"]["layer0_up"]["shard"] = {"dim": 0, "how": "concat", "group": "tp"}
+        if rank == dead_rank:
+            manifest["ended_by"] = {"signal": "SIGTERM"}
+        factory.write_compiledump(tmp_path / "run", caps, rank, 10 + rank, manifest=manifest)
+    report = compare(tmp_path / "ref", tmp_path / "run")
+    assert report.exit_status == 3 and report.pairs[0].ended_early is not None
+    assert any(f"handler as that signal ended the process (rank {dead_rank}'s)" in note for note in report.notes)
