@@ -50,11 +50,12 @@ class Runtime:
         self.table_bound = register.native_owns_capture(device.type)
         self.native_table = self.table_bound and not (device.type == "cpu" and register.use_triton_on_cpu())
         self.live: persist.LiveFiles | None = None
-        # The directory, file stem, control block and declarations the last flush wrote, None since
-        # a clear(): capture/flush.py's exit flush does not rewrite a dump nothing was captured into
-        # since (one moved away stays away), nor write an empty one after a clear() that followed
-        # a dump of this runtime's.
-        self.flushed_ctrl: tuple[str, str, bytes, str] | None = None
+        # The file stem, control block and declarations the last flush wrote (into flushed_dir),
+        # None since a clear(): capture/flush.py's exit flush does not rewrite a dump nothing was
+        # captured into since (one moved away stays away), nor write an empty one after a clear()
+        # that followed a dump of this runtime's.
+        self.flushed_ctrl: tuple[str, bytes, str] | None = None
+        self.flushed_dir: str | None = None
         self.wrote_dump = self.cleared_since_dump = False
         # Plain (non-inference) tensors even if the first capture runs under inference_mode:
         # the host must be able to update them later outside it.

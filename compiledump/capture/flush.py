@@ -156,12 +156,13 @@ def _flush(wait_for_captures: bool, unless_unchanged: bool = False) -> str | Non
             # its file name changed (the rank became known) or the host-side declarations the
             # manifest carries did (a filtered tag, set_parallel, declare_shard, declare_router).
             stem = stem_in(directory)
-            written = (os.path.realpath(directory), stem, ctrl.tobytes(), _declarations(rt))
-            # Unchanged: the last dump holds it all (in this directory); rewritten only to say the
-            # process is dying (ended_by), where that dump is still there (one the program moved
-            # away stays away).
-            unchanged = written == rt.flushed_ctrl and not (st.ended_by and os.path.isfile(
-                os.path.join(directory, f"{stem}.npz")))
+            written = (stem, ctrl.tobytes(), _declarations(rt))
+            # Unchanged: the last dump holds it all; rewritten only to say the process is dying
+            # (ended_by), where that dump is this directory's and still there (one the program
+            # moved away stays away).
+            here = os.path.realpath(directory)
+            unchanged = written == rt.flushed_ctrl and not (
+                st.ended_by and rt.flushed_dir == here and os.path.isfile(os.path.join(here, f"{stem}.npz")))
             # Nothing kept since a clear() after this runtime wrote a dump: an empty dump would
             # replace it (or appear where the program moved it away).
             if unless_unchanged and (unchanged or (rt.cleared_since_dump and not L.kept_any(ctrl))):
@@ -175,8 +176,8 @@ def _flush(wait_for_captures: bool, unless_unchanged: bool = False) -> str | Non
         _warn_drops(manifest)
         path = writer.write_dump(directory, stem, arrays, manifest)
         if rt.live is not None:
-            rt.live.note_flush(directory, stem, collect.ctrl_digest(np.frombuffer(written[2], dtype=np.int32)))
-        rt.flushed_ctrl, rt.wrote_dump, rt.cleared_since_dump = written, True, False
+            rt.live.note_flush(directory, stem, collect.ctrl_digest(np.frombuffer(written[1], dtype=np.int32)))
+        rt.flushed_ctrl, rt.flushed_dir, rt.wrote_dump, rt.cleared_since_dump = written, here, True, False
         st.dumps_written += 1
         return str(path)
     finally:

@@ -102,6 +102,15 @@ def _nothing_since_flush(events: list[dict], live: Path, ctrl: np.ndarray) -> bo
     return flushed.get("ctrl") == ctrl_digest(ctrl)
 
 
+def _cleared_since_flush(events: list[dict], live: Path, ctrl: np.ndarray) -> bool:
+    """Whether the process flushed, then called clear() and kept no capture since: the dump recover
+    would write is empty. (Its last dump's files gone with nothing captured since, recover writes
+    them again, from the journal: a dump removed by mistake is rebuilt.)"""
+    index, flushed = last_flush(events, live, anywhere=True)
+    return flushed is not None and not L.kept_any(ctrl) and any(
+        event.get("event") == "clear" for event in events[index + 1 :])
+
+
 def _annotations(npz: Path, start: dict) -> dict:
     """What only the process's Python state knew, from the dump its last flush wrote (when that
     manifest is this process's): `parallel`, `filtered_tags` and the keys' `shard` by tag."""
@@ -207,8 +216,8 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
         result.notes.append(f"nothing was captured after the flush that wrote {name}: left as it is")
         _remove(live, keep, fault, kept_report, events)
         return result
-    if _nothing_since_flush(events, live, ctrl):  # its dump was moved away: the exit flush writes nothing either
-        result.skipped = "nothing was captured since its last flush, whose dump was moved away: no dump to write; removed"
+    if _cleared_since_flush(events, live, ctrl):  # an empty dump (its last one moved away): the exit flush writes none
+        result.skipped = "nothing was captured since the clear() after its last flush: no dump to write; removed"
         _remove(live, keep, fault, kept_report, events)
         return result
     used = max((s.offset + s.words * s.capacity for s in slots if s.offset >= 0), default=0)

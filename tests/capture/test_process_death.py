@@ -132,12 +132,16 @@ def test_a_clear_after_the_last_flush_leaves_that_dump_whole(tmp_path, how):
     _child(tmp_path, directory, how, steps=3, persist=True)
     results, errors = recover_directory(directory)  # nothing to do after the exit flush
     assert not errors and not list(directory.glob(f"*{spec.LIVE_SUFFIX}"))
-    if how.startswith("move"):
+    if how == "move_kill":  # its files gone, nothing captured since: recover rebuilds that dump (as before)
+        (result,) = results
+        npz = result.npz
+        assert npz.parent == directory and result.keys == 7
+    elif how.startswith("move"):
         assert not list(directory.glob("*.npz")) and not list(directory.glob("*.json"))
         npz = tmp_path / "archive.npz"
-        if how.endswith("_kill"):
+        if how == "move_clear_kill":
             (result,) = results
-            assert "nothing was captured since its last flush, whose dump was moved away" in result.skipped
+            assert "nothing was captured since the clear() after its last flush: no dump to write" in result.skipped
     else:
         (npz,) = directory.glob("*.npz")
     if how == "clear_kill":  # before: recovered as an empty dump, over the complete one
@@ -215,6 +219,29 @@ def test_a_new_runtime_after_reset_writes_its_dump_and_a_signal_keeps_the_except
         STATE.ended_by = {"exception": "RuntimeError", "message": "CUDA error"}
         flush_module.flush_on_signal("SIGTERM")
         assert STATE.ended_by == {"exception": "RuntimeError", "message": "CUDA error"}
+    finally:
+        compiledump.reset()
+        compiledump.configure(dir=None, tokens="auto")
+
+
+def test_a_dying_process_marks_only_the_last_dump_s_directory(tmp_path):
+    """A -> B -> A, then an exception: the last dump (B's, written at the switch back) holds every
+    capture; A's, still there, is not rewritten with B's captures to carry `ended_by`."""
+    from compiledump.capture import flush as flush_module
+    from compiledump.capture.state import STATE
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    try:
+        compiledump.configure(dir=str(a), tokens=3)
+        compiledump.record("layer0", torch.randn(3, 8))
+        compiledump.configure(dir=str(b))  # A's dump written here
+        compiledump.record("layerB", torch.randn(3, 8))
+        compiledump.configure(dir=str(a))  # B's dump written here
+        STATE.ended_by = {"exception": "RuntimeError", "message": "late"}
+        flush_module.flush_if_changed()
+        (npz,) = a.glob("*.npz")
+        with np.load(npz) as dump:
+            assert dump.files == ["layer0"]  # before: ['layer0', 'layerB']
     finally:
         compiledump.reset()
         compiledump.configure(dir=None, tokens="auto")
