@@ -55,8 +55,8 @@ class Runtime:
         # captured into since (one moved away stays away), nor write an empty one after a clear()
         # that followed a dump of this runtime's.
         self.flushed_ctrl: tuple[str, bytes, str] | None = None
-        self.flushed_dir: str | None = None
-        self.wrote_dump = self.cleared_since_dump = False
+        self.flushed_dir: str | None = None  # None until this runtime wrote a dump
+        self.cleared_since_dump = False
         # Plain (non-inference) tensors even if the first capture runs under inference_mode:
         # the host must be able to update them later outside it.
         with torch.inference_mode(False), torch.no_grad():
@@ -170,7 +170,7 @@ class Runtime:
             self.ctrl[L.REG_STEPS].fill_(0)
         self.prompt_tokens = self.config.fixed_tokens or None
         self.flushed_ctrl = None
-        self.cleared_since_dump = self.wrote_dump
+        self.cleared_since_dump = self.flushed_dir is not None
         self._journal({"event": "clear"})  # recover: a control block equal to a flushed one is not that flush's
 
     def slot_for(self, tag: str, kind: int) -> Slot:

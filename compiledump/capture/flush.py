@@ -177,7 +177,7 @@ def _flush(wait_for_captures: bool, unless_unchanged: bool = False) -> str | Non
         path = writer.write_dump(directory, stem, arrays, manifest)
         if rt.live is not None:
             rt.live.note_flush(directory, stem, collect.ctrl_digest(np.frombuffer(written[1], dtype=np.int32)))
-        rt.flushed_ctrl, rt.flushed_dir, rt.wrote_dump, rt.cleared_since_dump = written, here, True, False
+        rt.flushed_ctrl, rt.flushed_dir, rt.cleared_since_dump = written, here, False
         st.dumps_written += 1
         return str(path)
     finally:

@@ -74,9 +74,9 @@ def dead_leftovers(directory: str | os.PathLike) -> list[Path]:
 
 def _complete_dump(live: Path, events: list[dict], ctrl: np.ndarray | None = None) -> Path | None:
     """The dump the process's last flush wrote (into the directory of `live`, or, after a switch of
-    directory, into another), when nothing was captured after it (_nothing_since_flush) and it is
+    directory, into another), when nothing was captured after it (_nothing_since) and it is
     still there; else None."""
-    flushed = last_flush(events, live, anywhere=True)[1]
+    flushed, cleared = _since_last_flush(events, live)
     if flushed is None:
         return None
     npz = Path(flushed.get("dir") or live.parent) / f"{flushed['stem']}.npz"
@@ -87,28 +87,22 @@ def _complete_dump(live: Path, events: list[dict], ctrl: np.ndarray | None = Non
             ctrl = np.fromfile(live / spec.LIVE_CTRL, dtype=np.int32)
         except OSError:
             return None
-    return npz if _nothing_since_flush(events, live, ctrl) else None
+    return npz if _nothing_since(flushed, cleared, ctrl) else None
 
 
-def _nothing_since_flush(events: list[dict], live: Path, ctrl: np.ndarray) -> bool:
-    """Whether the process flushed and captured nothing after: its control block is the one the
-    flush read, or a clear() came after it and no capture was kept since. What it captured is in
-    that flush's dump (or was discarded), and the exit flush would write nothing."""
+def _since_last_flush(events: list[dict], live: Path) -> tuple[dict | None, bool]:
+    """The process's last flush event (into any directory; None without one) and whether a
+    clear() came after it."""
     index, flushed = last_flush(events, live, anywhere=True)
-    if flushed is None:
-        return False
-    if any(event.get("event") == "clear" for event in events[index + 1 :]):
-        return not L.kept_any(ctrl)  # (a cleared block can count the same again)
-    return flushed.get("ctrl") == ctrl_digest(ctrl)
+    return flushed, any(event.get("event") == "clear" for event in events[index + 1 :])
 
 
-def _cleared_since_flush(events: list[dict], live: Path, ctrl: np.ndarray) -> bool:
-    """Whether the process flushed, then called clear() and kept no capture since: the dump recover
-    would write is empty. (Its last dump's files gone with nothing captured since, recover writes
-    them again, from the journal: a dump removed by mistake is rebuilt.)"""
-    index, flushed = last_flush(events, live, anywhere=True)
-    return flushed is not None and not L.kept_any(ctrl) and any(
-        event.get("event") == "clear" for event in events[index + 1 :])
+def _nothing_since(flushed: dict, cleared: bool, ctrl: np.ndarray) -> bool:
+    """Whether nothing was captured after the flush `flushed`: the control block is the one it read,
+    or, `cleared` after it, no capture was kept since (a cleared block can count the same again).
+    What the process captured is in that flush's dump (or was discarded): the exit flush would
+    write nothing."""
+    return not L.kept_any(ctrl) if cleared else flushed.get("ctrl") == ctrl_digest(ctrl)
 
 
 def _annotations(npz: Path, start: dict) -> dict:
@@ -216,7 +210,11 @@ def recover_live(live: Path, force: bool = False, keep: bool = False) -> Recover
         result.notes.append(f"nothing was captured after the flush that wrote {name}: left as it is")
         _remove(live, keep, fault, kept_report, events)
         return result
-    if _cleared_since_flush(events, live, ctrl):  # an empty dump (its last one moved away): the exit flush writes none
+    # Cleared after its last flush, nothing kept since: the dump would be empty (its last one was
+    # moved away; the exit flush writes none). Without the clear() recover rebuilds that last dump
+    # from the journal: one removed by mistake comes back.
+    flushed, cleared = _since_last_flush(events, live)
+    if flushed is not None and cleared and not L.kept_any(ctrl):
         result.skipped = "nothing was captured since the clear() after its last flush: no dump to write; removed"
         _remove(live, keep, fault, kept_report, events)
         return result
