@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 import compiledump  # noqa: E402
 from compiledump import config as cd_config  # noqa: E402
-from helpers import triton_interpreter  # noqa: E402
+from helpers import lanes, triton_interpreter  # noqa: E402
 
 triton_interpreter.install()  # one patch of triton.language per interpreted launch (see there)
 
@@ -52,10 +52,18 @@ def _interpreter_usable() -> str | None:
     return None
 
 
+def pytest_addoption(parser):
+    parser.addoption("--lane", choices=("all", "pure"), default="all",
+                     help="pure: CI's second lane, on the Python capture path (COMPILEDUMP_NATIVE=0): leaves "
+                          "out the tests tests/helpers/lanes.py lists, whose outcome does not depend on it")
+
+
 def pytest_configure(config):
     why = _interpreter_usable()
     if why:
         pytest.exit(f"the Triton kernel cannot run on CPU here: {why}", returncode=4)
+    if config.getoption("--lane") == "pure" and os.environ.get("COMPILEDUMP_NATIVE") != "0":
+        pytest.exit("--lane=pure is the Python capture path's lane: run it with COMPILEDUMP_NATIVE=0", returncode=4)
 
 
 # The heaviest test files (minutes of Inductor compiles and child processes on 2 cores), run
@@ -67,7 +75,13 @@ _HEAVY_FIRST = ("capture/test_hf_models.py", "capture/test_hf_indexers.py", "cap
                 "export/test_aot.py")
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--lane") == "pure":
+        left_out = [item for item in items if lanes.native_lane_only(item.nodeid)]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)  # counted as "deselected" in the summary
+            items[:] = [item for item in items if not lanes.native_lane_only(item.nodeid)]
+
     def rank(item) -> int:
         path = item.nodeid.split("::")[0]
         return next((i for i, heavy in enumerate(_HEAVY_FIRST) if path.endswith(heavy)), len(_HEAVY_FIRST))
