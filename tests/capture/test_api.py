@@ -3,8 +3,6 @@
 import json
 import os
 import signal
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import torch
 import compiledump
 from compiledump.capture.state import STATE
 from compiledump.format import writer
+from helpers import forked
 
 
 # --- bad input: a clear error at the call, never a corrupt file --------------------------------
@@ -166,7 +165,8 @@ def test_flush_at_exit(tmp_path):
         """
     )
     env = dict(os.environ, COMPILEDUMP_DIR=str(tmp_path), RANK="0")
-    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=120)
+    # A process of its own (the exit flush is what is checked), forked from one that imported torch.
+    forked.run(["-c", script], env=env, check=True, timeout=120)
     (path,) = tmp_path.glob("compiledump_rank0_pid*.npz")
     with np.load(path) as data:
         np.testing.assert_array_equal(data["layer0"], np.arange(8.0, 12.0, dtype=np.float32))
@@ -207,7 +207,8 @@ def test_exit_flush_rewrites_only_what_changed(tmp_path, after):
         d.mkdir()
     env = dict(os.environ, RANK="0")
     env.pop("COMPILEDUMP_DIR", None)
-    done = subprocess.run([sys.executable, "-c", script, str(out), str(moved), str(other)], env=env, timeout=120)
+    # A process per case (what its exit or SIGTERM writes is checked), forked from one that imported torch.
+    done = forked.run(["-c", script, str(out), str(moved), str(other)], env=env, timeout=120)
     assert done.returncode == (-signal.SIGTERM if after.endswith("sigterm") else 0)
     torch.manual_seed(0)
     first = torch.randn(3, 5)[-1].numpy()

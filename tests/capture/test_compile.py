@@ -3,8 +3,6 @@ capture site when on, suspension and no recompiles across decode steps."""
 
 import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -15,6 +13,7 @@ from torch._inductor.utils import run_and_get_code
 import compiledump
 from compiledump.capture.state import STATE
 from compiledump.demo.model import ModelConfig, TinyMoE
+from helpers import forked
 
 CFG = ModelConfig(layers=4, captures_per_layer=4)
 
@@ -98,9 +97,10 @@ EXPLAIN_SCRIPT = textwrap.dedent(
 
 
 def test_no_graph_break_fresh_process(tmp_path):
-    # explain() under-reports breaks in a process that already compiled other functions.
+    # explain() under-reports breaks in a process that already compiled other functions: a child
+    # forked from one that imported torch and compiled nothing (helpers/forked.py).
     env = dict(os.environ, COMPILEDUMP_DIR=str(tmp_path / "d"))
-    out = subprocess.run([sys.executable, "-c", EXPLAIN_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    out = forked.run(["-c", EXPLAIN_SCRIPT], env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "BREAKS 0 0 GRAPHS 1 1" in out.stdout
 

@@ -4,8 +4,6 @@ when, and what `compiledump recover` writes after a crash), a setting that appli
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +13,7 @@ import torch
 import compiledump
 from compiledump.capture.recover import recover_directory
 from compiledump.format import writer
+from helpers import forked
 
 
 def test_switching_the_directory_writes_what_was_captured_for_the_first(dump_dir):
@@ -118,8 +117,8 @@ def test_recover_after_a_switch_of_directory_keeps_the_first_directorys_dump(tmp
     nothing where B's dump holds it all (capture switched off after B's flush)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPILEDUMP_")}
     first, second = tmp_path / "A", tmp_path / "B"
-    proc = subprocess.run([sys.executable, "-c", _SWITCH_THEN_DIE, str(first), str(second), clear], env=env,
-                          capture_output=True, text=True, timeout=120)
+    # Its own process (it dies without its exit flush), forked from one that imported torch.
+    proc = forked.run(["-c", _SWITCH_THEN_DIE, str(first), str(second), clear], env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (flushed,) = first.glob("*.npz")
     (result,), errors = recover_directory(first)

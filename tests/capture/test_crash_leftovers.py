@@ -7,7 +7,7 @@ here by rewriting a real leftover's journal to this process's pid with another p
 time (what such a process would find).
 
 The tests that need a process killed after its captures fork it from one process that has
-imported torch (helpers/forked_child.py: that import was most of each child's CPU time).
+imported torch (helpers/forked.py: that import was most of each child's CPU time).
 """
 
 import errno
@@ -29,7 +29,7 @@ from compiledump.capture.recover import dead_leftovers, read_journal, recover_di
 from compiledump.capture.state import STATE
 from compiledump.format import spec
 from compiledump.format.files import collect_dumps
-from helpers.forked_child import Forker
+from helpers import forked
 
 
 def _rewrite_start(live: Path, **fields) -> None:
@@ -164,13 +164,6 @@ def test_the_exit_flush_writes_declarations_made_after_the_last_flush(dump_dir):
     assert manifest["keys"]["layer0_mlp"]["shard"]["how"] == "concat"
 
 
-@pytest.fixture(scope="module")
-def forker(tmp_path_factory):
-    server = Forker(tmp_path_factory.mktemp("forker"))
-    yield server
-    server.close()
-
-
 _FLUSH_THEN_DIE = """
 import os, sys, torch, compiledump
 compiledump.configure(dir=sys.argv[1])
@@ -187,9 +180,9 @@ os._exit(0)  # (an application's own signal handler ending the process after com
 
 
 @pytest.mark.parametrize("after_flush", ["nothing", "more"])
-def test_recover_keeps_a_complete_dump_and_what_only_the_flush_knew(tmp_path, forker, after_flush):
+def test_recover_keeps_a_complete_dump_and_what_only_the_flush_knew(tmp_path, after_flush):
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPILEDUMP_")}
-    proc = forker.run(_FLUSH_THEN_DIE, [tmp_path, after_flush], env=env, timeout=120)
+    proc = forked.run(["-c", _FLUSH_THEN_DIE, str(tmp_path), after_flush], env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (npz,) = tmp_path.glob("*.npz")
     flushed = npz.read_bytes()
@@ -228,12 +221,12 @@ os._exit(0)  # killed before any flush
 
 
 @pytest.mark.parametrize("declared", ["early", "late"])
-def test_a_rank_killed_before_any_flush_keeps_its_shards(tmp_path, forker, declared):
+def test_a_rank_killed_before_any_flush_keeps_its_shards(tmp_path, declared):
     """Only a flush's manifest held set_parallel, declare_shard and the filtered tags, so a TP rank
     killed before its first flush was recovered without them: compare could not merge its shards
     with the other ranks'. The journal holds them now."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPILEDUMP_")}
-    proc = forker.run(_DIE_BEFORE_ANY_FLUSH, [tmp_path, declared], env=env, timeout=120)
+    proc = forked.run(["-c", _DIE_BEFORE_ANY_FLUSH, str(tmp_path), declared], env=env, timeout=120)
     assert proc.returncode == 0 and not list(tmp_path.glob("*.npz")), proc.stderr[-2000:]
     results, errors = recover_directory(tmp_path)
     assert errors == [] and len(results) == 1

@@ -1,8 +1,6 @@
 """`instrument()`'s options and misuse, `record()`'s reading of a 3-D tensor, and the note at exit when none ran."""
 
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -12,6 +10,7 @@ import torch
 
 import compiledump
 from helpers.hf_dump import forward_hidden as _forward, load_dump as _load
+from helpers import forked
 from helpers.hf_example import ex
 
 
@@ -179,7 +178,8 @@ def test_record_says_how_it_reads_an_ambiguous_3d_tensor(dump_dir):
 ])
 def test_silence_is_reported_at_exit(tmp_path, case, script, expected):
     code = "import torch, compiledump\nDIR = " + repr(str(tmp_path)) + "\n" + textwrap.dedent(script)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    # The note comes at exit: a process per case, forked from one that imported torch (helpers/forked.py).
+    out = forked.run(["-c", code], timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert expected in out.stderr, out.stderr[-2000:]
 
@@ -194,7 +194,7 @@ def test_no_silence_note_after_a_dump_was_written(tmp_path):
         print(compiledump.flush())
         compiledump.reset()
         """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    out = forked.run(["-c", code], timeout=300, cwd=tmp_path)  # as above
     assert out.returncode == 0, out.stderr[-2000:]
     assert Path(out.stdout.strip()).exists()
     assert "nothing was captured" not in out.stderr, out.stderr[-2000:]
@@ -206,8 +206,7 @@ def test_silence_is_reported_when_only_the_registers_were_called(tmp_path):
     (importing the capture calls registers the flush at exit)."""
     code = "import compiledump\nwith compiledump.profiling():\n    pass\ncompiledump.set_rows(1)\n"
     env = {**os.environ, "COMPILEDUMP_DIR": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                         env=env)
+    out = forked.run(["-c", code], timeout=300, cwd=tmp_path, env=env)  # as above
     assert out.returncode == 0, out.stderr[-2000:]
     assert "nothing was captured" in out.stderr, out.stderr[-2000:]
 

@@ -20,6 +20,7 @@ import torch
 
 import compiledump
 from compiledump import compare as cmp
+from helpers import forked
 
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
@@ -160,14 +161,14 @@ def test_tensor_parallel_ranks_under_compile_merge_against_one_process(tmp_path,
 
     world = 2
     store = tmp_path / "store"
-    procs = [subprocess.Popen([sys.executable, str(TESTS / "helpers" / "tp_model.py"), str(rank), str(world),
-                               f"file://{store}", str(tmp_path), "1"],
-                              env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # Each rank a process of its own, forked from one that imported torch (helpers/forked.py).
+    procs = [forked.start([str(TESTS / "helpers" / "tp_model.py"), str(rank), str(world), f"file://{store}",
+                           str(tmp_path), "1"], env=_child_env())
              for rank in range(world)]
     # The reference, unsharded and eager, in this process while the ranks compile.
     reference_tokens = tp_model.generate(tp_model.make_forward(None), tp_model.weights())
     ref_path = compiledump.flush()
-    outputs = [proc.communicate(timeout=240)[0] for proc in procs]
+    outputs = ["".join(proc.communicate(timeout=240)) for proc in procs]  # stdout, then stderr
     for proc, output in zip(procs, outputs):
         assert proc.returncode == 0, output
     for rank, output in enumerate(outputs):
@@ -213,9 +214,11 @@ def test_data_parallel_processes_all_reporting_rank0_share_a_directory(tmp_path)
                 compiledump.flush()
     """)
     env = dict(_child_env(), COMPILEDUMP_DIR=str(tmp_path), RANK="0")
-    procs = [subprocess.Popen([sys.executable, "-c", script], env=env) for _ in range(3)]
+    # Processes of their own, forked from one that imported torch (helpers/forked.py).
+    procs = [forked.start(["-c", script], env=env) for _ in range(3)]
     pids = {proc.pid for proc in procs}
-    assert all(proc.wait(timeout=120) == 0 for proc in procs)
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs), outputs
     files = sorted(tmp_path.glob("compiledump_rank0_pid*.npz"))
     assert {int(p.stem.split("pid")[1]) for p in files} == pids
     for path in files:

@@ -6,7 +6,7 @@ flush or `recover` write an empty dump over it; files a process left while it wa
 
 Each scenario runs a real child process (tiny script, random values), so the exit flush, the
 excepthook and SIGKILL are the real ones. The children are forked from one process that has
-imported torch (helpers/forked_child.py: that import was most of each child's CPU time), and
+imported torch (helpers/forked.py: that import was most of each child's CPU time), and
 the uninterrupted run the cut-short ones are compared with is made once for the file.
 """
 
@@ -24,7 +24,7 @@ import compiledump
 from compiledump import cli
 from compiledump.capture.recover import dead_leftovers, recover_directory
 from compiledump.format import spec
-from helpers.forked_child import Forker
+from helpers import forked
 
 # Tokens 3: a record keeps 3-row calls; the step tag takes one row per call.
 CHILD = """
@@ -64,24 +64,18 @@ if how.startswith(("clear", "move")):
 """
 
 
-@pytest.fixture(scope="module")
-def forker(tmp_path_factory):
-    server = Forker(tmp_path_factory.mktemp("forker"))
-    yield server
-    server.close()
-
-
-def _child(forker: Forker, directory: Path, how: str, steps: int = 5, persist: bool = False, seed: int = 0):
+def _child(directory: Path, how: str, steps: int = 5, persist: bool = False, seed: int = 0):
     env = {**os.environ, "COMPILEDUMP_SIGNALS": "1"}
-    return forker.run(CHILD, [directory, how, "persist" if persist else "-", seed, steps], env=env, timeout=120)
+    return forked.run(["-c", CHILD, *map(str, [directory, how, "persist" if persist else "-", seed, steps])], env=env,
+                      timeout=120)
 
 
 @pytest.fixture(scope="module")
-def ref(forker, tmp_path_factory):
+def ref(tmp_path_factory):
     """The uninterrupted run (5 decode steps, seed 0) the cut-short runs are compared with; one
     for the file, as compare only reads it. Its exit status is asserted by the first test."""
     directory = tmp_path_factory.mktemp("ref") / "ref"
-    return directory, _child(forker, directory, "exit", steps=5)
+    return directory, _child(directory, "exit", steps=5)
 
 
 def _compare(ref: Path, run: Path) -> tuple[int, dict, str]:
@@ -91,10 +85,10 @@ def _compare(ref: Path, run: Path) -> tuple[int, dict, str]:
     return proc.returncode, json.loads(out.read_text()), proc.stdout
 
 
-def test_a_run_killed_by_an_unhandled_exception_is_marked_and_compared_as_cut_short(tmp_path, forker, ref):
+def test_a_run_killed_by_an_unhandled_exception_is_marked_and_compared_as_cut_short(tmp_path, ref):
     (ref, made), run = ref, tmp_path / "run"
     assert made.returncode == 0, made.stderr[-2000:]
-    died = _child(forker, run, "raise", steps=2)  # the same values, 3 of 5 decode steps missing
+    died = _child(run, "raise", steps=2)  # the same values, 3 of 5 decode steps missing
     assert died.returncode == 1 and "simulated engine crash" in died.stderr  # the user's traceback stands
     (manifest,) = [json.loads(p.read_text()) for p in run.glob("*.json")]
     assert manifest["ended_by"] == {"exception": "RuntimeError", "message": "simulated engine crash\nsecond line"}
@@ -109,23 +103,23 @@ def test_a_run_killed_by_an_unhandled_exception_is_marked_and_compared_as_cut_sh
     inspected = subprocess.run([sys.executable, "-m", "compiledump", "inspect", str(run)], capture_output=True, text=True)
     assert "ended by: an unhandled RuntimeError: simulated engine crash" in inspected.stdout, inspected.stdout
     # REF's keys all held by the dead side: a note only, the exit status of a whole comparison.
-    assert _child(forker, tmp_path / "late", "raise", steps=5).returncode == 1
+    assert _child(tmp_path / "late", "raise", steps=5).returncode == 1
     status, report, _ = _compare(ref, tmp_path / "late")
     assert status == 0 and report["pairs"][0]["ended_early"] is None
     assert any("it holds every key the other side holds" in note for note in report["notes"])
 
 
-def test_a_divergence_before_the_crash_is_still_named(tmp_path, forker, ref):
+def test_a_divergence_before_the_crash_is_still_named(tmp_path, ref):
     (ref, _), run = ref, tmp_path / "run"
-    _child(forker, run, "raise", steps=2, seed=1)  # other values: layer0 diverges
+    _child(run, "raise", steps=2, seed=1)  # other values: layer0 diverges
     status, report, _ = _compare(ref, run)
     assert status == 1 and report["first_divergence"]["key"] == "layer0"
     assert report["pairs"][0]["ended_early"] is not None
 
 
-def test_a_run_a_signal_ended_is_marked_and_compared_as_cut_short(tmp_path, forker, ref):
+def test_a_run_a_signal_ended_is_marked_and_compared_as_cut_short(tmp_path, ref):
     (ref, _), run = ref, tmp_path / "run"
-    assert _child(forker, run, "sigterm", steps=2).returncode == -15  # it still dies of the signal
+    assert _child(run, "sigterm", steps=2).returncode == -15  # it still dies of the signal
     (manifest,) = [json.loads(p.read_text()) for p in run.glob("*.json")]
     assert manifest["ended_by"] == {"signal": "SIGTERM"}
     status, report, _ = _compare(ref, run)  # before: exit 0, "no divergence"
@@ -136,12 +130,12 @@ def test_a_run_a_signal_ended_is_marked_and_compared_as_cut_short(tmp_path, fork
 
 @pytest.mark.parametrize("how", ["clear_exit", "clear_kill", "clear_sigterm", "clear_profile", "move_clear_kill",
                                  "move_raise", "move_kill"])
-def test_a_clear_after_the_last_flush_leaves_that_dump_whole(tmp_path, forker, how):
+def test_a_clear_after_the_last_flush_leaves_that_dump_whole(tmp_path, how):
     """Nothing kept since the clear() (or the exception) after the last flush: neither the exit
     flush, the signal handler's flush nor recover writes an empty dump over it, nor brings back
     one the program archived (before: an empty dump in each case; the last, the whole dump again)."""
     directory = tmp_path / "d"
-    _child(forker, directory, how, steps=3, persist=True)
+    _child(directory, how, steps=3, persist=True)
     results, errors = recover_directory(directory)  # nothing to do after the exit flush
     assert not errors and not list(directory.glob(f"*{spec.LIVE_SUFFIX}"))
     if how == "move_kill":  # its files gone, nothing captured since: recover rebuilds that dump (as before)
