@@ -29,6 +29,7 @@ import compiledump
 from compiledump.capture.recover import recover_directory, recover_live
 from compiledump.capture.state import STATE
 from compiledump.ops import layout as L
+from helpers import forked
 
 CHILD = Path(__file__).parents[1] / "helpers" / "crash_child.py"
 # Gate off: every decode step overwrites every record, so kills land inside record writes too.
@@ -39,19 +40,16 @@ KILLS = 100
 
 
 class Child:
-    """A crash_child.py process and the decode steps it has reported."""
+    """A crash_child.py process (forked from one that imported torch: helpers/forked.py) and the
+    decode steps it has reported."""
 
     def __init__(self, mode: str, directory: Path, steps: int, compiled: bool, *extra: str):
         read, write = os.pipe()
-        env = {**os.environ, **ENV}
-        env.pop("COMPILEDUMP_DIR", None)
-        self.proc = subprocess.Popen(
-            [sys.executable, str(CHILD), mode, str(directory), str(write), str(steps), "1" if compiled else "0",
-             *extra], pass_fds=(write,), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        env = {key: value for key, value in {**os.environ, **ENV}.items() if key != "COMPILEDUMP_DIR"}
+        self.proc = forked.start([str(CHILD), mode, str(directory), str(write), str(steps), "1" if compiled else "0",
+                                  *extra], env=env, pass_fds=(write,), stdout=subprocess.DEVNULL)
         os.close(write)
-        self.pipe = read
-        self.buffer = b""
-        self.ready = False
+        self.pipe, self.buffer, self.ready = read, b"", False
         self.last = -1  # the last decode step reported finished
 
     def drain(self, timeout: float = 0.0) -> None:
@@ -72,7 +70,7 @@ class Child:
     def wait_step(self, step: int) -> None:
         deadline = time.monotonic() + 300
         while self.last < step:
-            assert self.proc.poll() is None, self.proc.stderr.read().decode()[-3000:]
+            assert self.proc.poll() is None, self.proc.stderr.read()[-3000:]
             assert time.monotonic() < deadline, f"the child never finished decode step {step}"
             self.drain(timeout=1.0)
 
@@ -87,7 +85,10 @@ def _stopped(pid: int) -> bool:
     """Wait until `pid` is stopped (SIGSTOP is delivered asynchronously); False if it has exited."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:  # exited and already reaped (by the fork server, not this process)
+            return False
         if state in ("T", "t"):
             return True
         if state in ("Z", "X"):
@@ -123,7 +124,7 @@ def reference(tmp_path_factory):
     step (an open npz: of its 25 000 arrays, only those looked up are read)."""
     directory = tmp_path_factory.mktemp("reference")
     child = Child("reference", directory, STEPS, True)
-    assert child.finish() == 0, child.proc.stderr.read().decode()[-3000:]
+    assert child.finish() == 0, child.proc.stderr.read()[-3000:]
     assert child.last == STEPS - 1
     assert not list(directory.glob("*.live")), "a normal exit removes the crash-proof files"
     with np.load(directory / "per_step.npz") as per_step:
@@ -191,7 +192,7 @@ def test_sigkill_at_100_moments_loses_no_reported_step(reference, tmp_path):
             moments.append((snapshot, child.last))
         finally:
             child.proc.send_signal(signal.SIGCONT)
-    assert child.finish() == 0, child.proc.stderr.read().decode()[-3000:]
+    assert child.finish() == 0, child.proc.stderr.read()[-3000:]
     assert len(moments) == KILLS, f"the run ended after {len(moments)} stops: make it longer"
     # The run itself, uninterrupted in its values, equals the reference and cleaned up after itself.
     final, _ = reference
@@ -231,7 +232,7 @@ def test_real_sigkill(reference, tmp_path, seed):
 def eager_reference(tmp_path_factory):
     directory = tmp_path_factory.mktemp("eager")
     child = Child("reference", directory, 8, False)
-    assert child.finish() == 0, child.proc.stderr.read().decode()[-3000:]
+    assert child.finish() == 0, child.proc.stderr.read()[-3000:]
     with np.load(directory / "per_step.npz") as data:
         return _members(directory), {key: data[key] for key in data.files}
 
@@ -243,7 +244,7 @@ def eager_reference(tmp_path_factory):
 def test_crash_without_flush_is_recovered(eager_reference, tmp_path, mode, cause):
     child = Child(mode, tmp_path, 8, False)
     code = child.finish()
-    assert code == (3 if mode == "exit" else -signal.SIGSEGV), child.proc.stderr.read().decode()[-2000:]
+    assert code == (3 if mode == "exit" else -signal.SIGSEGV), child.proc.stderr.read()[-2000:]
     assert child.last == 2 and not list(tmp_path.glob("*.npz"))
     results, errors = recover_directory(tmp_path)
     assert errors == [] and len(results) == 1 and cause in results[0].cause
@@ -390,10 +391,9 @@ compiledump.record_step("s", torch.arange(6.0).reshape(2, 3) + 1)
 os.kill(os.getpid(), signal.SIGKILL)
 """
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPILEDUMP_")}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    proc = forked.run(["-c", script], env=env, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
-    lives = list(tmp_path.glob("*.live"))
-    assert len(lives) == 1, "the child's exit removed the parent's files"
+    assert len(lives := list(tmp_path.glob("*.live"))) == 1, "the child's exit removed the parent's files"
     results, errors = recover_directory(tmp_path)
     assert errors == [] and [r.npz.name for r in results] == [lives[0].name.replace(".live", ".npz")]
     with np.load(results[0].npz) as data:

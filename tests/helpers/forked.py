@@ -31,7 +31,7 @@ import sys
 import threading
 
 _SERVER = r'''
-import builtins, json, os, select, signal, socket, sys, types
+import builtins, fcntl, json, os, select, signal, socket, sys, types
 import torch, torch._dynamo  # noqa: F401  (the cost the children share)
 
 assert len(os.listdir("/proc/self/task")) == 1, "the fork server must be single-threaded"
@@ -51,7 +51,7 @@ def serve():
                 CTL.send(json.dumps({"exited": pid, "rc": os.waitstatus_to_exitcode(status)}).encode())
         if not ready:
             continue
-        message, fds, _, _ = socket.recv_fds(CTL, 1 << 22, 2)
+        message, fds, _, _ = socket.recv_fds(CTL, 1 << 22, 16)
         if not message:  # the test process is gone
             for pid in children:
                 os.kill(pid, signal.SIGKILL)
@@ -67,8 +67,13 @@ def serve():
 
 
 REQUEST, FDS = serve()
-_null = os.open(os.devnull, os.O_RDONLY)
-for _target, _fd in zip((0, 1, 2), (_null, *FDS)):
+# The descriptors arrive under new numbers: moved out of the way first, then onto the numbers the
+# test process gave (stdin, stdout, stderr, then its pass_fds), none of them clobbering another.
+FDS = [os.open(os.devnull, os.O_RDONLY), *FDS]
+_moved = [fcntl.fcntl(_fd, fcntl.F_DUPFD, 1000) for _fd in FDS]
+for _fd in FDS:
+    os.close(_fd)
+for _target, _fd in zip((0, 1, 2, *REQUEST["pass_fds"]), _moved):
     os.dup2(_fd, _target)
     os.close(_fd)
 os.environ.clear()
@@ -81,7 +86,7 @@ _main.__builtins__ = builtins
 if REQUEST["file"]:
     _main.__file__ = REQUEST["file"]
 sys.modules["__main__"] = _main
-del serve, CTL, _null, _target, _fd, _main
+del serve, CTL, FDS, _moved, _target, _fd, _main
 exec(compile(REQUEST["code"], REQUEST["file"] or "<string>", "exec"), sys.modules["__main__"].__dict__)
 '''
 
@@ -151,7 +156,7 @@ def _get_server() -> _Server:
 class Child:
     """The part of subprocess.Popen the tests use (text pipes for stdout and stderr)."""
 
-    def __init__(self, args: list[str], env: dict | None = None, cwd=None):
+    def __init__(self, args: list[str], env: dict | None = None, cwd=None, pass_fds=(), stdout=subprocess.PIPE):
         if args[0] == "-c":
             code, file, path0, argv = args[1], None, "", ["-c", *args[2:]]
         else:
@@ -159,16 +164,18 @@ class Child:
             with open(file) as f:
                 code = f.read()
             path0, argv = os.path.dirname(os.path.realpath(file)), [args[0], *args[1:]]
-        (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
-        request = {"code": code, "file": file, "path0": path0, "argv": argv,
+        (out_r, out_w) = os.pipe() if stdout == subprocess.PIPE else (None, os.open(os.devnull, os.O_WRONLY))
+        err_r, err_w = os.pipe()
+        request = {"code": code, "file": file, "path0": path0, "argv": argv, "pass_fds": list(pass_fds),
                    "env": dict(os.environ if env is None else env), "cwd": os.path.abspath(cwd or os.getcwd())}
         try:
-            self.pid = _get_server().fork(request, [out_w, err_w])
+            self.pid = _get_server().fork(request, [out_w, err_w, *pass_fds])
         finally:
             os.close(out_w)
             os.close(err_w)
         self.args = args
-        self.stdout, self.stderr = os.fdopen(out_r), os.fdopen(err_r)
+        self.stdout = None if out_r is None else os.fdopen(out_r)
+        self.stderr = os.fdopen(err_r)
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -204,9 +211,10 @@ class Child:
         return results[self.stdout], results[self.stderr]
 
 
-def start(args: list[str], env: dict | None = None, cwd=None) -> Child:
-    """`subprocess.Popen([sys.executable, *args], stdout=PIPE, stderr=PIPE, text=True)`, forked."""
-    return Child(args, env, cwd)
+def start(args: list[str], env: dict | None = None, cwd=None, pass_fds=(), stdout=subprocess.PIPE) -> Child:
+    """`subprocess.Popen([sys.executable, *args], stdout=stdout, stderr=PIPE, text=True, pass_fds=pass_fds)`
+    (stdout PIPE or DEVNULL), forked."""
+    return Child(args, env, cwd, pass_fds, stdout)
 
 
 def run(args: list[str], env: dict | None = None, cwd=None, timeout: float | None = None,
