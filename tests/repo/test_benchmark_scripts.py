@@ -8,14 +8,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import forked  # the sweeps' processes forked from one that imported torch
 
 pytest.importorskip("transformers")
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def test_sweep_routing_prints_its_verdict_table(tmp_path):
-    out = subprocess.run([sys.executable, str(BENCHMARKS / "sweep_routing.py"), "--seeds", "2", "--models",
-                          "qwen3_moe,deepseek_v3_grouped", "--engine-bug", "no_groups"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    out = forked.run([str(BENCHMARKS / "sweep_routing.py"), "--seeds", "2", "--models", "qwen3_moe,deepseek_v3_grouped",
+                      "--engine-bug", "no_groups"], timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
     assert sum(line.startswith(("qwen3_moe rows=", "deepseek_v3_grouped rows=")) for line in lines) == 8
@@ -27,9 +28,8 @@ def test_sweep_routing_prints_its_verdict_table(tmp_path):
 
 
 def test_sweep_routing_counts_where_a_scaled_layer_is_named(tmp_path):
-    out = subprocess.run([sys.executable, str(BENCHMARKS / "sweep_routing.py"), "--seeds", "2", "--models",
-                          "qwen3_moe", "--rows", "one", "--engine-bug", "experts_x1.05"],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    out = forked.run([str(BENCHMARKS / "sweep_routing.py"), "--seeds", "2", "--models", "qwen3_moe", "--rows", "one",
+                      "--engine-bug", "experts_x1.05"], timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
     header = next(line for line in lines if line.startswith("model "))
@@ -40,8 +40,8 @@ def test_sweep_routing_counts_where_a_scaled_layer_is_named(tmp_path):
 
 
 def test_sweep_engines_prints_its_verdict_table(tmp_path):
-    out = subprocess.run([sys.executable, str(BENCHMARKS / "sweep_engines.py"), "--seeds", "2", "--models",
-                          "qwen3_moe", "--bug", "renormalize"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    out = forked.run([str(BENCHMARKS / "sweep_engines.py"), "--seeds", "2", "--models", "qwen3_moe", "--bug",
+                      "renormalize"], timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
     header = next(line for line in lines if line.startswith("model "))
