@@ -2,7 +2,6 @@
 every input type's instantiation has the fast path's 16-byte vector loads, spills nothing and
 multiplies no offset in 32 bits. Skipped where nvcc or cuobjdump is missing."""
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,14 +13,18 @@ sys.path.insert(0, str(SCRIPT.parent))
 import native_kernel_sass  # noqa: E402
 
 
-def test_sm90_sass_has_vector_loads_no_spills_and_64_bit_offsets():
+def test_sm90_sass_has_vector_loads_no_spills_and_64_bit_offsets(capsys):
+    """The script's --check, run in this process: it needs nothing a fresh one would give (its
+    nvcc and cuobjdump runs are child processes either way), and a child's Python start and torch
+    import (for torch's include paths) were seconds of the test's time."""
     nvcc, cuobjdump = native_kernel_sass.tools()
     if nvcc is None or cuobjdump is None:
         pytest.skip(f"needs nvcc and cuobjdump (nvcc={nvcc}, cuobjdump={cuobjdump})")
-    out = subprocess.run([sys.executable, str(SCRIPT), "--check"], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout + out.stderr
+    status = native_kernel_sass.main(["--check"])
+    out = capsys.readouterr()
+    assert status == 0, out.out + out.err
     assert "17 instantiations: 16-byte loads on the fast path, no spills, 64-bit offsets, payload before the claim" \
-        in out.stdout
+        in out.out
 
 
 def test_the_check_refuses_scalar_loads_spills_and_32_bit_offsets():
