@@ -72,19 +72,31 @@ def test_instrument_removes_its_indexer_wrapper():
     compiledump.reset()
 
 
-def _pair(tmp_path, seed, rows, bug=None, init=0.1):
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """The float32 reference's dump of each (seed, rows) pair, made once: the honest all-rows pairs,
+    the expert bug's and the wrong indexer's (seeds 0-2 of each) prefill the same model on the same
+    ids; each test still dumps and compares its own bf16 engine."""
+    return tmp_path_factory.mktemp("references"), {}
+
+
+def _pair(references, tmp_path, seed, rows, bug=None, init=0.1):
+    root, made = references
     ids = torch.randint(3, 211, (1, 64), generator=torch.Generator().manual_seed(seed + 1))
-    return compare_bf16_prefill(deepseek_v32(index_topk=32, seed=seed, init=init), tmp_path / f"{seed}_{rows}", ids,
-                                rows, bug)
+    reference = made.get((seed, rows, init))
+    directory = root / f"{seed}_{rows}_{init}" if reference is None else tmp_path / f"{seed}_{rows}"
+    report = compare_bf16_prefill(deepseek_v32(index_topk=32, seed=seed, init=init), directory, ids, rows, bug, reference)
+    made.setdefault((seed, rows, init), root / f"{seed}_{rows}_{init}" / "ref")
+    return report
 
 
 @pytest.mark.parametrize("rows", ["one", "all"])
-def test_honest_bf16_pairs_past_index_topk_exit_0(tmp_path, rows):
+def test_honest_bf16_pairs_past_index_topk_exit_0(references, tmp_path, rows):
     """64-token prompts, index_topk 32: bf16 swaps near-tie keys in every pair (the picks differ),
     which without the indexer's scores read as a divergence in 19 of 20 such pairs."""
     hinted = []
     for seed in range(3):
-        report = _pair(tmp_path, seed, rows)
+        report = _pair(references, tmp_path, seed, rows)
         keys = {record.key: record for record in report.pairs[0].keys}
         assert any(record.ids_differ for key, record in keys.items() if key.endswith("_index_topk"))
         assert keys["layer1_index_router"].status == "shown"
@@ -97,7 +109,7 @@ def test_honest_bf16_pairs_past_index_topk_exit_0(tmp_path, rows):
     assert any(hinted) == (rows == "one")  # some one-row pair leaves its last token's later keys to a swap
 
 
-def test_a_bug_behind_swapped_keys_is_still_found(tmp_path):
+def test_a_bug_behind_swapped_keys_is_still_found(references, tmp_path):
     """x1.05 on layer 1's experts (all-rows mode judges every token no swap reaches): named at layer 1."""
     def scale(engine):
         with torch.no_grad():
@@ -105,11 +117,11 @@ def test_a_bug_behind_swapped_keys_is_still_found(tmp_path):
                 parameter.mul_(1.05)
 
     for seed in range(3):
-        report = _pair(tmp_path, seed, "all", bug=scale)
+        report = _pair(references, tmp_path, seed, "all", bug=scale)
         assert report.exit_status == 1 and report.first_divergence.layer == 1, report.first_divergence
 
 
-def test_a_wrong_indexer_is_found_where_its_picks_change_attention(tmp_path):
+def test_a_wrong_indexer_is_found_where_its_picks_change_attention(references, tmp_path):
     """An engine whose layer-1 indexer drops one of its 4 heads: its scores are shown, not judged, and
     the run's score error widens the near-tie epsilon (as a router's noise does), so the bug is found
     where the keys it swapped change attention's output, `layer1_mixer`, at tokens no other swap
@@ -118,7 +130,7 @@ def test_a_wrong_indexer_is_found_where_its_picks_change_attention(tmp_path):
         with torch.no_grad():
             engine.model.layers[1].self_attn.indexer.weights_proj.weight[0] = 0
 
-    found = [_pair(tmp_path, seed, "all", bug=drop_head) for seed in range(5)]
+    found = [_pair(references, tmp_path, seed, "all", bug=drop_head) for seed in range(5)]
     named = [report.exit_status == 1 and report.first_divergence.key == "layer1_mixer" for report in found]
     assert sum(named) >= 4 and all(report.exit_status in (0, 1) for report in found), named
 
@@ -212,7 +224,10 @@ def test_a_pooled_indexer_is_recorded_at_its_pools(tmp_path):
     keys (plus the query's own tail). Its pools are recorded: every picked pool's keys are among the
     keys the model's own indexer returned, the picks are the top-k of the recorded pool scores, and a
     masked pool (the model fills its score with float32's lowest value) is recorded as -inf, picked -1."""
-    model = glm5_next_text()
+    # Seed 1: no two pools tie at the 4th pick (ReLU'd index scores are often exactly 0 at this size,
+    # seeds 0 and 3-5 have such a tie in a row, where the stable argsort below and the model's top-k may
+    # keep different pools of equal score); what is checked is the recording, not the tie-break.
+    model = glm5_next_text(seed=1)
     returned = {}
     model.layers[3].self_attn.indexer.register_forward_hook(lambda module, args, out: returned.setdefault("keys", out))
     ids = torch.randint(3, 211, (1, 48), generator=torch.Generator().manual_seed(1))
@@ -238,8 +253,9 @@ def test_a_pooled_indexer_is_recorded_at_its_pools(tmp_path):
 @pytest.mark.parametrize("rows", ["one", "all"])
 def test_honest_bf16_pooled_indexer_pairs_exit_0(tmp_path, rows):
     """GLM-5-Next, 48-token prompts (24 pools, 4 kept): a seed whose honest bf16 pair exited 1 at the
-    indexed layer before its pools were recorded (12 of 20 such pairs did) exits 0; x1.05 on layer 1's
-    experts is named at layer 1."""
+    indexed layer before its pools were recorded (12 of 20 such pairs did; with glm5_next_text's linear
+    attention cut to 4 heads of 16, 7 of seeds 0-11, this one among them, in both modes, and 0 of
+    seeds 0-5 since) exits 0; x1.05 on layer 1's experts is named at layer 1."""
     for seed in (1,):
         reference = glm5_next_text(seed=seed)
         ids = torch.randint(3, 211, (1, 48), generator=torch.Generator().manual_seed(seed + 1))

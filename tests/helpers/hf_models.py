@@ -62,7 +62,11 @@ def phimoe(seed: int = 0, init: float = 0.1, layers: int = 4):
 def glm5_next_text(index_topk: int = 8, seed: int = 0, init: float = 0.02):
     """GLM-5-Next's text model (no LM head in transformers), 4 layers (3 linear-attention, then one with
     its pooled sparse-attention indexer: pools of 2 keys, the top `index_topk` // 2 pools kept), hidden
-    64, 8 routed experts top-2 from layer 1; random weights of scale `init`."""
+    64, 8 routed experts top-2 from layer 1; random weights of scale `init`. The linear attention has
+    4 heads of 16 (the config's defaults, 64 of 128, made each layer 8192 wide, 13 M parameters, and a
+    bf16 depthwise conv over 24576 channels: a pair's prefills took 35 s of CPU instead of 5); the
+    indexed layer is what the tests are about, and at this size a bf16 pair still swaps its pools
+    (test_hf_indexers.py's seed exits 1 without them recorded, as at the old size)."""
     import torch
 
     config = transformers.AutoConfig.for_model(
@@ -71,7 +75,8 @@ def glm5_next_text(index_topk: int = 8, seed: int = 0, init: float = 0.02):
         num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=0,
         qk_nope_head_dim=16, v_head_dim=16, head_dim=8, index_topk=index_topk, index_head_dim=16, index_n_heads=4,
         index_kpool=2, max_position_embeddings=128, initializer_range=init, pad_token_id=0, bos_token_id=1,
-        eos_token_id=2, mlp_layer_types=["dense", "sparse", "sparse", "sparse"])
+        eos_token_id=2, mlp_layer_types=["dense", "sparse", "sparse", "sparse"], linear_num_heads=4,
+        linear_head_dim=16)
     torch.manual_seed(seed)
     return transformers.AutoModel.from_config(config).eval()
 
