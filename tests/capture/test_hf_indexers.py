@@ -224,10 +224,7 @@ def test_a_pooled_indexer_is_recorded_at_its_pools(tmp_path):
     keys (plus the query's own tail). Its pools are recorded: every picked pool's keys are among the
     keys the model's own indexer returned, the picks are the top-k of the recorded pool scores, and a
     masked pool (the model fills its score with float32's lowest value) is recorded as -inf, picked -1."""
-    # Seed 1: no two pools tie at the 4th pick (ReLU'd index scores are often exactly 0 at this size,
-    # seeds 0 and 3-5 have such a tie in a row, where the stable argsort below and the model's top-k may
-    # keep different pools of equal score); what is checked is the recording, not the tie-break.
-    model = glm5_next_text(seed=1)
+    model = glm5_next_text(seed=0)
     returned = {}
     model.layers[3].self_attn.indexer.register_forward_hook(lambda module, args, out: returned.setdefault("keys", out))
     ids = torch.randint(3, 211, (1, 48), generator=torch.Generator().manual_seed(1))
@@ -245,9 +242,11 @@ def test_a_pooled_indexer_is_recorded_at_its_pools(tmp_path):
         chosen = [int(p) for p in picks[row] if p >= 0]
         assert {2 * p + i for p in chosen for i in (0, 1)} <= set(keys[row].tolist()), row
         finite = np.flatnonzero(np.isfinite(scores[row]))
-        best = finite[np.argsort(-scores[row, finite], kind="stable")][:4]
-        assert sorted(chosen) == sorted(best.tolist()), row  # the top-k of what was recorded
-        assert len(chosen) == min(4, len(finite))
+        assert len(chosen) == len(set(chosen)) == min(4, len(finite)), row
+        # The top-k of what was recorded, by score: ReLU'd index scores are often exactly 0 at this
+        # size, and between pools of equal score the model's top-k picks as it likes.
+        best = np.sort(scores[row, finite])[::-1][:len(chosen)]
+        np.testing.assert_array_equal(np.sort(scores[row, chosen])[::-1], best, err_msg=f"row {row}")
 
 
 @pytest.mark.parametrize("rows", ["one", "all"])

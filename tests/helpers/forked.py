@@ -32,7 +32,7 @@ import threading
 
 _SERVER = r'''
 import builtins, fcntl, json, os, select, signal, socket, sys, types
-import torch, torch._dynamo  # noqa: F401  (the cost the children share)
+import numpy, torch, torch._dynamo  # noqa: F401  (the cost the children share)
 
 assert len(os.listdir("/proc/self/task")) == 1, "the fork server must be single-threaded"
 CTL = socket.socket(fileno=int(sys.argv[1]))
@@ -86,7 +86,14 @@ _main.__builtins__ = builtins
 if REQUEST["file"]:
     _main.__file__ = REQUEST["file"]
 sys.modules["__main__"] = _main
-del serve, CTL, FDS, _moved, _target, _fd, _main
+# What the server's imports fixed that a fresh interpreter would draw or read anew: the temporary
+# directory (the child's TMPDIR) and the random states (a fresh process seeds them at random).
+import tempfile
+tempfile.tempdir = None
+numpy.random.seed()
+if torch.initial_seed() != 67280421310721:  # older torch's fixed seed; newer ones draw one per process
+    torch.seed()
+del serve, CTL, FDS, _moved, _target, _fd, _main, tempfile
 exec(compile(REQUEST["code"], REQUEST["file"] or "<string>", "exec"), sys.modules["__main__"].__dict__)
 '''
 
@@ -105,6 +112,7 @@ class _Server:
         self.lock = threading.Lock()
         self.started: queue.Queue = queue.Queue()
         self.exited: dict[int, int] = {}
+        self.dead = False  # the server ended: no exit status will come for its children
         self.changed = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -117,9 +125,14 @@ class _Server:
                 with self.changed:
                     self.exited[message["exited"]] = message["rc"]
                     self.changed.notify_all()
+        with self.changed:
+            self.dead = True
+            self.changed.notify_all()
         self.started.put(None)
 
     def fork(self, request: dict, fds: list[int]) -> int:
+        if self.dead:
+            raise RuntimeError(f"the fork server ended ({self.proc.poll()})")
         with self.lock:
             socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
             pid = self.started.get(timeout=300)
@@ -129,7 +142,9 @@ class _Server:
 
     def exit_code(self, pid: int, timeout: float | None) -> int | None:
         with self.changed:
-            self.changed.wait_for(lambda: pid in self.exited, timeout)
+            self.changed.wait_for(lambda: pid in self.exited or self.dead, timeout)
+            if pid not in self.exited and self.dead:
+                raise RuntimeError(f"the fork server ended ({self.proc.poll()}) before child {pid} did")
             return self.exited.get(pid)
 
     def close(self) -> None:
@@ -190,15 +205,18 @@ class Child:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # exited and reaped by the server (no zombie), not yet reported
+                self.wait(timeout=60)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
-        results = {}
+        results = {None: None}  # stdout=DEVNULL: nothing to read
         readers = [threading.Thread(target=lambda f=f: results.__setitem__(f, f.read()), daemon=True)
-                   for f in (self.stdout, self.stderr)]
+                   for f in (self.stdout, self.stderr) if f is not None]
         for reader in readers:
             reader.start()
         for reader in readers:
@@ -206,8 +224,9 @@ class Child:
             if reader.is_alive():
                 raise subprocess.TimeoutExpired(self.args, timeout)
         self.wait(timeout)
-        self.stdout.close()
-        self.stderr.close()
+        for stream in (self.stdout, self.stderr):
+            if stream is not None:
+                stream.close()
         return results[self.stdout], results[self.stderr]
 
 

@@ -2,10 +2,11 @@
 
 CI (`.ci/run`) runs the suite twice: with the native op library the install built, then with
 COMPILEDUMP_NATIVE=0, the pure-Python capture path every machine without a C++ compiler gets.
-The two lanes differ in one place: which CPU kernel serves a capture (native C++ or the Python
-reference kernel: compiledump/ops/register.py, `run_cpu_kernel`), and so whether an AOTInductor
-program finds the library's shims. Everything around the kernel (the runtime, its flushes and
-crash files, the comparator) is the same Python in both. The second lane therefore leaves out
+The two lanes differ in what the library serves: which CPU kernel writes a capture (native C++ or
+the Python reference kernel: compiledump/ops/register.py, `run_cpu_kernel`), the host-side gates
+and arena placement C++ decides with it (capture/dispatch.py, capture/arena.py), `set_register`,
+and whether an AOTInductor program finds the library's shims. Everything else (the runtime's
+bookkeeping, its flushes and crash files, the comparator) is the same Python in both. The second lane therefore leaves out
 the tests whose outcome cannot depend on the kernel, each for the reason given below; every other
 test runs again. tests/repo/test_layout.py checks that each entry still names a test.
 """
