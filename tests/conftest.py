@@ -77,10 +77,10 @@ _HEAVY_FIRST = ("capture/test_hf_models.py", "capture/test_hf_indexers.py", "cap
 
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--lane") == "pure":
-        left_out = [item for item in items if lanes.native_lane_only(item.nodeid)]
+        left_out = {item for item in items if lanes.native_lane_only(item.nodeid)}
         if left_out:
-            config.hook.pytest_deselected(items=left_out)  # counted as "deselected" in the summary
-            items[:] = [item for item in items if not lanes.native_lane_only(item.nodeid)]
+            config.hook.pytest_deselected(items=list(left_out))  # counted as "deselected" in the summary
+            items[:] = [item for item in items if item not in left_out]
 
     def rank(item) -> int:
         path = item.nodeid.split("::")[0]
