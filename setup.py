@@ -14,6 +14,7 @@ isolated environment without that torch, so the torch of the target environment 
 its CMake files through the installing interpreter run outside pip's isolation.
 """
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -29,6 +30,15 @@ TARGET = "compiledump_native"  # the CMake target; the project has others we mus
 ROOT = Path(__file__).resolve().parent
 # What pip's build isolation sets; without them the installing interpreter sees its own packages.
 ISOLATION_VARS = ("PYTHONPATH", "PYTHONNOUSERSITE", "PYTHONHOME")
+
+
+def checkout_build_dir(prefix: str) -> Path:
+    """The CMake build directory of an editable install from this checkout, one per torch (named by
+    its CMake prefix, whose headers and libraries the CMake cache records). It is kept, so a
+    reinstall compiles only what changed, and the test suite builds in it too (tests/conftest.py
+    `native_build` adds the C++ driver there): a fresh checkout's install and test run (CI)
+    compile the library once, not twice."""
+    return ROOT / "build" / ("native-" + hashlib.sha1(prefix.encode()).hexdigest()[:12])
 
 
 class NativeDistribution(Distribution):
@@ -83,7 +93,8 @@ class BuildNative(build_ext):
         if not (os.environ.get("CXX") or any(shutil.which(cxx) for cxx in ("c++", "g++", "clang++"))):
             raise NativeUnavailable("no C++ compiler (c++, g++, clang++ or $CXX)")
         prefix = _torch_cmake_prefix()
-        build_dir = Path(self.build_temp) / "native"
+        # A wheel builds in setuptools' scratch directory; an editable install in the checkout's.
+        build_dir = checkout_build_dir(prefix) if self.inplace else Path(self.build_temp) / "native"
         configure = ["cmake", "-S", str(ROOT), "-B", str(build_dir), f"-DCMAKE_PREFIX_PATH={prefix}",
                      # No RPATH to this machine's torch/lib in the shipped file (as `cmake --install`
                      # leaves it): torch is imported, its libraries loaded, before the library is.
@@ -110,4 +121,5 @@ class BuildNative(build_ext):
         return [str(built)] if not self.inplace and built.exists() else []
 
 
-setup(distclass=NativeDistribution, cmdclass={"build_ext": BuildNative})
+if __name__ == "__main__":  # as pip's build backend runs it; tests/conftest.py imports checkout_build_dir
+    setup(distclass=NativeDistribution, cmdclass={"build_ext": BuildNative})

@@ -82,8 +82,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "else installs pure Python with a note; `1` fails the install if it cannot be built; `0` never runs "
            "cmake", scope="build"),
     EnvVar("COMPILEDUMP_BUILD_DIR", "", "tests only: an already built CMake build directory (library + "
-           "`compiledump_aoti_driver`) for the native and C++-driver tests, instead of `build/tests-torch<version>` "
-           "in the checkout, which they otherwise bring up to date once per run", scope="tests"),
+           "`compiledump_aoti_driver`) for the native and C++-driver tests, instead of the checkout's "
+           "`build/native-<hash of torch's CMake prefix>`, the directory an editable install builds the library in, "
+           "which they otherwise bring up to date once per run", scope="tests"),
     EnvVar("COMPILEDUMP_FUZZ_SCALE", "1", "tests only: multiplies the number of hypothesis examples of the fuzz "
            "tests", scope="tests"),
 )

@@ -17,6 +17,7 @@ kernels are CPU stand-ins for the Triton kernels an engine runs on a GPU.
 """
 
 import dataclasses
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -186,16 +187,26 @@ def cpu_kernel(request, monkeypatch):
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _setup_py():
+    """setup.py as a module (its setup() call runs only as a script)."""
+    spec = importlib.util.spec_from_file_location("compiledump_setup_py", REPO / "setup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="session")
 def native_build(tmp_path_factory) -> Path:
     """A CMake build directory with the native library and the C++ driver built from this tree.
 
-    COMPILEDUMP_BUILD_DIR names one already built; otherwise it is `build/tests-torch<version>`
-    in the checkout (git ignores `build/`), configured once and brought up to date by
-    `cmake --build` once per test run, by whichever xdist worker needs it first while the
-    others wait on a file lock. So a later run, or CI's second lane, rebuilds only what changed
-    (about 25 s on 2 idle cores for a fresh build; seconds when nothing did). Skipped where
-    cmake or a C++ compiler is missing.
+    COMPILEDUMP_BUILD_DIR names one already built; otherwise it is the checkout's build
+    directory for this torch, the one an editable install builds the library in (setup.py
+    `checkout_build_dir`; git ignores `build/`), configured for the tests (the driver too, and
+    run paths to torch's libraries: only a relink of the installed build) and brought up to date
+    by `cmake --build` once per test run, by whichever xdist worker needs it first while the
+    others wait on a file lock. So after `pip install -e .` only the driver is compiled, and a
+    later run, or CI's second lane, rebuilds only what changed (a fresh build of both is about
+    150 CPU s; seconds when nothing changed). Skipped where cmake or a C++ compiler is missing.
     """
     prebuilt = os.environ.get("COMPILEDUMP_BUILD_DIR")
     if prebuilt:
@@ -204,8 +215,7 @@ def native_build(tmp_path_factory) -> Path:
         pytest.skip("cmake or a C++ compiler is not installed")
     from filelock import FileLock  # a torch requirement
 
-    # One directory per torch build: its CMake cache names that torch's headers and libraries.
-    build = REPO / "build" / f"tests-torch{torch.__version__}"
+    build = _setup_py().checkout_build_dir(torch.utils.cmake_prefix_path)
     build.mkdir(parents=True, exist_ok=True)
     # Under xdist each worker's basetemp lies in one per-run directory (its parent).
     run = tmp_path_factory.getbasetemp()
@@ -213,10 +223,10 @@ def native_build(tmp_path_factory) -> Path:
     with FileLock(str(build) + ".lock"):
         stamp = build / "built_by_run"
         if not stamp.exists() or stamp.read_text() != str(run):
-            commands = [["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2)]]
-            if not (build / "CMakeCache.txt").exists():
-                commands.insert(0, ["cmake", "-S", str(REPO), "-B", str(build),
-                                    f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"])
+            # Configured every run: an install since the last one configured it without the driver.
+            commands = [["cmake", "-S", str(REPO), "-B", str(build), f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
+                         "-DCOMPILEDUMP_BUILD_DRIVER=ON", "-DCMAKE_SKIP_BUILD_RPATH=OFF"],
+                        ["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2)]]
             for cmd in commands:
                 out = subprocess.run(cmd, capture_output=True, text=True)
                 assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
