@@ -36,30 +36,12 @@
 
 #include "capture.h"
 #include "capture_device.h"
+#include "capture_kernel.cuh"
 #include "layout.h"
 
 namespace {
 
 using namespace compiledump;
-
-// The phases of kernels/capture_device.h, with a barrier between each.
-template <typename scalar_t>
-__global__ void capture_kernel(const scalar_t* __restrict__ x, float* __restrict__ arena,
-                               int32_t* __restrict__ ctrl, KernelArgs a) {
-  __shared__ BlockDecision s;
-  const bool first_block = blockIdx.x == 0;
-  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (threadIdx.x == 0) read_registers(ctrl, a, s);
-  __syncthreads();
-  // Every thread's first unit is in flight while thread 0 claims (payload first).
-  const Early<scalar_t> early = load_early(x, a, s, tid);
-  if (threadIdx.x == 0) decide(ctrl, a, s, first_block);
-  __syncthreads();
-  const int64_t bad = write_share(x, arena, a, s, tid, static_cast<int64_t>(gridDim.x) * blockDim.x, early);
-  if (bad) atomicAdd(&s.bad, static_cast<unsigned long long>(bad));
-  __syncthreads();  // every store of the block is issued before the commit
-  if (threadIdx.x == 0) commit(ctrl, a, s, first_block);
-}
 
 // Whether `p` is host memory mapped into the device (the crash-proof arena, capture/persist.py).
 // A driver query, no device work and no sync (allowed during graph capture), remembered for the
@@ -107,10 +89,8 @@ void capture_kernel_cuda(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctr
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   KernelArgs args{kind, base, offset, capacity, reason, T, H, D, st, sh, sd, row_reg, mean,
                   in_host_memory(arena.const_data_ptr())};
-  // The dtypes the Triton kernel takes (every real dtype Triton has a pointer type for): the
-  // usual floats and ints, bool, uint8..uint64 and the four fp8 formats. Converted to fp32 by
-  // c10's (host and device) conversions. The pointer is taken untyped: data_ptr<T> is not
-  // instantiated for every one of these types.
+  // CD_CAPTURE_DTYPES (capture_kernel.cuh): the dtypes the Triton kernel takes. The
+  // pointer is taken untyped: data_ptr<T> is not instantiated for every one of these types.
   AT_DISPATCH_V2(x.scalar_type(), "capture_kernel_cuda", AT_WRAP([&] {
     // Always launched (at least one block): even a dropped call bumps its counter on the device.
     // A wide step or keep-first record is a claim launch, then a copy launch (stream order).
@@ -124,8 +104,7 @@ void capture_kernel_cuda(const at::Tensor& x, at::Tensor& arena, at::Tensor& ctr
           launch_args);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-  }), AT_EXPAND(AT_ALL_TYPES), at::kHalf, at::kBFloat16, at::kBool, AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES),
-      at::kFloat8_e4m3fn, at::kFloat8_e4m3fnuz, at::kFloat8_e5m2, at::kFloat8_e5m2fnuz);
+  }), CD_CAPTURE_DTYPES);
 }
 
 }  // namespace compiledump

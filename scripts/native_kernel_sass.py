@@ -1,5 +1,5 @@
-"""Compile the native CUDA capture kernel (kernels/capture_cuda.cu) for sm_90 without a GPU and
-report what its PTX and SASS say, one line per input type.
+"""Compile the native CUDA capture kernel (kernels/capture_kernel.cuh, which capture_cuda.cu
+launches) for sm_90 without a GPU and report what its PTX and SASS say, one line per input type.
 
     python scripts/native_kernel_sass.py           # table: loads, stores, registers, spills
     python scripts/native_kernel_sass.py --check   # exit 1 unless every instantiation has 16-byte
@@ -7,10 +7,16 @@ report what its PTX and SASS say, one line per input type.
                                                    # multiplies no offset in 32 bits, loads the payload
                                                    # before the claim and awaits no reply after it
 
+nvcc compiles a translation unit of its own (TRANSLATION_UNIT): the kernel template that
+capture_cuda.cu includes, instantiated through the same AT_DISPATCH_V2 over the same dtype list
+(CD_CAPTURE_DTYPES), with capture_cuda.cu's nvcc flags; so the same function bodies and
+the same instantiations, without parsing the torch/ATen and c10 CUDA headers only the op around
+the launch needs (they were half the CPU time of compiling capture_cuda.cu itself, whose SASS for
+the kernel is the same). The check also refuses a capture_cuda.cu that launches the kernel for
+other dtypes than that list (`launch_problems`).
+
 Needs nvcc (CUDA 12 or newer) and cuobjdump (on PATH, or the one Triton bundles); torch's headers
-come from the installed torch. The CPU wheel ships c10's CUDA headers without the one CMake
-generates for a CUDA build (c10/cuda/impl/cuda_cmake_macros.h), so the script supplies that one.
-The twin for the Triton kernel is scripts/kernel_ptx.py.
+come from the installed torch (the CPU wheel's will do). The twin for the Triton kernel is scripts/kernel_ptx.py.
 """
 
 from __future__ import annotations
@@ -27,14 +33,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sass_control  # noqa: E402 - scripts/, beside this file
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCE = REPO / "kernels" / "capture_cuda.cu"
-# Itanium-mangled template arguments of capture_kernel<scalar_t>, by the dtype they stand for.
+KERNEL = REPO / "kernels" / "capture_kernel.cuh"  # the __global__ template and its dtype list
+LAUNCHER = REPO / "kernels" / "capture_cuda.cu"  # the op that dispatches and launches it
+# What nvcc compiles: every instantiation capture_cuda.cu's dispatch makes (taking the kernel's
+# address instantiates it, as the launch does), nothing else.
+TRANSLATION_UNIT = """#include <ATen/Dispatch_v2.h>
+
+#include "capture_kernel.cuh"
+
+void compiledump_instantiate_capture_kernel(c10::ScalarType dtype) {
+  AT_DISPATCH_V2(dtype, "capture_kernel", AT_WRAP([&] { (void)&capture_kernel<scalar_t>; }),
+                 CD_CAPTURE_DTYPES);
+}
+"""
+# Itanium-mangled template arguments of capture_kernel<scalar_t>, by the dtype they stand for:
+# the dtypes of CD_CAPTURE_DTYPES, which --check requires the cubin to hold, no more.
 TYPES = {"f": "float32", "d": "float64", "N3c104HalfE": "float16", "N3c108BFloat16E": "bfloat16",
          "l": "int64", "i": "int32", "s": "int16", "a": "int8", "h": "uint8", "t": "uint16", "j": "uint32",
          "m": "uint64", "b": "bool", "N3c1013Float8_e4m3fnE": "float8_e4m3fn", "N3c1011Float8_e5m2E": "float8_e5m2",
          "N3c1015Float8_e4m3fnuzE": "float8_e4m3fnuz", "N3c1015Float8_e5m2fnuzE": "float8_e5m2fnuz"}
-# The C10 CUDA build's generated macros header (cuda_cmake_macros.h.in, as a shared-library build).
-CMAKE_MACROS = "#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n"
 
 
 def tools() -> tuple[str | None, str | None]:
@@ -51,20 +68,64 @@ def tools() -> tuple[str | None, str | None]:
     return shutil.which("nvcc"), cuobjdump
 
 
+def _code(text: str) -> str:
+    """C++ source with its comments and string literals blanked (so parentheses and commas in
+    them do not count)."""
+    return re.sub(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\])*"', " ", text, flags=re.S)
+
+
+def _arguments(code: str, start: int) -> list[str]:
+    """The top-level arguments of the call whose "(" is at code[start]."""
+    depth, args, begin = 0, [], start + 1
+    for i in range(start, len(code)):
+        if code[i] in "([{":
+            depth += 1
+        elif code[i] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return [*args, code[begin:i].strip()]
+        elif code[i] == "," and depth == 1:
+            args.append(code[begin:i].strip())
+            begin = i + 1
+    raise ValueError("unbalanced call")
+
+
+def launch_problems(text: str) -> list[str]:
+    """Why the kernels TRANSLATION_UNIT compiles might not be the ones the launcher (the text of
+    capture_cuda.cu) launches: it must take the kernel from capture_kernel.cuh, define none of its
+    own, and launch it only as capture_kernel<scalar_t> in one AT_DISPATCH_V2 whose dtype list is
+    exactly CD_CAPTURE_DTYPES."""
+    code, out = _code(text), []
+    if '#include "capture_kernel.cuh"' not in text:
+        out.append("capture_cuda.cu does not include capture_kernel.cuh")
+    if "__global__" in code:
+        out.append("capture_cuda.cu defines a kernel of its own (its SASS would go unchecked)")
+    dispatches = list(re.finditer(r"\b(AT_DISPATCH\w*)\s*\(", code))
+    if [m.group(1) for m in dispatches] != ["AT_DISPATCH_V2"]:
+        out.append(f"capture_cuda.cu dispatches with {[m.group(1) for m in dispatches]}, not one AT_DISPATCH_V2")
+        return out
+    args = _arguments(code, dispatches[0].end() - 1)
+    if args[3:] != ["CD_CAPTURE_DTYPES"]:
+        out.append(f"capture_cuda.cu dispatches {args[3:]}, not exactly CD_CAPTURE_DTYPES")
+    launched = re.findall(r"\bcapture_kernel\s*<([^<>]*)>", code)
+    if launched != ["scalar_t"] or "capture_kernel<scalar_t>" not in args[2].replace(" ", ""):
+        out.append(f"capture_cuda.cu launches capture_kernel with the template arguments {launched}, not once as "
+                   "capture_kernel<scalar_t> in the dispatch")
+    return out
+
+
 def compile_kernel(nvcc: str, tmp: Path) -> tuple[str, Path]:
-    """The kernel's PTX text and the path of its cubin for sm_90 (one nvcc run, -keep'ing the PTX)."""
+    """The kernel's PTX text and the path of its cubin for sm_90 (one nvcc run of TRANSLATION_UNIT,
+    -keep'ing the PTX)."""
     import torch.utils.cpp_extension
 
-    include = [Path(p) for p in torch.utils.cpp_extension.include_paths()]
-    stub = tmp / "include"
-    if not any((p / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").exists() for p in include):
-        (stub / "c10" / "cuda" / "impl").mkdir(parents=True)
-        (stub / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").write_text(CMAKE_MACROS)
-    # The flags CMakeLists.txt gives nvcc for this file.
-    cubin = tmp / "capture.cubin"
+    include = torch.utils.cpp_extension.include_paths()
+    # The flags CMakeLists.txt gives nvcc for capture_cuda.cu.
+    source, cubin = tmp / "capture_kernels.cu", tmp / "capture.cubin"
+    source.write_text(TRANSLATION_UNIT)
     command = [nvcc, "-std=c++20", "--expt-relaxed-constexpr", "-O3", "-arch=sm_90", "-cubin", "-keep",
-               f"-keep-dir={tmp}", f"-I{stub}", *(f"-I{p}" for p in include),
-               f"-I{REPO / 'kernels'}", str(SOURCE), "-o", str(cubin)]
+               f"-keep-dir={tmp}", *(f"-I{p}" for p in include),
+               f"-I{REPO / 'kernels'}", str(source), "-o", str(cubin)]
     done = subprocess.run(command, capture_output=True, text=True, cwd=tmp)
     if done.returncode != 0:
         raise RuntimeError(f"nvcc failed:\n{done.stderr[-4000:]}")
@@ -136,8 +197,9 @@ def problems(report: dict[str, dict]) -> list[str]:
         if info["atomics with a reply after the claim"]:
             out.append(f"{dtype}: {info['atomics with a reply after the claim']} bookkeeping atomics with a reply "
                        "after the claim (a wait on the payload waits for them too)")
-    if len(report) < 13:
-        out.append(f"only {len(report)} instantiations found: {sorted(report)}")
+    if set(report) != set(TYPES.values()):
+        out.append(f"instantiations {sorted(report)}, not those of CD_CAPTURE_DTYPES: "
+                   f"{sorted(TYPES.values())}")
     return out
 
 
@@ -155,13 +217,13 @@ def main(argv=None) -> int:
         ptx, cubin = compile_kernel(nvcc, Path(tmp))
         report = describe(ptx, cubin, cuobjdump)
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    print(f"{SOURCE.relative_to(REPO)} for sm_90 ({version})")
+    print(f"{KERNEL.relative_to(REPO)} as {LAUNCHER.relative_to(REPO)} instantiates it, for sm_90 ({version})")
     for dtype, info in report.items():
         print(f"{dtype:>16}: registers {info['registers']}, spilled {info['spilled_bytes']} B, "
               f"unguarded mul.lo.s32 {info['mul.lo.s32 (unguarded)']}; loads {info['loads']}; "
               f"stores {info['stores']}; payload in flight through the claim "
               f"{info['payload in flight through the claim']}")
-    found = problems(report)
+    found = launch_problems(LAUNCHER.read_text()) + problems(report)
     for problem in found:
         print(f"  {problem}")
     if not found:
