@@ -6,8 +6,11 @@ finished decode step through a pipe; tests/capture/test_crash.py kills, stops or
 MODE: `run` (to the end, normal exit), `reference` (also saves every record's value after each
 decode step, to `<DUMP_DIR>/per_step.npz`), `exit` (os._exit after step 2), `segfault` (reads
 address 0 after step 2), `raise` (an unhandled exception after step 2), `nan` (NaN in layer 1's
-input at decode step NONFINITE_STEP). Every call of the capture API is the public one; the
-environment (COMPILEDUMP_*) is set by the test.
+input at decode step NONFINITE_STEP). COMPILED `1`: the decode steps run through torch.compile;
+the prefill and the profile forward stay eager (every stop, kill and crash the tests make comes
+after decode step 0 is reported, in the decode loop; compiling them as well was two more graphs,
+17 of the 32 C++ kernels of a cold Inductor compile). Every call of the capture API is the
+public one; the environment (COMPILEDUMP_*) is set by the test.
 """
 
 import ctypes
@@ -61,9 +64,9 @@ def main() -> None:
     per_step = {}
     with torch.no_grad():
         compiledump.set_rows(1)
-        _, state = forward(session.prompt)
+        _, state = model(session.prompt)  # eager, as the profile forward: see COMPILED above
         with compiledump.profiling():
-            forward(session.profile_tokens)
+            model(session.profile_tokens)
         state = torch.cat([state, session.pad_state.to(state.dtype)], 1)
         if mode == "reference":
             per_step.update({f"prefill/{k}": v for k, v in _records().items()})
