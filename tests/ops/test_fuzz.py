@@ -56,12 +56,25 @@ USUAL_SHAPES = [(1, 4), (2, 4), (3, 4), (2, 3, 4), (3, 2, 4), (4,)]
 usual_shapes = st.fixed_dictionaries({tag: st.sampled_from(USUAL_SHAPES) for tag in TAGS + ["c"]})
 
 
+# The strategies are built once, at import, and drawn from many times: a strategy built inside a
+# draw is a new object, validated again on every draw (half of the data generation's time).
+LAYOUTS = st.sampled_from(["contiguous", "transposed", "strided", "broadcast"])
+SEEDS = st.integers(0, 2**31 - 1)
+
+
+def tensors(dtypes, big: bool = False):
+    """The spec (make_tensor) of a tensor: one of `dtypes`, of the tag's usual shape in 3 draws of
+    4, else one of SHAPES (and BIG_SHAPES if `big`)."""
+    shapes = st.one_of(st.none(), st.none(), st.none(), st.sampled_from(SHAPES + (BIG_SHAPES if big else [])))
+    return _tensor_specs(shapes, st.sampled_from(dtypes))
+
+
 @st.composite
-def tensors(draw, dtypes, big: bool = False):
-    shape = draw(st.one_of(st.none(), st.none(), st.none(), st.sampled_from(SHAPES + (BIG_SHAPES if big else []))))
-    layout = draw(st.sampled_from(["contiguous", "transposed", "strided", "broadcast"]))
-    return {"shape": shape, "dtype": draw(st.sampled_from(dtypes)), "layout": layout,
-            "seed": draw(st.integers(0, 2**31 - 1)), "special": draw(st.booleans()) and draw(st.booleans())}
+def _tensor_specs(draw, shapes, dtypes):
+    shape = draw(shapes)
+    layout = draw(LAYOUTS)
+    return {"shape": shape, "dtype": draw(dtypes), "layout": layout,
+            "seed": draw(SEEDS), "special": draw(st.booleans()) and draw(st.booleans())}
 
 
 def make_tensor(spec: dict, usual: tuple) -> torch.Tensor:
@@ -97,23 +110,21 @@ OP_KINDS = ["record"] * 4 + ["step"] * 4 + ["ids"] * 2 + ["set_rows", "gather", 
 
 def call_sequences(record_dtypes=FLOATS + ["int64", "bool"]):
     """One operation of a call sequence, as a tuple (kind, arguments...)."""
+    kinds = st.sampled_from(OP_KINDS)
+    rows = st.one_of(st.none(), st.integers(-4, 4))
+    arguments = {  # what follows each kind in its tuple (the kinds not here have nothing)
+        "record": st.tuples(tags, tensors(record_dtypes), st.booleans()),
+        "step": st.tuples(tags, tensors(FLOATS, big=True)),
+        "ids": st.tuples(tags, tensors(INTS + ["float32"])),
+        "set_rows": st.tuples(st.integers(0, 3)),
+        "gather": st.tuples(rows, rows),
+        "configure": st.tuples(st.sampled_from([0, 2, 3, "auto"]), st.integers(0, 2)),
+    }
 
     @st.composite
     def operation(draw):
-        kind = draw(st.sampled_from(OP_KINDS))
-        if kind == "record":
-            return ("record", draw(tags), draw(tensors(record_dtypes)), draw(st.booleans()))
-        if kind == "step":
-            return ("step", draw(tags), draw(tensors(FLOATS, big=True)))
-        if kind == "ids":
-            return ("ids", draw(tags), draw(tensors(INTS + ["float32"])))
-        if kind == "set_rows":
-            return ("set_rows", draw(st.integers(0, 3)))
-        if kind == "gather":
-            return ("gather", draw(st.one_of(st.none(), st.integers(-4, 4))), draw(st.one_of(st.none(), st.integers(-4, 4))))
-        if kind == "configure":
-            return ("configure", draw(st.sampled_from([0, 2, 3, "auto"])), draw(st.integers(0, 2)))
-        return (kind,)
+        kind = draw(kinds)
+        return (kind, *draw(arguments[kind])) if kind in arguments else (kind,)
 
     return operation()
 
