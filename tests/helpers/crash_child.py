@@ -3,14 +3,15 @@ finished decode step through a pipe; tests/capture/test_crash.py kills, stops or
 
     python crash_child.py MODE DUMP_DIR REPORT_FD [STEPS] [COMPILED] [NONFINITE_STEP]
 
-MODE: `run` (to the end, normal exit), `reference` (also saves every record's value after each
-decode step, to `<DUMP_DIR>/per_step.npz`), `exit` (os._exit after step 2), `segfault` (reads
-address 0 after step 2), `raise` (an unhandled exception after step 2), `nan` (NaN in layer 1's
-input at decode step NONFINITE_STEP). COMPILED `1`: the decode steps run through torch.compile;
-the prefill and the profile forward stay eager (every stop, kill and crash the tests make comes
-after decode step 0 is reported, in the decode loop; compiling them as well was two more graphs,
-17 of the 32 C++ kernels of a cold Inductor compile). Every call of the capture API is the
-public one; the environment (COMPILEDUMP_*) is set by the test.
+MODE: `run` (to the end, normal exit), `reference` (also saves every record's value after the
+prefill and after each decode step, to `<DUMP_DIR>/per_step.npz`: an array per record key, row 0
+after the prefill, row 1 + s after decode step s), `exit` (os._exit after step 2), `segfault`
+(reads address 0 after step 2), `raise` (an unhandled exception after step 2), `nan` (NaN in
+layer 1's input at decode step NONFINITE_STEP). COMPILED `1`: the decode steps run through
+torch.compile; the prefill and the profile forward stay eager (every stop, kill and crash the
+tests make comes after decode step 0 is reported, in the decode loop; compiling them as well was
+two more graphs, 17 of the 32 C++ kernels of a cold Inductor compile). Every call of the capture
+API is the public one; the environment (COMPILEDUMP_*) is set by the test.
 """
 
 import ctypes
@@ -61,7 +62,7 @@ def main() -> None:
         model = NanAt(model, nan_step)
     forward = torch.compile(model, fullgraph=True) if compiled else model
     session = make_session(CONFIG, prompt_len=7, steps=steps, pad_rows=2)
-    per_step = {}
+    per_step = {}  # record key -> its values, after the prefill and after each decode step
     with torch.no_grad():
         compiledump.set_rows(1)
         _, state = model(session.prompt)  # eager, as the profile forward: see COMPILED above
@@ -69,7 +70,7 @@ def main() -> None:
             model(session.profile_tokens)
         state = torch.cat([state, session.pad_state.to(state.dtype)], 1)
         if mode == "reference":
-            per_step.update({f"prefill/{k}": v for k, v in _records().items()})
+            _append_records(per_step)
         os.write(report_fd, b"ready\n")
         for step in range(steps):
             tokens = torch.cat([session.decode_tokens[step : step + 1], session.pad_tokens[step]])
@@ -77,7 +78,7 @@ def main() -> None:
             _, state = forward(tokens, state)
             os.write(report_fd, f"{step}\n".encode())
             if mode == "reference":
-                per_step.update({f"{step}/{k}": v for k, v in _records().items()})
+                _append_records(per_step)
             if step == CRASH_AFTER:
                 if mode == "exit":
                     os._exit(3)
@@ -86,7 +87,15 @@ def main() -> None:
                 if mode == "raise":
                     raise RuntimeError("the model blew up")
     if mode == "reference":
-        np.savez(os.path.join(directory, "per_step.npz"), **per_step)
+        # One array per key, not one per key and step (25 000 members took seconds to write).
+        np.savez(os.path.join(directory, "per_step.npz"), **{k: np.stack(v) for k, v in per_step.items()})
+
+
+def _append_records(per_step: dict) -> None:
+    values = _records()
+    assert not per_step or values.keys() == per_step.keys(), "every record is kept from the prefill on"
+    for key, value in values.items():
+        per_step.setdefault(key, []).append(value)
 
 
 def _records() -> dict:
@@ -97,7 +106,10 @@ def _records() -> dict:
 
     rt = STATE.runtime
     records = [slot for slot in rt.slots.values() if slot.kind != L.KIND_STEP]
-    got = collect(records, [], *rt.snapshot(private=True), rt.prompt_tokens)
+    # Read in place, not through rt.snapshot() (a copy of the 3 MB arena per step: half of what
+    # the reference run's per-step values cost): between two decode steps nothing writes them
+    # (one thread; a CPU capture has finished when its call returns). The values are copied below.
+    got = collect(records, [], rt.arena.numpy(), rt.ctrl.numpy(), rt.prompt_tokens)
     return {key: value.copy() for key, value in got.arrays.items()}
 
 
