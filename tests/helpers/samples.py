@@ -92,9 +92,10 @@ REGISTERS = [  # (enabled, rows, record_row, step_row[, check_all])
 DATA_PATH_REGISTERS = [REGISTERS[0], REGISTERS[1], REGISTERS[3], REGISTERS[5], REGISTERS[8]]
 
 
-def run_kernel(kernel, x, kind, registers, calls, reason=0, slot_words=None):
+def run_kernel(kernel, x, kind, registers, calls, reason=0, slot_words=None, capacity=2):
     """`calls` captures of `x` by `kernel` into slot 2 of a fresh control block whose header holds
-    `registers` and whose slot words start as `slot_words` ({word: value}, else 0)."""
+    `registers` and whose slot words start as `slot_words` ({word: value}, else 0); the slot's
+    region holds `capacity` steps."""
     enabled, rows, record_row, step_row, check_all = (*registers, 0)[:5]
     arena_t = torch.full((max(8192, 16 + 2 * x.numel()),), float("nan"))  # room for every row of x, twice
     ctrl = torch.zeros(L.control_words(4), dtype=torch.int32)
@@ -104,7 +105,7 @@ def run_kernel(kernel, x, kind, registers, calls, reason=0, slot_words=None):
     ctrl[L.REG_RECORD_ROW], ctrl[L.REG_STEP_ROW] = record_row, step_row
     ctrl[L.REG_CHECK_ALL], ctrl[L.REG_STEPS] = check_all, 3  # steps begun: dates non-finite records
     for _ in range(calls):
-        kernel(x, arena_t, ctrl, kind, L.slot_base(2), 8, 2, reason)
+        kernel(x, arena_t, ctrl, kind, L.slot_base(2), 8, capacity, reason)
     return arena_t, ctrl
 
 
@@ -114,17 +115,18 @@ def generator_for(*parts) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(repr(parts).encode()))
 
 
-def assert_matches_reference(kernel, x, kind, calls, registers_list=REGISTERS) -> None:
+def assert_matches_reference(kernel, x, kind, calls, registers_list=REGISTERS, capacity=2) -> None:
     """`kernel` (the reference kernel's signature) against the reference kernel on `x` under every
-    REGISTERS setting, `calls` captures each: the control block word for word, the arena bit for
-    bit (ids are int32 words; every kernel, the reference included, converts each element to
-    fp32, sums the hc rows in h order and divides once). The Triton kernel's published decisions
-    (SLOT_CLAIM, written only by its split launches) are left out: no other kernel has them."""
+    REGISTERS setting, `calls` captures each (into a region of `capacity` steps, run_kernel): the
+    control block word for word, the arena bit for bit (ids are int32 words; every kernel, the
+    reference included, converts each element to fp32, sums the hc rows in h order and divides
+    once). The Triton kernel's published decisions (SLOT_CLAIM, written only by its split
+    launches) are left out: no other kernel has them."""
     from compiledump.ops.reference import capture_reference
 
     for registers in registers_list:
-        want_arena, want_ctrl = run_kernel(capture_reference, x, kind, registers, calls)
-        got_arena, got_ctrl = run_kernel(kernel, x, kind, registers, calls)
+        want_arena, want_ctrl = run_kernel(capture_reference, x, kind, registers, calls, capacity=capacity)
+        got_arena, got_ctrl = run_kernel(kernel, x, kind, registers, calls, capacity=capacity)
         assert torch.equal(L.without_claims(got_ctrl), want_ctrl), registers
         assert torch.equal(got_arena.view(torch.int32), want_arena.view(torch.int32)), registers
 
