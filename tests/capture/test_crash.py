@@ -8,19 +8,15 @@ while it is stopped is what a SIGKILL at that moment would leave. The run then g
 real SIGKILLs, `os._exit`, a segfault and an unhandled exception check the same thing for real.
 """
 
-import io
 import json
 import os
 import random
 import select
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import time
-import zipfile
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +28,7 @@ from compiledump.capture.recover import recover_directory, recover_live
 from compiledump.capture.state import STATE
 from compiledump.ops import layout as L
 from helpers import forked
+from helpers.npz_members import array, assert_same, members
 
 CHILD = Path(__file__).parents[1] / "helpers" / "crash_child.py"
 # Gate off: every decode step overwrites every record, so kills land inside record writes too.
@@ -99,36 +96,9 @@ def _stopped(pid: int) -> bool:
 
 
 def _members(directory: Path) -> dict[str, bytes]:
-    """A dump's arrays as raw .npy members, keyed as np.load keys them: equal members are equal
-    arrays, found without parsing 100 000 headers (loading them was most of this file's time).
-
-    The file is read once and each member sliced out of it, with what `ZipFile.read` checks: the
-    local header's signature and name, a stored (uncompressed) member, its CRC-32. (`ZipFile.read`
-    opens and seeks per member: 5 times the time, over the 100 000 members the recoveries wrote.)"""
+    """The arrays of the dump in `directory`, as raw .npy members (helpers/npz_members.py)."""
     (path,) = directory.glob("compiledump_*.npz")
-    data = path.read_bytes()
-    with zipfile.ZipFile(io.BytesIO(data)) as archive:
-        infos = archive.infolist()
-    members = {}
-    for info in infos:
-        # The local header: signature, 22 bytes, the name's length and the extra field's; 30 bytes.
-        signature, name_length, extra_length = struct.unpack_from("<4s22xHH", data, info.header_offset)
-        name = info.header_offset + 30
-        assert signature == b"PK\x03\x04" and data[name : name + name_length] == info.filename.encode(), info
-        start = name + name_length + extra_length
-        member = data[start : start + info.compress_size]
-        assert info.compress_type == zipfile.ZIP_STORED and zlib.crc32(member) == info.CRC, info
-        members[info.filename.removesuffix(".npy")] = member
-    return members
-
-
-def _array(member: bytes) -> np.ndarray:
-    return np.lib.format.read_array(io.BytesIO(member), allow_pickle=False)
-
-
-def _assert_same(got: bytes, want: bytes, key: str) -> None:
-    if got != want:  # other bytes can still be equal values (-0.0, another header): decide on those
-        np.testing.assert_array_equal(_array(got), _array(want), err_msg=key)
+    return members(path)
 
 
 def _manifest(directory: Path) -> dict:
@@ -160,7 +130,7 @@ def _check_recovered(directory: Path, last: int, reference) -> dict:
     # Every reported step is there, and at most the one being run when it died is beyond them.
     assert steps == list(range(len(steps))) and last < len(steps) <= last + 2, (last, steps)
     for n in steps:
-        _assert_same(got[f"logits_{n}"], final[f"logits_{n}"], f"logits_{n}")
+        assert_same(got[f"logits_{n}"], final[f"logits_{n}"], f"logits_{n}")
     interrupted = [tag for tag, entry in manifest["tags"].items() if entry["drops"].get("interrupted")]
     assert len(interrupted) <= 1, interrupted  # captures are serialized: at most one was in flight
     records = [key for key in manifest["tags"] if not key.endswith("_<n>")]
@@ -173,7 +143,7 @@ def _check_recovered(directory: Path, last: int, reference) -> dict:
             continue  # filtered or never written (ids of a new shape: shape_changed)
         # The value of the last reported step (or of the prefill), or of the step in flight if its
         # write was committed: rows last + 1 and last + 2 of its values (the prefill's in row 0).
-        value = _array(got[key])
+        value = array(got[key])
         assert key in per_step and any(np.array_equal(value, row) for row in per_step[key][last + 1 : last + 3]), \
             (key, last)
     return manifest
@@ -216,7 +186,7 @@ def test_sigkill_at_100_moments_loses_no_reported_step(reference, tmp_path):
     # The run itself, uninterrupted in its values, equals the reference and cleaned up after itself.
     final, _ = reference
     got = _members(directory)
-    assert sorted(got) == sorted(final) and all(np.array_equal(_array(got[k]), _array(final[k])) for k in final)
+    assert sorted(got) == sorted(final) and all(np.array_equal(array(got[k]), array(final[k])) for k in final)
     assert not list(directory.glob("*.live"))
     torn = 0
     for snapshot, last in moments:
@@ -284,7 +254,7 @@ def test_unhandled_exception_flushes_and_cleans_up(eager_reference, tmp_path):
     assert not list(tmp_path.glob("*.live"))  # the flush at exit ran and removed them
     got, final = _members(tmp_path), eager_reference[0]
     assert sorted(k for k in got if k.startswith("logits_")) == [f"logits_{n}" for n in range(3)]
-    assert all(np.array_equal(_array(got[k]), _array(final[k])) for k in got if k.startswith("logits_"))
+    assert all(np.array_equal(array(got[k]), array(final[k])) for k in got if k.startswith("logits_"))
     assert recover_directory(tmp_path) == ([], [])
 
 
@@ -323,7 +293,7 @@ def test_a_write_claimed_but_not_committed_is_dropped_not_read(dump_dir):
     result = recover_live(live, force=True)
     assert result.interrupted == 2
     manifest = _manifest(tmp_path)
-    got = {key: _array(member) for key, member in _members(tmp_path).items()}
+    got = {key: array(member) for key, member in _members(tmp_path).items()}
     assert "rec" not in got and manifest["tags"]["rec"]["drops"]["interrupted"] == 1
     assert sorted(k for k in got if k.startswith("steps_")) == ["steps_0", "steps_1", "steps_2"]
     for n, x in enumerate(values):
