@@ -28,6 +28,14 @@ NATIVE_LANE_ONLY = {
     "native/test_cuda_kernel_emulated.py": "the CUDA kernel compiled into its own harness, whatever the path",
     "native/test_native_kernel_sass.py": "nvcc compiles the CUDA kernel for sm_90, whatever the path",
     "native/test_dump_names.py": "the C++ flush's naming program (the C++ API), whatever serves Python's captures",
+    # test_aot.py's tests that capture nothing; its exports, packages and plans run again.
+    "export/test_aot.py::test_layout_header_matches_python": "kernels/layout.h's constants against Python's: text",
+    "export/test_aot.py::test_schemas_header_is_current": "kernels/schemas.h against its renderer: text",
+    "export/test_aot.py::test_export_is_told_from_compile_by_torch_export_alone":
+        "which flag torch.export and torch.compile set (a function without captures)",
+    "export/test_aot.py::test_a_cuda_proxy_package_warns_before_it_loads":
+        "load()'s warning, read from a package's metadata (the loader stubbed: nothing runs)",
+    "export/test_aot.py::test_driver_usage_and_bad_package": "the C++ driver's usage and errors: no capture",
     "ops/test_variants.py": "the Triton kernel's variants (Triton interpreted: no native code)",
     "ops/test_triton_layout_classes.py": "the Triton kernel's layout classes and PTX (no native code)",
     # Hugging Face models through instrument() and the comparator, several Inductor-compiled: the
