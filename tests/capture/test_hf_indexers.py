@@ -13,6 +13,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 pytest.importorskip("transformers")
 
@@ -137,11 +138,20 @@ def test_a_wrong_indexer_is_found_where_its_picks_change_attention(references, t
 
 def test_compiled_indexer_records_what_eager_does(tmp_path):
     """torch.compile(fullgraph=True) traces the indexer's wrapper (no graph break): the same picks
-    (a dense and an MoE layer, each with its indexer)."""
+    (a dense and an MoE layer, each with its indexer).
+
+    Dynamo's trace is what this checks, so the graph runs on the aot_eager backend: AOT autograd's
+    functionalized graph with the capture ops in it, without Inductor's codegen (26 CPU kernels, each
+    a g++ run, cold). The same indexers in Inductor-compiled graphs (a bf16 engine's prefill and decode
+    steps) are test_engine_flow_static_cache_against_dynamic_cache's; the capture op in Inductor's
+    float32 graphs, held to float32 thresholds, test_hf_models.py's."""
     model = deepseek_v32(index_topk=4, layers=2)
     ids = torch.randint(3, 211, (1, 9), generator=torch.Generator().manual_seed(1))
     dump_prefill(model, tmp_path / "eager", ids, "all")
-    dump_prefill(model, tmp_path / "compiled", ids, "all", wrap=lambda m: torch.compile(m, fullgraph=True))
+    counters.clear()
+    dump_prefill(model, tmp_path / "compiled", ids, "all",
+                 wrap=lambda m: torch.compile(m, fullgraph=True, backend="aot_eager"))
+    assert counters["stats"]["unique_graphs"] == 1  # traced and compiled, not skipped to eager
     torch._dynamo.reset()
     eager, compiled = _arrays(tmp_path / "eager"), _arrays(tmp_path / "compiled")
     for i in range(2):
