@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 pytest.importorskip("transformers")
 
@@ -171,7 +172,13 @@ def test_an_exact_tie_across_the_cut_is_the_pick_the_other_side_did_not_make():
 
 def test_the_compiled_engine_records_what_the_eager_one_does(tmp_path):
     """torch.compile(fullgraph=True) traces the stream readers (no graph break): the same prefill
-    values as eager, the layer outputs and the post-attention norms' summed inputs."""
+    values as eager, the layer outputs and the post-attention norms' summed inputs.
+
+    Dynamo's trace of the readers is what this checks, so the graph runs on the aot_eager backend:
+    AOT autograd's functionalized graph with the capture ops in it, without Inductor's codegen (14
+    CPU kernels, each a g++ run, cold). Llama's Inductor engines, whose residual stream after
+    attention, layer outputs, final norm and logits are captured from fused kernels and held to
+    float32 thresholds, are tests/capture/test_hf_models.py's."""
     hf = ex.build_model("llama", seed=4)
     engine = engines.ForCausalLM(hf).eval()
     prompt = torch.randint(0, hf.config.vocab_size, (9,), generator=torch.Generator().manual_seed(6))
@@ -186,7 +193,9 @@ def test_the_compiled_engine_records_what_the_eager_one_does(tmp_path):
 
     torch._dynamo.reset()
     _dump(engine, tmp_path / "eager", prefill(engine))
-    _dump(engine, tmp_path / "compiled", prefill(torch.compile(engine, fullgraph=True)))
+    counters.clear()
+    _dump(engine, tmp_path / "compiled", prefill(torch.compile(engine, fullgraph=True, backend="aot_eager")))
+    assert counters["stats"]["unique_graphs"] == 1  # traced and compiled, not skipped to eager
     torch._dynamo.reset()
     eager, compiled = _arrays(tmp_path / "eager"), _arrays(tmp_path / "compiled")
     assert {"layer0_attn", "layer1_attn", "layer0", "layer3", "final_norm", "logits_0"} <= eager.keys() == compiled.keys()
