@@ -78,7 +78,15 @@ class Pair:
         counters.clear()
         with RecompileLog() as log:
             engine = ex.Engine(copy.deepcopy(self.model), self.inputs, dtype, rows)
+            compiled, self.clean_logits = engine.forward, []
+
+            def forward(**kwargs):  # the clean session's logits, kept (test_recompiles_... reads Llama's)
+                out = compiled(**kwargs)
+                self.clean_logits.append(out.logits.clone())
+                return out
+            engine.forward = forward
             self.clean = engine.run(tmp / "engine")
+            engine.forward = compiled
         self.recompile_lines = [line for line in log.lines if "Recompiling" in line]
         self.graphs, self.breaks = engine.graphs, sum(counters["graph_break"].values())
         self.bugs = {}
@@ -160,19 +168,22 @@ def test_a_one_percent_bug_is_named_at_its_layer(batch4, bug, capsys):
         assert readme_samples.unmatched(sample, capsys.readouterr().out.splitlines()) == []
 
 
-def test_recompiles_are_the_uninstrumented_models(tmp_path):
+@pytest.mark.parametrize("batch4", ["llama"], indirect=True)  # batch4's own Llama engine, not another
+def test_recompiles_are_the_uninstrumented_models(batch4):
     """The recompile log of the instrumented engine equals an uninstrumented one's, with capture
     off the instrumented engine compiles to the uninstrumented model's code, and with capture on
     its logits are the uninstrumented engine's bit for bit (float32 Llama: capture moves no
-    rounding here; bf16 MoE blocks are where it can, benchmarks/numerics_preserved.py)."""
+    rounding here; bf16 MoE blocks are where it can, benchmarks/numerics_preserved.py). The
+    instrumented engine with capture on is batch4's Llama engine (its clean session: the same
+    model, inputs, cache and compile as a session here), not compiled a second time."""
     model = _model("llama")
     inputs = ex.Inputs(model.config.vocab_size, STEPS, 4)
 
-    def session(instrumented, capture):
+    def session(instrumented):  # capture off
         torch._dynamo.reset()
         compiledump.reset()
         previous = compiledump.get_config()
-        compiledump.configure(dir=str(tmp_path / "d") if capture else None)
+        compiledump.configure(dir=None)
         engine_model = copy.deepcopy(model)
         handle = compiledump.instrument(engine_model) if instrumented else None
         forward = torch.compile(engine_model.forward, fullgraph=True)
@@ -192,9 +203,9 @@ def test_recompiles_are_the_uninstrumented_models(tmp_path):
         compiledump.configure(dir=previous.dir)
         return [line for line in log.lines if "Recompiling" in line], codes, logits
 
-    plain_log, plain_code, plain_logits = session(False, False)
-    off_log, off_code, _ = session(True, False)
-    on_log, _, on_logits = session(True, True)
+    plain_log, plain_code, plain_logits = session(False)
+    off_log, off_code, _ = session(True)
+    on_log, on_logits = batch4.recompile_lines, batch4.clean_logits
     assert len(plain_code) == 2 and off_code == plain_code  # byte for byte: nothing added while capture is off
     assert len(on_logits) == STEPS + 1 and all(torch.equal(a, b) for a, b in zip(plain_logits, on_logits))
     assert len(plain_log) == 1, (plain_log, off_log, on_log)
@@ -206,10 +217,9 @@ def all_rows(tmp_path_factory):
     return _pair("qwen3_moe", 4, tmp_path_factory, rows="all", bugs=[("expert", 1, 1.01)])
 
 
+@pytest.mark.parametrize("batch4", ["qwen3_moe"], indirect=True)  # one comparison of the two modes
 def test_one_expert_bug_needs_all_rows(all_rows, batch4):
     """One expert's down projection x 1.01, an expert the prompt uses but its last token does not."""
-    if batch4.model.config.model_type != "qwen3_moe":
-        pytest.skip("one comparison of the two modes, on Qwen3-MoE")
     assert all_rows.verdict(all_rows.clean).exit_status == 0
     report = all_rows.verdict(all_rows.bugs["expert", 1, 1.01])
     assert report.exit_status == 1 and report.first_divergence.layer == 1, _first(report)
