@@ -18,28 +18,9 @@ def _demo(capsys, *args):
     return status, capsys.readouterr().out
 
 
-@pytest.fixture
-def users_inductor():
-    """Inductor's CPU kernels vectorized, as a user's Inductor compiles them (conftest turns that
-    off for the suite): what the README's samples show, and what test_default_demo_command's
-    fresh process compiles. The injected bug changes one layer's graph only; every kernel of the
-    clean engine is also one of the broken engine's, so that process, which shares Inductor's
-    cache directory and runs after these tests (one file runs in one worker), compiles none of
-    them again (test_demo.py from a cold cache: 30 kernel builds instead of 54)."""
-    from torch._inductor import config, cpu_vec_isa
-
-    # The ISAs pick_vec_isa chooses from are cached per process: none while vec_isa_ok is False.
-    cpu_vec_isa.valid_vec_isa_list.cache_clear()
-    try:
-        with config.patch({"cpp.vec_isa_ok": None}):  # None: probe the CPU, as by default
-            yield
-    finally:
-        cpu_vec_isa.valid_vec_isa_list.cache_clear()
-
-
 # dropped_hc in layer 3 at the default sizes is the README's `compiledump demo --inject-bug 3`.
 @pytest.mark.parametrize("bug,layer,sizes", [("dropped_hc", 3, ()), ("routed_scale", 1, ("--layers", "4", "--steps", "4"))])
-def test_injected_bug_is_named(dump_dir, users_inductor, tmp_path, capsys, bug, layer, sizes):
+def test_injected_bug_is_named(dump_dir, tmp_path, capsys, bug, layer, sizes):
     status, out = _demo(capsys, *sizes, "--inject-bug", str(layer), "--bug", bug, "--out", str(tmp_path))
     assert status == 1, out
     last = out.splitlines()[-1]
