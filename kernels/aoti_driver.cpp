@@ -17,6 +17,9 @@
 // (default 1), so that the C++ flush's dump is held equal to compiledump.flush()'s on any registry:
 //
 //   compiledump_aoti_driver --flush-snapshot PLAN.txt CONFIG.json CTRL.i32 ARENA.f32 OUT_DIR [COPIES]
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 

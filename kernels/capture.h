@@ -1,6 +1,6 @@
 // The native capture ops' host-side helpers, shared by the CPU and CUDA registrations.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <mutex>
 #include <vector>

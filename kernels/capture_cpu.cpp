@@ -10,7 +10,6 @@
 // - `capture_export_v1`: the capture op of exported programs. Its arguments carry the region,
 //   the payload shape and the token gate, so it needs no Python registry: the host-side gates
 //   and the geometry of ops.export_gates / ops.geometry, then the kernel above.
-#include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Dispatch_v2.h>
 #include <torch/library.h>

@@ -11,7 +11,6 @@
 // capture, a prompt length not yet learned, a layout that may need its warning, an arena that is
 // not the bound one) goes once through `capture_resolve_v1`, the Python implementation, which
 // decides it, runs the kernel and pushes what it learned.
-#include <ATen/ATen.h>
 #include <torch/library.h>
 #include <torch/version.h>
 

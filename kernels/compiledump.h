@@ -8,7 +8,9 @@
 //   loader.run({dump.arena(), dump.ctrl(), tokens});
 //   std::string npz = dump.flush("dumps");
 #pragma once
-#include <ATen/ATen.h>
+// The tensor type alone (ATen/ATen.h would pull every operator into each file that includes this one).
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include <map>
 #include <mutex>

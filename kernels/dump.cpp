@@ -3,6 +3,8 @@
 // registry an exported program was traced with) names the arena's regions; the counters come from ctrl.
 #include "compiledump.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/version.h>
 
 #include <algorithm>
