@@ -24,6 +24,11 @@ NATIVE_LANE_ONLY = {
         "a slice of the routing sweep: Hugging Face models and the comparator",
     "repo/test_benchmark_scripts.py::test_sweep_engines_prints_its_verdict_table":
         "a slice of the engine sweep: Hugging Face models and the comparator",
+    "repo/test_benchmark_scripts.py::test_sweep_routing_counts_where_a_scaled_layer_is_named":
+        "a slice of the routing sweep: Hugging Face models and the comparator",
+    "repo/test_benchmark_scripts.py::test_a_timing_benchmark_leaves_no_scratch_directory":
+        "where a timing benchmark's scratch directory goes and that the exit flush leaves it removed: Python "
+        "around the kernel",
     "native/test_native_build.py": "setup.py's commands and packaging: the same in either lane",
     "native/test_cuda_kernel_emulated.py": "the CUDA kernel compiled into its own harness, whatever the path",
     "native/test_native_kernel_sass.py": "nvcc compiles the CUDA kernel for sm_90, whatever the path",
