@@ -30,14 +30,35 @@ def _load(name="gpu_check"):
     return module
 
 
-def test_cpu_phases_pass(tmp_path, dump_dir):
+def test_cpu_phases_pass(tmp_path, dump_dir, monkeypatch):
+    """The script's CPU phases: eager, and compiled_default against it. Each forward's varying dims
+    (the prompt's length; the decode batch) are marked dynamic as automatic dynamic shapes marks
+    them once they change, so dynamo compiles the two graphs the session keeps, the ones a GPU
+    run compiles second and fourth, and not the static first prefill and first decode graphs
+    that it drops after one call each (two Inductor compiles and 16 g++ builds fewer; that
+    sequence is tests/capture/test_seed_equivalence.py's, checked against the seed there)."""
+    script = _load()
+    run_session = script.run_session
+
+    def marked(forward, *args, **kwargs):
+        def forward_marked(tokens, state=None):
+            torch._dynamo.maybe_mark_dynamic(tokens, 0)
+            if state is None:
+                return forward(tokens)
+            torch._dynamo.maybe_mark_dynamic(state, 1)
+            return forward(tokens, state)
+        return run_session(forward_marked, *args, **kwargs)
+
+    monkeypatch.setattr(script, "run_session", marked)
     out = tmp_path / "result.json"
-    assert _load().main(["--device", "cpu", "--steps", "3", "--layers", "2", "--out", str(out)]) == 0
+    assert script.main(["--device", "cpu", "--steps", "3", "--layers", "2", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["device"] == "cpu" and result["torch"] == torch.__version__
     assert result["phases"]["eager"]["status"] == "ok" and result["phases"]["eager"]["ok"] is True
     assert result["phases"]["compiled_default"]["ok"] is True
     assert result["phases"]["compiled_default"]["max_rel_err"] < 1e-4
+    # Prefill and decode: the profile run, the wide warm-up and the padded steps recompile nothing.
+    assert result["phases"]["compiled_default"]["unique_graphs"] == 2
     for phase in ("triton_launch", "cuda_graph", "reduce_overhead", "aoti", "native_cuda_kernel"):
         assert result["phases"][phase]["status"] == "skip"
         assert result["phases"][phase]["skipped"] == "needs a CUDA device"
