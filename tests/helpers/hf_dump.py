@@ -102,16 +102,17 @@ def compare_run(reference: str, model: torch.nn.Module, directory: Path, run):
 
 
 def dump_prefill(model: torch.nn.Module, directory: Path, ids: torch.Tensor, rows: str = "one",
-                 moe_layers: int = 4, router_rows: str | None = "all", wrap=None) -> None:
+                 moe_layers: int = 4, router_rows: str | None = "all", wrap=None, **settings) -> None:
     """Run ``model`` on ``ids`` once (no KV cache) with every MoE layer's ids recorded, and flush
     the dump into ``directory``; compiledump is reset before and after. ``router_rows`` as
     ``instrument`` takes it; ``wrap`` (e.g. ``torch.compile``) turns the instrumented model into
-    what is called."""
+    what is called; ``settings``: other compiledump settings than their defaults (``arena_mb``)."""
     compiledump.reset()
     previous = compiledump.get_config()
     # Every other setting at its default: a test earlier in this process may have changed one
     # (COMPILEDUMP_TOKENS=0 would let a later call of another token count overwrite the values).
-    compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory), moe_layers=moe_layers, rows=rows)))
+    config = cd_config.Config(dir=str(directory), moe_layers=moe_layers, rows=rows, **settings)
+    compiledump.configure(**dataclasses.asdict(config))
     handle = compiledump.instrument(model, router_rows=router_rows)
     with torch.no_grad():
         (wrap(model) if wrap is not None else model)(input_ids=ids, use_cache=False)
