@@ -311,10 +311,11 @@ def _hf_example():
     return module
 
 
-def dump(model: nn.Module, directory: Path, run, moe_layers: int = 2) -> dict:
-    """Instrument `model`, `run()` it, flush into `directory`; the handle's taps."""
+def dump(model: nn.Module, directory: Path, run, moe_layers: int = 2, **settings) -> dict:
+    """Instrument `model`, `run()` it, flush into `directory`; the handle's taps. `settings`: other
+    compiledump settings than their defaults (e.g. `arena_mb`)."""
     compiledump.reset()
-    compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory), moe_layers=moe_layers)))
+    compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory), moe_layers=moe_layers, **settings)))
     handle = compiledump.instrument(model)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)

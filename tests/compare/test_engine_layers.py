@@ -192,9 +192,12 @@ def test_the_compiled_engine_records_what_the_eager_one_does(tmp_path):
         return run
 
     torch._dynamo.reset()
-    _dump(engine, tmp_path / "eager", prefill(engine))
+    # A 4 MiB arena for both dumps (each is tens of KB; a dropped key fails the key check below): on
+    # aot_eager, which does not reinplace, every functionalized capture copies the whole arena.
+    _dump(engine, tmp_path / "eager", prefill(engine), arena_mb=4)
     counters.clear()
-    _dump(engine, tmp_path / "compiled", prefill(torch.compile(engine, fullgraph=True, backend="aot_eager")))
+    _dump(engine, tmp_path / "compiled", prefill(torch.compile(engine, fullgraph=True, backend="aot_eager")),
+          arena_mb=4)
     assert counters["stats"]["unique_graphs"] == 1  # traced and compiled, not skipped to eager
     torch._dynamo.reset()
     eager, compiled = _arrays(tmp_path / "eager"), _arrays(tmp_path / "compiled")
