@@ -23,9 +23,9 @@ def _run(directory, nan: bool, compiled: bool, **settings):
     torch._dynamo.reset()
     compiledump.reset()
     compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory), **settings)))
-    model = TinyMoE(CONFIG, dump=compiledump)
-    if nan:
-        model = NanAt(model, NAN_STEP)
+    # The clean run is the same program with no NaN injected (step -1): compiled, one graph
+    # serves both runs, and the two dumps differ only by the injected value.
+    model = NanAt(TinyMoE(CONFIG, dump=compiledump), NAN_STEP if nan else -1)
     forward = torch.compile(model, fullgraph=True) if compiled else model
     run_session(forward, compiledump, make_session(CONFIG, prompt_len=7, steps=6, pad_rows=2), engine=False)
     path = compiledump.flush()

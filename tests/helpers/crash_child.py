@@ -30,12 +30,13 @@ CRASH_AFTER = 2
 
 class NanAt(torch.nn.Module):
     """The built-in model with NaN written into layer 1's mixer state at one decode step (the
-    decode step count is a tensor, so compiled code does not recompile per step)."""
+    decode step count is a tensor, so compiled code does not recompile per step; so is the chosen
+    step, so `step=-1`, no NaN, compiles the very graph a NaN run compiles)."""
 
     def __init__(self, model: TinyMoE, step: int):
         super().__init__()
         self.model = model
-        self.step = step
+        self.register_buffer("step", torch.tensor(step, dtype=torch.long))
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
 
     def forward(self, tokens, state=None):
