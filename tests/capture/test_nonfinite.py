@@ -4,8 +4,6 @@ at one decode step of the built-in model, eager and compiled; `inspect` names th
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +12,7 @@ import compiledump
 from compiledump import config as cd_config
 from compiledump.demo.model import TinyMoE, make_session, run_session
 
+from helpers.cli import run_cli
 from helpers.crash_child import CONFIG, NanAt
 
 NAN_STEP = 3
@@ -47,7 +46,7 @@ def restore_config():
     {"nonfinite": "all"},  # the token gate skips decode records: the whole-input count sees them
     {"nonfinite": "read", "tokens": 0},  # the gate off: decode records are kept, and read
 ], ids=["all", "read-gate-off"])
-def test_injected_nan_is_named_and_reported_first(tmp_path, restore_config, compiled, settings):
+def test_injected_nan_is_named_and_reported_first(tmp_path, capsys, restore_config, compiled, settings):
     clean = _run(tmp_path / "ref", nan=False, compiled=compiled, **settings)
     broken = _run(tmp_path / "run", nan=True, compiled=compiled, **settings)
     manifest = json.loads(open(broken.replace(".npz", ".json")).read())
@@ -59,14 +58,16 @@ def test_injected_nan_is_named_and_reported_first(tmp_path, restore_config, comp
     assert "nonfinite" not in tags["layer0_mix"] and "nonfinite" not in tags["layer0"]
     assert tags["logits_<n>"]["nonfinite"]["key"] == f"logits_{NAN_STEP}"
 
-    cli = [sys.executable, "-m", "compiledump"]
-    shown = subprocess.run([*cli, "inspect", broken], capture_output=True, text=True, check=True).stdout
-    assert f"first non-finite: layer1_mix (decode, step {NAN_STEP}); " in shown
-    clean_shown = subprocess.run([*cli, "inspect", clean], capture_output=True, text=True, check=True).stdout
-    assert "first non-finite: none seen by the capture kernels" in clean_shown
-    report = subprocess.run([*cli, "compare", clean, broken], capture_output=True, text=True)
-    assert report.returncode == 1, report.stdout[-2000:]
-    lines = report.stdout.splitlines()
+    # The CLI in process (helpers/cli.py); `python -m compiledump` as a process: test_crash,
+    # test_process_death, test_compare_inputs.
+    status, shown, _ = run_cli(capsys, "inspect", broken)
+    assert status == 0 and any(f"first non-finite: layer1_mix (decode, step {NAN_STEP}); " in line
+                                for line in shown), shown
+    status, clean_shown, _ = run_cli(capsys, "inspect", clean)
+    assert status == 0 and any("first non-finite: none seen by the capture kernels" in line
+                                for line in clean_shown), clean_shown
+    status, lines, _ = run_cli(capsys, "compare", clean, broken)
+    assert status == 1, lines[-40:]
     nan_line = next(i for i, line in enumerate(lines) if line.startswith("RUN first non-finite: layer1_mix"))
     assert f"(decode, step {NAN_STEP})" in lines[nan_line]
     assert all(i > nan_line for i, line in enumerate(lines) if "divergen" in line and "first" in line), lines
