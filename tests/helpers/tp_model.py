@@ -108,6 +108,35 @@ def generate(forward, w: dict[str, torch.Tensor]) -> list[int]:
     return out
 
 
+def stagger_compiles(rank: int, marks: str, timeout: float = 120.0) -> None:
+    """Rank 0 compiles each graph first; the other ranks start their Nth compile only once rank
+    0 has finished its Nth, so they load it from the Inductor caches (TORCHINDUCTOR_CACHE_DIR,
+    shared) instead of compiling the same graph at the same time. Only the cost changes: a rank
+    whose mark does not come within `timeout` compiles on its own. Rank 0 compiles before it
+    runs its graph's collectives, so no rank waits for one that waits for it."""
+    import os
+    import time
+
+    from torch._dynamo.callback import callback_handler
+
+    os.makedirs(marks, exist_ok=True)
+    count = [0]
+    if rank == 0:
+        def done(_args):
+            count[0] += 1
+            open(os.path.join(marks, str(count[0])), "w").close()
+
+        callback_handler.register_end_callback(done)
+    else:
+        def wait(_args):
+            count[0] += 1
+            deadline = time.monotonic() + timeout
+            while not os.path.exists(os.path.join(marks, str(count[0]))) and time.monotonic() < deadline:
+                time.sleep(0.02)
+
+        callback_handler.register_start_callback(wait)
+
+
 def run_rank(rank: int, world: int, init: str, out: str, bug_rank: int) -> None:
     """One tensor-parallel rank: a clean run into OUT/run, then one with a wrong W1 slice on
     `bug_rank` into OUT/run_bug. RANK is not set: the file name comes from torch.distributed."""
@@ -122,6 +151,8 @@ def run_rank(rank: int, world: int, init: str, out: str, bug_rank: int) -> None:
         compiledump.configure(dir=f"{out}/{name}")
         compiledump.set_parallel(tp_rank=rank, tp_size=world)
         declare()
+        if name == "run":  # run_bug, after the reset, finds every graph in the caches already
+            stagger_compiles(rank, f"{out}/compiled")
         forward = torch.compile(make_forward(group), fullgraph=True)
         tokens = generate(forward, shard(full, rank, world, bug))
         print(f"rank {rank} {name}: tokens {tokens} -> {compiledump.flush()}", flush=True)
