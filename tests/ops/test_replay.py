@@ -7,6 +7,8 @@ the rows gate and the gather rows change in between, exactly as a replayed graph
 The arena and the control block must equal those of N ordinary eager calls.
 """
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -85,18 +87,14 @@ def _snapshot():
     return rt.arena[: rt.used_words].clone(), rt.ctrl.clone()
 
 
-_REFERENCE = []  # the eager calls' result, the same for both parametrizations: run once
-
-
+@functools.cache  # the eager calls' result, the same for both parametrizations: run once
 def _eager_reference():
-    if not _REFERENCE:
-        compiledump.reset()
-        b = _buffers()
-        for i in range(N):
-            with _change(b, i):
-                _forward(b)
-        _REFERENCE.append(_snapshot())
-    return _REFERENCE[0]
+    compiledump.reset()
+    b = _buffers()
+    for i in range(N):
+        with _change(b, i):
+            _forward(b)
+    return _snapshot()
 
 
 @pytest.mark.parametrize("recorded_from", ["eager", "compiled"])
