@@ -315,7 +315,8 @@ def dump(model: nn.Module, directory: Path, run, moe_layers: int = 2, **settings
     """Instrument `model`, `run()` it, flush into `directory`; the handle's taps. `settings`: other
     compiledump settings than their defaults (e.g. `arena_mb`)."""
     compiledump.reset()
-    compiledump.configure(**dataclasses.asdict(cd_config.Config(dir=str(directory), moe_layers=moe_layers, **settings)))
+    config = cd_config.Config(dir=str(directory), moe_layers=moe_layers, **settings)
+    compiledump.configure(**dataclasses.asdict(config))
     handle = compiledump.instrument(model)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)

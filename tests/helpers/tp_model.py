@@ -18,7 +18,9 @@ Run as a script, one process per rank (see `tests/capture/test_parallel.py`):
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -114,9 +116,6 @@ def stagger_compiles(rank: int, marks: str, timeout: float = 120.0) -> None:
     shared) instead of compiling the same graph at the same time. Only the cost changes: a rank
     whose mark does not come within `timeout` compiles on its own. Rank 0 compiles before it
     runs its graph's collectives, so no rank waits for one that waits for it."""
-    import os
-    import time
-
     from torch._dynamo.callback import callback_handler
 
     os.makedirs(marks, exist_ok=True)
