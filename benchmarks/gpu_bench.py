@@ -172,12 +172,11 @@ def compiled_host_cost(device, quick, tmp):
 def _decode_model(device, quick):
     from compiledump.demo.model import ModelConfig, TinyMoE
 
-    # On CPU (only --emulate runs it there: eager steps stand in for replays) at dim 64: CPU bf16
-    # einsums at dim 256 took 0.2 s a step, and nothing emulated depends on the width.
-    if quick and device.type == "cpu":
-        cfg, batch = ModelConfig(layers=4, dim=64, vocab=4096, ffn=64, captures_per_layer=5), 8
-    elif quick:
-        cfg, batch = ModelConfig(layers=4, dim=256, vocab=4096, ffn=256, captures_per_layer=5), 8
+    if quick:
+        # On CPU (only --emulate runs it there: eager steps stand in for replays) at width 64: CPU
+        # bf16 einsums at 256 took 0.2 s a step, and nothing emulated depends on the width.
+        width = 64 if device.type == "cpu" else 256
+        cfg, batch = ModelConfig(layers=4, dim=width, vocab=4096, ffn=width, captures_per_layer=5), 8
     else:
         cfg, batch = ModelConfig(layers=40, dim=7168, vocab=32000, ffn=512, captures_per_layer=5), 64
     model = TinyMoE(cfg, device=device, dtype=torch.bfloat16)
