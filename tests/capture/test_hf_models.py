@@ -126,13 +126,6 @@ def batch4(request, tmp_path_factory):
     return _pair(request.param, 4, tmp_path_factory, bugs=bugs)
 
 
-@pytest.fixture(scope="module")
-def batch1(tmp_path_factory):
-    # One model: a batch of one differs from the padded batch of four (every model's) only in its
-    # shapes; each engine more is another half-minute compile on 2 cores.
-    return _pair("qwen3_moe", 1, tmp_path_factory)
-
-
 def _first(report):
     first = report.first_divergence
     return (first.key, first.layer) if first is not None else None
@@ -145,12 +138,6 @@ def test_padded_batch_engine_matches_the_reference(batch4):
     assert (batch4.graphs, batch4.breaks, batch4.graphs_after_bugs) == (2, 0, 2)
     keys = {record.key for record in report.keys}
     assert {"layer0", "layer1_attn", "layer1_mlp", "final_norm", "logits_3"} <= keys
-
-
-def test_batch_of_one_engine_matches_the_reference(batch1):
-    report = batch1.verdict(batch1.clean)
-    assert report.exit_status == 0, _first(report)
-    assert (batch1.graphs, batch1.breaks) == (2, 0)
 
 
 @pytest.mark.parametrize("bug", ONE_PERCENT, ids=[bug[0] for bug in ONE_PERCENT])
@@ -230,13 +217,21 @@ def test_one_expert_bug_needs_all_rows(all_rows, batch4):
 
 
 @pytest.fixture(scope="module")
-def bf16(tmp_path_factory):
-    return _pair("qwen3_moe", 4, tmp_path_factory, dtype=torch.bfloat16, bugs=[("experts", 1, 1.05)])
+def batch1_bf16(tmp_path_factory):
+    # The batch of one is the bfloat16 engine: a batch of one differs from the padded batch of
+    # four (every model's, float32) only in its shapes, and bf16 from float32 only in its dtype, so
+    # one engine checks both (each engine more is another minute of compiling on 2 cores). Compiled
+    # bf16 engines with a padded batch of 4 are tests/helpers/engine_flow.py's (test_hf_indexers'
+    # DeepSeek-V3.2, test_sparsemixer's PhiMoE).
+    return _pair("qwen3_moe", 1, tmp_path_factory, dtype=torch.bfloat16, bugs=[("experts", 1, 1.05)])
 
 
-def test_bf16_engine_against_fp32_reference(bf16):
-    """A x 1.05 scale of every expert of layer 1, in a bfloat16 engine against the float32 reference."""
-    clean = bf16.verdict(bf16.clean)
+def test_batch_of_one_bf16_engine_against_fp32_reference(batch1_bf16):
+    """A batch of one, unpadded, in a bfloat16 engine against the float32 reference: clean, in two
+    graphs without a break; a x 1.05 scale of every expert of layer 1 is named at layer 1, and its
+    session adds no graph."""
+    clean = batch1_bf16.verdict(batch1_bf16.clean)
     assert clean.exit_status == 0, "\n".join(compiledump.compare.format_report(clean, table="divergent"))
-    report = bf16.verdict(bf16.bugs["experts", 1, 1.05])
+    assert (batch1_bf16.graphs, batch1_bf16.breaks, batch1_bf16.graphs_after_bugs) == (2, 0, 2)
+    report = batch1_bf16.verdict(batch1_bf16.bugs["experts", 1, 1.05])
     assert report.exit_status == 1 and report.first_divergence.layer == 1, _first(report)
