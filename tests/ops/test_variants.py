@@ -159,14 +159,14 @@ def test_demo_cuda_graph_flow_needs_no_new_variant(simulated_cuda):
         make_session,
         run_session_cuda_graph,
     )
+    from compiledump.demo.run import engine_forward
 
     compiledump.configure(tokens=7)
     compiledump.init(torch.device("cpu"))
     cfg = ModelConfig(layers=1, captures_per_layer=3)  # every kind of capture; compiles in seconds
     session = make_session(cfg, prompt_len=7, steps=3, pad_rows=3)
     engine = TinyMoE(cfg, dump=compiledump).to(torch.bfloat16)
-    forward = torch.compile(engine, fullgraph=True, dynamic=True)
-    run_session_cuda_graph(forward, compiledump, session)
+    run_session_cuda_graph(engine_forward(engine), compiledump, session)
     assert FakeCuda.replays >= 3
     _assert_capture_compiles_nothing(simulated_cuda)
 
