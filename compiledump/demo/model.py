@@ -182,6 +182,22 @@ def make_session(cfg: ModelConfig, prompt_len: int = 7, steps: int = 32, pad_row
     )
 
 
+def with_dynamic_token_count(forward):
+    """`forward(tokens[, state])` with the token count marked dynamic before every call (the
+    tokens' dim 0 and the decode state's dim 1, a row per token), as engines mark num_tokens: a
+    compiled forward then keeps one graph for prefill-shaped and one for decode-shaped calls,
+    whatever the batch, and the model's widths stay static."""
+
+    def marked(tokens, state=None):
+        torch._dynamo.maybe_mark_dynamic(tokens, 0)
+        if state is None:
+            return forward(tokens)
+        torch._dynamo.maybe_mark_dynamic(state, 1)
+        return forward(tokens, state)
+
+    return marked
+
+
 def run_session(forward, dump, session: Session, device=None, on_step=None, engine: bool = True):
     """Drive `forward` (the model or its compiled form) the way an engine does.
 

@@ -49,29 +49,22 @@ def _quiet_flush() -> str:
 
 
 def engine_forward(engine, mode: str | None = None):
-    """`engine` compiled as the demo's engine side runs it: fullgraph, with the token count dynamic
-    from the first call, as engines mark it (vLLM marks num_tokens), and the model's widths static.
-    That is one graph for prefill-shaped and one for decode-shaped calls, whatever the batch (a
-    decode step's state has a row per token). Against `dynamic=True` (every dim symbolic) the cold
-    compile of the default demo took 73 s instead of 89 s on 2 cores, for the same graphs and
+    """`engine` compiled as the demo's engine side runs it: fullgraph, the token count dynamic from
+    the first call (`with_dynamic_token_count`). Against `dynamic=True` (every dim symbolic) the
+    cold compile of the default demo took 73 s instead of 89 s on 2 cores, for the same graphs and
     verdict. `mode="reduce-overhead"` is Inductor's CUDA graphs: each call starts a step, and its
     outputs are cloned (the next replay overwrites them)."""
     import torch
 
-    compiled = torch.compile(engine, fullgraph=True, mode=mode)
+    from .model import with_dynamic_token_count
 
-    def marked(tokens, state=None):
-        torch._dynamo.maybe_mark_dynamic(tokens, 0)
-        if state is None:
-            return compiled(tokens)
-        torch._dynamo.maybe_mark_dynamic(state, 1)
-        return compiled(tokens, state)
+    forward = with_dynamic_token_count(torch.compile(engine, fullgraph=True, mode=mode))
 
     def replayed(*args):
         torch.compiler.cudagraph_mark_step_begin()
-        return tuple(t.clone() for t in marked(*args))
+        return tuple(t.clone() for t in forward(*args))
 
-    return replayed if mode == "reduce-overhead" else marked
+    return replayed if mode == "reduce-overhead" else forward
 
 
 def _progress(log, label: str, steps: int):

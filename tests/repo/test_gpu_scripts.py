@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import compiledump
+from compiledump.demo.model import with_dynamic_token_count
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = {"gpu_check": REPO / "scripts" / "gpu_check.py", "gpu_bench": REPO / "benchmarks" / "gpu_bench.py"}
@@ -41,13 +42,7 @@ def test_cpu_phases_pass(tmp_path, dump_dir, monkeypatch):
     run_session = script.run_session
 
     def marked(forward, *args, **kwargs):
-        def forward_marked(tokens, state=None):
-            torch._dynamo.maybe_mark_dynamic(tokens, 0)
-            if state is None:
-                return forward(tokens)
-            torch._dynamo.maybe_mark_dynamic(state, 1)
-            return forward(tokens, state)
-        return run_session(forward_marked, *args, **kwargs)
+        return run_session(with_dynamic_token_count(forward), *args, **kwargs)
 
     monkeypatch.setattr(script, "run_session", marked)
     out = tmp_path / "result.json"
