@@ -36,10 +36,11 @@ def test_default_demo_command(tmp_path):
     COMPILEDUMP_NATIVE passes through, so CI's pure lane runs it on the Python capture path, as a
     machine without a compiler would, instead of repeating the first lane's run."""
     native_setting = os.environ.get("COMPILEDUMP_NATIVE", "")
-    # Nor conftest's TORCHINDUCTOR_VEC_ISA_OK: a user's Inductor vectorizes, and the README's
-    # sample shows the closest key's numbers of that arithmetic.
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("COMPILEDUMP_") and k != "TORCHINDUCTOR_VEC_ISA_OK"}
+    # conftest's TORCHINDUCTOR_VEC_ISA_OK=0 passes through: a user's Inductor vectorizes, but
+    # what this checks does not depend on it (the README's numbers are free: readme_samples), and
+    # scalar kernels are the ones test_injected_bug_is_named's run at these sizes just compiled, so
+    # most come from Inductor's cache (42 s instead of 90 s cold on 2 cores).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPILEDUMP_")}
     if native_setting:
         env["COMPILEDUMP_NATIVE"] = native_setting
     out = subprocess.run([sys.executable, "-m", "compiledump", "demo", "--out", str(tmp_path)], env=env,
