@@ -76,6 +76,18 @@ _HEAVY_FIRST = ("capture/test_hf_models.py", "capture/test_hf_indexers.py", "cap
                 "export/test_aot.py")
 
 
+def pytest_ignore_collect(collection_path, config):
+    """The pure lane does not import the files it leaves out whole (each of its two workers
+    collects the suite: the Hugging Face test files alone import transformers' model classes)."""
+    if config.getoption("--lane") != "pure":
+        return None
+    tests = Path(__file__).parent
+    if collection_path == tests or tests not in collection_path.parents:
+        return None
+    relative = collection_path.relative_to(tests).as_posix() + ("/" if collection_path.is_dir() else "")
+    return True if lanes.native_lane_only_file(relative) else None
+
+
 def pytest_collection_modifyitems(config, items):
     if config.getoption("--lane") == "pure":
         left_out = {item for item in items if lanes.native_lane_only(item.nodeid)}
