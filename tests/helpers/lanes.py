@@ -73,16 +73,10 @@ NATIVE_LANE_ONLY_WORDS = {
 }
 
 
-def native_lane_only_file(path: str) -> bool:
-    """Whether every test of the file or folder `path` (relative to tests/, a folder ending in "/")
-    is left out of the pure lane, so that lane need not even import it."""
-    return (any(path.startswith(prefix) for prefix in NATIVE_LANE_ONLY if "::" not in prefix)
-            or any(word in path for word in NATIVE_LANE_ONLY_WORDS))
-
-
 def native_lane_only(nodeid: str) -> bool:
     """Whether the test `nodeid` (as pytest gives it, from the repository root) is left out of the
-    pure lane."""
+    pure lane. Given a file or folder path relative to tests/ (a folder ending in "/"), whether
+    every test under it is (tests/conftest.py then does not import it in that lane)."""
     test = nodeid.split("tests/", 1)[-1]
     return (any(test.startswith(prefix) for prefix in NATIVE_LANE_ONLY)
             or any(word in nodeid for word in NATIVE_LANE_ONLY_WORDS))
